@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine with only Python: `make demo` and `make test`.
+# torch==2.13.0 is installed first, on its own: that resolves to the local CPU build, and the
+# package's `torch` range is then already satisfied (no CUDA wheels are pulled).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+EXTRAS := jax,torch,hf,grain,test
+
+.PHONY: demo test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/jaxckpt demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

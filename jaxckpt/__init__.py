@@ -1,0 +1,44 @@
+"""jaxckpt: fault-tolerant checkpointing for JAX/Flax and PyTorch training loops.
+
+One policy layer (when to save, what to keep, how a checkpoint commits, what "latest valid"
+means, the full driver state) over interchangeable array backends: Orbax for JAX pytrees
+(``jaxckpt.CheckpointManager``) and torch.distributed.checkpoint (``torch_bridge``).
+
+Importing jaxckpt imports neither jax, orbax nor torch; the Orbax backend is loaded when a
+manager without an explicit backend is created.
+"""
+
+from ._version import __version__
+from .config import Every, ExportConfig, RecoverConfig, StepInfo
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    CheckpointWriteError,
+    CodecError,
+    ConfigError,
+    RootLockedError,
+    TreeMismatchError,
+)
+from .manager import CheckpointManager, Recovered, SaveReport
+
+__all__ = [
+    "__version__",
+    "Every",
+    "StepInfo",
+    "RecoverConfig",
+    "ExportConfig",
+    "CheckpointManager",
+    "SaveReport",
+    "Recovered",
+    "CheckpointError",
+    "ConfigError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointWriteError",
+    "TreeMismatchError",
+    "RootLockedError",
+    "CodecError",
+    "CheckpointWarning",
+]

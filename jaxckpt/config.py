@@ -1,0 +1,243 @@
+"""User-facing configuration: triggers, step counters, recovery and export settings.
+
+Owns: the frozen, validated config dataclasses of the public API (``Every``, ``StepInfo``,
+``RecoverConfig``, ``ExportConfig``) and the literal types of their modes. Validation happens
+once, in ``__post_init__``, and never rewrites another field.
+
+Must not import: jax, orbax, torch (this module is part of the pure layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+__all__ = [
+    "Every",
+    "StepInfo",
+    "RecoverConfig",
+    "ExportConfig",
+    "SaveMode",
+    "RecoverMode",
+    "SAVE_MODES",
+    "RECOVER_MODES",
+]
+
+SaveMode = Literal["sync", "async", "auto"]
+RecoverMode = Literal["on", "auto", "off", "disabled"]
+SAVE_MODES: tuple[str, ...] = ("sync", "async", "auto")
+RECOVER_MODES: tuple[str, ...] = ("on", "auto", "off", "disabled")
+
+
+def _check_positive_int(owner: str, name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(
+            f"{owner}.{name} must be a positive int or None, got {value!r}. "
+            f"Use None to disable this trigger."
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Every:
+    """Any-of trigger: a save is due when ANY set condition holds. All None means never.
+
+    Example: ``Every(steps=1000, seconds=3600)``: every 1000 steps or every hour.
+    """
+
+    steps: int | None = None
+    """Due after every ``steps`` completed global steps (``(global_step + 1) % steps == 0``)."""
+    epochs: int | None = None
+    """Due at the end of every ``epochs``-th epoch (``epoch_end`` and ``(epoch + 1) % epochs == 0``)."""
+    seconds: float | None = None
+    """Due when this many seconds (monotonic clock) passed since the last save of this kind."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("Every", "steps", self.steps)
+        _check_positive_int("Every", "epochs", self.epochs)
+        if self.seconds is not None:
+            ok = (not isinstance(self.seconds, bool) and isinstance(self.seconds, (int, float))
+                  and math.isfinite(self.seconds) and self.seconds > 0)
+            if not ok:
+                raise ConfigError(
+                    f"Every.seconds must be a positive finite number or None, got "
+                    f"{self.seconds!r}. Use None to disable the time trigger."
+                )
+
+    @property
+    def never(self) -> bool:
+        """True when no condition is set."""
+        return self.steps is None and self.epochs is None and self.seconds is None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepInfo:
+    """Where a training loop is: 0-based indices of the step that just completed.
+
+    ``maybe_save(step_info, ...)`` is called after step ``step_info`` completed; ``recover``
+    returns the StepInfo of the last saved step, and training resumes at ``.next()``.
+    """
+
+    epoch: int = 0
+    """0-based epoch index."""
+    epoch_step: int = 0
+    """0-based index of the step within its epoch."""
+    global_step: int = 0
+    """0-based index of the step over the whole run."""
+    steps_per_epoch: int | None = None
+    """Steps in one epoch; None when unknown (then epoch ends must be signalled explicitly)."""
+    _: dataclasses.KW_ONLY
+    tokens_seen: int = 0
+    """Tokens (or samples) consumed up to and including this step."""
+    counters: Mapping[str, int | float] = dataclasses.field(default_factory=dict)
+    """Any further user counters (JSON numbers), saved and restored with the step."""
+
+    def __post_init__(self) -> None:
+        # A private copy: the caller's dict may change after this step was recorded.
+        object.__setattr__(self, "counters", dict(self.counters or {}))
+        for name in ("epoch", "epoch_step", "global_step", "tokens_seen"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"StepInfo.{name} must be an int >= 0, got {value!r}.")
+        spe = self.steps_per_epoch
+        if spe is not None:
+            if isinstance(spe, bool) or not isinstance(spe, int) or spe <= 0:
+                raise ConfigError(
+                    f"StepInfo.steps_per_epoch must be a positive int or None, got {spe!r}.")
+            if self.epoch_step >= spe:
+                raise ConfigError(
+                    f"StepInfo.epoch_step={self.epoch_step} must be < steps_per_epoch={spe}.")
+        for key, value in self.counters.items():
+            if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(
+                    f"StepInfo.counters[{key!r}] must map str to int or float, got {value!r}.")
+
+    def __hash__(self) -> int:
+        return hash((self.epoch, self.epoch_step, self.global_step, self.steps_per_epoch,
+                     self.tokens_seen, tuple(sorted(self.counters.items()))))
+
+    @property
+    def is_epoch_end(self) -> bool:
+        """True when this is the last step of its epoch (known only with steps_per_epoch)."""
+        return self.steps_per_epoch is not None and self.epoch_step + 1 == self.steps_per_epoch
+
+    def next(self, *, tokens: int = 0) -> StepInfo:
+        """The StepInfo of the following step (rolls over to a new epoch at the epoch end)."""
+        if self.is_epoch_end:
+            epoch, epoch_step = self.epoch + 1, 0
+        else:
+            epoch, epoch_step = self.epoch, self.epoch_step + 1
+        return StepInfo(epoch, epoch_step, self.global_step + 1, self.steps_per_epoch,
+                        tokens_seen=self.tokens_seen + tokens, counters=self.counters)
+
+    def replace(self, **changes: Any) -> StepInfo:
+        """A copy with some fields changed (e.g. ``counters``)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "epoch_step": self.epoch_step,
+            "global_step": self.global_step,
+            "steps_per_epoch": self.steps_per_epoch,
+            "tokens_seen": self.tokens_seen,
+            "counters": dict(self.counters),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepInfo:
+        # tokens_seen and counters were added after the first format: optional on read.
+        return cls(int(data["epoch"]), int(data["epoch_step"]), int(data["global_step"]),
+                   data.get("steps_per_epoch"), tokens_seen=int(data.get("tokens_seen", 0)),
+                   counters=data.get("counters") or {})
+
+
+def _check_keep_last_n(owner: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{owner}.keep_last_n must be None (keep all), 0 (no intermediate checkpoints) or a "
+            f"positive int N (keep the latest N), got {value!r}."
+        )
+
+
+def _check_every(owner: str, value: Any) -> None:
+    if not isinstance(value, Every):
+        raise ConfigError(
+            f"{owner}.every must be a jaxckpt.Every, got {type(value).__name__} {value!r}. "
+            f"Write e.g. every=jaxckpt.Every(steps=100, seconds=600)."
+        )
+
+
+def _check_mode(owner: str, field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{owner}.{field} must be one of {allowed}, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RecoverConfig:
+    """Recovery checkpoints: complete training state, to resume a crashed or preempted run."""
+
+    mode: RecoverMode = "auto"
+    """"on"/"auto": write recovery checkpoints and resume from the latest valid one when it
+    exists; "off"/"disabled": write none and never resume. The two spellings of each are
+    synonyms kept for compatibility with AReaL-style configs."""
+    every: Every = dataclasses.field(default_factory=Every)
+    """When a recovery checkpoint is due (any-of)."""
+    keep_last_n: int | None = 1
+    """None keeps every checkpoint; 0 writes no intermediate (periodic) checkpoints, only
+    forced ``save()`` calls, of which the latest is kept; 1 keeps the latest valid one; N the
+    latest N."""
+    retries: int = 3
+    """How many times ``jaxckpt run`` restarts a failed run from its latest checkpoint."""
+    verify: Literal["checksums", "sizes"] = "checksums"
+    """How ``recover`` checks a checkpoint before trusting it: "checksums" re-reads every file
+    against the manifest (detects bit flips); "sizes" only compares file sizes (faster)."""
+    restore_global_rng: bool = True
+    """Save and restore Python's ``random`` and NumPy's global RNG state with each checkpoint."""
+
+    def __post_init__(self) -> None:
+        _check_mode("RecoverConfig", "mode", self.mode, RECOVER_MODES)
+        _check_every("RecoverConfig", self.every)
+        _check_keep_last_n("RecoverConfig", self.keep_last_n)
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ConfigError(f"RecoverConfig.retries must be an int >= 0, got {self.retries!r}.")
+        _check_mode("RecoverConfig", "verify", self.verify, ("checksums", "sizes"))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether recovery checkpoints are written and resumed from."""
+        return self.mode in ("on", "auto")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ExportConfig:
+    """Periodic model-only exports (e.g. Hugging Face format) for evaluation and publishing."""
+
+    every: Every = dataclasses.field(default_factory=Every)
+    """When an export is due (any-of)."""
+    exporter: Callable[[Any, str], Any] | None = None
+    """``exporter(state, out_dir)`` writes one export into ``out_dir`` (a fresh temp directory
+    that is renamed into place afterwards)."""
+    mode: SaveMode = "auto"
+    """"sync" exports on the training thread; "async" exports a host copy in the background;
+    "auto" is async."""
+    keep_last_n: int | None = None
+    """None keeps every export; N keeps the latest N; 0 keeps none but forced exports."""
+
+    def __post_init__(self) -> None:
+        _check_every("ExportConfig", self.every)
+        if self.exporter is None or not callable(self.exporter):
+            raise ConfigError(
+                f"ExportConfig.exporter must be a callable(state, out_dir), got "
+                f"{self.exporter!r}. For Hugging Face exports use "
+                f"torch_bridge.hf_exporter(arch=..., config=...)."
+            )
+        _check_mode("ExportConfig", "mode", self.mode, SAVE_MODES)
+        _check_keep_last_n("ExportConfig", self.keep_last_n)

@@ -1,0 +1,58 @@
+"""The exception hierarchy: one base, each class mixed with the built-in it resembles.
+
+Owns: every exception jaxckpt raises on purpose. Must not import: jax, orbax, torch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "TreeMismatchError",
+    "RootLockedError",
+    "CheckpointWriteError",
+    "CodecError",
+    "CheckpointWarning",
+]
+
+
+class CheckpointError(Exception):
+    """Base of every error jaxckpt raises on purpose."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A configuration field has a bad value; the message names the field and the fix."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint (or no valid one) where one was asked for."""
+
+
+class CheckpointCorruptError(CheckpointError, OSError):
+    """A committed checkpoint fails verification (missing, truncated or altered files)."""
+
+
+class TreeMismatchError(CheckpointError, ValueError):
+    """The ``like`` tree does not match the saved tree; lists every mismatching path."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+
+class RootLockedError(CheckpointError, BlockingIOError):
+    """Another running job holds the checkpoint root."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A save failed (possibly in the background); chained to the original error."""
+
+
+class CodecError(CheckpointError, TypeError):
+    """A value cannot be stored in (or read from) the JSON driver state safely."""
+
+
+class CheckpointWarning(UserWarning):
+    """Something was skipped or defaulted on restore or save; training can go on."""
