@@ -1,0 +1,220 @@
+"""Driver state: everything besides the arrays that an exact resume needs.
+
+Owns: capturing and restoring progress counters (``StepInfo``), the state of ``stateful``
+objects (data loaders, evaluators, loggers: anything with ``state_dict``/``load_state_dict``,
+grain's ``get_state``/``set_state``, NumPy Generators, ``random.Random``), Python's and NumPy's
+global RNG state, the framework RNG a backend reports, and library versions; and their JSON
+files in a checkpoint: ``driver.json`` (written by the primary: global facts plus the
+primary's local state) and ``driver.p{index:05d}.json`` (each other process's local state:
+per-process data-loader positions and RNGs differ across hosts).
+
+Everything goes through :mod:`jaxckpt.codec`: never pickle. A key missing from an older
+checkpoint is optional on restore and produces a ``CheckpointWarning``, not a KeyError.
+
+Must not import: jax, orbax, torch.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import codec
+from ._version import __version__
+from .config import StepInfo
+from .errors import CheckpointCorruptError, CheckpointWarning, CodecError, ConfigError
+
+__all__ = [
+    "DRIVER_FORMAT",
+    "LOCAL_FORMAT",
+    "capture_stateful",
+    "restore_stateful",
+    "capture_global_rng",
+    "restore_global_rng",
+    "build_driver",
+    "build_local",
+    "parse_driver",
+    "local_filename",
+    "clean_metrics",
+]
+
+DRIVER_FORMAT = "jaxckpt.driver/1"
+LOCAL_FORMAT = "jaxckpt.local/1"
+
+_PROTOCOL_HELP = (
+    "A stateful object needs state_dict()/load_state_dict(d) (PyTorch style), or "
+    "get_state()/set_state(s) (grain iterators), or be a numpy.random.Generator or "
+    "random.Random.")
+
+
+def local_filename(process_index: int) -> str:
+    return f"driver.p{process_index:05d}.json"
+
+
+def _get_state(name: str, obj: Any) -> Any:
+    if isinstance(obj, np.random.Generator):
+        return {"kind": "numpy.Generator", "state": obj.bit_generator.state}
+    if isinstance(obj, random.Random):
+        return {"kind": "random.Random", "state": obj.getstate()}
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return {"kind": "state_dict", "state": obj.state_dict()}
+    if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
+        return {"kind": "get_state", "state": obj.get_state()}
+    raise ConfigError(f"stateful[{name!r}] is a {type(obj).__qualname__}, which has no state "
+                      f"protocol. {_PROTOCOL_HELP}")
+
+
+def _set_state(name: str, obj: Any, saved: Any) -> None:
+    kind, state = saved.get("kind"), saved.get("state")
+    if isinstance(obj, np.random.Generator):
+        expected = "numpy.Generator"
+    elif isinstance(obj, random.Random):
+        expected = "random.Random"
+    elif callable(getattr(obj, "load_state_dict", None)) and callable(getattr(obj, "state_dict", None)):
+        expected = "state_dict"
+    elif callable(getattr(obj, "set_state", None)) and callable(getattr(obj, "get_state", None)):
+        expected = "get_state"
+    else:
+        raise ConfigError(f"stateful[{name!r}] is a {type(obj).__qualname__}, which has no "
+                          f"state protocol. {_PROTOCOL_HELP}")
+    if kind != expected:
+        raise ConfigError(
+            f"stateful[{name!r}]: the checkpoint holds {kind!r} state but the object given is a "
+            f"{type(obj).__qualname__} ({expected!r}). Pass the same kind of object that was saved.")
+    if expected == "numpy.Generator":
+        obj.bit_generator.state = state
+    elif expected == "random.Random":
+        obj.setstate(_as_random_state(state))
+    elif expected == "state_dict":
+        obj.load_state_dict(state)
+    else:
+        obj.set_state(state)
+
+
+def _as_random_state(state: Any) -> tuple:
+    # random.Random.setstate wants (version, tuple_of_ints, gauss_next).
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def capture_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Snapshot every stateful object (JSON-encoded now, so later mutation cannot leak in)."""
+    if stateful is None:
+        return {}
+    if not isinstance(stateful, Mapping):
+        raise ConfigError(f"stateful must be a dict of name -> object, got {type(stateful).__name__}."
+                          f" Write stateful={{'loader': loader}}.")
+    out = {}
+    for name, obj in stateful.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"stateful keys must be str, got {name!r}.")
+        saved = _get_state(name, obj)
+        out[name] = codec.encode(saved, f"stateful[{name!r}]")
+    return out
+
+
+def restore_stateful(stateful: Mapping[str, Any] | None, saved: Mapping[str, Any],
+                     where: str) -> None:
+    """Restore each given object in place; a name missing on either side warns."""
+    stateful = stateful or {}
+    for name, obj in stateful.items():
+        if name not in saved:
+            warnings.warn(
+                f"stateful[{name!r}] has no saved state in {where} (it was added after that "
+                f"checkpoint was written); it keeps its current state.",
+                CheckpointWarning, stacklevel=3)
+            continue
+        _set_state(name, obj, codec.decode(saved[name], f"stateful[{name!r}]"))
+    extra = sorted(set(saved) - set(stateful))
+    if extra:
+        warnings.warn(
+            f"{where} holds state for {extra} but recover() was not given objects of those names; "
+            f"that state is not restored. Pass them in stateful= to restore them.",
+            CheckpointWarning, stacklevel=3)
+
+
+def capture_global_rng() -> dict[str, Any]:
+    """Python ``random`` and NumPy's legacy global RNG state."""
+    return {
+        "python": codec.encode(random.getstate(), "rng['python']"),
+        "numpy": codec.encode(np.random.get_state(legacy=False), "rng['numpy']"),
+    }
+
+
+def restore_global_rng(saved: Mapping[str, Any], where: str) -> None:
+    if "python" in saved:
+        random.setstate(_as_random_state(codec.decode(saved["python"], "rng['python']")))
+    else:
+        warnings.warn(f"{where} has no Python RNG state; random keeps its current state.",
+                      CheckpointWarning, stacklevel=3)
+    if "numpy" in saved:
+        np.random.set_state(codec.decode(saved["numpy"], "rng['numpy']"))
+    else:
+        warnings.warn(f"{where} has no NumPy RNG state; numpy.random keeps its current state.",
+                      CheckpointWarning, stacklevel=3)
+
+
+def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | int]:
+    """Metrics as JSON numbers (jax/NumPy scalars are converted with float())."""
+    out: dict[str, float | int] = {}
+    for key, value in (metrics or {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise CodecError(f"metrics[{key!r}] = {value!r} is not a number; pass scalars "
+                                 f"only (e.g. float(loss)).") from None
+        out[str(key)] = value
+    return out
+
+
+def build_local(*, process_index: int, stateful_state: Mapping[str, Any],
+                rng: Mapping[str, Any] | None, backend_rng: Any) -> dict[str, Any]:
+    """This process's local state (already codec-encoded pieces)."""
+    return {
+        "format": LOCAL_FORMAT,
+        "process_index": process_index,
+        "stateful": dict(stateful_state),
+        "rng": dict(rng or {}),
+        "backend_rng": codec.encode(backend_rng, "backend_rng"),
+    }
+
+
+def build_driver(*, kind: str, reason: str, step: StepInfo, backend_name: str,
+                 backend_versions: Mapping[str, str], process_count: int,
+                 metrics: Mapping[str, Any], local: Mapping[str, Any], saved_at: float) -> dict:
+    return {
+        "format": DRIVER_FORMAT,
+        "kind": kind,
+        "reason": reason,
+        "step_info": step.to_json(),
+        "backend": backend_name,
+        "process_count": process_count,
+        "saved_at": saved_at,
+        "metrics": clean_metrics(metrics),
+        "versions": {"jaxckpt": __version__, "python": platform.python_version(),
+                     "numpy": np.__version__, **backend_versions},
+        "local": dict(local),
+    }
+
+
+def parse_driver(data: bytes, where: str) -> dict[str, Any]:
+    """Parse and sanity-check a driver.json (format, step info)."""
+    try:
+        body = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"{where}: driver.json is not valid JSON ({exc})") from exc
+    if not isinstance(body, dict) or body.get("format") != DRIVER_FORMAT:
+        found = body.get("format") if isinstance(body, dict) else type(body).__name__
+        raise CheckpointCorruptError(
+            f"{where}: driver.json has format {found!r}, expected {DRIVER_FORMAT!r}; it was not "
+            f"written by this version of jaxckpt (upgrade jaxckpt to read newer formats).")
+    if "step_info" not in body:
+        raise CheckpointCorruptError(f"{where}: driver.json has no step_info")
+    return body
