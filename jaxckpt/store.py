@@ -1,0 +1,518 @@
+"""The on-disk lifecycle of checkpoints under one root.
+
+Owns: directory naming (``recover/step_{global_step:08d}``, ``export/epoch{E}epochstep{S}
+globalstep{G}``), the commit protocol (a ``COMMITTED`` manifest of every file's size and crc32,
+written last, atomically and durably), listing and verifying checkpoints, "latest valid",
+retention deletion that tolerates races, start-up cleanup of partial directories, and the
+root lock that keeps a second job out.
+
+A checkpoint directory is valid iff its ``COMMITTED`` manifest exists, parses, names only
+paths inside the directory, and every listed file has the listed size (and checksum, when
+asked). Anything else is partial or corrupt and is never restored.
+
+Concurrency contract: ``commit``, ``delete``, ``cleanup_partial`` and ``quarantine`` are
+called only by the primary process. ``delete`` takes an exclusive, non-blocking ``flock`` on
+the victim's marker and ``reading`` holds a shared one, so a checkpoint being restored (in
+this or another process on the same host) is never deleted; deletion first removes the
+marker (making the directory "partial" atomically), then the files, and treats files that
+are already gone as success.
+
+Must not import: jax, orbax, torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
+
+__all__ = [
+    "COMMIT_MARKER",
+    "DRIVER_FILE",
+    "CheckpointStore",
+    "Manifest",
+    "Entry",
+    "RootLock",
+    "fsync_dir",
+    "atomic_write",
+    "export_dirname",
+]
+
+COMMIT_MARKER = "COMMITTED"
+DRIVER_FILE = "driver.json"
+MANIFEST_FORMAT = "jaxckpt.commit/1"
+RECOVER = "recover"
+EXPORT = "export"
+SUPERSEDED = "superseded"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+_TMP_PREFIX = ".tmp-"
+_CHUNK = 16 * 1024 * 1024
+
+Status = Literal["committed", "partial", "corrupt"]
+
+
+def export_dirname(epoch: int, epoch_step: int, global_step: int) -> str:
+    return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, and
+    the new one survives a power loss once this returns: temp file, fsync, rename, dir fsync."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.path.basename(path)}.{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def _checksum_and_sync(path: str) -> tuple[int, str]:
+    """Size and crc32 of a file, fsynced on the way (its writer may not have)."""
+    crc = 0
+    size = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as handle:
+            while chunk := handle.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, f"{crc:08x}"
+
+
+def _crc32(path: str) -> tuple[int, str]:
+    crc = 0
+    size = 0
+    with open(path, "rb", buffering=0) as handle:
+        while chunk := handle.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, f"{crc:08x}"
+
+
+def _safe_relpath(rel: Any) -> bool:
+    """A manifest path must stay inside its checkpoint directory."""
+    if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or "\x00" in rel:
+        return False
+    parts = rel.split("/")
+    return all(p not in ("", ".", "..") for p in parts)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Manifest:
+    """The content of a ``COMMITTED`` marker."""
+
+    step: int
+    """Global step of the checkpoint."""
+    files: dict[str, dict[str, Any]]
+    """Relative path -> {"size": int, "crc32": "8 hex digits"} for every file written."""
+    created: float
+    """Unix time of the commit."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["size"]) for f in self.files.values())
+
+    def to_bytes(self) -> bytes:
+        body = {"format": MANIFEST_FORMAT, "step": self.step, "created": self.created,
+                "total_bytes": self.total_bytes, "files": self.files}
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> Manifest:
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointCorruptError(f"{where}: commit marker is not valid JSON ({exc})") from exc
+        if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
+            raise CheckpointCorruptError(
+                f"{where}: commit marker has format {body.get('format') if isinstance(body, dict) else body!r}, "
+                f"expected {MANIFEST_FORMAT!r}")
+        files = body.get("files")
+        if not isinstance(files, dict):
+            raise CheckpointCorruptError(f"{where}: commit marker has no file list")
+        for rel, info in files.items():
+            if not _safe_relpath(rel):
+                raise CheckpointCorruptError(
+                    f"{where}: commit marker names {rel!r}, a path outside the checkpoint; "
+                    f"refusing to trust this checkpoint")
+            if (not isinstance(info, dict) or not isinstance(info.get("size"), int)
+                    or not isinstance(info.get("crc32"), str)):
+                raise CheckpointCorruptError(f"{where}: malformed manifest entry for {rel!r}")
+        return cls(step=int(body.get("step", -1)), files=files,
+                   created=float(body.get("created", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Entry:
+    """One checkpoint directory as found on disk."""
+
+    step: int
+    path: str
+    status: Status
+    problems: tuple[str, ...] = ()
+    manifest: Manifest | None = None
+
+
+class RootLock:
+    """An exclusive ``flock`` on ``{root}/.lock`` held for a job's lifetime.
+
+    The kernel releases it when the holder dies (SIGKILL included), so a crashed job never
+    leaves a stale lock. ``flock`` locks are per open file, so a second manager in the same
+    process is refused too. On network filesystems without flock support, locking degrades
+    to a no-op with nothing to protect against; use one root per job there.
+    """
+
+    def __init__(self, root: str):
+        self.path = os.path.join(root, ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise RootLockedError(
+                f"checkpoint root {os.path.dirname(self.path)!r} is in use by another running "
+                f"job ({holder}). Two jobs writing one root would delete each other's "
+                f"checkpoints. Give this run its own root (e.g. a new trial directory), or stop "
+                f"the other job first.") from None
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "since": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+class CheckpointStore:
+    """Checkpoint directories of one root: ``{root}/recover`` and ``{root}/export``."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = os.fspath(root)
+        self.recover_dir = os.path.join(self.root, RECOVER)
+        self.export_dir = os.path.join(self.root, EXPORT)
+
+    # --- naming -------------------------------------------------------------------------
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.recover_dir, f"step_{step:08d}")
+
+    def ensure_dirs(self) -> None:
+        for path in (self.root, self.recover_dir, self.export_dir):
+            os.makedirs(path, exist_ok=True)
+
+    # --- listing and verification ---------------------------------------------------------
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        try:
+            names = os.listdir(self.recover_dir)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            match = _STEP_RE.match(name)
+            path = os.path.join(self.recover_dir, name)
+            if match and os.path.isdir(path):
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def read_manifest(self, path: str) -> Manifest | None:
+        """The manifest of a checkpoint directory, or None when it has no marker."""
+        try:
+            with open(os.path.join(path, COMMIT_MARKER), "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return None
+        return Manifest.parse(data, path)
+
+    def verify(self, path: str, *, checksums: bool = True) -> list[str]:
+        """Problems found in a committed checkpoint (empty when it is valid).
+
+        Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
+        ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
+        """
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"no checkpoint directory at {path!r}")
+        manifest = self.read_manifest(path)
+        if manifest is None:
+            raise CheckpointCorruptError(
+                f"{path}: no {COMMIT_MARKER} marker: this checkpoint never finished committing "
+                f"(the job stopped while saving); it is not restorable")
+        problems: list[str] = []
+
+        def check(item: tuple[str, dict[str, Any]]) -> str | None:
+            rel, info = item
+            full = os.path.join(path, *rel.split("/"))
+            try:
+                size = os.path.getsize(full)
+            except FileNotFoundError:
+                return f"{rel}: missing"
+            except OSError as exc:
+                return f"{rel}: unreadable ({exc})"
+            if size != info["size"]:
+                return f"{rel}: size {size} bytes, manifest says {info['size']} (truncated or overwritten)"
+            if checksums:
+                try:
+                    _, crc = _crc32(full)
+                except OSError as exc:
+                    return f"{rel}: unreadable ({exc})"
+                if crc != info["crc32"]:
+                    return f"{rel}: crc32 {crc}, manifest says {info['crc32']} (contents altered)"
+            return None
+
+        items = sorted(manifest.files.items())
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for problem in pool.map(check, items):
+                if problem:
+                    problems.append(problem)
+        return problems
+
+    def entries(self, *, checksums: bool = False) -> list[Entry]:
+        """Every step directory, oldest first, with its status."""
+        out = []
+        for step, path in self._step_dirs():
+            try:
+                manifest = self.read_manifest(path)
+            except CheckpointCorruptError as exc:
+                out.append(Entry(step=step, path=path, status="corrupt", problems=(str(exc),)))
+                continue
+            if manifest is None:
+                out.append(Entry(step=step, path=path, status="partial"))
+                continue
+            problems = self.verify(path, checksums=checksums)
+            status: Status = "corrupt" if problems else "committed"
+            out.append(Entry(step=step, path=path, status=status, problems=tuple(problems),
+                             manifest=manifest))
+        return out
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a commit marker (not re-verified; cheap), oldest first."""
+        steps = []
+        for step, path in self._step_dirs():
+            if os.path.exists(os.path.join(path, COMMIT_MARKER)):
+                steps.append(step)
+        return steps
+
+    def latest_valid(self, *, checksums: bool = True,
+                     at_or_before: int | None = None) -> tuple[Entry | None, list[Entry]]:
+        """The newest valid checkpoint and the newer ones skipped (partial or corrupt)."""
+        skipped: list[Entry] = []
+        for step, path in reversed(self._step_dirs()):
+            if at_or_before is not None and step > at_or_before:
+                continue
+            try:
+                manifest = self.read_manifest(path)
+            except CheckpointCorruptError as exc:
+                skipped.append(Entry(step=step, path=path, status="corrupt", problems=(str(exc),)))
+                continue
+            if manifest is None:
+                skipped.append(Entry(step=step, path=path, status="partial"))
+                continue
+            problems = self.verify(path, checksums=checksums)
+            if problems:
+                skipped.append(Entry(step=step, path=path, status="corrupt",
+                                     problems=tuple(problems), manifest=manifest))
+                continue
+            return Entry(step=step, path=path, status="committed", manifest=manifest), skipped
+        return None, skipped
+
+    # --- commit ---------------------------------------------------------------------------
+    def commit(self, path: str, step: int, *, exclude: tuple[str, ...] = ()) -> Manifest:
+        """Make ``path`` a valid checkpoint: checksum and fsync every file and directory in
+        it, then write the marker atomically. Call only after every process's writes ended."""
+        files: list[str] = []
+        dirs: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirs.append(dirpath)
+            for name in filenames:
+                rel = os.path.relpath(os.path.join(dirpath, name), path).replace(os.sep, "/")
+                if rel == COMMIT_MARKER or rel in exclude or name.startswith(_TMP_PREFIX):
+                    continue
+                files.append(rel)
+        files.sort()
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            sums = list(pool.map(lambda rel: _checksum_and_sync(os.path.join(path, rel)), files))
+        # Deepest first, so that every rename inside the checkpoint is durable before its
+        # parent's entry is.
+        for directory in sorted(dirs, key=len, reverse=True):
+            fsync_dir(directory)
+        manifest = Manifest(step=step, created=time.time(),
+                            files={rel: {"size": size, "crc32": crc}
+                                   for rel, (size, crc) in zip(files, sums)})
+        atomic_write(os.path.join(path, COMMIT_MARKER), manifest.to_bytes())
+        fsync_dir(os.path.dirname(path))
+        return manifest
+
+    # --- reading and deletion ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def reading(self, path: str) -> Iterator[None]:
+        """Hold a shared lock on a checkpoint while restoring it, so retention skips it."""
+        fd = None
+        try:
+            fd = os.open(os.path.join(path, COMMIT_MARKER), os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except FileNotFoundError:
+            fd = None
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def delete(self, path: str) -> bool:
+        """Delete one checkpoint directory; False when it is being read (try again later).
+
+        Files already gone (another deleter, a user) count as deleted.
+        """
+        marker = os.path.join(path, COMMIT_MARKER)
+        try:
+            fd = os.open(marker, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            try:
+                # Un-commit first: a crash from here on leaves a partial directory, never a
+                # committed checkpoint with files missing.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(marker)
+                with contextlib.suppress(FileNotFoundError):
+                    fsync_dir(path)
+            finally:
+                os.close(fd)
+        _rmtree_tolerant(path)
+        return True
+
+    def cleanup_partial(self) -> list[str]:
+        """Remove recovery directories without a commit marker and stray temp entries, as a
+        job starts (under the root lock, so no other job can be writing them)."""
+        removed = []
+        for step, path in self._step_dirs():
+            if not os.path.exists(os.path.join(path, COMMIT_MARKER)):
+                _rmtree_tolerant(path)
+                removed.append(path)
+        for parent in (self.recover_dir, self.export_dir):
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(parent):
+                    if name.startswith(_TMP_PREFIX):
+                        full = os.path.join(parent, name)
+                        _rmtree_tolerant(full)
+                        removed.append(full)
+        return removed
+
+    def quarantine(self, path: str, reason: str) -> str:
+        """Move a checkpoint that must not stay at its name (corrupt, or from a discarded
+        future) to ``recover/superseded/``, keeping it for inspection instead of deleting."""
+        target_dir = os.path.join(self.recover_dir, SUPERSEDED)
+        os.makedirs(target_dir, exist_ok=True)
+        target = os.path.join(target_dir, f"{os.path.basename(path)}.{reason}.{int(time.time())}"
+                                          f".{uuid.uuid4().hex[:6]}")
+        os.rename(path, target)
+        fsync_dir(self.recover_dir)
+        return target
+
+    # --- exports ------------------------------------------------------------------------
+    def export_entries(self) -> list[tuple[int, str]]:
+        """(global_step, path) of every completed export, oldest first."""
+        try:
+            names = os.listdir(self.export_dir)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            match = _EXPORT_RE.match(name)
+            if match:
+                found.append((int(match.group(3)), os.path.join(self.export_dir, name)))
+        return sorted(found)
+
+    def export_tmp_path(self, name: str) -> str:
+        return os.path.join(self.export_dir, f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}")
+
+    def delete_export(self, path: str) -> None:
+        """Delete an export: renamed to a temp name first (so a crash midway leaves debris
+        that start-up cleanup removes, never a half model under a valid name)."""
+        doomed = self.export_tmp_path(os.path.basename(path) + ".deleting")
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return
+        _rmtree_tolerant(doomed)
+
+
+def _rmtree_tolerant(path: str) -> None:
+    """Remove a tree, treating entries that vanish meanwhile (a racing deleter) as removed."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    for dirpath, dirnames, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(dirpath, name))
+        for name in dirnames:
+            full = os.path.join(dirpath, name)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.islink(full):
+                    os.unlink(full)
+                else:
+                    os.rmdir(full)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ENOTEMPTY:
+            raise
+        shutil.rmtree(path, ignore_errors=True)  # a writer raced us; one more sweep

@@ -1,0 +1,214 @@
+"""The store: commit protocol, listing, verification, retention deletion races, cleanup, lock."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from jaxckpt import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
+from jaxckpt.store import COMMIT_MARKER, CheckpointStore, RootLock
+
+
+def make_step(store, step, *, commit=True, payload=b"x" * 1000):
+    path = store.step_path(step)
+    os.makedirs(os.path.join(path, "state", "arrays"), exist_ok=True)
+    with open(os.path.join(path, "state", "arrays", "leaf_0"), "wb") as f:
+        f.write(payload)
+    with open(os.path.join(path, "driver.json"), "w") as f:
+        f.write("{}")
+    if commit:
+        store.commit(path, step)
+    return path
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = CheckpointStore(str(tmp_path / "root"))
+    s.ensure_dirs()
+    return s
+
+
+def test_commit_writes_manifest_with_sizes_and_checksums(store):
+    path = make_step(store, 3)
+    manifest = store.read_manifest(path)
+    assert manifest.step == 3
+    assert manifest.files["state/arrays/leaf_0"]["size"] == 1000
+    assert set(manifest.files) == {"state/arrays/leaf_0", "driver.json"}
+    assert manifest.total_bytes == 1002
+    assert store.verify(path) == []
+
+
+def test_step_without_marker_is_partial_and_never_latest(store):
+    make_step(store, 1)
+    make_step(store, 2, commit=False)
+    entry, skipped = store.latest_valid()
+    assert entry.step == 1
+    assert [(e.step, e.status) for e in skipped] == [(2, "partial")]
+    assert [(e.step, e.status) for e in store.entries()] == [(1, "committed"), (2, "partial")]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_newest_falls_back_to_previous_and_names_the_file(store, damage):
+    make_step(store, 1)
+    path = make_step(store, 2)
+    leaf = os.path.join(path, "state", "arrays", "leaf_0")
+    if damage == "truncate":
+        os.truncate(leaf, 10)
+    elif damage == "flip":
+        with open(leaf, "r+b") as f:
+            f.seek(500)
+            f.write(b"y")
+    else:
+        os.unlink(leaf)
+    problems = store.verify(path)
+    assert len(problems) == 1 and problems[0].startswith("state/arrays/leaf_0")
+    entry, skipped = store.latest_valid()
+    assert entry.step == 1 and skipped[0].step == 2 and skipped[0].status == "corrupt"
+
+
+def test_bit_flip_passes_size_check_but_not_checksum(store):
+    path = make_step(store, 1)
+    with open(os.path.join(path, "driver.json"), "r+b") as f:
+        f.write(b"[]")
+    assert store.verify(path, checksums=False) == []
+    assert "crc32" in store.verify(path, checksums=True)[0]
+
+
+@pytest.mark.parametrize("bad", ["../escape", "/etc/passwd", "a/../../b", "", "a//b"])
+def test_manifest_naming_a_path_outside_the_checkpoint_is_rejected(store, bad):
+    path = make_step(store, 1)
+    with open(os.path.join(path, COMMIT_MARKER)) as f:
+        body = json.load(f)
+    body["files"][bad] = {"size": 1, "crc32": "00000000"}
+    with open(os.path.join(path, COMMIT_MARKER), "w") as f:
+        json.dump(body, f)
+    with pytest.raises(CheckpointCorruptError, match="outside the checkpoint"):
+        store.verify(path)
+    entry, skipped = store.latest_valid()
+    assert entry is None and skipped[0].status == "corrupt"
+
+
+def test_verify_missing_directory_and_uncommitted(store, tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint directory"):
+        store.verify(str(tmp_path / "nope"))
+    path = make_step(store, 4, commit=False)
+    with pytest.raises(CheckpointCorruptError, match="never finished committing"):
+        store.verify(path)
+
+
+def test_cleanup_removes_partial_dirs_and_temp_debris_only(store):
+    make_step(store, 1)
+    partial = make_step(store, 2, commit=False)
+    debris = os.path.join(store.export_dir, ".tmp-epoch0epochstep1globalstep1.abcd")
+    os.makedirs(debris)
+    marker_tmp = os.path.join(store.recover_dir, ".tmp-COMMITTED.123")
+    open(marker_tmp, "w").close()
+    removed = store.cleanup_partial()
+    assert set(removed) == {partial, debris, marker_tmp}
+    assert store.committed_steps() == [1]
+
+
+def test_delete_tolerates_files_already_gone(store):
+    path = make_step(store, 1)
+    os.unlink(os.path.join(path, "state", "arrays", "leaf_0"))
+    assert store.delete(path) is True
+    assert not os.path.exists(path)
+    assert store.delete(path) is True  # racing second delete: nothing left, no error
+
+
+def test_delete_uncommits_before_removing_files(store, monkeypatch):
+    path = make_step(store, 1)
+    import jaxckpt.store as store_mod
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-delete")
+
+    monkeypatch.setattr(store_mod, "_rmtree_tolerant", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.delete(path)
+    # The files are still there, but the directory is no longer a committed checkpoint.
+    assert os.path.exists(os.path.join(path, "driver.json"))
+    assert store.committed_steps() == []
+
+
+def test_checkpoint_being_read_is_not_deleted(store):
+    path = make_step(store, 1)
+    with store.reading(path):
+        assert store.delete(path) is False
+        assert os.path.exists(os.path.join(path, COMMIT_MARKER))
+    assert store.delete(path) is True
+
+
+def test_reader_in_another_process_blocks_deletion(store):
+    path = make_step(store, 1)
+    code = (
+        "import sys, time; from jaxckpt.store import CheckpointStore\n"
+        f"s = CheckpointStore({store.root!r})\n"
+        f"with s.reading({path!r}):\n"
+        "    print('reading', flush=True); sys.stdin.readline()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "reading"
+        assert store.delete(path) is False
+    finally:
+        proc.communicate("done\n", timeout=30)
+    assert store.delete(path) is True
+
+
+def test_concurrent_deletes_of_one_checkpoint_never_raise(store):
+    paths = [make_step(store, i, payload=os.urandom(20000)) for i in range(6)]
+    errors = []
+
+    def worker():
+        for p in paths:
+            try:
+                store.delete(p)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.committed_steps() == []
+
+
+def test_quarantine_moves_aside_instead_of_deleting(store):
+    path = make_step(store, 5)
+    moved = store.quarantine(path, "corrupt")
+    assert not os.path.exists(path) and os.path.isdir(moved)
+    assert "superseded" in moved and store.committed_steps() == []
+
+
+def test_root_lock_excludes_a_second_job_and_names_the_holder(tmp_path):
+    first = RootLock(str(tmp_path))
+    first.acquire()
+    second = RootLock(str(tmp_path))
+    with pytest.raises(RootLockedError, match=f"in use by another running job.*{os.getpid()}"):
+        second.acquire()
+    first.release()
+    second.acquire()
+    second.release()
+
+
+def test_root_lock_is_released_when_the_holder_is_killed(tmp_path):
+    code = (f"from jaxckpt.store import RootLock; l = RootLock({str(tmp_path)!r}); l.acquire(); "
+            "print('locked', flush=True); import time; time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(RootLockedError):
+            RootLock(str(tmp_path)).acquire()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    lock = RootLock(str(tmp_path))
+    lock.acquire()  # SIGKILL released it: no stale lock
+    lock.release()
