@@ -1,0 +1,428 @@
+"""OrbaxBackend against real Orbax: save -> restore -> compare, shardings, keys, errors."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import resource
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jaxckpt.backend import Backend, WriteHandle
+from jaxckpt.errors import CheckpointNotFoundError, CheckpointWriteError, TreeMismatchError
+from jaxckpt.orbax_backend import OrbaxBackend
+
+
+@pytest.fixture(scope="module")
+def backend():
+    orbax_backend = OrbaxBackend()
+    yield orbax_backend
+    orbax_backend.close()
+
+
+@pytest.fixture(scope="module")
+def mesh_4x2():
+    return jax.make_mesh((4, 2), ("a", "b"))
+
+
+def abstract(tree):
+    """like leaves without values or shardings (restore onto the default device)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def assert_bitwise_equal(actual, expected):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    assert actual.tobytes() == expected.tobytes()
+
+
+def sample(dtype, shape=(4, 3), seed=0):
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype) == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, endpoint=True).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def test_is_a_backend(backend):
+    assert isinstance(backend, Backend)
+    assert backend.name == "orbax" and backend.supports_async is True
+    assert (backend.process_index, backend.process_count) == (0, 1)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "int8",
+                                   "uint32", "bool"])
+def test_roundtrip_is_bitwise_for_every_dtype(backend, tmp_path, dtype, asynchronous):
+    host = sample(jnp.dtype(dtype))
+    state = {"device": jnp.asarray(host), "host": host.copy(), "scalar": jnp.asarray(host[0, 0])}
+    handle = backend.write(str(tmp_path / "ckpt"), state, asynchronous=asynchronous)
+    assert isinstance(handle, WriteHandle)
+    handle.wait()
+
+    restored = backend.read(str(tmp_path / "ckpt"), abstract(state) | {"host": np.zeros_like(host)})
+
+    assert isinstance(restored["device"], jax.Array)
+    assert isinstance(restored["host"], np.ndarray)
+    for name in state:
+        assert_bitwise_equal(restored[name], state[name])
+
+
+def test_sync_write_is_complete_on_return(backend, tmp_path):
+    handle = backend.write(str(tmp_path / "ckpt"), {"w": jnp.ones(3)}, asynchronous=False)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["arrays", "tree.json"]
+    assert handle.done()
+    handle.wait()
+
+
+def test_async_write_is_unaffected_by_mutating_numpy_after_return(backend, tmp_path):
+    host = np.arange(1 << 16, dtype=np.float32)
+    handle = backend.write(str(tmp_path / "ckpt"), {"h": host}, asynchronous=True)
+    host[:] = -1.0  # the training loop reuses its buffer right after staging
+    handle.wait()
+    restored = backend.read(str(tmp_path / "ckpt"), {"h": np.zeros_like(host)})
+    np.testing.assert_array_equal(restored["h"], np.arange(1 << 16, dtype=np.float32))
+
+
+def test_sharded_array_restores_onto_another_mesh_and_one_device(backend, tmp_path, mesh_4x2):
+    values = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    sharded = jax.device_put(values, NamedSharding(mesh_4x2, P("a", "b")))
+    backend.write(str(tmp_path / "ckpt"), {"w": sharded}, asynchronous=True).wait()
+
+    other_mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[::-1])
+    targets = {
+        "other_mesh": NamedSharding(other_mesh, P(None, "a")),
+        "one_device": SingleDeviceSharding(jax.devices()[5]),
+    }
+    for label, sharding in targets.items():
+        like = {"w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=sharding)}
+        restored = backend.read(str(tmp_path / "ckpt"), like)["w"]
+        assert restored.sharding == sharding, label
+        assert_bitwise_equal(restored, values)
+
+    # A like leaf without sharding lands on the default device.
+    restored = backend.read(str(tmp_path / "ckpt"), abstract({"w": sharded}))["w"]
+    assert restored.sharding == SingleDeviceSharding(jax.devices()[0])
+    assert_bitwise_equal(restored, values)
+
+    # A concrete like leaf is a template too: its sharding is where the value goes.
+    like = {"w": jax.device_put(np.zeros_like(values), targets["other_mesh"])}
+    restored = backend.read(str(tmp_path / "ckpt"), like)["w"]
+    assert restored.sharding == targets["other_mesh"]
+    assert_bitwise_equal(restored, values)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_keys_keep_their_impl_and_bits(backend, tmp_path, mesh_4x2, impl):
+    keys = jax.random.split(jax.random.key(7, impl=impl), 8)
+    state = {"one": jax.random.key(3, impl=impl),
+             "many": jax.device_put(keys, NamedSharding(mesh_4x2, P("a")))}
+    backend.write(str(tmp_path / "ckpt"), state, asynchronous=True).wait()
+
+    saved = json.loads((tmp_path / "ckpt" / "tree.json").read_text())
+    assert {leaf["impl"] for leaf in saved["leaves"]} == {impl}
+
+    other = NamedSharding(jax.make_mesh((2, 4), ("x", "y")), P("y"))
+    like = {"one": jax.ShapeDtypeStruct((), state["one"].dtype),
+            "many": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=other)}
+    restored = backend.read(str(tmp_path / "ckpt"), like)
+    for name in state:
+        assert jax.dtypes.issubdtype(restored[name].dtype, jax.dtypes.prng_key)
+        assert str(jax.random.key_impl(restored[name])) == impl
+        assert_bitwise_equal(jax.random.key_data(restored[name]),
+                             jax.random.key_data(state[name]))
+    assert restored["many"].sharding == other
+
+
+def test_flax_nnx_model_and_optimizer_roundtrip(backend, tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 4, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x)
+
+    def build(seed):
+        model = Model(nnx.Rngs(seed, dropout=seed + 1))
+        return model, nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+
+    model, optimizer = build(0)
+    inputs = jnp.arange(6.0).reshape(2, 3)
+    grads = nnx.grad(lambda m: jnp.sum(m(inputs) ** 2))(model)
+    optimizer.update(model, grads)  # optimizer moments and step become non-trivial
+    backend.write(str(tmp_path / "ckpt"), nnx.state((model, optimizer)), asynchronous=True).wait()
+
+    fresh_model, fresh_optimizer = nnx.eval_shape(lambda: build(42))
+    like = nnx.state((fresh_model, fresh_optimizer))
+    restored = backend.read(str(tmp_path / "ckpt"), like)
+    nnx.update((fresh_model, fresh_optimizer), restored)
+
+    np.testing.assert_array_equal(fresh_model(inputs), model(inputs))
+    for got, want in zip(jax.tree.leaves(nnx.state((fresh_model, fresh_optimizer))),
+                         jax.tree.leaves(nnx.state((model, optimizer)))):
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        assert_bitwise_equal(got, want)
+
+
+def test_optax_state_of_plain_dict_roundtrip(backend, tmp_path):
+    optax = pytest.importorskip("optax")
+    params = {"dense": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}, "scale": jnp.ones(())}
+    transform = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    opt_state = transform.init(params)
+    updates, opt_state = transform.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
+    state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": 1}
+    backend.write(str(tmp_path / "ckpt"), state, asynchronous=False)
+
+    like = {"params": abstract(params), "opt_state": abstract(transform.init(params)), "step": 0}
+    restored = backend.read(str(tmp_path / "ckpt"), like)
+
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    assert restored["step"] == 1 and type(restored["step"]) is int
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert_bitwise_equal(got, want)
+
+
+def test_numpy_and_python_scalar_leaves_keep_their_types(backend, tmp_path):
+    state = {"table": np.arange(6, dtype=np.int16).reshape(2, 3), "np_scalar": np.float32(1.5),
+             "steps": 12, "lr": 0.25, "done": True, "tokens": jnp.asarray(7, jnp.int32)}
+    backend.write(str(tmp_path / "ckpt"), state, asynchronous=True).wait()
+
+    like = {"table": np.zeros((2, 3), np.int16), "np_scalar": np.float32(0), "steps": 0,
+            "lr": 0.0, "done": False, "tokens": 0}  # a 0-d int32 array into a Python int
+    restored = backend.read(str(tmp_path / "ckpt"), like)
+
+    assert type(restored["table"]) is np.ndarray
+    np.testing.assert_array_equal(restored["table"], state["table"])
+    assert type(restored["np_scalar"]) is np.float32 and restored["np_scalar"] == 1.5
+    assert (restored["steps"], restored["lr"], restored["done"], restored["tokens"]) == (
+        12, 0.25, True, 7)
+    assert [type(restored[k]) for k in ("steps", "lr", "done", "tokens")] == [
+        int, float, bool, int]
+
+
+def test_leaves_of_equal_shape_match_by_path_not_position(backend, tmp_path):
+    first, second = jnp.zeros((2, 2)), jnp.ones((2, 2))
+    saved = collections.OrderedDict([("first", first), ("second", second)])
+    backend.write(str(tmp_path / "ckpt"), saved, asynchronous=True).wait()
+
+    like = collections.OrderedDict([("second", jnp.full((2, 2), 5.0)),
+                                    ("first", jnp.full((2, 2), 5.0))])
+    # Flattening order differs, so a loader going by position would cross the two leaves.
+    assert [float(x[0, 0]) for x in jax.tree.leaves(saved)] == [0.0, 1.0]
+    restored = backend.read(str(tmp_path / "ckpt"), like)
+
+    assert list(restored) == ["second", "first"]
+    assert_bitwise_equal(restored["first"], first)
+    assert_bitwise_equal(restored["second"], second)
+
+
+def test_mismatch_lists_every_problem_at_once(backend, tmp_path):
+    state = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3), "old": jnp.zeros(2), "ok": jnp.zeros(1),
+             "rng": jax.random.key(0)}
+    backend.write(str(tmp_path / "ckpt"), state, asynchronous=False)
+
+    like = {"w": jax.ShapeDtypeStruct((3, 4), jnp.float32),      # wrong shape
+            "b": jax.ShapeDtypeStruct((3,), jnp.bfloat16),       # wrong dtype
+            "new": jax.ShapeDtypeStruct((5,), jnp.float32),      # missing from checkpoint
+            "ok": jax.ShapeDtypeStruct((1,), jnp.float32),       # fine
+            "rng": jax.random.key(0, impl="rbg")}                # other key impl
+    # "old" is in the checkpoint but not in like.
+    with pytest.raises(TreeMismatchError) as caught:
+        backend.read(str(tmp_path / "ckpt"), like)
+
+    message = str(caught.value)
+    assert "['w']: expected shape (3, 4) float32, checkpoint has shape (4, 3) float32" in message
+    assert "['b']: expected shape (3,) bfloat16, checkpoint has shape (3,) float32" in message
+    assert "['new']: missing from checkpoint" in message
+    assert "['old']: not in like" in message
+    assert "['rng']: expected shape () key<rbg>" in message and "impl threefry2x32" in message
+    assert "['ok']" not in message
+    assert "Fix:" in message
+    assert len(caught.value.problems) == 5
+
+
+def test_non_array_leaf_raises_type_error_naming_the_path(backend, tmp_path):
+    state = {"params": {"w": jnp.ones(2)}, "config": {"name": "run-1"}}
+    with pytest.raises(TypeError, match=r"\['config'\]\['name'\].*Fix:"):
+        backend.write(str(tmp_path / "ckpt"), state, asynchronous=True)
+    assert not (tmp_path / "ckpt").exists()  # validated before any I/O
+
+
+def test_missing_directory_raises_not_found_naming_it(backend, tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="nowhere"):
+        backend.read(str(tmp_path / "nowhere"), {"w": jnp.ones(2)})
+
+
+def test_refuses_to_write_into_a_non_empty_directory(backend, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "stale").write_text("x")
+    with pytest.raises(CheckpointWriteError, match="already exists"):
+        backend.write(str(tmp_path / "ckpt"), {"w": jnp.ones(2)}, asynchronous=False)
+
+
+class _FileSizeLimit:
+    """Make writes beyond ``limit`` bytes fail with EFBIG (works as root, unlike chmod)."""
+
+    def __init__(self, limit):
+        self._limit = limit
+
+    def __enter__(self):
+        self._saved_limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        # Without this the kernel kills the process (SIGXFSZ) instead of failing the write.
+        self._saved_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (self._limit, self._saved_limits[1]))
+
+    def __exit__(self, *exc):
+        resource.setrlimit(resource.RLIMIT_FSIZE, self._saved_limits)
+        signal.signal(signal.SIGXFSZ, self._saved_handler)
+
+
+def test_background_write_failure_surfaces_from_wait_and_is_not_lost(backend, tmp_path):
+    big = {"w": np.ones(1 << 20, np.float32)}  # 4 MiB, over the 2 MiB limit
+    small = {"w": np.ones(4, np.float32)}
+    with _FileSizeLimit(2 << 20):
+        failing = backend.write(str(tmp_path / "big"), big, asynchronous=True)  # staged fine
+        # A second write starts before anyone waited on the first: the first's error must
+        # stay with the first handle, not surface here or vanish.
+        succeeding = backend.write(str(tmp_path / "small"), small, asynchronous=True)
+        succeeding.wait()
+    with pytest.raises(Exception, match="File too large"):
+        failing.wait()
+    with pytest.raises(Exception, match="File too large"):
+        failing.wait()  # waiting again re-raises, never reports success
+    assert not (tmp_path / "big" / "arrays").exists()
+    np.testing.assert_array_equal(
+        backend.read(str(tmp_path / "small"), {"w": np.zeros(4, np.float32)})["w"], small["w"])
+
+
+def test_sync_write_failure_raises_from_write(backend, tmp_path):
+    with _FileSizeLimit(2 << 20), pytest.raises(Exception, match="File too large"):
+        backend.write(str(tmp_path / "big"), {"w": np.ones(1 << 20, np.float32)},
+                      asynchronous=False)
+
+
+def test_host_copy_is_numpy_and_survives_changes(backend):
+    key = jax.random.key(1, impl="rbg")
+    host = np.arange(3.0)
+    state = {"w": jnp.arange(4.0), "h": host, "rng": key, "step": 3}
+    copied = backend.host_copy(state)
+    host[:] = 0.0
+
+    assert type(copied["w"]) is np.ndarray and copied["step"] == 3
+    np.testing.assert_array_equal(copied["w"], np.arange(4.0))
+    np.testing.assert_array_equal(copied["h"], np.arange(3.0))
+    assert str(jax.random.key_impl(copied["rng"])) == "rbg"
+    assert_bitwise_equal(jax.random.key_data(copied["rng"]), jax.random.key_data(key))
+
+
+def test_process_facts_and_rng_of_a_single_process(backend):
+    versions = backend.versions()
+    assert versions["jax"] == jax.__version__
+    assert {"jaxlib", "orbax-checkpoint", "flax"} <= set(versions)
+    assert backend.rng_state() is None
+    backend.set_rng_state(None)
+    started = time.perf_counter()
+    backend.barrier("test", timeout_s=1.0)
+    assert time.perf_counter() - started < 1.0
+    assert backend.broadcast_int(41) == 41
+
+
+_WORKER = r'''
+import os, sys, threading, traceback
+try:
+    process_id, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=30, heartbeat_timeout_seconds=10,
+                               shutdown_timeout_seconds=10)
+    from jaxckpt.orbax_backend import OrbaxBackend
+
+    backend = OrbaxBackend()
+    assert (backend.process_index, backend.process_count) == (process_id, 2)
+    assert backend.broadcast_int(100 + process_id) == 100
+    assert backend.broadcast_int(200 + process_id) == 200
+    # The manager waits at barriers from its background commit thread.
+    waiter = threading.Thread(target=backend.barrier, args=("from-a-thread", 30.0))
+    waiter.start()
+    waiter.join(60)
+    assert not waiter.is_alive()
+
+    values = np.arange(32, dtype=np.float32).reshape(8, 4)
+    mesh = jax.make_mesh((4,), ("a",))
+    sharded = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("a")),
+                                           lambda index: values[index])
+    backend.write(directory, {"w": sharded, "step": 5}, asynchronous=True).wait()
+    backend.barrier("written", 30.0)
+    like = {"w": jax.ShapeDtypeStruct(values.shape, values.dtype,
+                                      sharding=NamedSharding(mesh, P(None, "a"))), "step": 0}
+    restored = backend.read(directory, like)
+    assert restored["step"] == 5
+    for shard in restored["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])
+    backend.close()
+    print("worker ok", process_id, flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # never hang in jax.distributed's shutdown barrier
+'''
+
+
+def test_two_processes_write_one_checkpoint_and_share_barriers(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
+    directory = str(tmp_path / "ckpt")
+    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), directory],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True) for i in range(2)]
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=120)[0])
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    for worker, output in zip(workers, outputs):
+        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+
+    # A single process with a different device count reads what the two wrote.
+    values = np.arange(32, dtype=np.float32).reshape(8, 4)
+    sharding = NamedSharding(jax.make_mesh((2, 4), ("x", "y")), P("y", "x"))
+    restored = OrbaxBackend().read(directory, {
+        "w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=sharding), "step": 0})
+    assert restored["w"].sharding == sharding
+    assert_bitwise_equal(restored["w"], values)
+    assert restored["step"] == 5
