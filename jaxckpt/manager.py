@@ -1,0 +1,689 @@
+"""CheckpointManager: the policy, the store and the driver state tied to one array backend.
+
+Owns: deciding when recovery checkpoints and exports are due (and sharing that decision
+across processes), the save pipeline (snapshot driver state, stage arrays, write and commit
+in the background, apply retention), restore/recover, save reports and the surfacing of
+background failures.
+
+The save pipeline of one recovery checkpoint at step S, directory D = recover/step_S:
+
+1. training thread: wait for the previous save (only one is ever in flight), snapshot the
+   driver state to JSON bytes, let the backend stage the arrays (``backend.write`` returns
+   once the caller may touch its arrays again). This is ``report.blocking_s``.
+2. background thread (or inline in sync mode): write the driver JSON, wait for the backend's
+   write, then in multi-process runs every process drops ``done.p{i}`` and the primary waits
+   for all of them; the primary checksums and fsyncs every file, writes ``COMMITTED``
+   atomically, then deletes checkpoints that retention no longer keeps.
+
+Concurrency contract: a manager is used from one training thread. It owns one background
+thread, which runs commits, exports and deletions strictly in order. A failure there is
+recorded on its report and raised (as ``CheckpointWriteError`` chained to the cause, naming
+the step and path) by the next manager call, or only warned when
+``on_write_error="warn"``. Across jobs: one job per root (an exclusive lock); across
+processes of one job: the primary decides and commits, every process writes its share.
+
+Must not import: jax, orbax, torch. The Orbax backend is imported lazily when no backend is
+given.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from . import driver as drv
+from .backend import Backend
+from .config import ExportConfig, RecoverConfig, StepInfo
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    CheckpointWriteError,
+    ConfigError,
+)
+from .policy import SaveTrigger, resolve_mode, steps_to_delete, writes_periodic
+from .store import COMMIT_MARKER, DRIVER_FILE, CheckpointStore, RootLock, atomic_write, export_dirname
+
+__all__ = ["CheckpointManager", "SaveReport", "Recovered"]
+
+log = logging.getLogger("jaxckpt")
+
+STATE_DIR = "state"
+_POLL_S = 0.01
+
+
+class SaveReport:
+    """What one save cost. Returned at once; the background part fills in the rest.
+
+    ``blocking_s`` (time the training loop lost, the ``time/saving`` metric) is known when the
+    report is returned; ``total_s``, ``bytes`` and ``bandwidth_gbps`` once ``done()`` (call
+    ``wait()`` to block until then). Sizes come from the commit manifest, i.e. what the
+    writer wrote, computed off the training thread.
+
+    Concurrency contract: fields are written by the manager's background thread before the
+    completion event is set; read them after ``wait()`` or in the ``on_report`` callback.
+    """
+
+    __slots__ = ("kind", "step", "path", "mode", "reason", "blocking_s", "total_s", "bytes",
+                 "error", "_done")
+
+    def __init__(self, *, kind: str, step: int, path: str, mode: str, reason: str):
+        self.kind = kind  #: "recover" or "export"
+        self.step = step  #: global step saved
+        self.path = path  #: directory of the checkpoint or export
+        self.mode = mode  #: "sync" or "async"
+        self.reason = reason  #: which trigger fired: steps, epochs, seconds, forced, preempted
+        self.blocking_s: float = 0.0
+        self.total_s: float | None = None
+        self.bytes: int | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveReport:
+        """Block until the save committed (or failed: then raise ``CheckpointWriteError``)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} to {self.path} still running after "
+                               f"{timeout} s")
+        if self.error is not None:
+            raise _write_error(self, self.error)
+        return self
+
+    @property
+    def bandwidth_gbps(self) -> float | None:
+        """Bytes written per second of total save time, in GB/s."""
+        if self.bytes is None or not self.total_s:
+            return None
+        return self.bytes / self.total_s / 1e9
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """Numbers ready for a metrics logger, e.g. ``{"time/saving": 0.02, ...}``."""
+        out = {f"{prefix}time/saving": self.blocking_s}
+        if self.total_s is not None:
+            out[f"{prefix}time/save_total"] = self.total_s
+        if self.bytes is not None:
+            out[f"{prefix}save/bytes"] = float(self.bytes)
+        if self.bandwidth_gbps is not None:
+            out[f"{prefix}save/gbps"] = self.bandwidth_gbps
+        return out
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else ("done" if self.done() else "in flight")
+        return (f"SaveReport({self.kind} step={self.step} {self.mode} {state} "
+                f"blocking_s={self.blocking_s:.4f} total_s={self.total_s} bytes={self.bytes} "
+                f"path={self.path!r})")
+
+
+def _write_error(report: SaveReport, cause: BaseException) -> CheckpointWriteError:
+    err = CheckpointWriteError(
+        f"{report.kind} save of step {report.step} to {report.path} failed: "
+        f"{type(cause).__name__}: {cause}. Earlier checkpoints are intact; this one was not "
+        f"committed and will never be restored.")
+    err.__cause__ = cause
+    return err
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Recovered:
+    """The result of ``recover``/``restore``."""
+
+    state: Any
+    """The restored state, with the structure, dtypes and placement of ``like``."""
+    step_info: StepInfo
+    """The step that was saved; resume training at ``step_info.next()``."""
+    path: str
+    """The checkpoint directory restored from."""
+    metrics: dict[str, Any]
+    """The metrics passed to the save that wrote this checkpoint."""
+    skipped: tuple[str, ...] = ()
+    """Newer checkpoints that were not usable, each with the reason."""
+
+
+class CheckpointManager:
+    """Recovery checkpoints and exports for one training run under ``root``.
+
+    ``backend`` defaults to the Orbax backend (JAX/Flax pytrees). ``on_report`` is called with
+    every finished :class:`SaveReport` (from the background thread in async mode).
+    ``on_write_error``: "raise" makes a failed save raise at the next call; "warn" turns it
+    into a ``CheckpointWarning`` so training continues (earlier checkpoints stay valid).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, recover: RecoverConfig | None = None,
+                 export: ExportConfig | None = None, mode: str = "auto",
+                 backend: Backend | None = None,
+                 on_report: Callable[[SaveReport], Any] | None = None,
+                 on_write_error: Literal["raise", "warn"] = "raise",
+                 commit_timeout_s: float = 1800.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not isinstance(root, (str, os.PathLike)):
+            raise ConfigError(f"root must be a path (str or os.PathLike), got {root!r}.")
+        recover = RecoverConfig() if recover is None else recover
+        if not isinstance(recover, RecoverConfig):
+            raise ConfigError(f"recover must be a jaxckpt.RecoverConfig, got {type(recover).__name__}.")
+        if export is not None and not isinstance(export, ExportConfig):
+            raise ConfigError(f"export must be a jaxckpt.ExportConfig or None, got "
+                              f"{type(export).__name__}.")
+        if on_write_error not in ("raise", "warn"):
+            raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}.")
+        if on_report is not None and not callable(on_report):
+            raise ConfigError(f"on_report must be callable(report) or None, got {on_report!r}.")
+        self.recover_config = recover
+        self.export_config = export
+        self._backend = backend if backend is not None else _default_backend()
+        self._mode = resolve_mode(mode, supports_async=self._backend.supports_async)
+        self._export_mode = None if export is None else resolve_mode(
+            export.mode, supports_async=True, field="ExportConfig.mode")
+        self._on_report = on_report
+        self._on_write_error = on_write_error
+        self._commit_timeout_s = commit_timeout_s
+        self._store = CheckpointStore(root)
+        self._index = self._backend.process_index
+        self._count = self._backend.process_count
+        self._primary = self._index == 0
+        self._lock: RootLock | None = None
+        if self._primary:
+            self._store.ensure_dirs()
+            self._lock = RootLock(self._store.root)
+            self._lock.acquire()
+            removed = self._store.cleanup_partial()
+            if removed:
+                log.warning("jaxckpt: removed %d partial or temporary entries left by an "
+                            "interrupted run: %s", len(removed), removed)
+        self._backend.barrier("jaxckpt.init", 120.0)
+        self._recover_trigger = SaveTrigger(recover.every, clock=clock)
+        self._export_trigger = SaveTrigger(export.every, clock=clock) if export else None
+        self._clock = clock
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="jaxckpt-commit")
+        self._pending: list[concurrent.futures.Future[None]] = []
+        self._unraised: list[SaveReport] = []
+        self._last: dict[str, SaveReport] = {}
+        self._default_stateful: Mapping[str, Any] | None = None
+        self._reading: set[int] = set()
+        self._state_lock = threading.Lock()
+        self._closed = False
+
+    # --- public API -----------------------------------------------------------------------
+    @property
+    def root(self) -> str:
+        return self._store.root
+
+    @property
+    def store(self) -> CheckpointStore:
+        return self._store
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    def committed_steps(self) -> list[int]:
+        """Steps of committed recovery checkpoints, oldest first."""
+        return self._store.committed_steps()
+
+    def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None) -> Recovered | None:
+        """Resume from the latest valid recovery checkpoint, or return None when there is
+        none (or recovery is off). ``stateful`` objects are restored in place and remembered
+        as the default for later saves."""
+        self._check_usable()
+        if stateful is not None:
+            drv.capture_stateful(stateful)  # validate early: a bad object fails now, not at the first save
+            self._default_stateful = stateful
+        if not self.recover_config.enabled:
+            return None
+        return self._restore(like, stateful=stateful, step=None, required=False)
+
+    def restore(self, like: Any, *, step: int | None = None,
+                stateful: Mapping[str, Any] | None = None) -> Recovered:
+        """Restore a recovery checkpoint (``step=None``: the latest valid one), whatever the
+        recover mode. Raises ``CheckpointNotFoundError`` when there is none."""
+        self._check_usable()
+        result = self._restore(like, stateful=stateful, step=step, required=True)
+        assert result is not None
+        return result
+
+    def maybe_save(self, step_info: StepInfo, state: Any, *,
+                   stateful: Mapping[str, Any] | None = None,
+                   metrics: Mapping[str, Any] | None = None,
+                   epoch_end: bool | None = None) -> list[SaveReport]:
+        """Save a recovery checkpoint and/or an export if one is due after ``step_info``.
+
+        ``epoch_end`` defaults to what ``step_info`` says (last step of its epoch, when
+        ``steps_per_epoch`` is known). Returns the reports of the saves started (often [])."""
+        self._check_usable()
+        _check_step_info(step_info)
+        if epoch_end is None:
+            epoch_end = step_info.is_epoch_end
+        recover_reason = None
+        if self.recover_config.enabled and writes_periodic(self.recover_config.keep_last_n):
+            recover_reason = self._recover_trigger.due(step_info, epoch_end=epoch_end)
+        export_reason = None
+        if self._export_trigger is not None and writes_periodic(self.export_config.keep_last_n):
+            export_reason = self._export_trigger.due(step_info, epoch_end=epoch_end)
+        recover_reason, export_reason = self._agree(recover_reason, export_reason)
+        reports = []
+        if recover_reason:
+            reports.append(self._save_recover(step_info, state, stateful, metrics, recover_reason))
+        if export_reason:
+            reports.append(self._save_export(step_info, state, export_reason))
+        return reports
+
+    def save(self, step_info: StepInfo, state: Any, *,
+             stateful: Mapping[str, Any] | None = None,
+             metrics: Mapping[str, Any] | None = None,
+             mode: str | None = None) -> SaveReport:
+        """A forced recovery checkpoint (e.g. at the end of training), whatever the triggers
+        and the recover mode. ``mode`` overrides the manager's save mode for this call (the
+        final save of a run is usually ``mode="sync"``). Saving a step this manager already
+        saved returns that save's report instead of writing it twice."""
+        self._check_usable()
+        _check_step_info(step_info)
+        override = None if mode is None else resolve_mode(
+            mode, supports_async=self._backend.supports_async, field="save(mode=...)")
+        return self._save_recover(step_info, state, stateful, metrics, "forced", override)
+
+    def export(self, step_info: StepInfo, state: Any) -> SaveReport:
+        """A forced export (needs ``export=ExportConfig(...)``)."""
+        self._check_usable()
+        _check_step_info(step_info)
+        if self.export_config is None:
+            raise ConfigError("export() needs CheckpointManager(export=ExportConfig(exporter=...)).")
+        return self._save_export(step_info, state, "forced")
+
+    def wait(self) -> None:
+        """Block until every save started so far committed; raise the first failure."""
+        self._drain()
+        self._raise_unraised()
+
+    def close(self) -> None:
+        """Finish in-flight saves, stop the background thread, release the root."""
+        if self._closed:
+            return
+        try:
+            self._drain()
+        finally:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+            if self._lock is not None:
+                self._lock.release()
+        self._raise_unraised()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Do not mask the error that is propagating; still finish what can be finished.
+        try:
+            self.close()
+        except Exception as close_exc:  # noqa: BLE001 - reported, original error wins
+            log.error("jaxckpt: error while closing after %s: %s", exc_type.__name__, close_exc)
+
+    # --- saving ---------------------------------------------------------------------------
+    def _save_recover(self, step: StepInfo, state: Any, stateful: Mapping[str, Any] | None,
+                      metrics: Mapping[str, Any] | None, reason: str,
+                      mode: str | None = None) -> SaveReport:
+        start = time.perf_counter()
+        mode = mode or self._mode
+        last = self._last.get("recover")
+        if last is not None and last.step == step.global_step and last.error is None:
+            return last
+        self._drain()
+        self._raise_unraised()
+        path = self._store.step_path(step.global_step)
+        stateful = self._default_stateful if stateful is None else stateful
+        # Snapshot everything mutable now, on the training thread: the loop moves on at once.
+        local = drv.build_local(
+            process_index=self._index,
+            stateful_state=drv.capture_stateful(stateful),
+            rng=drv.capture_global_rng() if self.recover_config.restore_global_rng else None,
+            backend_rng=self._backend.rng_state())
+        saved_at = time.time()
+        if self._primary:
+            body = drv.build_driver(
+                kind="recover", reason=reason, step=step, backend_name=self._backend.name,
+                backend_versions=self._backend.versions(), process_count=self._count,
+                metrics=metrics, local=local, saved_at=saved_at)
+            driver_file, driver_bytes = DRIVER_FILE, json.dumps(body, indent=1).encode()
+            self._make_room(path)
+        else:
+            driver_file = drv.local_filename(self._index)
+            driver_bytes = json.dumps(local).encode()
+        if self._count > 1:
+            self._backend.barrier(f"jaxckpt.save.{step.global_step}", 600.0)
+        os.makedirs(path, exist_ok=True)
+        report = SaveReport(kind="recover", step=step.global_step, path=path, mode=mode,
+                            reason=reason)
+        self._recover_trigger.mark_saved()
+        handle = self._backend.write(os.path.join(path, STATE_DIR), state,
+                                     asynchronous=mode == "async")
+        report.blocking_s = time.perf_counter() - start
+        self._last["recover"] = report
+
+        def finish() -> None:
+            with open(os.path.join(path, driver_file), "wb") as handle_file:
+                handle_file.write(driver_bytes)
+            handle.wait()
+            self._commit(path, step.global_step, report)
+
+        self._run(report, finish, start)
+        return report
+
+    def _make_room(self, path: str) -> None:
+        """Primary: a directory already at this step's name is moved aside (committed: it
+        belongs to a discarded future, e.g. after restoring an older step) or removed."""
+        if not os.path.lexists(path):
+            return
+        if os.path.exists(os.path.join(path, COMMIT_MARKER)):
+            moved = self._store.quarantine(path, "superseded")
+            warnings.warn(f"{path} already held a committed checkpoint from an earlier attempt "
+                          f"at this step; it was moved to {moved} and is being replaced.",
+                          CheckpointWarning, stacklevel=4)
+        else:
+            self._store.delete(path)
+
+    def _commit(self, path: str, step: int, report: SaveReport) -> None:
+        """Background: every process's writes are done -> marker -> retention."""
+        if self._count > 1:
+            atomic_write(os.path.join(path, f"done.p{self._index:05d}"), b"")
+        if not self._primary:
+            self._wait_for(lambda: os.path.exists(os.path.join(path, COMMIT_MARKER)),
+                           f"the primary process to commit {path}")
+            report.bytes = None
+            return
+        if self._count > 1:
+            names = [f"done.p{i:05d}" for i in range(1, self._count)]
+            self._wait_for(lambda: all(os.path.exists(os.path.join(path, n)) for n in names),
+                           f"all {self._count} processes to finish writing {path}")
+        manifest = self._store.commit(path, step)
+        report.bytes = manifest.total_bytes
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        keep = self.recover_config.keep_last_n
+        with self._state_lock:
+            protected = set(self._reading)
+        victims = steps_to_delete(self._store.committed_steps(), keep, protected=protected)
+        for victim in victims:
+            path = self._store.step_path(victim)
+            try:
+                if not self._store.delete(path):
+                    log.info("jaxckpt: %s is being read; deleting it later", path)
+            except OSError as exc:  # never let housekeeping stop training
+                warnings.warn(f"retention could not delete {path}: {exc}; it will be retried "
+                              f"after the next save.", CheckpointWarning, stacklevel=2)
+
+    def _save_export(self, step: StepInfo, state: Any, reason: str) -> SaveReport:
+        start = time.perf_counter()
+        last = self._last.get("export")
+        if last is not None and last.step == step.global_step and last.error is None:
+            return last
+        self._drain()
+        self._raise_unraised()
+        config = self.export_config
+        assert config is not None and self._export_trigger is not None
+        name = export_dirname(step.epoch, step.epoch_step, step.global_step)
+        final = os.path.join(self._store.export_dir, name)
+        report = SaveReport(kind="export", step=step.global_step, path=final,
+                            mode=self._export_mode or "sync", reason=reason)
+        self._export_trigger.mark_saved()
+        # Async exports run from a host copy so training may update the arrays meanwhile.
+        source = self._backend.host_copy(state) if report.mode == "async" else state
+        report.blocking_s = time.perf_counter() - start
+        self._last["export"] = report
+
+        def finish() -> None:
+            if not self._primary:
+                return
+            tmp = self._store.export_tmp_path(name)
+            os.makedirs(tmp)
+            written = config.exporter(source, tmp)
+            if os.path.lexists(final):  # an export of this step from a discarded attempt
+                self._store.delete_export(final)
+            os.rename(tmp, final)
+            report.bytes = written if isinstance(written, int) else _tree_bytes(final)
+            self._apply_export_retention()
+
+        self._run(report, finish, start)
+        return report
+
+    def _apply_export_retention(self) -> None:
+        assert self.export_config is not None
+        entries = self._store.export_entries()
+        victims = set(steps_to_delete([s for s, _ in entries], self.export_config.keep_last_n))
+        for step, path in entries:
+            if step in victims:
+                try:
+                    self._store.delete_export(path)
+                except OSError as exc:
+                    warnings.warn(f"retention could not delete export {path}: {exc}",
+                                  CheckpointWarning, stacklevel=2)
+
+    def _run(self, report: SaveReport, finish: Callable[[], None], start: float) -> None:
+        """Run the rest of a save inline (sync) or on the background thread (async)."""
+
+        def job() -> None:
+            try:
+                finish()
+            except BaseException as exc:  # noqa: BLE001 - recorded, raised on the next call
+                report.error = exc
+                with self._state_lock:
+                    self._unraised.append(report)
+            finally:
+                report.total_s = time.perf_counter() - start
+                if report.mode == "sync":
+                    report.blocking_s = report.total_s
+                report._done.set()
+            if report.error is None and self._on_report is not None:
+                try:
+                    self._on_report(report)
+                except Exception as exc:  # noqa: BLE001 - a logging hook must not kill saves
+                    log.warning("jaxckpt: on_report callback raised %r", exc)
+
+        if report.mode == "sync":
+            job()
+            self._raise_unraised()
+        else:
+            self._pending.append(self._worker.submit(job))
+
+    # --- restoring ------------------------------------------------------------------------
+    def _restore(self, like: Any, *, stateful: Mapping[str, Any] | None, step: int | None,
+                 required: bool) -> Recovered | None:
+        self._drain()
+        self._raise_unraised()
+        checksums = self.recover_config.verify == "checksums"
+        skipped: list[str] = []
+        bad: list[Any] = []
+        chosen = -1
+        if self._primary:
+            if step is None:
+                entry, bad = self._store.latest_valid(checksums=checksums)
+                for item in bad:
+                    why = "; ".join(item.problems) or "no commit marker (interrupted save)"
+                    skipped.append(f"{item.path}: {item.status}: {why}")
+                if entry is not None:
+                    chosen = entry.step
+            else:
+                chosen = self._check_requested(step, checksums)
+        chosen = self._backend.broadcast_int(chosen) if self._count > 1 else chosen
+        if chosen < 0:
+            if skipped:
+                warnings.warn("no valid checkpoint to resume from; unusable ones: "
+                              + " | ".join(skipped), CheckpointWarning, stacklevel=3)
+            if required:
+                raise CheckpointNotFoundError(
+                    f"no valid recovery checkpoint under {self._store.recover_dir}"
+                    + (f" (unusable: {' | '.join(skipped)})" if skipped else "")
+                    + ". Train from scratch, or point the manager at the root that holds the "
+                      "checkpoints.")
+            return None
+        if skipped:
+            warnings.warn(f"resuming from step {chosen}, skipping newer unusable checkpoints: "
+                          + " | ".join(skipped), CheckpointWarning, stacklevel=3)
+        path = self._store.step_path(chosen)
+        with self._state_lock:
+            self._reading.add(chosen)
+        try:
+            with self._store.reading(path):
+                body = self._read_driver(path)
+                state = self._backend.read(os.path.join(path, STATE_DIR), like)
+                local = body.get("local") if self._primary else self._read_local(path)
+                self._restore_local(local, stateful, path)
+        finally:
+            with self._state_lock:
+                self._reading.discard(chosen)
+        # Unusable newer checkpoints would collide with the steps about to be redone: move
+        # them aside (kept for inspection; partial ones are just debris).
+        for item in bad:
+            with contextlib.suppress(OSError):
+                if item.status == "partial":
+                    self._store.delete(item.path)
+                else:
+                    self._store.quarantine(item.path, item.status)
+        step_info = StepInfo.from_json(body["step_info"])
+        # Training goes on from the restored step: saves made before it are history, and a
+        # later save of an equal step number is new work, not a duplicate.
+        self._last.clear()
+        self._recover_trigger.mark_saved()
+        if self._export_trigger is not None:
+            self._export_trigger.mark_saved()
+        return Recovered(state=state, step_info=step_info, path=path,
+                         metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped))
+
+    def _check_requested(self, step: int, checksums: bool) -> int:
+        path = self._store.step_path(step)
+        if not os.path.isdir(path):
+            available = self._store.committed_steps()
+            raise CheckpointNotFoundError(
+                f"no checkpoint for step {step} under {self._store.recover_dir}; committed steps "
+                f"are {available or 'none'}. Pass one of those, or step=None for the latest.")
+        problems = self._store.verify(path, checksums=checksums)
+        if problems:
+            raise CheckpointCorruptError(
+                f"checkpoint {path} failed verification: " + "; ".join(problems)
+                + ". Restore another step (step=None picks the latest valid one).")
+        return step
+
+    def _read_driver(self, path: str) -> dict[str, Any]:
+        file = os.path.join(path, DRIVER_FILE)
+        try:
+            with open(file, "rb") as handle:
+                body = drv.parse_driver(handle.read(), path)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{path}: driver.json is missing") from None
+        saved_backend = body.get("backend")
+        if saved_backend is not None and saved_backend != self._backend.name:
+            raise CheckpointError(
+                f"{path} was written by the {saved_backend!r} backend but this manager uses "
+                f"{self._backend.name!r}. Use the matching manager (jaxckpt.CheckpointManager "
+                f"for 'orbax', torch_bridge.DcpCheckpointManager for 'dcp').")
+        saved_count = body.get("process_count", 1)
+        if saved_count != self._count:
+            warnings.warn(
+                f"{path} was saved by {saved_count} process(es) and is restored by {self._count}: "
+                f"arrays are resharded; each process restores the local state (data-loader "
+                f"position, RNG) saved by the process of the same index, and processes with no "
+                f"saved counterpart keep their fresh local state. Check your data sharding.",
+                CheckpointWarning, stacklevel=4)
+        return body
+
+    def _read_local(self, path: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(path, drv.local_filename(self._index)), "rb") as handle:
+                return json.loads(handle.read())
+        except FileNotFoundError:
+            return None
+
+    def _restore_local(self, local: Mapping[str, Any] | None,
+                       stateful: Mapping[str, Any] | None, path: str) -> None:
+        if local is None:
+            if stateful:
+                warnings.warn(f"{path} has no local state for process {self._index}; stateful "
+                              f"objects keep their fresh state.", CheckpointWarning, stacklevel=4)
+            return
+        drv.restore_stateful(stateful, local.get("stateful") or {}, path)
+        if self.recover_config.restore_global_rng:
+            drv.restore_global_rng(local.get("rng") or {}, path)
+        backend_rng = local.get("backend_rng")
+        if backend_rng is not None:
+            from . import codec
+
+            self._backend.set_rng_state(codec.decode(backend_rng, "backend_rng"))
+
+    # --- plumbing -------------------------------------------------------------------------
+    def _agree(self, recover_reason: str | None,
+               export_reason: str | None) -> tuple[str | None, str | None]:
+        """In multi-process runs with time triggers, the primary's decision wins (clocks on
+        different hosts disagree). Step and epoch triggers agree by construction."""
+        timed = self.recover_config.every.seconds is not None or (
+            self.export_config is not None and self.export_config.every.seconds is not None)
+        if self._count == 1 or not timed:
+            return recover_reason, export_reason
+        bits = (1 if recover_reason else 0) | (2 if export_reason else 0)
+        bits = self._backend.broadcast_int(bits)
+        return ((recover_reason or "seconds") if bits & 1 else None,
+                (export_reason or "seconds") if bits & 2 else None)
+
+    def _wait_for(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = self._clock() + self._commit_timeout_s
+        while not condition():
+            if self._clock() > deadline:
+                raise TimeoutError(f"gave up after {self._commit_timeout_s} s waiting for {what}")
+            time.sleep(_POLL_S)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()  # job() never raises; errors land on their reports
+
+    def _raise_unraised(self) -> None:
+        with self._state_lock:
+            failed, self._unraised = self._unraised, []
+        if not failed:
+            return
+        first = failed[0]
+        if self._on_write_error == "warn":
+            for report in failed:
+                warnings.warn(str(_write_error(report, report.error)), CheckpointWarning,
+                              stacklevel=3)
+            return
+        raise _write_error(first, first.error)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed; create a new one.")
+
+
+def _check_step_info(step_info: Any) -> None:
+    if not isinstance(step_info, StepInfo):
+        raise ConfigError(f"step_info must be a jaxckpt.StepInfo, got {type(step_info).__name__} "
+                          f"{step_info!r}. Write StepInfo(epoch, epoch_step, global_step, "
+                          f"steps_per_epoch).")
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(dirpath, name))
+    return total
+
+
+def _default_backend() -> Backend:
+    from .orbax_backend import OrbaxBackend  # the only path from here to jax/orbax
+
+    return OrbaxBackend()

@@ -1,0 +1,34 @@
+"""The pure layer must not drag in jax, orbax or torch: checked in fresh interpreters."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("jax", "jaxlib", "orbax", "torch", "flax", "optax", "tensorstore")
+
+
+def imported_after(statement: str) -> list[str]:
+    code = (f"import sys, json\n{statement}\n"
+            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({list(HEAVY)!r}))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import jaxckpt",
+        "import jaxckpt.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, jaxckpt.codec",
+        "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors",
+        "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",
+    ],
+)
+def test_pure_layer_imports_no_framework(statement):
+    assert imported_after(statement) == []
+
+
+def test_cli_module_imports_no_framework():
+    assert imported_after("import jaxckpt.cli") == []
