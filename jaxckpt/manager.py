@@ -34,10 +34,11 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from . import driver as drv
@@ -158,6 +159,10 @@ class CheckpointManager:
     every finished :class:`SaveReport` (from the background thread in async mode).
     ``on_write_error``: "raise" makes a failed save raise at the next call; "warn" turns it
     into a ``CheckpointWarning`` so training continues (earlier checkpoints stay valid).
+    ``preemption_signals``: signals that request a checkpoint at the next step boundary
+    (``maybe_save`` saves with reason "preempted" and ``preempted`` becomes True, so the loop
+    can exit cleanly). Handlers are installed only from the main thread and the previous ones
+    are put back by ``close``. Pass ``()`` to leave signals alone.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, recover: RecoverConfig | None = None,
@@ -166,6 +171,7 @@ class CheckpointManager:
                  on_report: Callable[[SaveReport], Any] | None = None,
                  on_write_error: Literal["raise", "warn"] = "raise",
                  commit_timeout_s: float = 1800.0,
+                 preemption_signals: Sequence[int] = (signal.SIGTERM,),
                  clock: Callable[[], float] = time.monotonic):
         if not isinstance(root, (str, os.PathLike)):
             raise ConfigError(f"root must be a path (str or os.PathLike), got {root!r}.")
@@ -181,6 +187,7 @@ class CheckpointManager:
             raise ConfigError(f"on_report must be callable(report) or None, got {on_report!r}.")
         self.recover_config = recover
         self.export_config = export
+        self._owns_backend = backend is None
         self._backend = backend if backend is not None else _default_backend()
         self._mode = resolve_mode(mode, supports_async=self._backend.supports_async)
         self._export_mode = None if export is None else resolve_mode(
@@ -214,6 +221,10 @@ class CheckpointManager:
         self._reading: set[int] = set()
         self._state_lock = threading.Lock()
         self._closed = False
+        self._preempt_signal: int | None = None
+        self._preempted = False
+        self._previous_handlers: dict[int, Any] = {}
+        self._install_signal_handlers(tuple(preemption_signals))
 
     # --- public API -----------------------------------------------------------------------
     @property
@@ -227,6 +238,18 @@ class CheckpointManager:
     @property
     def backend(self) -> Backend:
         return self._backend
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal was turned into a checkpoint: stop the loop, then
+        ``close()`` (which waits for that checkpoint to commit)."""
+        return self._preempted
+
+    def request_preemption_save(self, signum: int = 0) -> None:
+        """Ask for a checkpoint at the next ``maybe_save``, as a preemption signal would (for
+        schedulers that announce preemption some other way, e.g. a metadata endpoint)."""
+        if self._preempt_signal is None:
+            self._preempt_signal = signum
 
     def committed_steps(self) -> list[int]:
         """Steps of committed recovery checkpoints, oldest first."""
@@ -271,7 +294,15 @@ class CheckpointManager:
         export_reason = None
         if self._export_trigger is not None and writes_periodic(self.export_config.keep_last_n):
             export_reason = self._export_trigger.due(step_info, epoch_end=epoch_end)
-        recover_reason, export_reason = self._agree(recover_reason, export_reason)
+        preempt = self._preempt_signal is not None and not self._preempted
+        recover_reason, export_reason, preempt = self._agree(recover_reason, export_reason, preempt)
+        if preempt:
+            self._preempted = True
+            if self.recover_config.enabled:
+                recover_reason = "preempted"
+            else:
+                warnings.warn("preemption requested but recovery is off: no checkpoint written.",
+                              CheckpointWarning, stacklevel=2)
         reports = []
         if recover_reason:
             reports.append(self._save_recover(step_info, state, stateful, metrics, recover_reason))
@@ -314,7 +345,11 @@ class CheckpointManager:
             self._drain()
         finally:
             self._closed = True
+            self._restore_signal_handlers()
             self._worker.shutdown(wait=True)
+            closer = getattr(self._backend, "close", None)
+            if self._owns_backend and callable(closer):
+                closer()
             if self._lock is not None:
                 self._lock.release()
         self._raise_unraised()
@@ -624,18 +659,38 @@ class CheckpointManager:
             self._backend.set_rng_state(codec.decode(backend_rng, "backend_rng"))
 
     # --- plumbing -------------------------------------------------------------------------
-    def _agree(self, recover_reason: str | None,
-               export_reason: str | None) -> tuple[str | None, str | None]:
-        """In multi-process runs with time triggers, the primary's decision wins (clocks on
-        different hosts disagree). Step and epoch triggers agree by construction."""
+    def _agree(self, recover_reason: str | None, export_reason: str | None,
+               preempt: bool) -> tuple[str | None, str | None, bool]:
+        """In multi-process runs with time triggers or preemption handling, the primary's
+        decision wins (clocks and signal delivery differ across hosts), shared by one small
+        broadcast per step. Step and epoch triggers agree by construction."""
         timed = self.recover_config.every.seconds is not None or (
             self.export_config is not None and self.export_config.every.seconds is not None)
-        if self._count == 1 or not timed:
-            return recover_reason, export_reason
-        bits = (1 if recover_reason else 0) | (2 if export_reason else 0)
+        if self._count == 1 or not (timed or self._previous_handlers):
+            return recover_reason, export_reason, preempt
+        bits = (1 if recover_reason else 0) | (2 if export_reason else 0) | (4 if preempt else 0)
         bits = self._backend.broadcast_int(bits)
         return ((recover_reason or "seconds") if bits & 1 else None,
-                (export_reason or "seconds") if bits & 2 else None)
+                (export_reason or "seconds") if bits & 2 else None, bool(bits & 4))
+
+    def _install_signal_handlers(self, signals: tuple[int, ...]) -> None:
+        if not signals or threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            # Only record: the save happens at the next step boundary, on the training thread.
+            if self._preempt_signal is None:
+                self._preempt_signal = signum
+
+        for signum in signals:
+            self._previous_handlers[signum] = signal.signal(signum, handler)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
     def _wait_for(self, condition: Callable[[], bool], what: str) -> None:
         deadline = self._clock() + self._commit_timeout_s
