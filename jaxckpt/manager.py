@@ -221,6 +221,7 @@ class CheckpointManager:
         self._reading: set[int] = set()
         self._state_lock = threading.Lock()
         self._closed = False
+        self._restored_step: int | None = None
         self._preempt_signal: int | None = None
         self._preempted = False
         self._previous_handlers: dict[int, Any] = {}
@@ -376,6 +377,10 @@ class CheckpointManager:
         last = self._last.get("recover")
         if last is not None and last.step == step.global_step and last.error is None:
             return last
+        if self._restored_step == step.global_step:
+            existing = self._already_committed(step.global_step, mode, reason)
+            if existing is not None:
+                return existing
         self._drain()
         self._raise_unraised()
         path = self._store.step_path(step.global_step)
@@ -415,6 +420,22 @@ class CheckpointManager:
             self._commit(path, step.global_step, report)
 
         self._run(report, finish, start)
+        return report
+
+    def _already_committed(self, step: int, mode: str, reason: str) -> SaveReport | None:
+        """A done report for the checkpoint just restored, which a save of the same step
+        (e.g. the final save of a run that resumed with nothing left to do) must not redo."""
+        path = self._store.step_path(step)
+        try:
+            manifest = self._store.read_manifest(path)
+        except CheckpointCorruptError:
+            return None
+        if manifest is None:
+            return None
+        report = SaveReport(kind="recover", step=step, path=path, mode=mode, reason=reason)
+        report.total_s, report.bytes = 0.0, manifest.total_bytes
+        report._done.set()
+        self._last["recover"] = report
         return report
 
     def _make_room(self, path: str) -> None:
@@ -592,6 +613,7 @@ class CheckpointManager:
         # Training goes on from the restored step: saves made before it are history, and a
         # later save of an equal step number is new work, not a duplicate.
         self._last.clear()
+        self._restored_step = chosen
         self._recover_trigger.mark_saved()
         if self._export_trigger is not None:
             self._export_trigger.mark_saved()

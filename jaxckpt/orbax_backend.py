@@ -25,6 +25,7 @@ import gc
 import importlib.metadata
 import itertools
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -277,6 +278,20 @@ class OrbaxWriteHandle:
 
 
 # -------------------------------------------------------------------------------- backend
+
+
+class _QuietOcdbtMerge(logging.Filter):
+    """Drops Orbax's "Skipping merge of OCDBT checkpoints" line: we turn OCDBT off on purpose
+    (measured faster here), so that message would print on every save and say nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT" not in record.getMessage()
+
+
+_QUIET = _QuietOcdbtMerge()
+for _logger_name in ("absl", "orbax"):
+    if _QUIET not in logging.getLogger(_logger_name).filters:
+        logging.getLogger(_logger_name).addFilter(_QUIET)
 
 
 class OrbaxBackend:

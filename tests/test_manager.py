@@ -323,3 +323,18 @@ def test_background_write_failure_is_raised_at_next_call_and_earlier_checkpoint_
         result = mgr.recover({"w": jax.ShapeDtypeStruct((16,), jnp.float32)})
     assert result.step_info.global_step in (0, 2)
     assert not os.path.exists(root / "recover" / "step_00000001")
+
+
+def test_saving_the_step_just_restored_does_not_rewrite_it(tmp_path):
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(StepInfo(0, 5, 5), tree(5.0))
+    marker = tmp_path / "recover" / "step_00000005" / COMMIT_MARKER
+    before = marker.stat().st_mtime_ns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        with CheckpointManager(tmp_path) as mgr:
+            result = mgr.recover(like())
+            report = mgr.save(result.step_info, result.state, mode="sync")
+    assert report.done() and report.bytes > 0 and report.step == 5
+    assert marker.stat().st_mtime_ns == before
+    assert not (tmp_path / "recover" / "superseded").exists()
