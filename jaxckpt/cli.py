@@ -1,0 +1,259 @@
+"""The ``jaxckpt`` command line.
+
+Owns: argument parsing and the human-readable output of the subcommands. Each subcommand is
+one ``_Command`` entry in ``COMMANDS`` (name, help, a function adding its arguments, a
+handler returning the exit code), so adding one (export-hf, import-hf, bench, run) is one
+entry and two small functions. Handlers import what they need lazily: ``jaxckpt ls`` and
+``jaxckpt verify`` never import jax, orbax or torch.
+
+Exit codes: 0 success, 1 a checkpoint is partial or corrupt (or the demo found a
+difference), 2 bad usage or a path that does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+EXIT_OK = 0
+EXIT_BAD_CHECKPOINT = 1
+EXIT_USAGE = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Command:
+    name: str
+    """The subcommand, as typed."""
+    help: str
+    """One line for ``jaxckpt --help``."""
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    """Adds the subcommand's own arguments."""
+    handler: Callable[[argparse.Namespace], int]
+    """Runs it; returns the exit code."""
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    for limit, unit, div in ((120, "s", 1), (7200, "m", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{int(seconds // div)}{unit}"
+    return f"{int(seconds // 86400)}d"
+
+
+def _dir_bytes(path: str) -> int:
+    """Bytes under a directory that has no manifest (a partial checkpoint)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], None]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        out("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+# ------------------------------------------------------------------------------ ls
+
+
+def _ls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", help="checkpoint root (the directory holding recover/)")
+    parser.add_argument("--checksums", action="store_true",
+                        help="re-read every file against its crc32 (slower; default: sizes)")
+
+
+def _ls(opts: argparse.Namespace) -> int:
+    from .store import CheckpointStore
+
+    store = CheckpointStore(opts.root)
+    if not os.path.isdir(store.root):
+        print(f"jaxckpt ls: no directory {store.root!r}", file=sys.stderr)
+        return EXIT_USAGE
+    entries = store.entries(checksums=opts.checksums)
+    if not entries:
+        print(f"no checkpoints under {store.recover_dir}")
+        return EXIT_OK
+    now = time.time()
+    rows = []
+    for entry in entries:
+        if entry.manifest is not None:
+            size: int | None = entry.manifest.total_bytes
+            created: float | None = entry.manifest.created
+        else:
+            size = _dir_bytes(entry.path)
+            try:
+                created = os.stat(entry.path).st_mtime
+            except OSError:
+                created = None
+        rows.append([str(entry.step), entry.status, _human_bytes(size),
+                     _human_age(None if created is None else now - created),
+                     os.path.basename(entry.path)])
+    _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"], print)
+    for entry in entries:
+        for problem in entry.problems:
+            print(f"  step {entry.step}: {problem}")
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------- verify
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="a checkpoint directory (recover/step_N), or a root to "
+                                     "verify every checkpoint under it")
+    parser.add_argument("--sizes-only", action="store_true",
+                        help="compare file sizes only, skip checksums")
+
+
+def _verify(opts: argparse.Namespace) -> int:
+    from .errors import CheckpointCorruptError, CheckpointNotFoundError
+    from .store import COMMIT_MARKER, CheckpointStore
+
+    path = os.path.abspath(opts.path)
+    if not os.path.isdir(path):
+        print(f"jaxckpt verify: no directory {opts.path!r}", file=sys.stderr)
+        return EXIT_USAGE
+    store = CheckpointStore(path)
+    if os.path.exists(os.path.join(path, COMMIT_MARKER)) or not os.path.isdir(store.recover_dir):
+        targets = [path]  # one checkpoint (committed or not)
+    else:
+        targets = [entry.path for entry in store.entries()]
+        if not targets:
+            print(f"no checkpoints under {store.recover_dir}")
+            return EXIT_OK
+    bad = 0
+    for target in targets:
+        try:
+            problems = CheckpointStore(os.path.dirname(target)).verify(
+                target, checksums=not opts.sizes_only)
+        except CheckpointNotFoundError as exc:
+            print(f"jaxckpt verify: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except CheckpointCorruptError as exc:
+            problems = [str(exc)]
+        if problems:
+            bad += 1
+            print(f"CORRUPT {target}")
+            for problem in problems:
+                print(f"  {problem}")
+        else:
+            print(f"OK      {target}")
+    return EXIT_BAD_CHECKPOINT if bad else EXIT_OK
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from .demo import add_demo_arguments  # numpy only; jax is imported by the worker
+
+    add_demo_arguments(parser)
+
+
+def _demo(opts: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(steps=opts.steps, save_every=opts.save_every, seed=opts.seed,
+                    mode=opts.mode)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--retries", type=int, default=3,
+                        help="restarts after the first attempt (default 3)")
+    parser.add_argument("--backoff", type=float, default=1.0,
+                        help="seconds before the first restart, doubling each time (default 1)")
+    parser.add_argument("--max-backoff", type=float, default=60.0,
+                        help="cap on the wait between restarts (default 60)")
+    parser.add_argument("--final-exit-codes", type=lambda s: tuple(int(c) for c in s.split(",") if c),
+                        default=(2, 78), help="comma-separated exit codes never retried "
+                                              "(default 2,78: usage and configuration errors)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the training command, after '--'")
+
+
+def _run(opts: argparse.Namespace) -> int:
+    import logging
+
+    from .errors import ConfigError
+    from .retry import RetryPolicy, run_command
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    command = list(opts.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    try:
+        policy = RetryPolicy(retries=opts.retries, backoff_s=opts.backoff,
+                             max_backoff_s=opts.max_backoff, final_exit_codes=opts.final_exit_codes)
+        return run_command(command, policy)
+    except ConfigError as exc:
+        print(f"jaxckpt run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+COMMANDS: tuple[_Command, ...] = (
+    _Command(name="demo", help="crash a small training run twice, resume it, show the result "
+                               "is bit-identical to an uninterrupted run",
+             add_arguments=_demo_arguments, handler=_demo),
+    _Command(name="ls", help="list the checkpoints under a root: step, status, size, age",
+             add_arguments=_ls_arguments, handler=_ls),
+    _Command(name="verify", help="check a checkpoint (or every one under a root) against its "
+                                 "commit manifest; exit 1 if any is partial or corrupt",
+             add_arguments=_verify_arguments, handler=_verify),
+    _Command(name="run", help="run a training command, restarting it from its latest "
+                              "checkpoint when it crashes: jaxckpt run --retries 3 -- python train.py",
+             add_arguments=_run_arguments, handler=_run),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ._version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="jaxckpt", description="Inspect jaxckpt checkpoints and run the demo.")
+    parser.add_argument("--version", action="version", version=f"jaxckpt {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub = commands.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(handler=command.handler)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jaxckpt`` console script; returns the exit code."""
+    opts = build_parser().parse_args(None if argv is None else list(argv))
+    return opts.handler(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""``jaxckpt ls`` and ``jaxckpt verify`` on a tiny real checkpoint root."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Committed checkpoints at steps 0 and 1, plus a partial one at step 2."""
+    root = tmp_path / "run"
+    state = {"w": np.arange(4096, dtype=np.float32), "b": np.ones((4, 4), np.int32)}
+    with jaxckpt.CheckpointManager(root, recover=jaxckpt.RecoverConfig(keep_last_n=None),
+                                   mode="sync") as mgr:
+        for step in (0, 1):
+            mgr.save(jaxckpt.StepInfo(0, step, step, 10), state)
+    partial = root / "recover" / "step_00000002"
+    partial.mkdir()
+    (partial / "driver.json").write_text("{}")
+    return root
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = cli.main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / "recover" / f"step_{step:08d}"
+
+
+def a_data_file(checkpoint: Path) -> Path:
+    """The largest file of a checkpoint other than the marker: the data of array "w"."""
+    files = [p for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMMITTED"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def test_ls_lists_every_step_with_status_size_and_age(root, capsys):
+    code, out = run_cli(capsys, "ls", str(root))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"]
+    rows = {int(line.split()[0]): line.split() for line in lines[1:]}
+    assert rows[0][1] == rows[1][1] == "committed"
+    assert rows[2][1] == "partial"
+    # SIZE is "<number> <unit>" (two words), then AGE, then DIRECTORY.
+    assert float(rows[0][2]) > 16 and rows[0][3] == "KiB"  # the 16 KiB array "w" and metadata
+    assert rows[0][4].endswith("s")  # seconds old
+    assert rows[0][5] == "step_00000000"
+    assert rows[2][2:4] == ["2", "B"]  # a partial one is sized by walking it
+
+
+def test_ls_shows_a_corrupt_checkpoint_and_why(root, capsys):
+    victim = a_data_file(step_dir(root, 1))
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated
+    code, out = run_cli(capsys, "ls", str(root))
+    assert code == 0
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:] if line[:1].isdigit()}
+    assert rows == {"0": "committed", "1": "corrupt", "2": "partial"}
+    assert victim.relative_to(step_dir(root, 1)).as_posix() in out
+
+
+def test_ls_of_an_empty_root_says_so(tmp_path, capsys):
+    code, out = run_cli(capsys, "ls", str(tmp_path))
+    assert code == 0 and "no checkpoints" in out
+
+
+def test_verify_accepts_an_intact_checkpoint(root, capsys):
+    code, out = run_cli(capsys, "verify", str(step_dir(root, 0)))
+    assert code == 0
+    assert out.startswith("OK")
+
+
+def test_verify_names_each_altered_file_and_exits_1(root, capsys):
+    checkpoint = step_dir(root, 1)
+    flipped = a_data_file(checkpoint)
+    data = bytearray(flipped.read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes: only the checksum can tell
+    flipped.write_bytes(bytes(data))
+    removed = checkpoint / "driver.json"
+    removed.unlink()
+    code, out = run_cli(capsys, "verify", str(checkpoint))
+    assert code == 1
+    assert out.startswith("CORRUPT")
+    assert f"{flipped.relative_to(checkpoint).as_posix()}: crc32" in out
+    assert "driver.json: missing" in out
+    # Sizes alone cannot see the flipped byte, but still see the missing file.
+    code, out = run_cli(capsys, "verify", "--sizes-only", str(checkpoint))
+    assert code == 1 and "crc32" not in out and "driver.json: missing" in out
+
+
+def test_verify_of_a_partial_checkpoint_exits_1(root, capsys):
+    code, out = run_cli(capsys, "verify", str(step_dir(root, 2)))
+    assert code == 1
+    assert "COMMITTED" in out and "not restorable" in out
+
+
+def test_verify_of_a_root_checks_every_checkpoint(root, capsys):
+    code, out = run_cli(capsys, "verify", str(root))
+    assert code == 1  # the partial step 2
+    assert [line.split()[0] for line in out.splitlines() if not line.startswith(" ")] == [
+        "OK", "OK", "CORRUPT"]
+
+
+def test_verify_of_a_missing_path_is_a_usage_error(tmp_path, capsys):
+    code, out = run_cli(capsys, "verify", str(tmp_path / "nope"))
+    assert code == 2 and "no directory" in out
+
+
+def test_module_entry_point_runs_without_importing_jax(root):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    probe = ("import sys, runpy; sys.argv = ['jaxckpt', 'ls', sys.argv[1]]\n"
+             "try:\n    runpy.run_module('jaxckpt.cli', run_name='__main__')\n"
+             "except SystemExit as exit:\n    code = exit.code\n"
+             "print('IMPORTED', sorted(m for m in ('jax', 'orbax', 'torch') if m in sys.modules))\n"
+             "sys.exit(code)\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(root)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "committed" in result.stdout
+    assert "IMPORTED []" in result.stdout
+
+
+def test_no_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
