@@ -76,7 +76,7 @@ class SaveReport:
     """
 
     __slots__ = ("kind", "step", "path", "mode", "reason", "blocking_s", "total_s", "bytes",
-                 "error", "_done")
+                 "error", "_done", "_delivered")
 
     def __init__(self, *, kind: str, step: int, path: str, mode: str, reason: str):
         self.kind = kind  #: "recover" or "export"
@@ -89,6 +89,7 @@ class SaveReport:
         self.bytes: int | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self._delivered = False  # the error was raised to the user once already
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -99,6 +100,7 @@ class SaveReport:
             raise TimeoutError(f"save of step {self.step} to {self.path} still running after "
                                f"{timeout} s")
         if self.error is not None:
+            self._delivered = True
             raise _write_error(self, self.error)
         return self
 
@@ -419,7 +421,7 @@ class CheckpointManager:
             handle.wait()
             self._commit(path, step.global_step, report)
 
-        self._run(report, finish, start)
+        self._run(report, finish, start, after=self._apply_retention if self._primary else None)
         return report
 
     def _already_committed(self, step: int, mode: str, reason: str) -> SaveReport | None:
@@ -466,7 +468,6 @@ class CheckpointManager:
                            f"all {self._count} processes to finish writing {path}")
         manifest = self._store.commit(path, step)
         report.bytes = manifest.total_bytes
-        self._apply_retention()
 
     def _apply_retention(self) -> None:
         keep = self.recover_config.keep_last_n
@@ -511,9 +512,9 @@ class CheckpointManager:
                 self._store.delete_export(final)
             os.rename(tmp, final)
             report.bytes = written if isinstance(written, int) else _tree_bytes(final)
-            self._apply_export_retention()
 
-        self._run(report, finish, start)
+        self._run(report, finish, start,
+                  after=self._apply_export_retention if self._primary else None)
         return report
 
     def _apply_export_retention(self) -> None:
@@ -528,8 +529,11 @@ class CheckpointManager:
                     warnings.warn(f"retention could not delete export {path}: {exc}",
                                   CheckpointWarning, stacklevel=2)
 
-    def _run(self, report: SaveReport, finish: Callable[[], None], start: float) -> None:
-        """Run the rest of a save inline (sync) or on the background thread (async)."""
+    def _run(self, report: SaveReport, finish: Callable[[], None], start: float, *,
+             after: Callable[[], None] | None = None) -> None:
+        """Run the rest of a save inline (sync) or on the background thread (async); then
+        ``after`` (retention) on the background thread in both modes, only if the save
+        succeeded: housekeeping never runs on, nor blocks, the training thread."""
 
         def job() -> None:
             try:
@@ -549,11 +553,21 @@ class CheckpointManager:
                 except Exception as exc:  # noqa: BLE001 - a logging hook must not kill saves
                     log.warning("jaxckpt: on_report callback raised %r", exc)
 
+        def housekeeping() -> None:
+            if after is None or report.error is not None:
+                return
+            try:
+                after()
+            except Exception as exc:  # noqa: BLE001 - retention must never stop training
+                warnings.warn(f"retention after {report.path} failed: {exc!r}; it is retried "
+                              f"after the next save.", CheckpointWarning, stacklevel=2)
+
         if report.mode == "sync":
             job()
+            self._pending.append(self._worker.submit(housekeeping))
             self._raise_unraised()
         else:
-            self._pending.append(self._worker.submit(job))
+            self._pending.append(self._worker.submit(lambda: (job(), housekeeping())))
 
     # --- restoring ------------------------------------------------------------------------
     def _restore(self, like: Any, *, stateful: Mapping[str, Any] | None, step: int | None,
@@ -729,6 +743,7 @@ class CheckpointManager:
     def _raise_unraised(self) -> None:
         with self._state_lock:
             failed, self._unraised = self._unraised, []
+        failed = [r for r in failed if not r._delivered]
         if not failed:
             return
         first = failed[0]
@@ -737,6 +752,7 @@ class CheckpointManager:
                 warnings.warn(str(_write_error(report, report.error)), CheckpointWarning,
                               stacklevel=3)
             return
+        first._delivered = True
         raise _write_error(first, first.error)
 
     def _check_usable(self) -> None:

@@ -338,3 +338,42 @@ def test_saving_the_step_just_restored_does_not_rewrite_it(tmp_path):
     assert report.done() and report.bytes > 0 and report.step == 5
     assert marker.stat().st_mtime_ns == before
     assert not (tmp_path / "recover" / "superseded").exists()
+
+
+def test_sync_save_runs_retention_off_the_training_thread(tmp_path):
+    import threading
+
+    from jaxckpt.store import CheckpointStore
+
+    threads = []
+    original = CheckpointStore.delete
+
+    def spy(self, path):
+        threads.append(threading.current_thread().name)
+        return original(self, path)
+
+    CheckpointStore.delete = spy
+    try:
+        with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=1), keep_last_n=1),
+                               mode="sync") as mgr:
+            run_steps(mgr, 3)
+            mgr.wait()
+            assert mgr.committed_steps() == [2]
+    finally:
+        CheckpointStore.delete = original
+    assert threads and all(name.startswith("jaxckpt-commit") for name in threads)
+
+
+def test_error_seen_through_report_wait_is_not_raised_twice(tmp_path):
+    def exporter(state, out_dir):
+        raise OSError("no space left on device")
+
+    mgr = CheckpointManager(tmp_path, export=ExportConfig(every=Every(steps=1), exporter=exporter,
+                                                          mode="async"))
+    (report,) = mgr.maybe_save(StepInfo(), tree())
+    with pytest.raises(jaxckpt.CheckpointWriteError, match="no space left"):
+        report.wait()
+    # The next call does not raise step 0's error again; the second export fails too ...
+    mgr.maybe_save(StepInfo(0, 1, 1), tree())
+    with pytest.raises(jaxckpt.CheckpointWriteError, match="step 1"):  # ... and is raised once
+        mgr.close()
