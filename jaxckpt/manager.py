@@ -497,8 +497,11 @@ class CheckpointManager:
         report = SaveReport(kind="export", step=step.global_step, path=final,
                             mode=self._export_mode or "sync", reason=reason)
         self._export_trigger.mark_saved()
-        # Async exports run from a host copy so training may update the arrays meanwhile.
-        source = self._backend.host_copy(state) if report.mode == "async" else state
+        # Async exports run from a host copy so training may update the arrays meanwhile; in
+        # multi-process runs the copy also gathers the shards (a collective every process
+        # joins), since only the primary writes the export.
+        needs_copy = report.mode == "async" or self._count > 1
+        source = self._backend.host_copy(state) if needs_copy else state
         report.blocking_s = time.perf_counter() - start
         self._last["export"] = report
 

@@ -1,0 +1,172 @@
+"""Two JAX processes on localhost (jax.distributed, CPU devices) checkpointing one sharded state.
+
+Each process writes its shards and its own local state; the primary commits and decides the
+time-based trigger for both; a single process with another mesh restores what they wrote.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig
+
+WORKER = textwrap.dedent('''
+    import json, os, sys, traceback
+    index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    try:
+        import jax
+        jax.config.update("jax_num_cpu_devices", 2)
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index,
+                                   initialization_timeout=60, heartbeat_timeout_seconds=10,
+                                   shutdown_timeout_seconds=10)
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxckpt import CheckpointManager, RecoverConfig, ExportConfig, Every, StepInfo
+
+        mesh = jax.make_mesh((4,), ("x",))
+        sharding = NamedSharding(mesh, P("x"))
+        assert jax.device_count() == 4 and jax.local_device_count() == 2
+
+        def weights(step):
+            base = np.arange(32, dtype=np.float32).reshape(8, 4) + 1000 * step
+            return jax.make_array_from_callback((8, 4), sharding, lambda idx: base[idx])
+
+        class Loader:  # each process reads its own shard of the data
+            def __init__(self):
+                self.position = 0
+            def state_dict(self):
+                return {"position": self.position, "process": index}
+            def load_state_dict(self, state):
+                self.position = state["position"]
+
+        now = [0.0]  # only the primary's clock ever moves: its decision must be shared
+        def clock():
+            return now[0]
+
+        def exporter(state, out_dir):
+            np.save(os.path.join(out_dir, "w.npy"), np.asarray(state["w"]), allow_pickle=False)
+
+        loader = Loader()
+        mgr = CheckpointManager(root, recover=RecoverConfig(every=Every(steps=4, seconds=50),
+                                                            keep_last_n=None),
+                                export=ExportConfig(every=Every(steps=4), exporter=exporter,
+                                                    mode="sync"),
+                                clock=clock, preemption_signals=())
+        events = []
+        step = StepInfo(0, 0, 0)
+        for _ in range(6):
+            loader.position += 1 + index  # processes advance differently
+            if index == 0 and step.global_step == 1:
+                now[0] += 100.0
+            for report in mgr.maybe_save(step, {"w": weights(step.global_step), "n": step.global_step},
+                                         stateful={"loader": loader}):
+                events.append([report.kind, report.step, report.reason])
+            step = step.next()
+        mgr.close()
+        print("EVENTS " + json.dumps(events), flush=True)
+        print("worker ok", flush=True)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)  # skip jax.distributed's shutdown barrier
+''')
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_process_root(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mp")
+    script = tmp / "worker.py"
+    script.write_text(WORKER)
+    root = str(tmp / "root")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = free_port()
+    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), root], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True) for i in range(2)]
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=180)[0])
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    for worker, output in zip(workers, outputs):
+        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+    events = [json.loads(next(l for l in out.splitlines() if l.startswith("EVENTS "))[7:])
+              for out in outputs]
+    return root, events
+
+
+def test_primary_decides_time_trigger_and_both_processes_agree(two_process_root):
+    _, (events0, events1) = two_process_root
+    assert events0 == events1
+    assert ["recover", 1, "seconds"] in events0  # only process 0's clock moved
+    assert ["recover", 3, "steps"] in events0 and ["export", 3, "steps"] in events0
+
+
+def test_primary_commits_once_and_each_process_wrote_its_local_state(two_process_root):
+    root, _ = two_process_root
+    step_dir = os.path.join(root, "recover", "step_00000003")
+    names = set(os.listdir(step_dir))
+    assert {"COMMITTED", "driver.json", "driver.p00001.json", "done.p00001", "state"} <= names
+    driver = json.load(open(os.path.join(step_dir, "driver.json")))
+    assert driver["process_count"] == 2
+    assert driver["local"]["stateful"]["loader"]["state"] == {"position": 4, "process": 0}
+    local1 = json.load(open(os.path.join(step_dir, "driver.p00001.json")))
+    assert local1["stateful"]["loader"]["state"] == {"position": 8, "process": 1}
+
+
+def test_one_process_restores_on_another_mesh(two_process_root):
+    root, _ = two_process_root
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    sharding = NamedSharding(mesh, P("b", "a"))
+    like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding), "n": 0}
+
+    class Loader:
+        position = None
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    loader = Loader()
+    with CheckpointManager(root, recover=RecoverConfig(keep_last_n=None)) as mgr:
+        with pytest.warns(CheckpointWarning, match="saved by 2 process"):
+            result = mgr.recover(like, stateful={"loader": loader})
+    assert result.step_info.global_step == 3 and result.state["n"] == 3
+    assert result.state["w"].sharding == sharding
+    expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 3000
+    np.testing.assert_array_equal(np.asarray(result.state["w"]), expected)
+    assert loader.position == 4  # process 0's local state
+
+
+def test_export_was_written_once_from_gathered_shards(two_process_root):
+    root, _ = two_process_root
+    exports = sorted(os.listdir(os.path.join(root, "export")))
+    assert exports == ["epoch0epochstep3globalstep3"]
+    w = np.load(os.path.join(root, "export", exports[0], "w.npy"))
+    np.testing.assert_array_equal(w, np.arange(32, dtype=np.float32).reshape(8, 4) + 3000)
