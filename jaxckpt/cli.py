@@ -184,6 +184,78 @@ def _demo(opts: argparse.Namespace) -> int:
                     mode=opts.mode)
 
 
+# ---------------------------------------------------------------------------- info
+
+
+def _info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="a checkpoint directory (recover/step_N)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--leaves", type=int, default=40,
+                        help="array leaves to list (default 40; 0 for all)")
+
+
+def _info(opts: argparse.Namespace) -> int:
+    """What a checkpoint holds, read from its JSON files only (never from array data, and
+    never from a backend's own binary metadata)."""
+    import json
+
+    from .errors import CheckpointCorruptError
+    from .store import COMMIT_MARKER, DRIVER_FILE, CheckpointStore
+
+    path = os.path.abspath(opts.path)
+    if not os.path.isdir(path):
+        print(f"jaxckpt info: no directory {opts.path!r}", file=sys.stderr)
+        return EXIT_USAGE
+    info: dict = {"path": path}
+    try:
+        manifest = CheckpointStore(os.path.dirname(path)).read_manifest(path)
+    except CheckpointCorruptError as exc:
+        manifest, info["manifest_error"] = None, str(exc)
+    info["status"] = "committed" if manifest else ("corrupt" if "manifest_error" in info else "partial")
+    if manifest:
+        info["files"], info["bytes"] = len(manifest.files), manifest.total_bytes
+    try:
+        with open(os.path.join(path, DRIVER_FILE)) as handle:
+            driver = json.load(handle)
+        for key in ("kind", "reason", "backend", "process_count", "step_info", "metrics", "versions"):
+            info[key] = driver.get(key)
+        info["saved_at"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(driver.get("saved_at", 0)))
+        local = driver.get("local") or {}
+        info["stateful"] = sorted((local.get("stateful") or {}).keys())
+        info["rng"] = sorted((local.get("rng") or {}).keys())
+    except (OSError, ValueError) as exc:
+        info["driver_error"] = f"{DRIVER_FILE}: {exc}"
+    tree_file = os.path.join(path, "state", "tree.json")
+    if os.path.exists(tree_file):
+        with open(tree_file) as handle:
+            leaves = json.load(handle).get("leaves", [])
+        info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
+                           "dtype": leaf.get("dtype")} for leaf in leaves]
+    if opts.json:
+        print(json.dumps(info, indent=1, default=str))
+        return EXIT_OK
+    for key in ("path", "status", "kind", "reason", "backend", "process_count", "saved_at"):
+        if key in info:
+            print(f"{key:14} {info[key]}")
+    if "bytes" in info:
+        print(f"{'size':14} {_human_bytes(info['bytes'])} in {info['files']} files")
+    for key in ("step_info", "metrics", "stateful", "rng", "versions"):
+        if info.get(key):
+            print(f"{key:14} {json.dumps(info[key], default=str)}")
+    for key in ("manifest_error", "driver_error"):
+        if key in info:
+            print(f"{'problem':14} {info[key]}")
+    leaves = info.get("leaves") or []
+    if leaves:
+        shown = leaves if opts.leaves == 0 else leaves[:opts.leaves]
+        print(f"arrays ({len(leaves)} leaves):")
+        _print_table([[leaf["path"], str(tuple(leaf["shape"] or ())), str(leaf["dtype"])]
+                      for leaf in shown], ["PATH", "SHAPE", "DTYPE"], print)
+        if len(shown) < len(leaves):
+            print(f"  ... {len(leaves) - len(shown)} more (--leaves 0 lists all)")
+    return EXIT_OK if info["status"] == "committed" else EXIT_BAD_CHECKPOINT
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -229,6 +301,9 @@ COMMANDS: tuple[_Command, ...] = (
     _Command(name="verify", help="check a checkpoint (or every one under a root) against its "
                                  "commit manifest; exit 1 if any is partial or corrupt",
              add_arguments=_verify_arguments, handler=_verify),
+    _Command(name="info", help="show what one checkpoint holds: step, metrics, versions, "
+                               "stateful objects, array leaves",
+             add_arguments=_info_arguments, handler=_info),
     _Command(name="run", help="run a training command, restarting it from its latest "
                               "checkpoint when it crashes: jaxckpt run --retries 3 -- python train.py",
              add_arguments=_run_arguments, handler=_run),

@@ -137,3 +137,21 @@ def test_no_subcommand_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([])
     assert exit_info.value.code == 2
+
+
+def test_info_shows_step_versions_and_leaves(root, capsys):
+    code, out = run_cli(capsys, "info", str(step_dir(root, 1)))
+    assert code == 0, out
+    assert "committed" in out and '"global_step": 1' in out and '"jaxckpt"' in out
+    assert "['w']" in out and "(4096,)" in out and "float32" in out
+
+
+def test_info_json_and_partial_checkpoint(root, capsys):
+    import json
+
+    code, out = run_cli(capsys, "info", "--json", str(step_dir(root, 1)))
+    body = json.loads(out)
+    assert code == 0 and body["backend"] == "orbax" and body["step_info"]["global_step"] == 1
+    assert {leaf["path"] for leaf in body["leaves"]} == {"['w']", "['b']"}
+    code, out = run_cli(capsys, "info", str(step_dir(root, 2)))
+    assert code == 1 and "partial" in out

@@ -22,7 +22,7 @@ def imported_after(statement: str) -> list[str]:
     [
         "import jaxckpt",
         "import jaxckpt.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, jaxckpt.codec",
-        "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors",
+        "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",
     ],
 )
