@@ -9,7 +9,7 @@ manager without an explicit backend is created.
 """
 
 from ._version import __version__
-from .config import Every, ExportConfig, RecoverConfig, StepInfo
+from .config import Every, ExportConfig, RecoverConfig, StepInfo, Versioned
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -29,6 +29,7 @@ __all__ = [
     "StepInfo",
     "RecoverConfig",
     "ExportConfig",
+    "Versioned",
     "CheckpointManager",
     "SaveReport",
     "Recovered",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from .errors import ConfigError
 
 __all__ = [
     "Every",
+    "Versioned",
     "StepInfo",
     "RecoverConfig",
     "ExportConfig",
@@ -155,6 +157,62 @@ class StepInfo:
         return cls(int(data["epoch"]), int(data["epoch_step"]), int(data["global_step"]),
                    data.get("steps_per_epoch"), tokens_seen=int(data.get("tokens_seen", 0)),
                    counters=data.get("counters") or {})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Versioned:
+    """An auxiliary item (e.g. a GRPO reference policy) tagged with its version.
+
+    Pass it in ``items=`` of ``maybe_save``/``save``: a version is written once, the first
+    time a recovery checkpoint needs it, and every later checkpoint only refers to it.
+    """
+
+    version: int
+    """Increases whenever the item changes (e.g. the number of reference updates so far)."""
+    tree: Any
+    """The item's arrays, in the backend's state format."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise ConfigError(f"Versioned.version must be an int >= 0, got {self.version!r}.")
+
+
+def item_version(every: Every, step: StepInfo, *, epoch_end: bool) -> int:
+    """The version an item updated on ``every``'s cadence has after ``step``: the number of
+    updates completed so far, derived from the counters so a resumed run numbers them alike."""
+    if every.steps is not None:
+        return (step.global_step + 1) // every.steps
+    assert every.epochs is not None
+    completed_epochs = step.epoch + (1 if epoch_end else 0)
+    return completed_epochs // every.epochs
+
+
+_ITEM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_item_name(name: Any) -> None:
+    """An item name becomes a directory name: letters, digits, '_', '.', '-'."""
+    if not isinstance(name, str) or not _ITEM_NAME.match(name):
+        raise ConfigError(f"items[{name!r}]: an item name must be 1-128 letters, digits, '_', "
+                          f"'.' or '-' starting with a letter or digit (it names a directory).")
+
+
+def check_item_cadences(items: Mapping[str, Any], recover: RecoverConfig) -> None:
+    """Reject item cadences a resumed run could not reproduce, naming both settings."""
+    for name, every in items.items():
+        where = f"items[{name!r}]"
+        check_item_name(name)
+        if not isinstance(every, Every):
+            raise ConfigError(f"{where} must be a jaxckpt.Every giving how often the item changes, "
+                              f"got {every!r}. Write items={{{name!r}: Every(steps=100)}}.")
+        if every.seconds is not None or every.never or (every.steps and every.epochs):
+            raise ConfigError(
+                f"{where}={every} is inconsistent with RecoverConfig.every={recover.every}: an "
+                f"item's version is derived from the step counters, so it must change on exactly "
+                f"one of steps=N or epochs=N (never on seconds: a resumed run would number its "
+                f"versions differently than the checkpoints it resumes from). Use e.g. "
+                f"Every(steps=...) matching how often you update the item, or pass "
+                f"jaxckpt.Versioned(version, tree) yourself and leave it out of items=.")
 
 
 def _check_keep_last_n(owner: str, value: Any) -> None:

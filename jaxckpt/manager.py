@@ -43,7 +43,16 @@ from typing import Any, Literal
 
 from . import driver as drv
 from .backend import Backend
-from .config import ExportConfig, RecoverConfig, StepInfo
+from .config import (
+    Every,
+    ExportConfig,
+    RecoverConfig,
+    StepInfo,
+    Versioned,
+    check_item_cadences,
+    check_item_name,
+    item_version,
+)
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -152,6 +161,10 @@ class Recovered:
     """The metrics passed to the save that wrote this checkpoint."""
     skipped: tuple[str, ...] = ()
     """Newer checkpoints that were not usable, each with the reason."""
+    items: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Restored auxiliary items (those asked for with ``items=``), by name."""
+    item_versions: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The version of every item the checkpoint refers to."""
 
 
 class CheckpointManager:
@@ -165,6 +178,11 @@ class CheckpointManager:
     (``maybe_save`` saves with reason "preempted" and ``preempted`` becomes True, so the loop
     can exit cleanly). Handlers are installed only from the main thread and the previous ones
     are put back by ``close``. Pass ``()`` to leave signals alone.
+    ``items``: auxiliary items that change on their own cadence (e.g. a GRPO reference policy
+    updated every K steps), ``{name: Every(steps=K)}``. Pass the item's tree in ``items=`` of
+    ``maybe_save``/``save``: its version is derived from the step and it is written only the
+    first time a checkpoint needs that version (``jaxckpt.Versioned(version, tree)`` gives the
+    version explicitly instead). Every checkpoint restores the version current when it was taken.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, recover: RecoverConfig | None = None,
@@ -174,6 +192,7 @@ class CheckpointManager:
                  on_write_error: Literal["raise", "warn"] = "raise",
                  commit_timeout_s: float = 1800.0,
                  preemption_signals: Sequence[int] = (signal.SIGTERM,),
+                 items: Mapping[str, Every] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if not isinstance(root, (str, os.PathLike)):
             raise ConfigError(f"root must be a path (str or os.PathLike), got {root!r}.")
@@ -187,8 +206,10 @@ class CheckpointManager:
             raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}.")
         if on_report is not None and not callable(on_report):
             raise ConfigError(f"on_report must be callable(report) or None, got {on_report!r}.")
+        check_item_cadences(items or {}, recover)
         self.recover_config = recover
         self.export_config = export
+        self._item_cadences: dict[str, Every] = dict(items or {})
         self._owns_backend = backend is None
         self._backend = backend if backend is not None else _default_backend()
         self._mode = resolve_mode(mode, supports_async=self._backend.supports_async)
@@ -211,6 +232,9 @@ class CheckpointManager:
                 log.warning("jaxckpt: removed %d partial or temporary entries left by an "
                             "interrupted run: %s", len(removed), removed)
         self._backend.barrier("jaxckpt.init", 120.0)
+        # Versions already on disk (committed) per item: never written twice.
+        self._written_items: dict[str, set[int]] = {
+            name: set(self._store.item_versions(name)) for name in self._store.item_names()}
         self._recover_trigger = SaveTrigger(recover.every, clock=clock)
         self._export_trigger = SaveTrigger(export.every, clock=clock) if export else None
         self._clock = clock
@@ -258,35 +282,41 @@ class CheckpointManager:
         """Steps of committed recovery checkpoints, oldest first."""
         return self._store.committed_steps()
 
-    def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None) -> Recovered | None:
+    def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None,
+                items: Mapping[str, Any] | None = None) -> Recovered | None:
         """Resume from the latest valid recovery checkpoint, or return None when there is
         none (or recovery is off). ``stateful`` objects are restored in place and remembered
-        as the default for later saves."""
+        as the default for later saves. ``items`` maps item names to ``like`` trees: each is
+        restored at the version the checkpoint refers to."""
         self._check_usable()
         if stateful is not None:
             drv.capture_stateful(stateful)  # validate early: a bad object fails now, not at the first save
             self._default_stateful = stateful
         if not self.recover_config.enabled:
             return None
-        return self._restore(like, stateful=stateful, step=None, required=False)
+        return self._restore(like, stateful=stateful, step=None, required=False, items=items)
 
     def restore(self, like: Any, *, step: int | None = None,
-                stateful: Mapping[str, Any] | None = None) -> Recovered:
+                stateful: Mapping[str, Any] | None = None,
+                items: Mapping[str, Any] | None = None) -> Recovered:
         """Restore a recovery checkpoint (``step=None``: the latest valid one), whatever the
         recover mode. Raises ``CheckpointNotFoundError`` when there is none."""
         self._check_usable()
-        result = self._restore(like, stateful=stateful, step=step, required=True)
+        result = self._restore(like, stateful=stateful, step=step, required=True, items=items)
         assert result is not None
         return result
 
     def maybe_save(self, step_info: StepInfo, state: Any, *,
                    stateful: Mapping[str, Any] | None = None,
                    metrics: Mapping[str, Any] | None = None,
-                   epoch_end: bool | None = None) -> list[SaveReport]:
+                   epoch_end: bool | None = None,
+                   items: Mapping[str, Any] | None = None) -> list[SaveReport]:
         """Save a recovery checkpoint and/or an export if one is due after ``step_info``.
 
         ``epoch_end`` defaults to what ``step_info`` says (last step of its epoch, when
-        ``steps_per_epoch`` is known). Returns the reports of the saves started (often [])."""
+        ``steps_per_epoch`` is known). ``items``: auxiliary items (see the class docstring),
+        only touched when a recovery checkpoint is due. Returns the reports of the saves
+        started (often [])."""
         self._check_usable()
         _check_step_info(step_info)
         if epoch_end is None:
@@ -308,7 +338,8 @@ class CheckpointManager:
                               CheckpointWarning, stacklevel=2)
         reports = []
         if recover_reason:
-            reports.append(self._save_recover(step_info, state, stateful, metrics, recover_reason))
+            reports.append(self._save_recover(step_info, state, stateful, metrics, recover_reason,
+                                              items=items, epoch_end=epoch_end))
         if export_reason:
             reports.append(self._save_export(step_info, state, export_reason))
         return reports
@@ -316,7 +347,9 @@ class CheckpointManager:
     def save(self, step_info: StepInfo, state: Any, *,
              stateful: Mapping[str, Any] | None = None,
              metrics: Mapping[str, Any] | None = None,
-             mode: str | None = None) -> SaveReport:
+             mode: str | None = None,
+             items: Mapping[str, Any] | None = None,
+             epoch_end: bool | None = None) -> SaveReport:
         """A forced recovery checkpoint (e.g. at the end of training), whatever the triggers
         and the recover mode. ``mode`` overrides the manager's save mode for this call (the
         final save of a run is usually ``mode="sync"``). Saving a step this manager already
@@ -325,7 +358,10 @@ class CheckpointManager:
         _check_step_info(step_info)
         override = None if mode is None else resolve_mode(
             mode, supports_async=self._backend.supports_async, field="save(mode=...)")
-        return self._save_recover(step_info, state, stateful, metrics, "forced", override)
+        if epoch_end is None:
+            epoch_end = step_info.is_epoch_end
+        return self._save_recover(step_info, state, stateful, metrics, "forced", override,
+                                  items=items, epoch_end=epoch_end)
 
     def export(self, step_info: StepInfo, state: Any) -> SaveReport:
         """A forced export (needs ``export=ExportConfig(...)``)."""
@@ -373,7 +409,8 @@ class CheckpointManager:
     # --- saving ---------------------------------------------------------------------------
     def _save_recover(self, step: StepInfo, state: Any, stateful: Mapping[str, Any] | None,
                       metrics: Mapping[str, Any] | None, reason: str,
-                      mode: str | None = None) -> SaveReport:
+                      mode: str | None = None, *, items: Mapping[str, Any] | None = None,
+                      epoch_end: bool = False) -> SaveReport:
         start = time.perf_counter()
         mode = mode or self._mode
         last = self._last.get("recover")
@@ -386,6 +423,7 @@ class CheckpointManager:
         self._drain()
         self._raise_unraised()
         path = self._store.step_path(step.global_step)
+        item_versions = self._item_versions(items, step, epoch_end)
         stateful = self._default_stateful if stateful is None else stateful
         # Snapshot everything mutable now, on the training thread: the loop moves on at once.
         local = drv.build_local(
@@ -399,6 +437,7 @@ class CheckpointManager:
                 kind="recover", reason=reason, step=step, backend_name=self._backend.name,
                 backend_versions=self._backend.versions(), process_count=self._count,
                 metrics=metrics, local=local, saved_at=saved_at)
+            body["items"] = {name: {"version": v} for name, (v, _) in item_versions.items()}
             driver_file, driver_bytes = DRIVER_FILE, json.dumps(body, indent=1).encode()
             self._make_room(path)
         else:
@@ -410,6 +449,22 @@ class CheckpointManager:
         report = SaveReport(kind="recover", step=step.global_step, path=path, mode=mode,
                             reason=reason)
         self._recover_trigger.mark_saved()
+        # Item versions no checkpoint has written yet go first; the backend serialises writes,
+        # so this costs time only on saves where an item changed.
+        item_writes = []
+        with self._state_lock:
+            written = {name: set(v) for name, v in self._written_items.items()}
+        for name, (version, tree) in item_versions.items():
+            if version in written.get(name, set()):
+                continue
+            item_dir = self._store.item_path(name, version)
+            if self._primary and os.path.lexists(item_dir):
+                self._store.delete(item_dir)  # an uncommitted attempt at this version
+            if self._count > 1:
+                self._backend.barrier(f"jaxckpt.item.{name}.{version}", 600.0)
+            os.makedirs(item_dir, exist_ok=True)
+            item_writes.append((name, version, item_dir, self._backend.write(
+                os.path.join(item_dir, STATE_DIR), tree, asynchronous=mode == "async")))
         handle = self._backend.write(os.path.join(path, STATE_DIR), state,
                                      asynchronous=mode == "async")
         report.blocking_s = time.perf_counter() - start
@@ -418,11 +473,40 @@ class CheckpointManager:
         def finish() -> None:
             with open(os.path.join(path, driver_file), "wb") as handle_file:
                 handle_file.write(driver_bytes)
+            item_bytes = 0
+            for name, version, item_dir, item_handle in item_writes:
+                item_handle.wait()
+                item_bytes += self._commit_dir(item_dir, version)
+                with self._state_lock:
+                    self._written_items.setdefault(name, set()).add(version)
             handle.wait()
             self._commit(path, step.global_step, report)
+            if report.bytes is not None:
+                report.bytes += item_bytes
 
         self._run(report, finish, start, after=self._apply_retention if self._primary else None)
         return report
+
+    def _item_versions(self, items: Mapping[str, Any] | None, step: StepInfo,
+                       epoch_end: bool) -> dict[str, tuple[int, Any]]:
+        """name -> (version, tree) for the items of one save, validated."""
+        out: dict[str, tuple[int, Any]] = {}
+        if items is None:
+            return out
+        if not isinstance(items, Mapping):
+            raise ConfigError(f"items must be a dict of name -> tree, got {type(items).__name__}.")
+        for name, value in items.items():
+            if isinstance(value, Versioned):
+                check_item_name(name)
+                out[name] = (value.version, value.tree)
+            elif name in self._item_cadences:
+                out[name] = (item_version(self._item_cadences[name], step, epoch_end=epoch_end), value)
+            else:
+                raise ConfigError(
+                    f"items[{name!r}] has no version: declare its cadence with "
+                    f"CheckpointManager(items={{{name!r}: Every(steps=K)}}) or pass "
+                    f"jaxckpt.Versioned(version, tree).")
+        return out
 
     def _already_committed(self, step: int, mode: str, reason: str) -> SaveReport | None:
         """A done report for the checkpoint just restored, which a save of the same step
@@ -454,20 +538,24 @@ class CheckpointManager:
             self._store.delete(path)
 
     def _commit(self, path: str, step: int, report: SaveReport) -> None:
-        """Background: every process's writes are done -> marker -> retention."""
+        """Background: every process's writes are done -> marker (sizes on the report)."""
+        written = self._commit_dir(path, step)
+        report.bytes = written if self._primary else None
+
+    def _commit_dir(self, path: str, step: int) -> int:
+        """Once every process finished writing ``path``, the primary commits it. Returns the
+        bytes committed (0 on other processes, which wait until the marker exists)."""
         if self._count > 1:
             atomic_write(os.path.join(path, f"done.p{self._index:05d}"), b"")
         if not self._primary:
             self._wait_for(lambda: os.path.exists(os.path.join(path, COMMIT_MARKER)),
                            f"the primary process to commit {path}")
-            report.bytes = None
-            return
+            return 0
         if self._count > 1:
             names = [f"done.p{i:05d}" for i in range(1, self._count)]
             self._wait_for(lambda: all(os.path.exists(os.path.join(path, n)) for n in names),
                            f"all {self._count} processes to finish writing {path}")
-        manifest = self._store.commit(path, step)
-        report.bytes = manifest.total_bytes
+        return self._store.commit(path, step).total_bytes
 
     def _apply_retention(self) -> None:
         keep = self.recover_config.keep_last_n
@@ -475,13 +563,41 @@ class CheckpointManager:
             protected = set(self._reading)
         victims = steps_to_delete(self._store.committed_steps(), keep, protected=protected)
         for victim in victims:
-            path = self._store.step_path(victim)
+            self._delete_quietly(self._store.step_path(victim))
+        self._prune_items()
+
+    def _prune_items(self) -> None:
+        """Delete item versions that no committed checkpoint refers to any more (the newest
+        version of each item is always kept: the next checkpoint may refer to it)."""
+        names = self._store.item_names()
+        if not names:
+            return
+        referenced: dict[str, set[int]] = {name: set() for name in names}
+        for step in self._store.committed_steps():
             try:
-                if not self._store.delete(path):
-                    log.info("jaxckpt: %s is being read; deleting it later", path)
-            except OSError as exc:  # never let housekeeping stop training
-                warnings.warn(f"retention could not delete {path}: {exc}; it will be retried "
-                              f"after the next save.", CheckpointWarning, stacklevel=2)
+                with open(os.path.join(self._store.step_path(step), DRIVER_FILE), "rb") as handle:
+                    refs = json.loads(handle.read()).get("items") or {}
+            except (OSError, ValueError):
+                return  # cannot tell what is referenced: keep everything this time
+            for name, ref in refs.items():
+                referenced.setdefault(name, set()).add(int(ref.get("version", -1)))
+        for name in names:
+            versions = self._store.item_versions(name)
+            for version in versions[:-1]:
+                if version not in referenced.get(name, set()):
+                    if self._delete_quietly(self._store.item_path(name, version)):
+                        with self._state_lock:
+                            self._written_items.get(name, set()).discard(version)
+
+    def _delete_quietly(self, path: str) -> bool:
+        try:
+            if self._store.delete(path):
+                return True
+            log.info("jaxckpt: %s is being read; deleting it later", path)
+        except OSError as exc:  # never let housekeeping stop training
+            warnings.warn(f"retention could not delete {path}: {exc}; it will be retried "
+                          f"after the next save.", CheckpointWarning, stacklevel=3)
+        return False
 
     def _save_export(self, step: StepInfo, state: Any, reason: str) -> SaveReport:
         start = time.perf_counter()
@@ -574,7 +690,7 @@ class CheckpointManager:
 
     # --- restoring ------------------------------------------------------------------------
     def _restore(self, like: Any, *, stateful: Mapping[str, Any] | None, step: int | None,
-                 required: bool) -> Recovered | None:
+                 required: bool, items: Mapping[str, Any] | None = None) -> Recovered | None:
         self._drain()
         self._raise_unraised()
         checksums = self.recover_config.verify == "checksums"
@@ -583,14 +699,31 @@ class CheckpointManager:
         chosen = -1
         if self._primary:
             if step is None:
-                entry, bad = self._store.latest_valid(checksums=checksums)
+                limit = None
+                while True:
+                    entry, newly_bad = self._store.latest_valid(checksums=checksums,
+                                                                at_or_before=limit)
+                    bad += newly_bad
+                    if entry is None:
+                        break
+                    problems = self._item_problems(entry.path, checksums)
+                    if not problems:
+                        chosen = entry.step
+                        break
+                    # A checkpoint whose items are gone or damaged cannot be restored whole.
+                    bad.append(dataclasses.replace(entry, status="corrupt",
+                                                   problems=tuple(problems)))
+                    limit = entry.step - 1
                 for item in bad:
                     why = "; ".join(item.problems) or "no commit marker (interrupted save)"
                     skipped.append(f"{item.path}: {item.status}: {why}")
-                if entry is not None:
-                    chosen = entry.step
             else:
                 chosen = self._check_requested(step, checksums)
+                problems = self._item_problems(self._store.step_path(step), checksums)
+                if problems:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {self._store.step_path(step)} refers to unusable items: "
+                        + "; ".join(problems) + ". Restore another step.")
         chosen = self._backend.broadcast_int(chosen) if self._count > 1 else chosen
         if chosen < 0:
             if skipped:
@@ -613,6 +746,9 @@ class CheckpointManager:
             with self._store.reading(path):
                 body = self._read_driver(path)
                 state = self._backend.read(os.path.join(path, STATE_DIR), like)
+                versions = {name: int(ref["version"])
+                            for name, ref in (body.get("items") or {}).items()}
+                restored_items = self._read_items(items, versions, path)
                 local = body.get("local") if self._primary else self._read_local(path)
                 self._restore_local(local, stateful, path)
         finally:
@@ -635,7 +771,38 @@ class CheckpointManager:
         if self._export_trigger is not None:
             self._export_trigger.mark_saved()
         return Recovered(state=state, step_info=step_info, path=path,
-                         metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped))
+                         metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped),
+                         items=restored_items, item_versions=versions)
+
+    def _item_problems(self, path: str, checksums: bool) -> list[str]:
+        """What is wrong with the item versions a committed checkpoint refers to."""
+        try:
+            with open(os.path.join(path, DRIVER_FILE), "rb") as handle:
+                refs = json.loads(handle.read()).get("items") or {}
+        except (OSError, ValueError):
+            return []  # the driver problem itself is reported when the driver is read
+        problems = []
+        for name, ref in refs.items():
+            item_dir = self._store.item_path(name, int(ref.get("version", -1)))
+            try:
+                for problem in self._store.verify(item_dir, checksums=checksums):
+                    problems.append(f"item {name!r} v{ref.get('version')}: {problem}")
+            except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+                problems.append(f"item {name!r} v{ref.get('version')}: {exc}")
+        return problems
+
+    def _read_items(self, items: Mapping[str, Any] | None, versions: Mapping[str, int],
+                    path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, like in (items or {}).items():
+            if name not in versions:
+                warnings.warn(f"{path} refers to no version of item {name!r} (saved without it); "
+                              f"it is not restored.", CheckpointWarning, stacklevel=4)
+                continue
+            item_dir = self._store.item_path(name, versions[name])
+            with self._store.reading(item_dir):
+                out[name] = self._backend.read(os.path.join(item_dir, STATE_DIR), like)
+        return out
 
     def _check_requested(self, step: int, checksums: bool) -> int:
         path = self._store.step_path(step)

@@ -58,7 +58,10 @@ MANIFEST_FORMAT = "jaxckpt.commit/1"
 RECOVER = "recover"
 EXPORT = "export"
 SUPERSEDED = "superseded"
+ITEMS = "items"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+_VERSION_RE = re.compile(r"^v(\d{6,})$")
+_ITEM_DIR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 16 * 1024 * 1024
@@ -243,6 +246,32 @@ class CheckpointStore:
     # --- naming -------------------------------------------------------------------------
     def step_path(self, step: int) -> str:
         return os.path.join(self.recover_dir, f"step_{step:08d}")
+
+    def item_path(self, name: str, version: int) -> str:
+        """Directory of one version of an auxiliary item (e.g. a GRPO reference policy)."""
+        return os.path.join(self.recover_dir, ITEMS, name, f"v{version:06d}")
+
+    def item_versions(self, name: str, *, committed_only: bool = True) -> list[int]:
+        """Versions of an item on disk, oldest first (committed ones unless told otherwise)."""
+        base = os.path.join(self.recover_dir, ITEMS, name)
+        try:
+            names = os.listdir(base)
+        except FileNotFoundError:
+            return []
+        out = []
+        for entry in names:
+            match = _VERSION_RE.match(entry)
+            if match and (not committed_only
+                          or os.path.exists(os.path.join(base, entry, COMMIT_MARKER))):
+                out.append(int(match.group(1)))
+        return sorted(out)
+
+    def item_names(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(os.path.join(self.recover_dir, ITEMS))
+                          if _ITEM_DIR_RE.match(n))
+        except FileNotFoundError:
+            return []
 
     def ensure_dirs(self) -> None:
         for path in (self.root, self.recover_dir, self.export_dir):
@@ -441,6 +470,12 @@ class CheckpointStore:
             if not os.path.exists(os.path.join(path, COMMIT_MARKER)):
                 _rmtree_tolerant(path)
                 removed.append(path)
+        for name in self.item_names():
+            for version in self.item_versions(name, committed_only=False):
+                path = self.item_path(name, version)
+                if not os.path.exists(os.path.join(path, COMMIT_MARKER)):
+                    _rmtree_tolerant(path)
+                    removed.append(path)
         for parent in (self.recover_dir, self.export_dir):
             with contextlib.suppress(FileNotFoundError):
                 for name in os.listdir(parent):

@@ -63,18 +63,22 @@ WORKER = textwrap.dedent('''
                                                             keep_last_n=None),
                                 export=ExportConfig(every=Every(steps=4), exporter=exporter,
                                                     mode="sync"),
-                                clock=clock, preemption_signals=())
+                                clock=clock, preemption_signals=(), items={"ref": Every(steps=2)})
         events = []
         step = StepInfo(0, 0, 0)
         for _ in range(6):
             loader.position += 1 + index  # processes advance differently
             if index == 0 and step.global_step == 1:
                 now[0] += 100.0
+            ref = {"w": weights(100 + (step.global_step + 1) // 2)}  # changes every 2 steps
             for report in mgr.maybe_save(step, {"w": weights(step.global_step), "n": step.global_step},
-                                         stateful={"loader": loader}):
+                                         stateful={"loader": loader}, items={"ref": ref}):
                 events.append([report.kind, report.step, report.reason])
             step = step.next()
         mgr.close()
+        # Process 0 hosts the coordination service: nobody leaves before everybody is done.
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("jaxckpt-test-end")
         print("EVENTS " + json.dumps(events), flush=True)
         print("worker ok", flush=True)
     except BaseException:
@@ -158,6 +162,7 @@ def test_one_process_restores_on_another_mesh(two_process_root):
         with pytest.warns(CheckpointWarning, match="saved by 2 process"):
             result = mgr.recover(like, stateful={"loader": loader})
     assert result.step_info.global_step == 3 and result.state["n"] == 3
+    assert result.item_versions == {"ref": 2}
     assert result.state["w"].sharding == sharding
     expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 3000
     np.testing.assert_array_equal(np.asarray(result.state["w"]), expected)
@@ -170,3 +175,16 @@ def test_export_was_written_once_from_gathered_shards(two_process_root):
     assert exports == ["epoch0epochstep3globalstep3"]
     w = np.load(os.path.join(root, "export", exports[0], "w.npy"))
     np.testing.assert_array_equal(w, np.arange(32, dtype=np.float32).reshape(8, 4) + 3000)
+
+
+def test_sharded_item_written_by_both_processes_restores_in_one(two_process_root):
+    root, _ = two_process_root
+    item_dir = os.path.join(root, "recover", "items", "ref", "v000002")
+    assert {"COMMITTED", "done.p00001", "state"} <= set(os.listdir(item_dir))
+    like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    with CheckpointManager(root, recover=RecoverConfig(keep_last_n=None)) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
+            result = mgr.restore({**like, "n": 0}, step=3, items={"ref": like})
+    expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 1000 * 102
+    np.testing.assert_array_equal(np.asarray(result.items["ref"]["w"]), expected)
