@@ -256,6 +256,75 @@ def _info(opts: argparse.Namespace) -> int:
     return EXIT_OK if info["status"] == "committed" else EXIT_BAD_CHECKPOINT
 
 
+# ----------------------------------------------------------------------- HF bridge
+# The architecture choices are spelled out here: importing torch_bridge.hf to list them would
+# make every `jaxckpt` command (ls, verify) pay for it.
+
+
+def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint root (latest valid step) or a recover/step_N directory")
+    parser.add_argument("out_dir", help="Hugging Face model directory to write")
+    parser.add_argument("--arch", choices=("llama", "qwen2", "gpt2"),
+                        help="architecture table (default: the one recorded by import-hf)")
+    parser.add_argument("--config", help="config.json or HF model directory (default: recorded by import-hf)")
+    parser.add_argument("--step", type=int, help="global step to export (default: latest valid)")
+    parser.add_argument("--params-path", help="dotted path of the params in the saved state, e.g. 0")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast every tensor")
+    parser.add_argument("--max-shard-size", default="5GiB", help="e.g. 5GiB, 500MB (default 5GiB)")
+    parser.add_argument("--tokenizer-dir", help="directory whose tokenizer files are copied")
+    parser.add_argument("--generation-config", help="generation_config.json (or its directory)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
+    parser.add_argument("--sizes-only", action="store_true", help="verify sizes, skip checksums")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _export_hf(opts: argparse.Namespace) -> int:
+    from .errors import CheckpointError
+    from torch_bridge.hf_cli import export_checkpoint_to_hf, parse_size
+
+    try:
+        written = export_checkpoint_to_hf(
+            opts.checkpoint, opts.out_dir, arch=opts.arch, config=opts.config, step=opts.step,
+            params_path=opts.params_path, dtype=opts.dtype,
+            max_shard_bytes=parse_size(opts.max_shard_size), tokenizer_dir=opts.tokenizer_dir,
+            generation_config=opts.generation_config, overwrite=opts.overwrite,
+            verify="sizes" if opts.sizes_only else "checksums", progress=not opts.no_progress)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:  # not found, exists, config, mismatch
+        print(f"jaxckpt export-hf: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckpointError as exc:  # corrupt checkpoint
+        print(f"jaxckpt export-hf: {exc}", file=sys.stderr)
+        return EXIT_BAD_CHECKPOINT
+    print(f"wrote {opts.out_dir} ({_human_bytes(written)})")
+    return EXIT_OK
+
+
+def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("root", help="checkpoint root to write recover/step_N into")
+    parser.add_argument("--arch", required=True, choices=("llama", "qwen2", "gpt2"))
+    parser.add_argument("--step", type=int, default=0, help="global step to record (default 0)")
+    parser.add_argument("--stacked", action="store_true",
+                        help="stack layers on a leading axis (models built with scan_layers=True)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast every tensor")
+    parser.add_argument("--state-key", help="nest the params under this key of the saved state")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _import_hf(opts: argparse.Namespace) -> int:
+    from torch_bridge.hf_cli import import_hf_to_checkpoint
+
+    try:
+        path = import_hf_to_checkpoint(opts.hf_dir, opts.root, arch=opts.arch, step=opts.step,
+                                       stacked=opts.stacked, dtype=opts.dtype,
+                                       state_key=opts.state_key, progress=not opts.no_progress)
+    except (FileNotFoundError, ValueError) as exc:  # no HF dir, arch mismatch listing
+        print(f"jaxckpt import-hf: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -301,6 +370,11 @@ COMMANDS: tuple[_Command, ...] = (
     _Command(name="verify", help="check a checkpoint (or every one under a root) against its "
                                  "commit manifest; exit 1 if any is partial or corrupt",
              add_arguments=_verify_arguments, handler=_verify),
+    _Command(name="export-hf", help="export a recovery checkpoint's model params as a Hugging "
+                                    "Face directory (config.json + safetensors)",
+             add_arguments=_export_hf_arguments, handler=_export_hf),
+    _Command(name="import-hf", help="turn a Hugging Face directory into a recovery checkpoint",
+             add_arguments=_import_hf_arguments, handler=_import_hf),
     _Command(name="info", help="show what one checkpoint holds: step, metrics, versions, "
                                "stateful objects, array leaves",
              add_arguments=_info_arguments, handler=_info),

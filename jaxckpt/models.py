@@ -1,10 +1,10 @@
 """Small Flax NNX reference models used by the demo, the notebooks and the parity tests.
 
-Owns: model definitions only (no training loops, no checkpointing logic). Today that is
+Owns: the catalogue of model definitions (no training loops, no checkpointing logic):
 ``MLP``, a tiny multilayer perceptron whose dropout draws from an ``nnx.Rngs`` stream, so
-the model's state holds a typed JAX PRNG key and a counter: a resume is only exact when
-those are checkpointed too. Larger reference architectures (Llama, GPT-2) for the Hugging
-Face export and parity tests belong here as well, one class per architecture.
+the model's state holds a typed JAX PRNG key and a counter (a resume is only exact when
+those are checkpointed too); and, re-exported from ``jaxckpt.llm``, the Hugging Face
+reference architectures ``Llama`` (also Qwen2) and ``GPT2`` with ``from_config``.
 
 Importing this module imports jax and flax; ``import jaxckpt`` does not import it.
 """
@@ -16,7 +16,9 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
-__all__ = ["MLP"]
+from .llm import GPT2, Llama, from_config, load_params, params_of
+
+__all__ = ["MLP", "Llama", "GPT2", "from_config", "params_of", "load_params"]
 
 
 class MLP(nnx.Module):

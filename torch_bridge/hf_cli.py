@@ -1,0 +1,464 @@
+"""The logic behind ``jaxckpt export-hf`` and ``jaxckpt import-hf``.
+
+Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Face model
+directory, and a Hugging Face directory into a recovery checkpoint that
+``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
+else one updating stderr line). Argument parsing lives in ``jaxckpt.cli``.
+
+Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
+from a root while its training job runs is safe (the checkpoint read is held with the
+store's shared read lock, so retention skips it).
+
+Importing this module imports neither jax nor torch; the functions import jax/orbax when they
+read or write a recovery checkpoint.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+
+from .hf import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    Architecture,
+    _architecture,
+    export_hf,
+    load_hf,
+)
+
+__all__ = [
+    "export_checkpoint_to_hf",
+    "import_hf_to_checkpoint",
+    "HFConfigState",
+    "HF_CONFIG_STATEFUL",
+    "parse_size",
+    "make_progress",
+]
+
+#: name of the stateful entry in which import-hf records the HF config.
+HF_CONFIG_STATEFUL = "hf_config"
+
+
+class HFConfigState:
+    """Carries a Hugging Face config.json dict (and the arch) through a recovery checkpoint.
+
+    ``import_hf_to_checkpoint`` saves one under ``stateful["hf_config"]``; pass
+    ``stateful={"hf_config": HFConfigState()}`` to ``restore``/``recover`` to get it back (and
+    to avoid the warning about unrestored state). Plain data; not shared across threads.
+    """
+
+    def __init__(self, config: Mapping[str, Any] | None = None, *, arch: str | None = None):
+        self.config = dict(config) if config is not None else None
+        self.arch = arch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "arch": self.arch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.config = state.get("config")
+        self.arch = state.get("arch")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"5GB"``, ``"500MiB"``, ``"1e9"`` or an int (as transformers'
+    max_shard_size: decimal units, binary with an "i")."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match[2].lower() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise ConfigError(f"size {text!r} is not understood; write e.g. 5GB, 500MiB or 1000000.")
+    try:
+        value = float(match[1]) * _SIZE_UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"size {text!r} is not understood; write e.g. 5GB.") from None
+    if value < 1:
+        raise ConfigError(f"size {text!r} must be at least one byte.")
+    return int(value)
+
+
+class _LineProgress:
+    """A one-line stderr progress display for when tqdm is not installed."""
+
+    def __init__(self, total: int, desc: str):
+        self.total = max(total, 1)
+        self.desc = desc
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self._last < 0.2:
+            return
+        self._last = now
+        self.total = max(total, 1)
+        sys.stderr.write(f"\r{self.desc}: {100 * done / self.total:5.1f}% "
+                         f"({done / 2**20:.1f}/{self.total / 2**20:.1f} MiB)")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+class _TqdmProgress:
+    def __init__(self, tqdm: Any, total: int, desc: str):
+        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                         file=sys.stderr)
+        self._done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar.total != total:
+            self._bar.total = total
+        self._bar.update(done - self._done)
+        self._done = done
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def make_progress(desc: str, enabled: bool = True) -> Any:
+    """A ``progress(done, total)`` callable with ``close()``; None when disabled."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _LineProgress(0, desc)
+    return _TqdmProgress(tqdm, 0, desc)
+
+
+def _close(progress: Any) -> None:
+    if progress is not None:
+        progress.close()
+
+
+# ------------------------------------------------------- reading an Orbax checkpoint
+
+_TOKEN = re.compile(r"\[(?P<int>-?\d+)\]|\[(?P<str>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]"
+                    r"|\.(?P<attr>[A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _parse_keystr(path: str) -> list[tuple[str, Any]]:
+    """``"['a'][0].value"`` -> [("item", "a"), ("item", 0), ("attr", "value")]."""
+    tokens: list[tuple[str, Any]] = []
+    position = 0
+    while position < len(path):
+        match = _TOKEN.match(path, position)
+        if not match:
+            raise CheckpointCorruptError(f"cannot parse the tree path {path!r} at {position}")
+        if match["int"] is not None:
+            tokens.append(("item", int(match["int"])))
+        elif match["str"] is not None:
+            tokens.append(("item", ast.literal_eval(match["str"])))
+        else:
+            tokens.append(("attr", match["attr"]))
+        position = match.end()
+    return tokens
+
+
+_ATTRS_REGISTERED = False
+
+
+def _attrs_node() -> type:
+    """A pytree node whose children are keyed by attribute name (GetAttrKey), so a like tree
+    rebuilt from saved paths such as ``[0]['kernel'].value`` has the same key paths."""
+    global _ATTRS_REGISTERED
+    import jax
+
+    if not _ATTRS_REGISTERED:
+        jax.tree_util.register_pytree_with_keys(
+            _Attrs,
+            lambda node: ([(jax.tree_util.GetAttrKey(k), v) for k, v in node.children.items()],
+                          tuple(node.children)),
+            lambda names, values: _Attrs(dict(zip(names, values))))
+        _ATTRS_REGISTERED = True
+    return _Attrs
+
+
+class _Attrs:
+    __slots__ = ("children",)
+
+    def __init__(self, children: dict[str, Any]):
+        self.children = children
+
+
+def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """An abstract ``like`` with exactly the saved tree paths, from the backend's tree.json."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxckpt.orbax_backend import TREE_FORMAT
+
+    tree_file = os.path.join(state_dir, "tree.json")
+    try:
+        with open(tree_file, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            f"{state_dir} has no tree.json: export-hf reads checkpoints of the Orbax backend "
+            f"(jaxckpt.CheckpointManager) only.") from None
+    if document.get("format") != TREE_FORMAT:
+        raise CheckpointCorruptError(f"{tree_file}: format {document.get('format')!r}, "
+                                     f"expected {TREE_FORMAT!r}")
+    attrs = _attrs_node()
+    root: dict[Any, Any] = {}
+    kinds: dict[int, str] = {}  # id(container) -> "item" | "attr"
+    entries = {}
+    for entry in document["leaves"]:
+        entries[entry["path"]] = entry
+        tokens = _parse_keystr(entry["path"])
+        if not tokens:
+            raise CheckpointCorruptError(f"{tree_file}: a leaf at the root is not supported")
+        if entry["kind"] == "key":
+            leaf = jax.ShapeDtypeStruct(tuple(entry["shape"]),
+                                        jax.random.key(0, impl=entry["impl"]).dtype)
+        elif entry["kind"] == "scalar":
+            leaf = {"bool": False, "int": 0, "float": 0.0}[entry["python_type"]]
+        else:
+            leaf = jax.ShapeDtypeStruct(tuple(entry["shape"]), jnp.dtype(entry["dtype"]))
+        node = root
+        for depth, (kind, key) in enumerate(tokens):
+            if kinds.setdefault(id(node), kind) != kind:
+                raise CheckpointCorruptError(
+                    f"{tree_file}: {entry['path']} mixes item and attribute keys at one level")
+            if depth == len(tokens) - 1:
+                node[key] = leaf
+            else:
+                node = node.setdefault(key, {})
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        children = {key: build(child) for key, child in node.items()}
+        return attrs(children) if kinds.get(id(node)) == "attr" else children
+
+    return build(root), entries
+
+
+def _read_checkpoint(step_dir: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Every leaf of a recovery checkpoint's array state, by saved tree path."""
+    import jax
+
+    from jaxckpt.manager import STATE_DIR
+    from jaxckpt.orbax_backend import OrbaxBackend
+
+    state_dir = os.path.join(step_dir, STATE_DIR)
+    like, entries = _like_from_tree_json(state_dir)
+    backend = OrbaxBackend()
+    try:
+        state = backend.read(state_dir, like)
+    finally:
+        backend.close()
+    leaves = {jax.tree_util.keystr(path): leaf
+              for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+    return leaves, entries
+
+
+def _dotted(path: str) -> str:
+    """Saved tree path -> dotted param path; nnx Variables' trailing ``.value`` dropped."""
+    tokens = _parse_keystr(path)
+    while tokens and tokens[-1] == ("attr", "value"):
+        tokens.pop()
+    return ".".join(str(key) for _, key in tokens)
+
+
+def _select_params(leaves: Mapping[str, Any], entries: Mapping[str, Mapping[str, Any]],
+                   table: Architecture, params_path: str | None) -> tuple[dict[str, Any], str]:
+    """The param subtree of a training state: under ``params_path``, or found by looking
+    for the table's first param (e.g. ``embed.embedding``) at the shallowest depth (optimizer
+    moments repeat the param tree deeper down)."""
+    dotted = {path: _dotted(path) for path in leaves}
+    if params_path is None:
+        anchor = next(p for row in table.tensors for p in row.parts if not row.per_layer)
+        candidates = sorted({d[: -len(anchor)].rstrip(".") for d in dotted.values()
+                             if d == anchor or d.endswith("." + anchor)},
+                            key=lambda p: (p.count(".") + (p != ""), p))
+        if not candidates:
+            sample = sorted(dotted.values())[:8]
+            raise ConfigError(
+                f"no {anchor!r} param found in the checkpoint for arch={table.name!r} (paths "
+                f"look like {sample}). Pass params_path= (--params-path) naming the subtree "
+                f"that holds the model params, dotted (e.g. '0' or 'params').")
+        depth = lambda p: p.count(".") + (p != "")  # noqa: E731
+        best = [c for c in candidates if depth(c) == depth(candidates[0])]
+        if len(best) > 1:
+            raise ConfigError(f"several subtrees look like model params: {best}; pass "
+                              f"params_path= (--params-path) to pick one.")
+        params_path = best[0]
+    prefix = f"{params_path}." if params_path else ""
+    flat = {}
+    for path, name in dotted.items():
+        if name.startswith(prefix):
+            entry = entries[path]
+            # RNG keys and counters of an nnx model are state, not weights.
+            if entry["kind"] != "array" or not (entry["dtype"].startswith(("float", "bfloat"))):
+                continue
+            flat[name[len(prefix):]] = leaves[path]
+    if not flat:
+        raise ConfigError(f"params_path {params_path!r} holds no float arrays in the checkpoint.")
+    return flat, params_path
+
+
+def _locate(checkpoint: str, step: int | None,
+            verify: Literal["checksums", "sizes"]) -> tuple[str, Any]:
+    """The committed step directory to read, and the store that owns it."""
+    from jaxckpt.store import COMMIT_MARKER, CheckpointStore
+
+    path = os.path.abspath(os.fspath(checkpoint))
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint root or step directory at {checkpoint!r}")
+    checksums = verify == "checksums"
+    if os.path.exists(os.path.join(path, COMMIT_MARKER)):  # a step directory itself
+        store = CheckpointStore(os.path.dirname(os.path.dirname(path)))
+        step_dir = path
+    else:
+        store = CheckpointStore(path)
+        if step is None:
+            entry, skipped = store.latest_valid(checksums=checksums)
+            if entry is None:
+                why = "; ".join(f"{e.path}: {e.status}" for e in skipped) or "none committed"
+                raise CheckpointNotFoundError(
+                    f"no valid recovery checkpoint under {store.recover_dir} ({why}).")
+            return entry.path, store
+        step_dir = store.step_path(step)
+    problems = store.verify(step_dir, checksums=checksums)
+    if problems:
+        raise CheckpointCorruptError(f"{step_dir} failed verification: " + "; ".join(problems))
+    return step_dir, store
+
+
+def _driver(step_dir: str) -> dict[str, Any]:
+    from jaxckpt.driver import parse_driver
+    from jaxckpt.store import DRIVER_FILE
+
+    with open(os.path.join(step_dir, DRIVER_FILE), "rb") as handle:
+        return parse_driver(handle.read(), step_dir)
+
+
+def _config_from(config: Any, driver: Mapping[str, Any], step_dir: str) -> tuple[Any, str | None]:
+    """(config, arch recorded with it) from an argument or the checkpoint's hf_config."""
+    if config is None:
+        saved = ((driver.get("local") or {}).get("stateful") or {}).get(HF_CONFIG_STATEFUL)
+        if saved is None:
+            raise ConfigError(
+                f"{step_dir} records no Hugging Face config; pass config= (--config) with the "
+                f"model's config.json or the HF directory it came from.")
+        from jaxckpt.driver import restore_stateful
+
+        holder = HFConfigState()
+        restore_stateful({HF_CONFIG_STATEFUL: holder}, {HF_CONFIG_STATEFUL: saved}, step_dir)
+        return holder.config, holder.arch
+    if isinstance(config, (str, os.PathLike)):
+        file = os.fspath(config)
+        if os.path.isdir(file):
+            file = os.path.join(file, CONFIG_FILE)
+        try:
+            with open(file, encoding="utf-8") as handle:
+                return json.load(handle), None
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no config file at {file!r}") from None
+    return config, None
+
+
+# ------------------------------------------------------------------------ the commands
+
+
+def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+                            arch: str | Architecture | None = None, config: Any = None,
+                            step: int | None = None, params_path: str | None = None,
+                            dtype: Any = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                            tokenizer_dir: Any = None, generation_config: Any = None,
+                            overwrite: bool = False,
+                            verify: Literal["checksums", "sizes"] = "checksums",
+                            progress: bool = True) -> int:
+    """Export the model params of a recovery checkpoint as a Hugging Face directory.
+
+    Args:
+      checkpoint: a checkpoint root (the latest valid step is used unless ``step``) or one
+        ``recover/step_N`` directory.
+      out_dir: the HF directory to write (atomically, see ``export_hf``).
+      arch: table name; None uses the arch recorded by ``import-hf``.
+      config: config.json path, HF directory, dict or transformers config; None uses the
+        config recorded in the checkpoint by ``import-hf``.
+      params_path: dotted path of the param subtree in the saved state (e.g. "0" for
+        ``nnx.state((model, optimizer))``); None finds it.
+      verify: check the checkpoint against its manifest with checksums or sizes first.
+      dtype, max_shard_bytes, tokenizer_dir, generation_config, overwrite: as ``export_hf``.
+      progress: show a progress bar on stderr.
+
+    Returns the bytes written. The whole array state is restored to host memory (optimizer
+    state included); only the params are converted and written, one shard at a time.
+    """
+    step_dir, store = _locate(os.fspath(checkpoint), step, verify)
+    with store.reading(step_dir):
+        driver = _driver(step_dir)
+        config, recorded_arch = _config_from(config, driver, step_dir)
+        arch = arch if arch is not None else recorded_arch
+        if arch is None:
+            raise ConfigError("arch is required (--arch llama|qwen2|gpt2): the checkpoint "
+                              "records none.")
+        table = _architecture(arch)
+        leaves, entries = _read_checkpoint(step_dir)
+    flat, chosen = _select_params(leaves, entries, table, params_path)
+    step_info = driver.get("step_info") or {}
+    bar = make_progress(f"export {os.path.basename(os.fspath(out_dir))}", progress)
+    try:
+        return export_hf(flat, out_dir, arch=table, config=config, dtype=dtype,
+                         max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
+                         generation_config=generation_config, overwrite=overwrite,
+                         provenance={"checkpoint": step_dir, "params_path": chosen,
+                                     **{k: step_info[k] for k in ("epoch", "epoch_step",
+                                                                  "global_step")
+                                        if k in step_info}},
+                         progress=bar)
+    finally:
+        _close(bar)
+
+
+def import_hf_to_checkpoint(hf_dir: str | os.PathLike[str], root: str | os.PathLike[str], *,
+                            arch: str | Architecture, step: int = 0, stacked: bool = False,
+                            dtype: Any = None, state_key: str | None = None,
+                            record_config: bool = True, progress: bool = True) -> str:
+    """Write an HF directory's weights as a committed recovery checkpoint under ``root``.
+
+    The saved state is the param tree of ``load_hf`` (numpy leaves; nested under
+    ``state_key`` when given), so ``CheckpointManager(root).restore(like)`` restores it with
+    ``like = jaxckpt.llm.params_of(model)`` (or ``{state_key: ...}``) of a model built from
+    the same config. ``record_config`` also stores config.json and the arch as the stateful
+    entry "hf_config" (restore it with ``stateful={"hf_config": HFConfigState()}``), which
+    lets ``export_checkpoint_to_hf`` run without ``config``/``arch``. Existing checkpoints in
+    ``root`` are kept. Returns the checkpoint directory.
+    """
+    from jaxckpt import CheckpointManager, RecoverConfig, StepInfo
+
+    table = _architecture(arch)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step must be an int >= 0, got {step!r}.")
+    bar = make_progress(f"import {os.path.basename(os.path.abspath(os.fspath(hf_dir)))}",
+                        progress)
+    try:
+        params, config = load_hf(hf_dir, arch=table, stacked=stacked, dtype=dtype, progress=bar)
+    finally:
+        _close(bar)
+    state = params if state_key is None else {state_key: params}
+    stateful = ({HF_CONFIG_STATEFUL: HFConfigState(config, arch=table.name)}
+                if record_config else None)
+    with CheckpointManager(root, recover=RecoverConfig(mode="on", keep_last_n=None),
+                           mode="sync") as manager:
+        report = manager.save(StepInfo(0, 0, step), state, stateful=stateful, mode="sync")
+    return report.path
