@@ -39,6 +39,10 @@ class Backend(Protocol):
     does not exist yet; the backend creates it, and it should only appear complete, e.g. via a
     temp name + rename) and reads it back. Everything else (when to save, the commit marker,
     driver state, retention) is the manager's job.
+
+    Optional attributes: ``export_needs_copy = True`` makes exporters always receive
+    ``host_copy(state)`` (e.g. torch state dicts rather than live modules), whatever the export
+    mode; ``close()`` is called by a manager that created its backend itself.
     """
 
     #: short name recorded in driver.json, e.g. "orbax" or "dcp".

@@ -165,6 +165,9 @@ class Recovered:
     """Restored auxiliary items (those asked for with ``items=``), by name."""
     item_versions: dict[str, int] = dataclasses.field(default_factory=dict)
     """The version of every item the checkpoint refers to."""
+    saved_process_count: int = 1
+    """How many processes wrote the checkpoint (compare with yours to detect a world-size
+    change, e.g. to re-deal the rest of an epoch's samples)."""
 
 
 class CheckpointManager:
@@ -616,7 +619,8 @@ class CheckpointManager:
         # Async exports run from a host copy so training may update the arrays meanwhile; in
         # multi-process runs the copy also gathers the shards (a collective every process
         # joins), since only the primary writes the export.
-        needs_copy = report.mode == "async" or self._count > 1
+        needs_copy = (report.mode == "async" or self._count > 1
+                      or getattr(self._backend, "export_needs_copy", False))
         source = self._backend.host_copy(state) if needs_copy else state
         report.blocking_s = time.perf_counter() - start
         self._last["export"] = report
@@ -772,7 +776,8 @@ class CheckpointManager:
             self._export_trigger.mark_saved()
         return Recovered(state=state, step_info=step_info, path=path,
                          metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped),
-                         items=restored_items, item_versions=versions)
+                         items=restored_items, item_versions=versions,
+                         saved_process_count=int(body.get("process_count", 1)))
 
     def _item_problems(self, path: str, checksums: bool) -> list[str]:
         """What is wrong with the item versions a committed checkpoint refers to."""

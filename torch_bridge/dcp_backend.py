@@ -1,0 +1,849 @@
+"""The PyTorch backend: training state written and read by torch.distributed.checkpoint (DCP).
+
+Owns: turning a state dict of ``name -> object`` (``nn.Module``, ``torch.optim.Optimizer``,
+LR schedulers and anything else with ``state_dict``/``load_state_dict``, tensors, DTensors,
+and plain containers of tensors and JSON-like values) into a flat ``{key: tensor}`` dict that
+DCP writes plus a JSON description of everything else (``objects.json``), and the way back:
+matching saved tensors to the live objects of a ``like`` dict by tree path, reporting every
+mismatch at once, loading in place (modules and optimizers go through
+``torch.distributed.checkpoint.state_dict`` so DDP/FSDP-wrapped models reshard). Also the
+process facts of a ``torch.distributed`` run and the per-process torch RNG state.
+
+Layout of one written directory (the manager passes ``step_XXXXXXXX/state``)::
+
+    {directory}/.metadata        DCP's metadata (a pickle: DCP's own format)
+    {directory}/__{rank}_0.distcp  DCP's data, one file per process; tensors only
+    {directory}/objects.json     ours (primary process): entry kinds, non-tensor values
+                                 (optimizer param groups, scheduler state) through the safe
+                                 jaxckpt codec, and the path, shape and dtype of every tensor
+
+The directory is filled under the temporary name ``.tmp-{name}`` next to it and renamed into
+place by the primary once every process's data and DCP's metadata are written, so it only
+ever appears complete. (The manager's ``COMMITTED`` marker is still what makes a checkpoint
+valid.) Non-tensor values never reach DCP, so no pickle is written besides DCP's metadata.
+
+Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from jaxckpt import codec
+from jaxckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    CheckpointWriteError,
+    ConfigError,
+    TreeMismatchError,
+)
+from jaxckpt.store import fsync_dir
+
+__all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
+
+#: value of the "format" field of objects.json; identifies the file's owner.
+OBJECTS_FORMAT = "jaxckpt.dcp.objects"
+#: bumped on any incompatible change of objects.json; readers refuse newer versions.
+OBJECTS_FORMAT_VERSION = 1
+
+_OBJECTS_FILE = "objects.json"
+_DCP_METADATA = ".metadata"
+_TMP_PREFIX = ".tmp-"  # the store's prefix for temporary entries (cleaned up at start-up)
+
+AsyncCheckpointer = Literal["auto", "thread", "process"]
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use (it costs about 1 s)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _state_dict_api() -> Any:
+    import torch.distributed.checkpoint.state_dict as api
+
+    return api
+
+
+# ------------------------------------------------------------------------------ RNG state
+
+
+def _capture_cuda_rng(cuda: Any) -> list[torch.Tensor] | None:
+    """Every CUDA device's generator state, or None without CUDA (one entry for all
+    devices: a restore on a machine with another device count can see the mismatch)."""
+    if not cuda.is_available():
+        return None
+    return [state.clone() for state in cuda.get_rng_state_all()]
+
+
+def _restore_cuda_rng(saved: Any, cuda: Any) -> None:
+    """Put back what :func:`_capture_cuda_rng` returned. ``cuda`` is ``torch.cuda`` (a
+    parameter so that the CUDA branch is testable without a GPU)."""
+    if not cuda.is_available():
+        return  # no CUDA here: nothing consumes CUDA random numbers, nothing to restore
+    if saved is None:
+        warnings.warn("the checkpoint has no CUDA RNG state (it was written on a machine "
+                      "without CUDA, or by an older version); the CUDA generators keep their "
+                      "current state, so random ops on the GPU will not repeat exactly.",
+                      CheckpointWarning, stacklevel=3)
+        return
+    count = cuda.device_count()
+    if len(saved) != count:
+        warnings.warn(f"the checkpoint holds CUDA RNG state for {len(saved)} device(s) and "
+                      f"this process sees {count}; restoring the first "
+                      f"{min(len(saved), count)}, the others keep their current state.",
+                      CheckpointWarning, stacklevel=3)
+    for index, state in enumerate(saved[:count]):
+        cuda.set_rng_state(state, index)
+
+
+# ------------------------------------------------------------------- flattening the state
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    """FSDP1's legacy ShardedTensor, which is not a torch.Tensor subclass."""
+    return type(value).__name__ == "ShardedTensor" and hasattr(value, "local_shards")
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or _is_sharded_tensor(value)
+
+
+def _tensor_facts(value: Any) -> tuple[list[int], str]:
+    """Global shape and dtype name ("float32", "bfloat16") of a tensor-like leaf."""
+    if _is_sharded_tensor(value):
+        shape, dtype = value.size(), value.metadata().tensor_properties.dtype
+    else:
+        shape, dtype = value.shape, value.dtype
+    return [int(d) for d in shape], str(dtype).removeprefix("torch.")
+
+
+def _local_nbytes(value: Any) -> int:
+    if _is_sharded_tensor(value):
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+    local = value.to_local() if hasattr(value, "to_local") else value
+    return local.numel() * local.element_size()
+
+
+class _Split:
+    """One state entry taken apart: a JSON skeleton with ``None`` where tensors were, and
+    the tensors by tree path (a tuple of dict keys / list indices)."""
+
+    __slots__ = ("skeleton", "tensors")
+
+    def __init__(self, value: Any):
+        self.tensors: dict[tuple[Any, ...], Any] = {}
+        self.skeleton = self._walk(value, ())
+
+    def _walk(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if _is_tensor(value):
+            self.tensors[path] = value
+            return None
+        if isinstance(value, dict):
+            return {key: self._walk(item, path + (key,)) for key, item in value.items()}
+        if type(value) is list:
+            return [self._walk(item, path + (index,)) for index, item in enumerate(value)]
+        if type(value) is tuple:
+            return tuple(self._walk(item, path + (index,)) for index, item in enumerate(value))
+        return value  # a JSON-like leaf; the codec refuses anything else, naming the path
+
+
+def _fill(skeleton: Any, tensors: Mapping[tuple[Any, ...], Any], path: tuple[Any, ...] = ()) -> Any:
+    """Inverse of :class:`_Split`: the skeleton with each tensor path replaced by its tensor."""
+    if path in tensors:
+        return tensors[path]
+    if isinstance(skeleton, dict):
+        return {key: _fill(item, tensors, path + (key,)) for key, item in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_fill(item, tensors, path + (index,)) for index, item in enumerate(skeleton)]
+    if isinstance(skeleton, tuple):
+        return tuple(_fill(item, tensors, path + (index,)) for index, item in enumerate(skeleton))
+    return skeleton
+
+
+def _storage_key(name: str, path: tuple[Any, ...]) -> str:
+    """The key a tensor has in DCP: ``model/fc.weight``, ``optimizer/state/fc.weight/exp_avg``."""
+    return "/".join([name, *(str(part) for part in path)])
+
+
+def _describe_path(name: str, path: tuple[Any, ...]) -> str:
+    return f"state[{name!r}]" + "".join(f"[{part!r}]" for part in path)
+
+
+def _kind_of(name: str, value: Any) -> str:
+    if isinstance(value, DataLoader):
+        # Its state is per process, but tensors in the state are saved once for all
+        # processes (as replicated): each rank's position would be lost but one.
+        raise ConfigError(
+            f"state[{name!r}] is a data loader; its position differs per process, so it "
+            "belongs in the manager's driver state, not in the checkpointed state. Fix: "
+            f"pass it as stateful={{{name!r}: loader}} to recover() / maybe_save().")
+    if isinstance(value, nn.Module):
+        return "module"
+    if isinstance(value, torch.optim.Optimizer):
+        return "optimizer"
+    if _is_tensor(value):
+        return "tensor"
+    if (callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None))):
+        return "state_dict"  # LR schedulers, torch Stateful objects, anything alike
+    if value is None or isinstance(value, (dict, list, tuple, str, int, float, bool)):
+        return "value"
+    raise TypeError(
+        f"state[{name!r}] is a {type(value).__module__}.{type(value).__qualname__}, which the "
+        "DCP backend cannot checkpoint. Entries must be nn.Module, torch.optim.Optimizer, an "
+        "object with state_dict()/load_state_dict() (LR schedulers, Stateful), a tensor, or a "
+        "dict/list of tensors and JSON-like values. Fix: wrap it in an object with "
+        "state_dict()/load_state_dict(), or pass per-process objects (data loaders) as "
+        "stateful= to the manager instead.")
+
+
+def _pair_optimizers(state: Mapping[str, Any]) -> dict[str, str]:
+    """For each optimizer entry, the module entry holding all of its parameters (the
+    smallest such module, so that ``{"model": m, "head": m.head}`` pairs precisely).
+
+    DCP's ``get_optimizer_state_dict`` keys optimizer state by the parameters' names in a
+    module, which is what lets it reshard; so every optimizer needs its module in the state.
+    """
+    modules = {name: value for name, value in state.items() if isinstance(value, nn.Module)}
+    module_params = {name: {id(p) for p in module.parameters()} for name, module in modules.items()}
+    pairs: dict[str, str] = {}
+    problems = []
+    for name, value in state.items():
+        if not isinstance(value, torch.optim.Optimizer):
+            continue
+        wanted = {id(p) for group in value.param_groups for p in group["params"]}
+        holders = sorted((len(params), module_name) for module_name, params in module_params.items()
+                         if wanted <= params)
+        if not holders:
+            problems.append(name)
+            continue
+        pairs[name] = holders[0][1]
+    if problems:
+        raise ConfigError(
+            f"optimizer entr{'y' if len(problems) == 1 else 'ies'} {problems} optimize "
+            f"parameters that no nn.Module entry of the state holds (modules in the state: "
+            f"{sorted(modules) or 'none'}). DCP names optimizer state after the module's "
+            "parameter names, so the module must be saved alongside. Fix: "
+            "state={'model': model, 'optimizer': optimizer, ...} (wrap several models in one "
+            "nn.ModuleDict when one optimizer spans them).")
+    return pairs
+
+
+def _optimizer_is_fresh(optimizer: torch.optim.Optimizer) -> bool:
+    return not optimizer.state
+
+
+def _drop_created_state(optimizer: torch.optim.Optimizer) -> None:
+    """Undo DCP's in-place initialisation of a fresh optimizer (its ``get_optimizer_state_dict``
+    runs a zero-lr step to create the state, which would, e.g., advance Adam's step count and
+    change the bias correction of the first real step)."""
+    optimizer.state.clear()
+
+
+class _Entry:
+    """A state entry ready to write or to read into."""
+
+    __slots__ = ("name", "kind", "module", "fresh", "split")
+
+    def __init__(self, name: str, kind: str, split: _Split, module: str | None = None,
+                 fresh: bool = False):
+        self.name = name
+        self.kind = kind
+        self.module = module
+        self.fresh = fresh
+        self.split = split
+
+
+def _entries(state: Any) -> list[_Entry]:
+    """Take every entry of ``state`` apart (on the calling thread: this reads the live
+    objects; DCP's ``get_*_state_dict`` shares storage with parameters, it does not copy)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"the DCP backend's state must be a dict of name -> object, got "
+            f"{type(state).__module__}.{type(state).__qualname__}. Fix: "
+            "state={'model': model, 'optimizer': optimizer, 'scheduler': scheduler}.")
+    bad_names = [name for name in state if not isinstance(name, str) or not name or "/" in name]
+    if bad_names:
+        raise ConfigError(f"state keys must be non-empty str without '/', got {bad_names!r}.")
+    kinds = {name: _kind_of(name, value) for name, value in state.items()}
+    pairs = _pair_optimizers(state)
+    api = None
+    out = []
+    for name, value in state.items():
+        kind = kinds[name]
+        if kind in ("module", "optimizer") and api is None:
+            api = _state_dict_api()
+        if kind == "module":
+            out.append(_Entry(name, kind, _Split(api.get_model_state_dict(value))))
+        elif kind == "optimizer":
+            module = state[pairs[name]]
+            fresh = _optimizer_is_fresh(value)
+            taken = api.get_optimizer_state_dict(module, value)
+            if fresh:
+                _drop_created_state(value)
+            out.append(_Entry(name, kind, _Split(taken), module=pairs[name], fresh=fresh))
+        elif kind == "state_dict":
+            out.append(_Entry(name, kind, _Split(value.state_dict())))
+        else:  # "tensor" and "value"
+            out.append(_Entry(name, kind, _Split(value)))
+    return out
+
+
+def _flat_tensors(entries: list[_Entry]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for entry in entries:
+        for path, tensor in entry.split.tensors.items():
+            key = _storage_key(entry.name, path)
+            if key in flat:
+                raise ValueError(
+                    f"{_describe_path(entry.name, path)} and {owner[key]} map to the same DCP "
+                    f"key {key!r}; rename one of them (keys are joined with '/').")
+            flat[key] = tensor
+            owner[key] = _describe_path(entry.name, path)
+    return flat
+
+
+def _objects_document(entries: list[_Entry]) -> bytes:
+    body: dict[str, Any] = {"format": OBJECTS_FORMAT, "version": OBJECTS_FORMAT_VERSION,
+                            "entries": {}}
+    for entry in entries:
+        tensors = []
+        for path, tensor in entry.split.tensors.items():
+            shape, dtype = _tensor_facts(tensor)
+            tensors.append({"path": codec.encode(list(path)),
+                            "key": _storage_key(entry.name, path),
+                            "shape": shape, "dtype": dtype})
+        record: dict[str, Any] = {
+            "kind": entry.kind,
+            "skeleton": codec.encode(entry.split.skeleton, f"state[{entry.name!r}]"),
+            "tensors": tensors,
+        }
+        if entry.kind == "optimizer":
+            record.update(module=entry.module, fresh=entry.fresh)
+        body["entries"][entry.name] = record
+    return json.dumps(body, indent=1, allow_nan=False).encode()
+
+
+# -------------------------------------------------------------------------------- handle
+
+
+class DcpWriteHandle:
+    """A write started by :meth:`DcpBackend.write`.
+
+    Concurrency contract: ``wait`` may be called from any thread, any number of times; the
+    first call that finds the write finished publishes the directory (primary process), and
+    every later call returns at once or re-raises the same error.
+    """
+
+    __slots__ = ("directory", "nbytes", "_backend", "_future", "_staging_dir", "_finished",
+                 "_error")
+
+    def __init__(self, backend: DcpBackend, directory: str, staging_dir: str, nbytes: int,
+                 future: Any = None):
+        #: the directory this write fills.
+        self.directory = directory
+        #: bytes of tensor data this process handed to DCP (local shards), known at staging
+        #: time; the manager reports sizes from its commit manifest instead.
+        self.nbytes = nbytes
+        self._backend = backend
+        self._future = future
+        self._staging_dir = staging_dir
+        self._finished = future is None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the write is known to have finished (successfully or not)."""
+        return self._finished
+
+    def wait(self) -> None:
+        """Block until DCP finished this write and the directory is in place; re-raise
+        whatever made it fail."""
+        if not self._finished:
+            self._backend._finish(self)
+        if self._error is not None:
+            raise self._error
+
+
+# ------------------------------------------------------------------------------- backend
+
+
+class DcpBackend:
+    """Writes and reads torch training state with DCP (see the module docstring).
+
+    Process facts come from ``torch.distributed`` when its default group is initialised at
+    construction (initialise it first), else this is a single process. In a distributed run
+    the constructor is a collective: it creates two gloo groups over all ranks, one for the
+    manager's barriers and broadcasts (training thread) and one for DCP's own collectives
+    (which run on DCP's background thread during an async save). Separate groups keep those
+    from interleaving with each other and with the training loop's collectives on the
+    default group (e.g. DDP's all-reduce, possibly NCCL), and give async saves the CPU group
+    DCP requires.
+
+    Concurrency contract: ``write``, ``read`` and ``close`` are called from one thread (the
+    training loop's); a handle's ``wait`` may run on another thread. At most one save is in
+    flight: ``write`` first waits for the previous one (its outcome stays on its handle).
+    Multi-process: every process calls ``write``/``read`` with the same directory and an
+    equal set of entries; only process 0 writes objects.json. Across jobs: a directory is
+    written once and never modified.
+    """
+
+    name = "dcp"
+    supports_async = True
+    #: Exporters get state dicts (host copies), never live modules, in every mode.
+    export_needs_copy = True
+
+    def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
+                 reuse_staging_memory: bool = True, sync_files: bool = False,
+                 collective_timeout_s: float = 300.0, write_timeout_s: float = 1800.0):
+        """
+        Args:
+          async_checkpointer: where DCP writes in async mode. "thread": a background thread
+            of this process; "process": DCP's checkpoint daemon process (torch >= 2.8; the
+            first save starts it, which takes seconds in the background, and the launched
+            script needs an ``if __name__ == "__main__":`` guard); "auto": "process" where
+            CUDA is available and this torch has it, else "thread" (on CPU the process costs
+            total time and saves no blocking time: docs/torch.md).
+          reuse_staging_memory: keep the host copy made at staging time between saves and
+            copy into it again (pinned, with CUDA): no allocation on the training thread
+            after the first save, at the cost of one host copy of the state held for the
+            run. False allocates a fresh copy per save and frees it after the write.
+          sync_files: let DCP fsync each file it writes. Off by default: the manager's
+            commit fsyncs every file and directory of a checkpoint before it writes the
+            COMMITTED marker, so DCP's fsyncs would be paid twice.
+          collective_timeout_s: timeout of barriers and broadcasts between processes.
+          write_timeout_s: timeout of DCP's collectives during a save (they wait for the
+            slowest process's write) and of waiting for an in-flight save.
+        """
+        if async_checkpointer not in ("auto", "thread", "process"):
+            raise ConfigError(f"DcpBackend(async_checkpointer=...) must be 'auto', 'thread' or "
+                              f"'process', got {async_checkpointer!r}.")
+        for field, value in (("collective_timeout_s", collective_timeout_s),
+                             ("write_timeout_s", write_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"DcpBackend({field}=...) must be a number > 0, got {value!r}.")
+        self._cuda = torch.cuda.is_available()
+        self._checkpointer = _resolve_checkpointer(async_checkpointer, self._cuda)
+        self._reuse_staging_memory = reuse_staging_memory
+        self._sync_files = sync_files
+        self._collective_timeout_s = float(collective_timeout_s)
+        self._write_timeout_s = float(write_timeout_s)
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._distributed:
+            self._rank = dist.get_rank()
+            self._world = dist.get_world_size()
+            # Collectives: every rank creates these, in this order, in its constructor.
+            self._control_group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self._collective_timeout_s))
+            self._io_group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self._write_timeout_s))
+        else:
+            self._rank, self._world = 0, 1
+            self._control_group = self._io_group = None
+            _quiet_single_process_notice()
+        self._stager: Any = None
+        self._lock = threading.Lock()
+        self._pending: DcpWriteHandle | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ process facts
+
+    @property
+    def process_index(self) -> int:
+        return self._rank
+
+    @property
+    def process_count(self) -> int:
+        return self._world
+
+    @property
+    def async_checkpointer(self) -> str:
+        """The DCP executor async saves use: "thread" or "process"."""
+        return self._checkpointer
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Block until every process reached the barrier (gloo's monitored barrier names the
+        ranks that did not arrive). Called from the training thread."""
+        if self._world == 1:
+            return
+        dist.monitored_barrier(group=self._control_group,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+
+    def broadcast_int(self, value: int) -> int:
+        """Process 0's ``value`` on every process (a collective: all call it, in order)."""
+        if self._world == 1:
+            return int(value)
+        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        dist.broadcast(tensor, src=0, group=self._control_group)
+        return int(tensor.item())
+
+    # -------------------------------------------------------------------------- write
+
+    def write(self, directory: str, state: Any, *, asynchronous: bool) -> DcpWriteHandle:
+        """Write ``state`` into the new directory ``directory``.
+
+        Returns once DCP has staged (copied) every tensor into host memory: from then on the
+        caller may run optimizer steps, free or donate the tensors. With
+        ``asynchronous=False`` the data is written and the directory in place on return.
+        Raises TypeError/ConfigError/CodecError, before any I/O, naming the entry or tree
+        path that cannot be checkpointed.
+        """
+        self._check_open()
+        entries = _entries(state)
+        flat = _flat_tensors(entries)
+        document = _objects_document(entries)  # validates every non-tensor value first
+        nbytes = sum(_local_nbytes(tensor) for tensor in flat.values()) + len(document)
+        staging_dir = _staging_path(directory)
+        dcp = _dcp()
+        with self._lock:
+            self._drain_locked()
+            if self._rank == 0:
+                if os.path.lexists(directory):
+                    raise CheckpointWriteError(
+                        f"checkpoint directory {directory} already exists; the DCP backend "
+                        "only writes into new directories. Fix: write to a fresh directory, "
+                        "or delete the stale one first.")
+                if os.path.lexists(staging_dir):  # debris of an attempt that crashed
+                    shutil.rmtree(staging_dir)
+                # exist_ok: another process's DCP writer may have created it already.
+                os.makedirs(staging_dir, exist_ok=True)
+                with open(os.path.join(staging_dir, _OBJECTS_FILE), "wb") as stream:
+                    stream.write(document)
+            writer = dcp.FileSystemWriter(staging_dir, sync_files=self._sync_files)
+            common = dict(storage_writer=writer, process_group=self._io_group,
+                          no_dist=not self._distributed)
+            if not asynchronous:
+                dcp.save(flat, **common)
+                handle = DcpWriteHandle(self, directory, staging_dir, nbytes)
+                self._publish(handle)
+                return handle
+            response = dcp.async_save(flat, async_checkpointer_type=self._checkpointer_type(),
+                                      async_stager=self._get_stager(), **common)
+            # torch 2.13 returns a plain Future when staging is synchronous (our stager's
+            # setting: the copy is done when async_save returns) and an AsyncSaveResponse
+            # when staging runs in the background: then wait for it here, because the caller
+            # may update parameters as soon as write() returns.
+            upload = response
+            if hasattr(response, "staging_completion"):
+                response.staging_completion.result()
+                upload = response.upload_completion
+            handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload)
+            self._pending = handle
+            return handle
+
+    def _checkpointer_type(self) -> Any:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        return getattr(AsyncCheckpointerType, self._checkpointer.upper())
+
+    def _get_stager(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is not None and self._reuse_staging_memory:
+            return self._stager
+        if self._stager is not None:
+            self._stager.close()
+        # Synchronous staging (the copy is finished when async_save returns). Non-blocking
+        # copies and pinned memory need CUDA (DefaultStager raises on CPU without this);
+        # shared memory only helps hand the copy to DCP's checkpoint process.
+        options = StagingOptions(use_pinned_memory=self._cuda,
+                                 use_shared_memory=self._checkpointer == "process",
+                                 use_async_staging=False,
+                                 use_non_blocking_copy=self._cuda)
+        self._stager = DefaultStager(options)
+        return self._stager
+
+    def _publish(self, handle: DcpWriteHandle) -> None:
+        """Primary: move the finished staging directory to its final name. DCP's save returns
+        on every rank only after the coordinator wrote the metadata, which it does after
+        every rank reported its data written: so the directory is complete here."""
+        if self._rank != 0:
+            return
+        os.rename(handle._staging_dir, handle.directory)
+        fsync_dir(os.path.dirname(handle.directory) or ".")
+
+    def _finish(self, handle: DcpWriteHandle) -> None:
+        with self._lock:
+            self._finish_locked(handle)
+
+    def _finish_locked(self, handle: DcpWriteHandle) -> None:
+        if handle._finished:
+            return
+        try:
+            handle._future.result(timeout=self._write_timeout_s)
+            self._publish(handle)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on it
+            handle._error = error
+        finally:
+            handle._finished = True
+            if self._pending is handle:
+                self._pending = None
+
+    def _drain_locked(self) -> None:
+        """Wait for the in-flight save, if any, recording its outcome on its handle."""
+        if self._pending is not None:
+            self._finish_locked(self._pending)
+
+    def close(self) -> None:
+        """Wait for an in-flight save (its error stays on its handle) and free the staging
+        memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._drain_locked()
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this DcpBackend is closed; create a new one.")
+
+    # --------------------------------------------------------------------------- read
+
+    def read(self, directory: str, like: Any) -> Any:
+        """Load ``directory`` into the live objects of ``like`` and return ``like``.
+
+        Modules, optimizers, schedulers/Stateful objects and tensor entries are loaded in
+        place (tensors keep their identity, device and sharding: DCP reshards DTensors and
+        reads only what each process needs); plain-value entries are replaced by the saved
+        values. Entries and tensors are matched by name and tree path; every mismatch
+        (missing, extra, kind, shape, dtype) is collected first and raised as one
+        ``TreeMismatchError`` before any tensor is read.
+        """
+        self._check_open()
+        with self._lock:
+            self._drain_locked()
+        saved = _read_objects(directory)
+        if not isinstance(like, dict):
+            raise TypeError(
+                f"like must be the dict of live objects to load into (the same names as the "
+                f"saved state), got {type(like).__module__}.{type(like).__qualname__}. Fix: "
+                "recover({'model': model, 'optimizer': optimizer, ...}).")
+        entries = _entries(like)
+        problems = _compare(entries, saved)
+        if problems:
+            raise TreeMismatchError(
+                f"cannot restore {directory} into like: {len(problems)} path(s) do not "
+                "match:\n" + "\n".join(f"  {line}" for line in problems) + "\nFix: build the "
+                "model, optimizer and other entries with the same code and configuration as "
+                "the run that saved the checkpoint, under the same names.", problems)
+        targets = {}
+        for entry in entries:
+            for path, tensor in entry.split.tensors.items():
+                # detach(): DCP copies into the target in place; a Parameter's autograd
+                # history is irrelevant to that and must not see the copy.
+                targets[_storage_key(entry.name, path)] = (
+                    tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
+        if targets:
+            _dcp().load(targets, checkpoint_id=directory, process_group=self._io_group,
+                        no_dist=not self._distributed)
+        api = _state_dict_api() if any(e.kind in ("module", "optimizer") for e in entries) else None
+        for entry in entries:
+            record = saved[entry.name]
+            skeleton = codec.decode(record["skeleton"], f"state[{entry.name!r}]")
+            value = _fill(skeleton, entry.split.tensors)
+            if entry.kind == "module":
+                api.set_model_state_dict(like[entry.name], value)
+            elif entry.kind == "optimizer":
+                optimizer = like[entry.name]
+                api.set_optimizer_state_dict(like[entry.module], optimizer, value)
+                if record.get("fresh"):
+                    _drop_created_state(optimizer)
+            elif entry.kind == "state_dict":
+                like[entry.name].load_state_dict(value)
+            elif entry.kind == "value":
+                like[entry.name] = value
+            # "tensor": loaded in place above
+        return like
+
+    # ---------------------------------------------------------------------- the rest
+
+    def host_copy(self, state: Any) -> dict[str, Any]:
+        """A host (CPU) copy of the model-like entries of ``state``, for background exports:
+        modules become their full (unsharded) state dicts without wrapper prefixes, tensors
+        CPU copies; optimizers are left out (exports are model-only) and other objects
+        become copies of their state dicts. Gathering sharded modules is a collective:
+        every process calls this."""
+        api = _state_dict_api()
+        options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        out: dict[str, Any] = {}
+        for name, value in state.items():
+            kind = _kind_of(name, value)
+            if kind == "module":
+                out[name] = _copy_tensors(api.get_model_state_dict(value, options=options))
+            elif kind == "optimizer":
+                continue
+            elif kind == "state_dict":
+                out[name] = _copy_tensors(value.state_dict())
+            else:
+                out[name] = _copy_tensors(value)
+        return out
+
+    def versions(self) -> dict[str, str]:
+        """Versions of the libraries a checkpoint is written with."""
+        found = {"torch": torch.__version__}
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found["torchdata"] = importlib.metadata.version("torchdata")
+        return found
+
+    def rng_state(self) -> dict[str, Any]:
+        """This process's torch generators: CPU, and every CUDA device in one entry."""
+        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        cuda = _capture_cuda_rng(torch.cuda)
+        if cuda is not None:
+            state["cuda"] = cuda
+        return state
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore :meth:`rng_state`'s result; a missing entry warns and keeps the current
+        state (checkpoints written without CUDA restore on a CUDA machine)."""
+        if not isinstance(state, Mapping):
+            warnings.warn(f"the checkpoint's torch RNG state is a {type(state).__name__}, not "
+                          "a dict; torch generators keep their current state.",
+                          CheckpointWarning, stacklevel=2)
+            return
+        if "cpu" in state:
+            torch.set_rng_state(state["cpu"])
+        else:
+            warnings.warn("the checkpoint has no torch CPU RNG state; the CPU generator keeps "
+                          "its current state.", CheckpointWarning, stacklevel=2)
+        _restore_cuda_rng(state.get("cuda"), torch.cuda)
+
+
+def _copy_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "full_tensor"):  # a DTensor: gather (collective)
+            value = value.full_tensor()
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _copy_tensors(item) for key, item in value.items()}
+    if type(value) is list:
+        return [_copy_tensors(item) for item in value]
+    if type(value) is tuple:
+        return tuple(_copy_tensors(item) for item in value)
+    return value
+
+
+def _quiet_single_process_notice() -> None:
+    """DCP warns on every save and load without a process group that it "assumes the intent
+    is to save in a single process". Here that is the intent, so the notice is noise; the
+    filter matches only that message (and is added once: filterwarnings de-duplicates)."""
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or "
+                            r"uninitialized, assuming the intent is to (save|load) in a single "
+                            r"process", category=UserWarning)
+
+
+def _resolve_checkpointer(choice: str, cuda: bool) -> str:
+    if choice == "thread" or (choice == "auto" and not cuda):
+        # On CPU-only machines the checkpoint process's 4-8 s start-up is not worth it
+        # (and deciding this imports nothing: DCP loads at the first save).
+        return "thread"
+    if not _has_process_checkpointer():
+        if choice == "process":
+            raise ConfigError(
+                f"DcpBackend(async_checkpointer='process') needs a torch whose DCP has "
+                f"AsyncCheckpointerType.PROCESS (>= 2.8); this is {torch.__version__}. Use "
+                f"'thread' or 'auto'.")
+        return "thread"
+    # With CUDA the daemon process takes serialisation and writing off this process's GIL.
+    return "process"
+
+
+def _has_process_checkpointer() -> bool:
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError:
+        return False
+    return hasattr(AsyncCheckpointerType, "PROCESS")
+
+
+def _staging_path(directory: str) -> str:
+    parent, name = os.path.split(os.path.normpath(directory))
+    return os.path.join(parent, f"{_TMP_PREFIX}{name}")
+
+
+def _read_objects(directory: str) -> dict[str, Any]:
+    if not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"no checkpoint at {directory}: the directory does not "
+                                      "exist")
+    file = os.path.join(directory, _OBJECTS_FILE)
+    if not os.path.exists(file):
+        raise CheckpointCorruptError(
+            f"{directory} has no {_OBJECTS_FILE}: it was not written by jaxckpt's DCP backend, "
+            "or its write did not finish. Fix: point at a checkpoint directory that "
+            "DcpBackend wrote completely.")
+    if not os.path.exists(os.path.join(directory, _DCP_METADATA)):
+        raise CheckpointCorruptError(f"{directory} has no DCP {_DCP_METADATA} file: its write "
+                                     "did not finish. Fix: restore an older checkpoint.")
+    try:
+        with open(file, "rb") as stream:
+            document = json.loads(stream.read())
+        if document.get("format") != OBJECTS_FORMAT:
+            raise ValueError(f"format is {document.get('format')!r}, not {OBJECTS_FORMAT!r}")
+        if document.get("version", 0) > OBJECTS_FORMAT_VERSION:
+            raise ValueError(f"version {document['version']} is newer than this jaxckpt reads "
+                             f"({OBJECTS_FORMAT_VERSION}); upgrade jaxckpt")
+        entries = document["entries"]
+        if not isinstance(entries, dict):
+            raise ValueError("entries is not a dict")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointCorruptError(f"{file} is unreadable: {error}") from error
+    return entries
+
+
+def _compare(entries: list[_Entry], saved: Mapping[str, Any]) -> list[str]:
+    """Every difference between the live entries and the checkpoint, one line per path."""
+    problems = []
+    names = set()
+    for entry in entries:
+        names.add(entry.name)
+        record = saved.get(entry.name)
+        if record is None:
+            problems.append(f"state[{entry.name!r}]: missing from checkpoint (like has a "
+                            f"{entry.kind})")
+            continue
+        if record.get("kind") != entry.kind:
+            problems.append(f"state[{entry.name!r}]: like has a {entry.kind}, checkpoint has a "
+                            f"{record.get('kind')}")
+            continue
+        saved_tensors = {}
+        for item in record.get("tensors", []):
+            path = tuple(codec.decode(item["path"], "path"))
+            saved_tensors[path] = (list(item["shape"]), item["dtype"])
+        for path, tensor in entry.split.tensors.items():
+            where = _describe_path(entry.name, path)
+            shape, dtype = _tensor_facts(tensor)
+            found = saved_tensors.pop(path, None)
+            if found is None:
+                problems.append(f"{where}: missing from checkpoint (like has shape "
+                                f"{tuple(shape)} {dtype})")
+            elif found != (shape, dtype):
+                problems.append(f"{where}: expected shape {tuple(shape)} {dtype}, checkpoint "
+                                f"has shape {tuple(found[0])} {found[1]}")
+        for path, (shape, dtype) in saved_tensors.items():
+            problems.append(f"{_describe_path(entry.name, path)}: not in like (checkpoint has "
+                            f"shape {tuple(shape)} {dtype})")
+    for name, record in saved.items():
+        if name not in names:
+            problems.append(f"state[{name!r}]: not in like (checkpoint has a "
+                            f"{record.get('kind')})")
+    return sorted(problems)

@@ -1,0 +1,78 @@
+"""DcpCheckpointManager: jaxckpt's CheckpointManager with the DCP backend plugged in.
+
+Owns nothing of the policy: triggers, retention, the commit protocol, driver state (counters,
+data-loader positions, Python/NumPy RNG), reports and recovery all come from
+:class:`jaxckpt.CheckpointManager`. This module only builds a :class:`DcpBackend` (after
+``torch.distributed`` is initialised, in a distributed run) and closes it with the manager.
+
+Must not import: jax, orbax.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jaxckpt import CheckpointManager, ConfigError, ExportConfig, RecoverConfig
+
+from .dcp_backend import DcpBackend
+
+__all__ = ["DcpCheckpointManager"]
+
+
+class DcpCheckpointManager(CheckpointManager):
+    """Recovery checkpoints and exports of a PyTorch training run under ``root``.
+
+    The same methods and semantics as :class:`jaxckpt.CheckpointManager`; the state is a dict
+    of ``name -> nn.Module | Optimizer | LR scheduler | Stateful | tensor`` (see
+    ``docs/torch.md``)::
+
+        state = {"model": model, "optimizer": opt, "scheduler": sched}
+        with DcpCheckpointManager(root, recover=RecoverConfig(every=Every(steps=500))) as mgr:
+            recovered = mgr.recover(state, stateful={"loader": loader})  # loads in place
+            info = recovered.step_info.next() if recovered else StepInfo(0, 0, 0, spe)
+            ...
+                mgr.maybe_save(info, state)           # returns once tensors are staged
+            mgr.save(info, state, mode="sync")        # the final save
+
+    ``recover(like, ...)`` takes the live state dict: modules, optimizers, schedulers and
+    tensors are loaded in place and ``recovered.state`` is that same dict.
+
+    In a distributed run, create the manager on every rank after
+    ``torch.distributed.init_process_group`` (its constructor is a collective).
+    ``backend`` defaults to ``DcpBackend()``, which this manager closes when it closes; pass
+    your own ``DcpBackend(...)`` to choose DCP settings (you then close it).
+
+    Concurrency contract: as :class:`jaxckpt.CheckpointManager` (one training thread; one
+    background thread for commits; one job per root).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, recover: RecoverConfig | None = None,
+                 export: ExportConfig | None = None, mode: str = "auto",
+                 backend: DcpBackend | None = None, **options: Any):
+        """``options``: every other argument of :class:`jaxckpt.CheckpointManager`
+        (``on_report``, ``on_write_error``, ``commit_timeout_s``, ``preemption_signals``,
+        ``items``, ``clock``), passed through unchanged."""
+        if backend is not None and not isinstance(backend, DcpBackend):
+            raise ConfigError(f"DcpCheckpointManager(backend=...) must be a "
+                              f"torch_bridge.DcpBackend, got {type(backend).__name__}. For "
+                              f"other backends use jaxckpt.CheckpointManager(backend=...).")
+        created = backend is None
+        backend = DcpBackend() if backend is None else backend
+        try:
+            super().__init__(root, recover=recover, export=export, mode=mode, backend=backend,
+                             **options)
+        except BaseException:
+            if created:
+                backend.close()
+            raise
+        self._created_backend = created
+
+    def close(self) -> None:
+        """Finish in-flight saves, stop the background thread, release the root, and close
+        the backend this manager created."""
+        try:
+            super().close()
+        finally:
+            if self._created_backend:
+                self.backend.close()  # idempotent
