@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := jax,torch,hf,grain,test
+EXTRAS := jax,torch,hf,grain,notebooks,test
 
 .PHONY: demo test install clean
 
