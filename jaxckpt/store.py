@@ -27,6 +27,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -130,6 +131,18 @@ def _crc32(path: str) -> tuple[int, str]:
     return size, f"{crc:08x}"
 
 
+def _listed_files(path: str) -> list[str]:
+    """Every file under a checkpoint directory that a commit would list, as manifest paths
+    (symlinked directories are reported as entries, never followed)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = os.path.relpath(os.path.join(dirpath, name), path).replace(os.sep, "/")
+            if rel != COMMIT_MARKER and not name.startswith(_TMP_PREFIX):
+                found.append(rel)
+    return found
+
+
 def _safe_relpath(rel: Any) -> bool:
     """A manifest path must stay inside its checkpoint directory."""
     if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or "\x00" in rel:
@@ -179,8 +192,17 @@ class Manifest:
             if (not isinstance(info, dict) or not isinstance(info.get("size"), int)
                     or not isinstance(info.get("crc32"), str)):
                 raise CheckpointCorruptError(f"{where}: malformed manifest entry for {rel!r}")
-        return cls(step=int(body.get("step", -1)), files=files,
-                   created=float(body.get("created", 0.0)))
+        step, created = body.get("step"), body.get("created", 0.0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointCorruptError(f"{where}: commit marker has step {step!r}, not an int >= 0")
+        if (isinstance(created, bool) or not isinstance(created, (int, float))
+                or not math.isfinite(created)):
+            raise CheckpointCorruptError(f"{where}: commit marker has created={created!r}, not a time")
+        if not files:
+            raise CheckpointCorruptError(
+                f"{where}: commit marker lists no files; a real checkpoint always has some, so "
+                f"this marker cannot vouch for anything")
+        return cls(step=step, files=files, created=float(created))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -298,6 +320,8 @@ class CheckpointStore:
                 data = handle.read()
         except FileNotFoundError:
             return None
+        except OSError as exc:  # a directory in its place, no permission, I/O error
+            raise CheckpointCorruptError(f"{path}: commit marker is unreadable ({exc})") from exc
         return Manifest.parse(data, path)
 
     def verify(self, path: str, *, checksums: bool = True) -> list[str]:
@@ -314,10 +338,14 @@ class CheckpointStore:
                 f"{path}: no {COMMIT_MARKER} marker: this checkpoint never finished committing "
                 f"(the job stopped while saving); it is not restorable")
         problems: list[str] = []
+        inside = os.path.realpath(path)
 
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
             full = os.path.join(path, *rel.split("/"))
+            if os.path.islink(full) or not os.path.realpath(full).startswith(inside + os.sep):
+                return (f"{rel}: resolves outside the checkpoint (a symlink); refusing to read "
+                        f"data that does not belong to it")
             try:
                 size = os.path.getsize(full)
             except FileNotFoundError:
@@ -340,6 +368,9 @@ class CheckpointStore:
             for problem in pool.map(check, items):
                 if problem:
                     problems.append(problem)
+        for rel in sorted(set(_listed_files(path)) - set(manifest.files)):
+            # A file the commit never vouched for could be read by a backend all the same.
+            problems.append(f"{rel}: not in the manifest (added after the commit)")
         return problems
 
     def entries(self, *, checksums: bool = False) -> list[Entry]:
@@ -395,18 +426,16 @@ class CheckpointStore:
     def commit(self, path: str, step: int, *, exclude: tuple[str, ...] = ()) -> Manifest:
         """Make ``path`` a valid checkpoint: checksum and fsync every file and directory in
         it, then write the marker atomically. Call only after every process's writes ended."""
-        files: list[str] = []
-        dirs: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirs.append(dirpath)
-            for name in filenames:
-                rel = os.path.relpath(os.path.join(dirpath, name), path).replace(os.sep, "/")
-                if rel == COMMIT_MARKER or rel in exclude or name.startswith(_TMP_PREFIX):
-                    continue
-                files.append(rel)
-        files.sort()
+        files = sorted(rel for rel in _listed_files(path) if rel not in exclude)
+        dirs = [dirpath for dirpath, _, _ in os.walk(path)]
+        def summarise(rel: str) -> tuple[int, str]:
+            full = os.path.join(path, rel)
+            # Our writers never make links; one found here is recorded, never followed, and
+            # verification refuses it.
+            return (0, "link") if os.path.islink(full) else _checksum_and_sync(full)
+
         with ThreadPoolExecutor(max_workers=4) as pool:
-            sums = list(pool.map(lambda rel: _checksum_and_sync(os.path.join(path, rel)), files))
+            sums = list(pool.map(summarise, files))
         # Deepest first, so that every rename inside the checkpoint is durable before its
         # parent's entry is.
         for directory in sorted(dirs, key=len, reverse=True):

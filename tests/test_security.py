@@ -387,13 +387,7 @@ def test_manifest_naming_a_path_outside_is_rejected_without_opening_it(tmp_path_
     assert any("outside the checkpoint" in w for w in out["recover"]["warnings"]), out
 
 
-SYMLINK_BUG = ("store.CheckpointStore.verify follows symlinks: a committed checkpoint whose "
-               "array directory links outside it verifies, and restore reads the other job's "
-               "data")
-
-
-@pytest.mark.parametrize("case", ["tree-parent", "tree-absolute", pytest.param(
-    "symlink", marks=pytest.mark.xfail(strict=True, reason=SYMLINK_BUG))])
+@pytest.mark.parametrize("case", ["tree-parent", "tree-absolute", "symlink"])
 def test_data_outside_the_checkpoint_is_never_restored(tmp_path_factory, case):
     out = run_outside(tmp_path_factory, case)
     recovered = out["recover"]
@@ -408,7 +402,7 @@ def test_data_outside_the_checkpoint_is_never_restored(tmp_path_factory, case):
     pytest.param("tree-absolute", marks=pytest.mark.xfail(strict=True, reason=(
         "orbax_backend._read_tree_json accepts an absolute storage name; Orbax fails later "
         "with a raw ValueError, not CheckpointCorruptError naming tree.json"))),
-    pytest.param("symlink", marks=pytest.mark.xfail(strict=True, reason=SYMLINK_BUG)),
+    "symlink",
 ])
 def test_a_checkpoint_pointing_outside_itself_is_refused_as_corrupt(tmp_path_factory, case):
     out = run_outside(tmp_path_factory, case)
