@@ -14,6 +14,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointRootError,
     CheckpointWarning,
     CheckpointWriteError,
     CodecError,
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointWriteError",
     "TreeMismatchError",
     "RootLockedError",
+    "CheckpointRootError",
     "CodecError",
     "CheckpointWarning",
 ]

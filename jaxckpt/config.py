@@ -267,6 +267,12 @@ class RecoverConfig:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"RecoverConfig.retries must be an int >= 0, got {self.retries!r}.")
         _check_mode("RecoverConfig", "verify", self.verify, ("checksums", "sizes"))
+        if self.keep_last_n == 0 and not self.every.never:
+            raise ConfigError(
+                f"RecoverConfig.keep_last_n=0 writes no periodic checkpoints, but "
+                f"RecoverConfig.every={self.every} asks for them. Use keep_last_n=1 (or more) to "
+                f"keep periodic checkpoints, or remove the trigger (every=Every()) to write only "
+                f"forced save() calls.")
 
     @property
     def enabled(self) -> bool:

@@ -209,7 +209,10 @@ def parse_driver(data: bytes, where: str) -> dict[str, Any]:
     try:
         body = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"{where}: driver.json is not valid JSON ({exc})") from exc
+        raise CheckpointCorruptError(
+            f"{where}: driver.json is not valid JSON ({exc}). Fix: restore another step "
+            f"(restore(step=None) picks the latest valid checkpoint), or check the disk that "
+            f"holds this checkpoint.") from exc
     if not isinstance(body, dict) or body.get("format") != DRIVER_FORMAT:
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
         raise CheckpointCorruptError(

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointCorruptError",
     "TreeMismatchError",
     "RootLockedError",
+    "CheckpointRootError",
     "CheckpointWriteError",
     "CodecError",
     "CheckpointWarning",
@@ -44,6 +45,10 @@ class TreeMismatchError(CheckpointError, ValueError):
 
 class RootLockedError(CheckpointError, BlockingIOError):
     """Another running job holds the checkpoint root."""
+
+
+class CheckpointRootError(CheckpointError, OSError):
+    """The checkpoint root cannot be used (not a directory, no permission)."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):

@@ -57,6 +57,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointRootError,
     CheckpointWarning,
     CheckpointWriteError,
     ConfigError,
@@ -209,6 +210,19 @@ class CheckpointManager:
             raise ConfigError(f"on_write_error must be 'raise' or 'warn', got {on_write_error!r}.")
         if on_report is not None and not callable(on_report):
             raise ConfigError(f"on_report must be callable(report) or None, got {on_report!r}.")
+        if (isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float))
+                or not commit_timeout_s > 0):
+            raise ConfigError(f"commit_timeout_s must be a positive number of seconds, got "
+                              f"{commit_timeout_s!r}.")
+        signals = _check_signals(preemption_signals)
+        if backend is not None and not all(
+                hasattr(backend, a) for a in ("process_index", "process_count", "supports_async",
+                                              "name", "barrier")):
+            raise ConfigError(
+                f"backend must be a jaxckpt.backend.Backend object, got {backend!r}. Leave "
+                f"backend=None for Orbax (JAX) or pass an instance such as "
+                f"jaxckpt.orbax_backend.OrbaxBackend(); for PyTorch use "
+                f"torch_bridge.DcpCheckpointManager.")
         check_item_cadences(items or {}, recover)
         self.recover_config = recover
         self.export_config = export
@@ -227,14 +241,12 @@ class CheckpointManager:
         self._primary = self._index == 0
         self._lock: RootLock | None = None
         if self._primary:
-            self._store.ensure_dirs()
-            self._lock = RootLock(self._store.root)
-            self._lock.acquire()
-            removed = self._store.cleanup_partial()
-            if removed:
-                log.warning("jaxckpt: removed %d partial or temporary entries left by an "
-                            "interrupted run: %s", len(removed), removed)
-        self._backend.barrier("jaxckpt.init", 120.0)
+            self._prepare_root()
+        try:
+            self._backend.barrier("jaxckpt.init", 120.0)
+        except BaseException:
+            self._release_lock()
+            raise
         # Versions already on disk (committed) per item: never written twice.
         self._written_items: dict[str, set[int]] = {
             name: set(self._store.item_versions(name)) for name in self._store.item_names()}
@@ -254,7 +266,7 @@ class CheckpointManager:
         self._preempt_signal: int | None = None
         self._preempted = False
         self._previous_handlers: dict[int, Any] = {}
-        self._install_signal_handlers(tuple(preemption_signals))
+        self._install_signal_handlers(signals)
 
     # --- public API -----------------------------------------------------------------------
     @property
@@ -305,6 +317,9 @@ class CheckpointManager:
         """Restore a recovery checkpoint (``step=None``: the latest valid one), whatever the
         recover mode. Raises ``CheckpointNotFoundError`` when there is none."""
         self._check_usable()
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ConfigError(f"restore(step=...) takes a global step (an int >= 0) or None for "
+                              f"the latest valid checkpoint, got {step!r}.")
         result = self._restore(like, stateful=stateful, step=step, required=True, items=items)
         assert result is not None
         return result
@@ -392,8 +407,7 @@ class CheckpointManager:
             closer = getattr(self._backend, "close", None)
             if self._owns_backend and callable(closer):
                 closer()
-            if self._lock is not None:
-                self._lock.release()
+            self._release_lock()
         self._raise_unraised()
 
     def __enter__(self) -> CheckpointManager:
@@ -448,28 +462,15 @@ class CheckpointManager:
             driver_bytes = json.dumps(local).encode()
         if self._count > 1:
             self._backend.barrier(f"jaxckpt.save.{step.global_step}", 600.0)
-        os.makedirs(path, exist_ok=True)
         report = SaveReport(kind="recover", step=step.global_step, path=path, mode=mode,
                             reason=reason)
         self._recover_trigger.mark_saved()
-        # Item versions no checkpoint has written yet go first; the backend serialises writes,
-        # so this costs time only on saves where an item changed.
-        item_writes = []
-        with self._state_lock:
-            written = {name: set(v) for name, v in self._written_items.items()}
-        for name, (version, tree) in item_versions.items():
-            if version in written.get(name, set()):
-                continue
-            item_dir = self._store.item_path(name, version)
-            if self._primary and os.path.lexists(item_dir):
-                self._store.delete(item_dir)  # an uncommitted attempt at this version
-            if self._count > 1:
-                self._backend.barrier(f"jaxckpt.item.{name}.{version}", 600.0)
-            os.makedirs(item_dir, exist_ok=True)
-            item_writes.append((name, version, item_dir, self._backend.write(
-                os.path.join(item_dir, STATE_DIR), tree, asynchronous=mode == "async")))
-        handle = self._backend.write(os.path.join(path, STATE_DIR), state,
-                                     asynchronous=mode == "async")
+        try:
+            handle, item_writes = self._start_writes(path, state, item_versions, mode)
+        except (CheckpointError, TypeError):
+            raise  # bad input (a tree the backend refuses): the caller's to fix, not a write failure
+        except Exception as exc:  # the filesystem failed under the training thread
+            return self._failed_to_start(report, exc, start, path)
         report.blocking_s = time.perf_counter() - start
         self._last["recover"] = report
 
@@ -487,8 +488,53 @@ class CheckpointManager:
             if report.bytes is not None:
                 report.bytes += item_bytes
 
-        self._run(report, finish, start, after=self._apply_retention if self._primary else None)
+        self._run(report, finish, start, after=self._apply_retention if self._primary else None,
+                  on_failure=lambda: self._discard_partial(path))
         return report
+
+    def _start_writes(self, path: str, state: Any, item_versions: dict[str, tuple[int, Any]],
+                      mode: str) -> tuple[Any, list[tuple[str, int, str, Any]]]:
+        """Training thread: create the directories and stage every write of one save."""
+        os.makedirs(path, exist_ok=True)
+        # Item versions no checkpoint has written yet go first; the backend serialises writes,
+        # so this costs time only on saves where an item changed.
+        item_writes: list[tuple[str, int, str, Any]] = []
+        with self._state_lock:
+            written = {name: set(v) for name, v in self._written_items.items()}
+        for name, (version, tree) in item_versions.items():
+            if version in written.get(name, set()):
+                continue
+            item_dir = self._store.item_path(name, version)
+            if self._primary and os.path.lexists(item_dir):
+                self._store.delete(item_dir)  # an uncommitted attempt at this version
+            if self._count > 1:
+                self._backend.barrier(f"jaxckpt.item.{name}.{version}", 600.0)
+            os.makedirs(item_dir, exist_ok=True)
+            item_writes.append((name, version, item_dir, self._backend.write(
+                os.path.join(item_dir, STATE_DIR), tree, asynchronous=mode == "async")))
+        handle = self._backend.write(os.path.join(path, STATE_DIR), state,
+                                     asynchronous=mode == "async")
+        return handle, item_writes
+
+    def _failed_to_start(self, report: SaveReport, exc: BaseException, start: float,
+                         path: str) -> SaveReport:
+        """A save that failed on the training thread is reported like a background failure:
+        CheckpointWriteError now (or a warning), and its partial directory removed."""
+        report.error = exc
+        report.total_s = report.blocking_s = time.perf_counter() - start
+        report._done.set()
+        with self._state_lock:
+            self._unraised.append(report)
+        self._pending.append(self._worker.submit(self._discard_partial, path))
+        self._raise_unraised()
+        return report
+
+    def _discard_partial(self, path: str) -> None:
+        """Primary, background: remove what a failed save left (frees a full disk)."""
+        if not self._primary or os.path.exists(os.path.join(path, COMMIT_MARKER)):
+            return
+        with contextlib.suppress(OSError):
+            self._store.delete(path)
 
     def _item_versions(self, items: Mapping[str, Any] | None, step: StepInfo,
                        epoch_end: bool) -> dict[str, tuple[int, Any]]:
@@ -653,7 +699,8 @@ class CheckpointManager:
                                   CheckpointWarning, stacklevel=2)
 
     def _run(self, report: SaveReport, finish: Callable[[], None], start: float, *,
-             after: Callable[[], None] | None = None) -> None:
+             after: Callable[[], None] | None = None,
+             on_failure: Callable[[], None] | None = None) -> None:
         """Run the rest of a save inline (sync) or on the background thread (async); then
         ``after`` (retention) on the background thread in both modes, only if the save
         succeeded: housekeeping never runs on, nor blocks, the training thread."""
@@ -677,7 +724,12 @@ class CheckpointManager:
                     log.warning("jaxckpt: on_report callback raised %r", exc)
 
         def housekeeping() -> None:
-            if after is None or report.error is not None:
+            if report.error is not None:
+                if on_failure is not None:
+                    with contextlib.suppress(Exception):
+                        on_failure()
+                return
+            if after is None:
                 return
             try:
                 after()
@@ -933,6 +985,47 @@ class CheckpointManager:
     def _check_usable(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one.")
+
+    def _prepare_root(self) -> None:
+        """Primary: create the layout, take the root lock, clean what a crash left behind.
+        The lock is released again if anything after it fails."""
+        root = self._store.root
+        try:
+            self._store.ensure_dirs()
+            self._lock = RootLock(root)
+            self._lock.acquire()
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise CheckpointRootError(
+                f"checkpoint root {root!r} cannot be used: {exc.strerror or exc} ({exc.filename}). "
+                f"The root must be a directory this process can create and write (it is "
+                f"created if missing). Fix: pass another root, or give this user write access "
+                f"to it (chmod/chown).") from exc
+        try:
+            removed = self._store.cleanup_partial()
+        except BaseException:
+            self._release_lock()
+            raise
+        if removed:
+            log.warning("jaxckpt: removed %d partial or temporary entries left by an "
+                        "interrupted run: %s", len(removed), removed)
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def _check_signals(signals: Any) -> tuple[int, ...]:
+    try:
+        values = tuple(signals)
+    except TypeError:
+        values = None
+    if values is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"preemption_signals must be a tuple of signal numbers, got {signals!r}. "
+                          f"Write e.g. (signal.SIGTERM,), or () to leave signals alone.")
+    return values
 
 
 def _check_step_info(step_info: Any) -> None:

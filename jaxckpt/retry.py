@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -79,11 +80,13 @@ def run_command(argv: Sequence[str], policy: RetryPolicy = RetryPolicy(), *,
     if not argv:
         raise ConfigError("jaxckpt run needs a command after '--', e.g. "
                           "jaxckpt run --retries 3 -- python train.py")
-    stop = {"signal": None}
+    stop: dict[str, int | None] = {"signal": None}
     child: dict[str, subprocess.Popen | None] = {"proc": None}
+    stopped = threading.Event()  # wakes a backoff sleep early
 
     def forward(signum: int, frame: Any) -> None:
         stop["signal"] = signum
+        stopped.set()
         proc = child["proc"]
         if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
@@ -118,7 +121,14 @@ def run_command(argv: Sequence[str], policy: RetryPolicy = RetryPolicy(), *,
             delay = policy.delay(attempt)
             log.warning("jaxckpt run: %s; restart %d of %d in %.1f s (resumes from the latest "
                         "checkpoint)", _describe(code), attempt, policy.retries, delay)
-            sleep(delay)
+            if sleep is time.sleep:
+                stopped.wait(delay)  # a SIGTERM/SIGINT during the wait ends it at once
+            else:
+                sleep(delay)
+            if stop["signal"] is not None:
+                log.warning("jaxckpt run: supervisor got %s while waiting to restart; not "
+                            "restarting", signal.Signals(stop["signal"]).name)
+                return status
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

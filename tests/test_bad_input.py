@@ -377,7 +377,8 @@ CASES: dict[str, Case] = {
         ("create a new one",)),
 }
 
-BUGS: dict[str, tuple[Case, str]] = {
+# Cases that first failed (each reason says what was wrong), kept as regressions.
+FIXED: dict[str, tuple[Case, str]] = {
     "restore-step-a-string": (
         (lambda r, t: restore(r, like(), step="1"), ConfigError, ("step", "'1'"),
          ("step=None", "int")),
@@ -435,20 +436,16 @@ def _run_case(case: Case, root: Path, tmp: Path) -> None:
     assert any(f in message for f in fixes), f"message gives no fix (any of {fixes}): {message}"
 
 
+CASES.update({name: case for name, (case, _was_wrong) in FIXED.items()})
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_wrong_use_raises_a_typed_error_naming_the_field_and_the_fix(name, saved_root, tmp_path):
     _run_case(CASES[name], saved_root, tmp_path)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=why))
-                                  for n, (_, why) in sorted(BUGS.items())])
-def test_wrong_use_raises_a_typed_error_naming_the_field_and_the_fix_bugs(name, saved_root,
-                                                                         tmp_path):
-    _run_case(BUGS[name][0], saved_root, tmp_path)
-
-
 def test_corpus_is_large_enough():
-    assert len(CASES) + len(BUGS) >= 25
+    assert len(CASES) >= 25
 
 
 # ---------------------------------------------------------- a root held by another job
@@ -494,9 +491,6 @@ def test_root_held_by_another_running_job_is_refused_naming_the_holder(tmp_path)
             time.sleep(0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="CheckpointManager.__init__ takes the root lock before "
-                   "validating preemption_signals (and before other steps that can raise) and "
-                   "does not release it on failure: the process keeps the root locked")
 def test_rejected_constructor_does_not_keep_the_root_locked(tmp_path):
     with pytest.raises(Exception):
         manager(tmp_path, preemption_signals=signal.SIGTERM)
@@ -542,10 +536,6 @@ def run_without_permissions(root: Path) -> dict:
 
 
 @pytest.mark.parametrize("layout", ["root-unreadable", "parent-unwritable"])
-@pytest.mark.xfail(strict=True, reason=(
-    "CheckpointManager.__init__ (store.ensure_dirs / RootLock.acquire) lets PermissionError "
-    "'[Errno 13] Permission denied: .../recover' escape raw: not a CheckpointError, and it "
-    "neither says it is the checkpoint root nor how to fix it"))
 def test_root_without_permissions_raises_a_clear_error(tmp_path, layout):
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -133,7 +133,7 @@ def test_retention_keeps_latest_n_committed(tmp_path, keep, expected):
 
 
 def test_keep_last_zero_writes_only_forced_saves(tmp_path):
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=1), keep_last_n=0)) as mgr:
+    with CheckpointManager(tmp_path, recover=RecoverConfig(keep_last_n=0)) as mgr:
         saved, info = run_steps(mgr, 4)
         assert saved == []
         mgr.save(StepInfo(0, 3, 3), tree())

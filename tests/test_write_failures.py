@@ -34,15 +34,6 @@ from jaxckpt import (
 )
 from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
-SYNC_WRAP_BUG = ("manager._save_recover calls backend.write (and os.makedirs) on the training "
-                 "thread outside the error handling of _run: in sync mode a failed write "
-                 "escapes as the backend's raw error (ValueError from tensorstore), not "
-                 "CheckpointWriteError, and on_write_error='warn' does not apply")
-MAKEDIRS_BUG = ("manager._save_recover creates the step directory with os.makedirs on the "
-                "training thread before _run: on a read-only or failing filesystem the raw "
-                "OSError escapes in sync AND async mode, not CheckpointWriteError, and "
-                "on_write_error='warn' cannot keep training alive")
-
 CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys, warnings
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
@@ -146,7 +137,7 @@ def run_limited_child(tmp_factory, mode: str, policy: str) -> tuple[Path, dict]:
 
 
 @pytest.mark.parametrize("mode", [
-    pytest.param("sync", marks=pytest.mark.xfail(strict=True, reason=SYNC_WRAP_BUG)), "async"])
+    "sync", "async"])
 def test_file_size_limit_surfaces_as_checkpoint_write_error(tmp_path_factory, mode):
     root, out = run_limited_child(tmp_path_factory, mode, "raise")
     error = out.get("error")
@@ -159,7 +150,7 @@ def test_file_size_limit_surfaces_as_checkpoint_write_error(tmp_path_factory, mo
 
 
 @pytest.mark.parametrize("mode", [
-    pytest.param("sync", marks=pytest.mark.xfail(strict=True, reason=SYNC_WRAP_BUG)), "async"])
+    "sync", "async"])
 def test_file_size_limit_with_warn_policy_warns_and_training_goes_on(tmp_path_factory, mode):
     root, out = run_limited_child(tmp_path_factory, mode, "warn")
     assert "error" not in out, f"on_write_error='warn' still raised: {out['error']}"
@@ -258,10 +249,10 @@ def fail_one_save(fs: Path, mode: str, how: str, policy: str = "raise") -> tuple
 
 
 FS_CASES = [
-    pytest.param("sync", "full", marks=pytest.mark.xfail(strict=True, reason=SYNC_WRAP_BUG)),
+    ("sync", "full"),
     pytest.param("async", "full"),
-    pytest.param("sync", "read-only", marks=pytest.mark.xfail(strict=True, reason=MAKEDIRS_BUG)),
-    pytest.param("async", "read-only", marks=pytest.mark.xfail(strict=True, reason=MAKEDIRS_BUG)),
+    ("sync", "read-only"),
+    ("async", "read-only"),
 ]
 REASONS = {"full": "No space left", "read-only": "Read-only file system"}
 
@@ -277,10 +268,10 @@ def test_failing_filesystem_surfaces_as_checkpoint_write_error(small_fs, mode, h
 
 
 @pytest.mark.parametrize("mode, how", [
-    pytest.param("sync", "full", marks=pytest.mark.xfail(strict=True, reason=SYNC_WRAP_BUG)),
+    ("sync", "full"),
     ("async", "full"),
-    pytest.param("sync", "read-only", marks=pytest.mark.xfail(strict=True, reason=MAKEDIRS_BUG)),
-    pytest.param("async", "read-only", marks=pytest.mark.xfail(strict=True, reason=MAKEDIRS_BUG)),
+    ("sync", "read-only"),
+    ("async", "read-only"),
 ])
 def test_failing_filesystem_with_warn_policy_keeps_training(small_fs, mode, how):
     _, out = fail_one_save(small_fs, mode, how, policy="warn")
