@@ -654,7 +654,12 @@ class DcpBackend:
                 targets[_storage_key(entry.name, path)] = (
                     tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
         if targets:
-            _dcp().load(targets, checkpoint_id=directory, process_group=self._io_group,
+            # The restricted reader/planner: a copied checkpoint's .metadata pickle and byte
+            # items are never trusted (see _dcp_metadata).
+            from ._dcp_metadata import safe_planner, safe_reader
+
+            _dcp().load(targets, checkpoint_id=directory, storage_reader=safe_reader(directory),
+                        planner=safe_planner(), process_group=self._io_group,
                         no_dist=not self._distributed)
         api = _state_dict_api() if any(e.kind in ("module", "optimizer") for e in entries) else None
         for entry in entries:
