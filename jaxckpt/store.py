@@ -373,23 +373,22 @@ class CheckpointStore:
             problems.append(f"{rel}: not in the manifest (added after the commit)")
         return problems
 
+    def _classify(self, step: int, path: str, *, checksums: bool) -> Entry:
+        """One step directory with its status: partial (no marker), corrupt, or committed."""
+        try:
+            manifest = self.read_manifest(path)
+        except CheckpointCorruptError as exc:
+            return Entry(step=step, path=path, status="corrupt", problems=(str(exc),))
+        if manifest is None:
+            return Entry(step=step, path=path, status="partial")
+        problems = tuple(self.verify(path, checksums=checksums))
+        return Entry(step=step, path=path, status="corrupt" if problems else "committed",
+                     problems=problems, manifest=manifest)
+
     def entries(self, *, checksums: bool = False) -> list[Entry]:
         """Every step directory, oldest first, with its status."""
-        out = []
-        for step, path in self._step_dirs():
-            try:
-                manifest = self.read_manifest(path)
-            except CheckpointCorruptError as exc:
-                out.append(Entry(step=step, path=path, status="corrupt", problems=(str(exc),)))
-                continue
-            if manifest is None:
-                out.append(Entry(step=step, path=path, status="partial"))
-                continue
-            problems = self.verify(path, checksums=checksums)
-            status: Status = "corrupt" if problems else "committed"
-            out.append(Entry(step=step, path=path, status=status, problems=tuple(problems),
-                             manifest=manifest))
-        return out
+        return [self._classify(step, path, checksums=checksums)
+                for step, path in self._step_dirs()]
 
     def committed_steps(self) -> list[int]:
         """Steps with a commit marker (not re-verified; cheap), oldest first."""
@@ -406,20 +405,10 @@ class CheckpointStore:
         for step, path in reversed(self._step_dirs()):
             if at_or_before is not None and step > at_or_before:
                 continue
-            try:
-                manifest = self.read_manifest(path)
-            except CheckpointCorruptError as exc:
-                skipped.append(Entry(step=step, path=path, status="corrupt", problems=(str(exc),)))
-                continue
-            if manifest is None:
-                skipped.append(Entry(step=step, path=path, status="partial"))
-                continue
-            problems = self.verify(path, checksums=checksums)
-            if problems:
-                skipped.append(Entry(step=step, path=path, status="corrupt",
-                                     problems=tuple(problems), manifest=manifest))
-                continue
-            return Entry(step=step, path=path, status="committed", manifest=manifest), skipped
+            entry = self._classify(step, path, checksums=checksums)
+            if entry.status == "committed":
+                return entry, skipped
+            skipped.append(entry)
         return None, skipped
 
     # --- commit ---------------------------------------------------------------------------
