@@ -361,6 +361,53 @@ def _run(opts: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
+# ---------------------------------------------------------------------------- bench
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench import SECTIONS, BenchConfig  # numpy only; jax is imported by run_bench
+
+    default = BenchConfig()
+    parser.add_argument("--dir", default=None,
+                        help="where to write (default: the system temp directory); point it "
+                             "at the disk your checkpoints go to")
+    parser.add_argument("--size-mb", type=int, default=None,
+                        help=f"state size in MiB (default {default.size_mb})")
+    parser.add_argument("--leaves", type=int, default=None,
+                        help=f"leaves of the state (default {default.leaves})")
+    parser.add_argument("--many-leaves", type=int, default=None,
+                        help=f"leaves of the many-leaves variant, 0 to skip "
+                             f"(default {default.many_leaves})")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"rounds; figures are medians (default {default.repeats})")
+    parser.add_argument("--sections", default=None,
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, one round: checks that every row runs (CI)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def _bench(opts: argparse.Namespace) -> int:
+    import json
+
+    from .bench import BenchConfig, format_table, run_bench
+
+    changes = {name: value for name, value in (
+        ("directory", opts.dir), ("size_mb", opts.size_mb), ("leaves", opts.leaves),
+        ("many_leaves", opts.many_leaves), ("repeats", opts.repeats),
+        ("sections", tuple(s for s in (opts.sections or "").split(",") if s) or None))
+        if value is not None}
+    try:
+        config = BenchConfig.quick(**changes) if opts.quick else BenchConfig(**changes)
+    except ValueError as exc:
+        print(f"jaxckpt bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    result = run_bench(config)
+    print(json.dumps(result.to_json(), indent=1, default=str) if opts.json
+          else format_table(result))
+    return EXIT_OK
+
+
 COMMANDS: tuple[_Command, ...] = (
     _Command(name="demo", help="crash a small training run twice, resume it, show the result "
                                "is bit-identical to an uninterrupted run",
@@ -378,6 +425,9 @@ COMMANDS: tuple[_Command, ...] = (
     _Command(name="info", help="show what one checkpoint holds: step, metrics, versions, "
                                "stateful objects, array leaves",
              add_arguments=_info_arguments, handler=_info),
+    _Command(name="bench", help="measure save/restore cost on this machine against the "
+                                "disk, Orbax, torch and safetensors, in one run",
+             add_arguments=_bench_arguments, handler=_bench),
     _Command(name="run", help="run a training command, restarting it from its latest "
                               "checkpoint when it crashes: jaxckpt run --retries 3 -- python train.py",
              add_arguments=_run_arguments, handler=_run),

@@ -14,13 +14,34 @@ Layout of one written directory::
                               Orbax writes it under a temporary name and renames it into place
                               only once every process's data is written
 
+Small leaves are packed. Orbax spends about 2 ms of Python per leaf whatever its size
+(FIELD_NOTES.md), so a state of thousands of small leaves (optimizer states, biases, norms)
+would cost seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes that
+this process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays,
+typed keys' data) are copied into a few 1-D arrays per dtype (``pack_float32_000``, each at
+most ``pack_bytes`` bytes) and written as ordinary Orbax arrays. tree.json records, for every
+packed leaf, the pack and the element offset; restore reads the packs and cuts the leaves out
+by tree path, so matching, mismatch errors and types are exactly those of unpacked leaves.
+Large leaves and leaves sharded across processes are written as they are, one Orbax array
+each, on their own shardings.
+
+How a write runs: the caller's thread validates and classifies the leaves, fills the packs,
+copies numpy leaves (async writes only: the caller may change them once write() returns)
+and returns. In a single process every array goes to Orbax as a host array (a CPU
+jax.Array as a zero-copy view: it is immutable) and async writes run on the backend's own
+writer thread; with several processes Orbax's AsyncCheckpointer writes each process's
+shards. docs/performance.md has the measurements behind each of these choices.
+
 This is the only module of jaxckpt that imports orbax. It must not import torch (nor
 torch_bridge): a JAX run must never pay for, or depend on, PyTorch.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
+import functools
 import gc
 import importlib.metadata
 import itertools
@@ -47,11 +68,26 @@ __all__ = ["OrbaxBackend", "OrbaxWriteHandle", "TREE_FORMAT", "TREE_FORMAT_VERSI
 
 #: value of the "format" field of tree.json; identifies the file's owner.
 TREE_FORMAT = "jaxckpt.orbax.tree"
-#: bumped on any incompatible change of tree.json; readers refuse newer versions.
-TREE_FORMAT_VERSION = 1
+#: bumped on any incompatible change of tree.json; readers refuse newer versions. Version 2
+#: adds packed leaves (an "offset" on the leaf, whose "name" is then its pack's, and a
+#: "packs" list); a checkpoint without packed leaves is still written as version 1,
+#: readable by every release.
+TREE_FORMAT_VERSION = 2
+_UNPACKED_TREE_VERSION = 1
 
 _TREE_FILE = "tree.json"
 _ARRAYS_DIR = "arrays"
+_PACK_PREFIX = "pack_"
+
+#: Leaves of at most this many bytes are packed (see the module docstring). At ~2 ms of
+#: Orbax overhead per leaf and a host copy at >= 2 GB/s, packing wins for every leaf below
+#: a few MiB; 1 MiB keeps the extra host copy small for real models, whose bytes are in
+#: large leaves.
+DEFAULT_PACK_LEAF_BYTES = 1 << 20
+#: Upper size of one pack array: several packs are written and read in parallel, and a
+#: restore never needs one huge contiguous buffer. 16, 32 and 64 MiB measured alike
+#: (docs/performance.md).
+DEFAULT_PACK_BYTES = 32 << 20
 
 # Python scalar types we store, by the name recorded in tree.json. bool comes first in
 # the lookups below because bool is a subclass of int.
@@ -67,10 +103,15 @@ _PY_SCALAR_DTYPE_KINDS = {"bool": "b", "int": "iu", "float": "f"}
 _broadcast_counter = itertools.count()
 
 
+# Both are asked once per leaf and cost ~10 us each uncached (numpy's dtype.name and
+# issubdtype are Python code): with 10,000 leaves that was 0.2 s of every save's blocking
+# time. A state has a handful of distinct dtypes.
+@functools.lru_cache(maxsize=256)
 def _is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+@functools.lru_cache(maxsize=256)
 def _dtype_name(dtype: Any) -> str:
     # Key dtypes are not numpy dtypes; their str is e.g. "key<fry>" and differs per impl.
     return str(dtype) if _is_key_dtype(dtype) else np.dtype(dtype).name
@@ -114,6 +155,23 @@ class _SavedLeaf:
     """Dtype of the stored ``key_data`` for kind "key" (uint32 for the built-in impls)."""
     python_type: str | None = None
     """"bool", "int" or "float" for kind "scalar"."""
+    offset: int | None = None
+    """For a packed leaf: its first element in the pack array ``name``; None when the leaf
+    is an Orbax array of its own."""
+
+    @property
+    def packed(self) -> bool:
+        return self.offset is not None
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Shape of the data as stored (a key's ``key_data``; the leaf's shape otherwise)."""
+        return tuple(self.data_shape or ()) if self.kind == "key" else self.shape
+
+    @property
+    def stored_dtype(self) -> np.dtype:
+        """Dtype of the data as stored (a key's ``key_data`` dtype; the leaf's otherwise)."""
+        return np.dtype(self.data_dtype if self.kind == "key" else self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"path": self.path, "name": self.name, "kind": self.kind,
@@ -123,15 +181,22 @@ class _SavedLeaf:
                          data_dtype=self.data_dtype)
         if self.kind == "scalar":
             entry["python_type"] = self.python_type
+        if self.offset is not None:
+            entry["offset"] = self.offset
         return entry
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> _SavedLeaf:
         data_shape = entry.get("data_shape")
+        offset = entry.get("offset")
+        if offset is not None and (type(offset) is not int or offset < 0):
+            raise ValueError(f"leaf {entry.get('path')!r} has offset {offset!r}, not an "
+                             "integer >= 0")
         return cls(path=entry["path"], name=entry["name"], kind=entry["kind"],
                    shape=tuple(entry["shape"]), dtype=entry["dtype"], impl=entry.get("impl"),
                    data_shape=None if data_shape is None else tuple(data_shape),
-                   data_dtype=entry.get("data_dtype"), python_type=entry.get("python_type"))
+                   data_dtype=entry.get("data_dtype"), python_type=entry.get("python_type"),
+                   offset=offset)
 
     def describe(self) -> str:
         if self.kind == "scalar":
@@ -140,12 +205,10 @@ class _SavedLeaf:
         return f"{text} (impl {self.impl})" if self.kind == "key" else text
 
 
-def _stage_leaf(path: str, name: str, leaf: Any, *, copy_host: bool) -> tuple[_SavedLeaf, Any]:
-    """Classify one state leaf; return its tree.json entry and the array Orbax will write.
-
-    ``copy_host`` copies numpy leaves: they are mutable, and in async mode the caller may
-    change them as soon as write() returns. jax.Arrays are immutable and need no copy.
-    """
+def _stage_leaf(path: str, name: str, leaf: Any) -> tuple[_SavedLeaf, Any]:
+    """Classify one state leaf; return its tree.json entry and the array that holds its data
+    (the caller's own numpy array, not a copy: ``OrbaxBackend._stage_host`` copies what
+    must be copied)."""
     if isinstance(leaf, jax.Array):
         if _is_key_dtype(leaf.dtype):
             data = jax.random.key_data(leaf)
@@ -163,7 +226,7 @@ def _stage_leaf(path: str, name: str, leaf: Any, *, copy_host: bool) -> tuple[_S
                 f"leaf {path} is a numpy array of dtype {leaf.dtype}, which Orbax cannot "
                 "store as an array. Fix: convert it to a numeric array, or keep it out of the "
                 "array state (e.g. in a stateful object's JSON state).")
-        array = np.array(leaf, copy=True) if copy_host else np.asarray(leaf)
+        array = np.asarray(leaf)
         return _SavedLeaf(path=path, name=name, kind="array", shape=tuple(array.shape),
                           dtype=_dtype_name(array.dtype)), array
     for type_name, py_type in _PY_SCALAR_TYPES.items():
@@ -181,6 +244,70 @@ def _stage_leaf(path: str, name: str, leaf: Any, *, copy_host: bool) -> tuple[_S
         "arrays or Python bool/int/float. Fix: remove it from the array state (e.g. with "
         "nnx.state(model, nnx.Param) or a filtered dict) and keep strings and objects in a "
         "stateful object's JSON state, or convert it to an array.")
+
+
+# -------------------------------------------------------------------------------- packing
+
+
+def _packable(array: Any, leaf_limit: int, local: bool) -> bool:
+    """Whether a staged array goes into a pack: small, and held entirely by this process
+    (an array sharded across processes is written shard by shard by Orbax instead; with a
+    single process every array is, and asking costs microseconds per leaf)."""
+    if array.nbytes > leaf_limit:
+        return False
+    return local or isinstance(array, np.ndarray) or array.is_fully_addressable
+
+
+def _plan_packs(entries: list[_SavedLeaf], arrays: list[Any], *, leaf_limit: int,
+                pack_limit: int, local: bool) -> dict[str, tuple[np.dtype, list[int], int]]:
+    """Assign small leaves to packs; rewrites their entries (pack name, element offset).
+
+    Returns ``{pack name: (dtype, entry indices in pack order, size in elements)}``. Leaves
+    are grouped by stored dtype, in tree order, and a pack is closed before it would exceed
+    ``pack_limit`` bytes (a single leaf larger than that still gets a pack of its own).
+    """
+    by_dtype: dict[str, list[int]] = {}
+    if leaf_limit > 0:
+        for index, array in enumerate(arrays):
+            if _packable(array, leaf_limit, local):
+                by_dtype.setdefault(_dtype_name(array.dtype), []).append(index)
+    plan: dict[str, tuple[np.dtype, list[int], int]] = {}
+    for dtype_name, indices in by_dtype.items():
+        dtype = np.dtype(dtype_name)
+        groups: list[list[int]] = [[]]
+        size = 0
+        for index in indices:
+            count = arrays[index].size
+            if groups[-1] and (size + count) * dtype.itemsize > pack_limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(index)
+            size += count
+        for number, members in enumerate(groups):
+            name = f"{_PACK_PREFIX}{dtype_name}_{number:03d}"
+            offset = 0
+            for index in members:
+                entries[index] = dataclasses.replace(entries[index], name=name, offset=offset)
+                offset += arrays[index].size
+            plan[name] = (dtype, members, offset)
+    return plan
+
+
+def _host_arrays(arrays: list[jax.Array]) -> list[np.ndarray]:
+    """Host numpy arrays of fully addressable jax.Arrays. On CPU a view (no copy; read-only,
+    and the array cannot be donated while the view lives); elsewhere one batched transfer.
+    np.asarray is half the cost of jax.device_get per array, which shows at 10,000 leaves."""
+    if jax.default_backend() == "cpu":
+        return [np.asarray(array) for array in arrays]
+    return jax.device_get(arrays)
+
+
+def _fill_pack(buffer: np.ndarray, sources: list[Any]) -> None:
+    """Copy ``sources`` (numpy or host-fetched arrays, in pack order) into ``buffer``."""
+    if len(sources) == 1:
+        np.copyto(buffer, np.asarray(sources[0]).reshape(-1))
+        return
+    np.concatenate([np.asarray(source).reshape(-1) for source in sources], out=buffer)
 
 
 # ---------------------------------------------------------------------------- like leaves
@@ -250,27 +377,35 @@ class OrbaxWriteHandle:
 
     Concurrency contract: ``wait`` may be called from any thread, any number of times; every
     call after the write finished returns at once or re-raises the same error. The handle
-    holds no Orbax state itself: the backend serialises access to its checkpointer.
+    holds no Orbax state itself: the backend serialises access to its checkpointers.
     """
 
-    __slots__ = ("directory", "nbytes", "_backend", "_finished", "_error")
+    __slots__ = ("directory", "nbytes", "_backend", "_finished", "_error", "_future")
 
-    def __init__(self, backend: OrbaxBackend | None, directory: str, nbytes: int):
+    def __init__(self, backend: OrbaxBackend | None, directory: str, nbytes: int,
+                 future: concurrent.futures.Future[None] | None = None):
         #: the checkpoint directory this write fills.
         self.directory = directory
         #: bytes of array data handed to Orbax (logical sizes, plus tree.json); known at
         #: staging time, so nobody needs to walk the directory to report a save's size.
         self.nbytes = nbytes
         self._backend = backend
-        self._finished = backend is None
+        # Single process: the backend's writer thread runs the write and this future holds
+        # its outcome. Otherwise Orbax's AsyncCheckpointer runs it and the backend records
+        # the outcome here when it drains.
+        self._future = future
+        self._finished = backend is None and future is None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """Whether the write is known to have finished (successfully or not)."""
-        return self._finished
+        return self._future.done() if self._future is not None else self._finished
 
     def wait(self) -> None:
         """Block until Orbax finished this write; re-raise whatever made it fail."""
+        if self._future is not None:
+            self._future.result()
+            return
         if not self._finished and self._backend is not None:
             self._backend._finish(self)
         if self._error is not None:
@@ -294,16 +429,45 @@ for _logger_name in ("absl", "orbax"):
         logging.getLogger(_logger_name).addFilter(_QUIET)
 
 
+class _Staging:
+    """Marks reused host buffers as taken by the write being staged."""
+
+    @staticmethod
+    def done() -> bool:
+        return False
+
+
+_STAGING = _Staging()
+
+
+def _type_handler_registry() -> Any:
+    """Orbax's handlers, except that numpy arrays are not deep-copied again at save time.
+
+    Orbax's NumpyHandler copies every numpy array it is given, in case the caller changes
+    it during an async write. We hand it only arrays nobody changes meanwhile: packs and
+    copies of the caller's numpy leaves made at staging time (async), views of immutable CPU
+    jax.Arrays, or the caller's arrays during a write that finishes before write() returns
+    (sync). A second copy would only double the staging time and the host memory.
+    """
+    return ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),
+    )
+
+
 class OrbaxBackend:
     """Writes and reads JAX pytrees with Orbax (see the module docstring for the layout).
 
     Concurrency contract: ``write``, ``read`` and ``close`` are called from one thread (the
-    training loop's); a handle's ``wait`` may run on another thread. At most one async write
-    is in flight: a new ``write`` first waits for the previous one (recording its outcome on
-    its handle, so no error is lost or raised on the wrong call). Multi-process: every
-    process calls ``write``/``read`` with the same directory and tree; only process 0 writes
-    tree.json, every process writes its shards through Orbax. Across jobs: a directory is
-    written once and never modified.
+    training loop's); a handle's ``wait`` may run on another thread. Every error stays with
+    the write it belongs to (its handle), never raised by a later call nor lost.
+    Single process: async writes are queued on the backend's one writer thread and run in
+    order; ``write`` returns once its arrays are staged, without waiting for earlier writes
+    (a save that writes a changed auxiliary item and then the state stages both at once).
+    Multi-process: Orbax's AsyncCheckpointer writes, one write at a time: a new ``write``
+    first waits for the previous one; every process calls ``write``/``read`` with the same
+    directory and tree, only process 0 writes tree.json, every process writes its shards.
+    Across jobs: a directory is written once and never modified.
     """
 
     name = "orbax"
@@ -311,29 +475,66 @@ class OrbaxBackend:
 
     def __init__(self, *, use_ocdbt: bool = False, use_zarr3: bool = True,
                  use_compression: bool = False, async_timeout_s: int | None = None,
-                 collective_timeout_s: float = 300.0, pause_gc: bool = True):
+                 collective_timeout_s: float = 300.0, pause_gc: bool = True,
+                 pack_leaf_bytes: int = DEFAULT_PACK_LEAF_BYTES,
+                 pack_bytes: int = DEFAULT_PACK_BYTES, reuse_host_buffers: bool = True):
         """
         Args:
           use_ocdbt: Orbax's OCDBT container format. Off: one zarr array per leaf was the
-            fastest on CPU (FIELD_NOTES.md).
+            fastest on CPU (FIELD_NOTES.md, docs/performance.md).
           use_zarr3: zarr v3 array format.
           use_compression: zstd compression; costs CPU and barely shrinks float weights.
           async_timeout_s: how long Orbax's background thread waits at its cross-process
             barriers; None keeps Orbax's default.
           collective_timeout_s: timeout of ``broadcast_int`` in multi-process runs.
           pause_gc: pause Python's cyclic GC during the blocking parts of write and read.
+          pack_leaf_bytes: leaves of at most this many bytes are packed into a few arrays per
+            dtype (see the module docstring); 0 writes every leaf as its own Orbax array.
+          pack_bytes: the largest pack array, in bytes.
+          reuse_host_buffers: keep the host buffers a save copies into (packs; numpy leaves
+            of async saves) and copy into them again at the next save of the same layout.
+            Fresh buffers cost page faults that take longer than the copy itself
+            (docs/performance.md); the price is one host copy of those leaves held between
+            saves. False allocates per save and frees after the write.
         """
+        for field, value in (("pack_leaf_bytes", pack_leaf_bytes), ("pack_bytes", pack_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"OrbaxBackend({field}=...) must be an int >= 0 (bytes), got "
+                                 f"{value!r}.")
+        if pack_leaf_bytes > 0 and pack_bytes < pack_leaf_bytes:
+            raise ValueError(f"OrbaxBackend(pack_bytes={pack_bytes}) must be at least "
+                             f"pack_leaf_bytes={pack_leaf_bytes}: a pack holds leaves of up to "
+                             "pack_leaf_bytes each. Raise pack_bytes or lower pack_leaf_bytes.")
         self._handler_options = dict(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
                                      use_compression=use_compression)
         self._collective_timeout_s = collective_timeout_s
         self._pause_gc = pause_gc
-        # Separate handlers: the async checkpointer's handler may still be busy in its
-        # background thread while the sync one writes or reads.
+        self._pack_leaf_bytes = pack_leaf_bytes
+        self._pack_bytes = pack_bytes
+        self._reuse_host_buffers = reuse_host_buffers
+        # (storage name, shape, dtype) -> [host buffer, the write that last used it]: a
+        # buffer is refilled only once that write finished (see _stage_host).
+        self._host_buffers: dict[tuple[str, tuple[int, ...], np.dtype],
+                                 list[list[Any]]] = {}
+        registry = _type_handler_registry()
+
+        def checkpointer() -> ocp.Checkpointer:
+            return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+                **self._handler_options, type_handler_registry=registry))
+
+        # Separate checkpointers: a background write may still be busy while the sync one
+        # writes or reads on the caller's thread.
         self._async = ocp.AsyncCheckpointer(
-            ocp.PyTreeCheckpointHandler(**self._handler_options), timeout_secs=async_timeout_s)
-        self._sync = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**self._handler_options))
+            ocp.PyTreeCheckpointHandler(**self._handler_options,
+                                        type_handler_registry=registry),
+            timeout_secs=async_timeout_s)
+        self._sync = checkpointer()
+        self._background = checkpointer()  # used only by self._writer's thread
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._versions: dict[str, str] | None = None
         self._lock = threading.Lock()
-        self._pending: OrbaxWriteHandle | None = None
+        self._pending: OrbaxWriteHandle | None = None  # Orbax's async write, multi-process
+        self._queued: list[OrbaxWriteHandle] = []  # writer-thread writes not known done
 
     # ------------------------------------------------------------------ process facts
 
@@ -389,11 +590,11 @@ class OrbaxBackend:
         Raises TypeError, before any I/O, naming the tree path of a leaf that is not an
         array, typed key or Python scalar.
         """
-        # Validate and stage everything before touching the filesystem, so a bad leaf
+        # Validate and classify everything before touching the filesystem, so a bad leaf
         # leaves nothing behind and every process fails the same way.
         path_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
         entries: list[_SavedLeaf] = []
-        arrays: dict[str, Any] = {}
+        sources: list[Any] = []
         seen: set[str] = set()
         for index, (key_path, leaf) in enumerate(path_leaves):
             path = jax.tree_util.keystr(key_path)
@@ -401,33 +602,123 @@ class OrbaxBackend:
                 raise ValueError(f"two leaves of the state share the tree path {path}; "
                                  "paths must be unique to be matched on restore")
             seen.add(path)
-            entry, array = _stage_leaf(path, f"leaf_{index:06d}", leaf,
-                                       copy_host=asynchronous)
+            entry, array = _stage_leaf(path, f"leaf_{index:06d}", leaf)
             entries.append(entry)
-            arrays[entry.name] = array
-        tree_json = json.dumps({"format": TREE_FORMAT, "version": TREE_FORMAT_VERSION,
-                                "leaves": [entry.to_json() for entry in entries]}, indent=1)
-        nbytes = len(tree_json) + sum(int(np.prod(a.shape)) * a.dtype.itemsize
-                                      for a in arrays.values())
+            sources.append(array)
+        # A single process holds every array entirely: it hands Orbax host arrays and runs
+        # async writes on the backend's own thread (see _write_local). Several processes
+        # write one sharded array together, which Orbax's AsyncCheckpointer coordinates.
+        local = jax.process_count() == 1
+        plan = _plan_packs(entries, sources, leaf_limit=self._pack_leaf_bytes,
+                           pack_limit=self._pack_bytes, local=local)
+        tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name, "size": size}
+                                         for name, (dtype, _, size) in plan.items()])
+        nbytes = len(tree_json) + sum(int(a.size) * a.dtype.itemsize for a in sources)
 
         root = epath.Path(directory)
         with _gc_paused(self._pause_gc), self._lock:
-            self._drain_locked()
-            if jax.process_index() == 0:
+            if not local:
+                self._drain_locked()
+            self._queued = [queued for queued in self._queued if not queued.done()]
+            arrays, used = self._stage_host(entries, sources, plan, copy_numpy=asynchronous,
+                                            to_host=local)
+            primary = jax.process_index() == 0
+            if primary:
                 self._create_directory(root, directory)
-                _write_durably(root / _TREE_FILE, tree_json)
+            if not arrays or not asynchronous or not local:
+                if primary:
+                    _write_durably(root / _TREE_FILE, tree_json)
             if not arrays:  # Orbax refuses an empty tree; tree.json alone describes it.
                 return OrbaxWriteHandle(None, directory, nbytes)
             save_args = ocp.args.PyTreeSave(item=arrays)
             if not asynchronous:
                 self._sync.save(root / _ARRAYS_DIR, args=save_args)
                 return OrbaxWriteHandle(None, directory, nbytes)
-            # Orbax's save() returns once the arrays are staged in host memory and continues
-            # writing in its own background thread.
-            self._async.save(root / _ARRAYS_DIR, args=save_args)
-            handle = OrbaxWriteHandle(self, directory, nbytes)
-            self._pending = handle
+            if local:
+                if self._writer is None:
+                    self._writer = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="jaxckpt-orbax-write")
+                handle = OrbaxWriteHandle(self, directory, nbytes, self._writer.submit(
+                    self._write_local, root, tree_json, save_args))
+                self._queued.append(handle)
+            else:
+                # Orbax's save() returns once the arrays are staged in host memory and
+                # continues writing in its own background thread.
+                self._async.save(root / _ARRAYS_DIR, args=save_args)
+                handle = OrbaxWriteHandle(self, directory, nbytes)
+                self._pending = handle
+            for slot in used:
+                slot[1] = handle  # these buffers are busy until this write finished
             return handle
+
+    def _write_local(self, root: epath.Path, tree_json: str, save_args: Any) -> None:
+        """The background half of a single-process async write (the writer thread).
+
+        Why not Orbax's AsyncCheckpointer here: its save() spends 10-20 ms on the caller's
+        thread per call (an event loop, several new threads, futures) even when there is
+        nothing to copy, and that is the training loop's time. Everything it would stage is
+        already staged by _stage_host (host arrays: packs, copies of numpy leaves, and views
+        of immutable CPU jax.Arrays, which also make jax skip donating those buffers), so a
+        plain synchronous save on this thread writes the same files.
+        """
+        _write_durably(root / _TREE_FILE, tree_json)
+        self._background.save(root / _ARRAYS_DIR, args=save_args)
+
+    def _stage_host(self, entries: list[_SavedLeaf], sources: list[Any],
+                    plan: dict[str, tuple[np.dtype, list[int], int]], *,
+                    copy_numpy: bool, to_host: bool) -> tuple[dict[str, Any], list[list[Any]]]:
+        """The flat ``{storage name: array}`` dict Orbax writes, and the reused-buffer slots
+        it fills. Packs are filled; numpy leaves are copied when the caller may change them
+        during the write (``copy_numpy``); jax.Arrays come to the host when ``to_host`` (a
+        view, no copy, on CPU: they are immutable), else stay as they are. Caller holds
+        ``self._lock``."""
+        used: list[list[Any]] = []
+
+        def buffer(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            slots = self._host_buffers.setdefault((name, shape, dtype), [])
+            for slot in slots:
+                if slot[1] is None or slot[1].done():
+                    break
+            else:
+                slot = [np.empty(shape, dtype), None]
+                if self._reuse_host_buffers:
+                    slots.append(slot)
+            used.append(slot)
+            slot[1] = _STAGING  # not reusable within this write either
+            return slot[0]
+
+        # Device arrays come to the host in one batch (transfers started together), not one
+        # blocking transfer per leaf; on CPU this copies nothing.
+        on_device = [index for index, (entry, source) in enumerate(zip(entries, sources))
+                     if isinstance(source, jax.Array) and (entry.packed or to_host)]
+        fetched = dict(zip(on_device, _host_arrays([sources[i] for i in on_device])))
+        arrays: dict[str, Any] = {}
+        for name, (dtype, members, size) in plan.items():
+            pack = buffer(name, (size,), dtype)
+            _fill_pack(pack, [fetched.get(index, sources[index]) for index in members])
+            arrays[name] = pack
+        for index, (entry, source) in enumerate(zip(entries, sources)):
+            if entry.packed:
+                continue
+            if copy_numpy and isinstance(source, np.ndarray):  # the caller's, mutable
+                copy = buffer(entry.name, source.shape, source.dtype)
+                np.copyto(copy, source)
+                source = copy
+            arrays[entry.name] = fetched.get(index, source)
+        # Buffers that neither this write nor one in flight uses are dropped: a layout that
+        # changed must not pin memory for the rest of the run.
+        taken = {id(slot) for slot in used}
+        for key in list(self._host_buffers):
+            slots = self._host_buffers[key]
+            busy = [slot for slot in slots if id(slot) in taken or
+                    (slot[1] is not None and not slot[1].done())]
+            if busy:
+                self._host_buffers[key] = busy
+            else:
+                del self._host_buffers[key]
+        for slot in used:
+            slot[1] = None  # a sync write is finished when write() returns
+        return arrays, used
 
     @staticmethod
     def _create_directory(root: epath.Path, directory: str) -> None:
@@ -444,8 +735,12 @@ class OrbaxBackend:
                 self._drain_locked()
 
     def _drain_locked(self) -> None:
-        """Wait for the in-flight async write, if any, and record its outcome on its handle.
-        Caller holds ``self._lock``."""
+        """Wait for every write in flight (its outcome stays on its handle). Caller holds
+        ``self._lock``."""
+        queued, self._queued = self._queued, []
+        for handle in queued:
+            with contextlib.suppress(BaseException):
+                handle.wait()  # noqa: BLE001 - the error belongs to whoever waits on it
         handle, self._pending = self._pending, None
         if handle is None:
             return
@@ -461,8 +756,13 @@ class OrbaxBackend:
         resources."""
         with self._lock:
             self._drain_locked()
+            self._host_buffers.clear()
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
             self._async.close()
             self._sync.close()
+            self._background.close()
 
     # -------------------------------------------------------------------------- read
 
@@ -517,40 +817,46 @@ class OrbaxBackend:
 
         default_sharding = None
         restore_args: dict[str, Any] = {}
+        # Where each jax leaf's stored data goes (for keys: the key_data's sharding).
+        placements: dict[str, jax.sharding.Sharding] = {}
         # Keys whose key_data sharding we cannot derive: restored, then moved onto it.
         move_after: dict[str, jax.sharding.Sharding] = {}
         for path, target in targets:
             entry = saved[path]
-            if target.target != "jax":
+            if entry.packed:
                 restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
+            if target.target != "jax":
+                if not entry.packed:
+                    restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
                 continue
             sharding = target.sharding
             if sharding is None:
                 if default_sharding is None:
                     default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
                 sharding = default_sharding
-            shape, dtype = target.shape, target.dtype
             if entry.kind == "key":
-                shape, dtype = entry.data_shape, np.dtype(entry.data_dtype)
                 data_sharding = _key_data_sharding(sharding, len(target.shape),
-                                                   len(shape) - len(target.shape))
+                                                   len(entry.stored_shape) - len(target.shape))
                 if data_sharding is None:
                     move_after[path] = sharding
                     if default_sharding is None:
                         default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
                     data_sharding = default_sharding
                 sharding = data_sharding
-            restore_args[entry.name] = ocp.ArrayRestoreArgs(
-                sharding=sharding, global_shape=tuple(shape), dtype=dtype)
+            placements[path] = sharding
+            if not entry.packed:
+                restore_args[entry.name] = ocp.ArrayRestoreArgs(
+                    sharding=sharding, global_shape=entry.stored_shape,
+                    dtype=entry.stored_dtype)
 
         with _gc_paused(self._pause_gc):
             restored = self._sync.restore(arrays_dir,
                                           args=ocp.args.PyTreeRestore(restore_args=restore_args))
+            values = self._unpack(directory, targets, saved, restored, placements)
 
         leaves = []
-        for path, target in targets:
+        for (path, target), value in zip(targets, values):
             entry = saved[path]
-            value = restored[entry.name]
             if entry.kind == "key":
                 value = jax.random.wrap_key_data(value, impl=entry.impl)
                 if path in move_after:
@@ -563,6 +869,52 @@ class OrbaxBackend:
                 value = target.dtype(np.asarray(value).item())
             leaves.append(value)
         return jax.tree_util.tree_unflatten(like_treedef, leaves)
+
+    @staticmethod
+    def _unpack(directory: str, targets: list[tuple[str, _Target]],
+                saved: dict[str, _SavedLeaf], restored: dict[str, Any],
+                placements: dict[str, jax.sharding.Sharding]) -> list[Any]:
+        """The stored data of every target, in order: unpacked leaves as Orbax restored them;
+        packed ones cut out of their pack and, for jax targets, placed on their sharding."""
+        for name, pack in restored.items():
+            if name.startswith(_PACK_PREFIX) and np.ndim(pack) != 1:
+                raise CheckpointCorruptError(
+                    f"{directory}/{_ARRAYS_DIR}/{name} has shape {np.shape(pack)}, not the "
+                    "1-D pack tree.json describes. Fix: restore an older checkpoint.")
+        values: list[Any] = []
+        batch_slots: list[int] = []
+        batch_data: list[np.ndarray] = []
+        batch_shardings: list[jax.sharding.Sharding] = []
+        for slot, (path, target) in enumerate(targets):
+            entry = saved[path]
+            if not entry.packed:
+                values.append(restored[entry.name])
+                continue
+            pack = restored[entry.name]
+            count = int(np.prod(entry.stored_shape, dtype=np.int64))
+            if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
+                raise CheckpointCorruptError(
+                    f"{directory}: leaf {path} lies outside its pack {entry.name} (elements "
+                    f"{entry.offset}..{entry.offset + count} of {pack.shape[0]}, dtype "
+                    f"{entry.stored_dtype} vs {pack.dtype}). Fix: restore an older checkpoint.")
+            data = pack[entry.offset:entry.offset + count].reshape(entry.stored_shape)
+            if target.target != "jax":
+                # A copy: a view would keep the whole pack alive as long as this leaf.
+                values.append(data.copy() if target.target == "numpy" else data)
+                continue
+            sharding = placements[path]
+            if sharding.is_fully_addressable:
+                batch_slots.append(slot)
+                batch_data.append(data)
+                batch_shardings.append(sharding)
+                values.append(None)
+            else:  # spans processes: every process holds the pack, each places its shards
+                values.append(jax.make_array_from_callback(
+                    entry.stored_shape, sharding, lambda index, data=data: data[index]))
+        # One batched transfer for all packed leaves instead of one call per leaf.
+        for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings)):
+            values[slot] = value
+        return values
 
     # ---------------------------------------------------------------------- the rest
 
@@ -594,14 +946,20 @@ class OrbaxBackend:
         return jax.tree_util.tree_map(copy_leaf, state)
 
     def versions(self) -> dict[str, str]:
-        """Versions of the libraries a checkpoint is written with (flax when installed)."""
+        """Versions of the libraries a checkpoint is written with (flax when installed).
+
+        Looked up once: the metadata lookups cost ~2 ms, and the manager asks at every save
+        on the training thread."""
+        if self._versions is not None:
+            return dict(self._versions)
         found = {"jax": jax.__version__}
         for package in ("jaxlib", "orbax-checkpoint", "flax"):
             try:
                 found[package] = importlib.metadata.version(package)
             except importlib.metadata.PackageNotFoundError:
                 pass
-        return found
+        self._versions = found
+        return dict(found)
 
     def rng_state(self) -> None:
         """JAX has no global RNG: keys are ordinary leaves of the state."""
@@ -631,6 +989,22 @@ def _compare(targets: list[tuple[str, _Target]], saved: dict[str, _SavedLeaf]) -
     return sorted(problems)
 
 
+def _tree_json(entries: list[_SavedLeaf], packs: list[dict[str, Any]]) -> str:
+    """tree.json's text: one leaf per line, so that it stays readable and diffable.
+
+    Built from per-line ``json.dumps`` calls, which use the C encoder: ``indent=`` switches
+    the whole document to the pure-Python encoder, 0.4 s for 10,000 leaves.
+    """
+    version = TREE_FORMAT_VERSION if packs else _UNPACKED_TREE_VERSION
+    lines = [f'{{"format": {json.dumps(TREE_FORMAT)}, "version": {version},']
+    if packs:
+        lines.append(' "packs": [' + ",\n  ".join(json.dumps(p) for p in packs) + "],")
+    lines.append(' "leaves": [')
+    lines.append(",\n".join("  " + json.dumps(entry.to_json()) for entry in entries))
+    lines.append(" ]}")
+    return "\n".join(lines) + "\n"
+
+
 def _read_tree_json(root: epath.Path, directory: str) -> dict[str, _SavedLeaf]:
     tree_file = root / _TREE_FILE
     if not tree_file.exists():
@@ -646,10 +1020,34 @@ def _read_tree_json(root: epath.Path, directory: str) -> dict[str, _SavedLeaf]:
             raise ValueError(f"version {document['version']} is newer than this jaxckpt "
                              f"reads ({TREE_FORMAT_VERSION}); upgrade jaxckpt")
         entries = [_SavedLeaf.from_json(entry) for entry in document["leaves"]]
+        _check_packs(entries, document.get("packs") or [])
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointCorruptError(f"{directory}/{_TREE_FILE} is unreadable: {error}") \
             from error
     return {entry.path: entry for entry in entries}
+
+
+def _check_packs(entries: list[_SavedLeaf], packs: list[dict[str, Any]]) -> None:
+    """Every packed leaf names a listed pack of its stored dtype and lies inside it."""
+    listed: dict[str, tuple[np.dtype, int]] = {}
+    for pack in packs:
+        name, size = pack["name"], pack["size"]
+        if not isinstance(name, str) or not name.startswith(_PACK_PREFIX):
+            raise ValueError(f"pack name {name!r} does not start with {_PACK_PREFIX!r}")
+        if type(size) is not int or size < 0:
+            raise ValueError(f"pack {name} has size {size!r}, not an integer >= 0")
+        listed[name] = (np.dtype(pack["dtype"]), size)
+    for entry in entries:
+        if not entry.packed:
+            continue
+        if entry.name not in listed:
+            raise ValueError(f"leaf {entry.path} is packed into {entry.name}, which is not in "
+                             "the list of packs")
+        dtype, size = listed[entry.name]
+        count = int(np.prod(entry.stored_shape, dtype=np.int64))
+        if dtype != entry.stored_dtype or entry.offset + count > size:
+            raise ValueError(f"leaf {entry.path} ({count} x {entry.stored_dtype} at element "
+                             f"{entry.offset}) does not fit pack {entry.name} ({size} x {dtype})")
 
 
 def _write_durably(path: epath.Path, text: str) -> None:

@@ -16,7 +16,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxckpt.backend import Backend, WriteHandle
-from jaxckpt.errors import CheckpointNotFoundError, CheckpointWriteError, TreeMismatchError
+from jaxckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    TreeMismatchError,
+)
 from jaxckpt.orbax_backend import OrbaxBackend
 
 
@@ -426,3 +431,245 @@ def test_two_processes_write_one_checkpoint_and_share_barriers(tmp_path):
     assert restored["w"].sharding == sharding
     assert_bitwise_equal(restored["w"], values)
     assert restored["step"] == 5
+
+
+# ------------------------------------------------------------------------ packed small leaves
+
+
+def tree_json(directory):
+    return json.loads((directory / "tree.json").read_text())
+
+
+def mixed_small_state():
+    """Every kind of small leaf the packer must carry, plus one leaf too large to pack."""
+    return {
+        "params": {f"bias_{i}": jnp.asarray(sample(np.float32, (7,), seed=i)) for i in range(5)},
+        "half": jnp.asarray(sample(jnp.bfloat16, (3, 5), seed=9)),
+        "counts": jnp.asarray(sample(np.int32, (4,), seed=10)),
+        "mask": sample(np.bool_, (6,), seed=11),
+        "host": sample(np.float32, (2, 2), seed=12),
+        "empty": np.zeros((0, 3), np.float32),
+        "np_scalar": np.float32(2.5),
+        "rng": jax.random.key(5, impl="rbg"),
+        "keys": jax.random.split(jax.random.key(6), 3),
+        "step": 41, "lr": 0.125, "done": False,
+        "big": jnp.asarray(sample(np.float32, (1 << 19,), seed=13)),  # 2 MiB: not packed
+    }
+
+
+def like_of(state):
+    """A like tree: abstract jax leaves, zeroed numpy leaves, same Python/numpy scalar types."""
+    def one(leaf):
+        if isinstance(leaf, jax.Array):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        if isinstance(leaf, np.ndarray):
+            return np.zeros_like(leaf)
+        return type(leaf)(0)
+    return jax.tree.map(one, state)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_small_leaves_are_packed_by_dtype_and_restore_bitwise(backend, tmp_path, asynchronous):
+    state = mixed_small_state()
+    backend.write(str(tmp_path / "ckpt"), state, asynchronous=asynchronous).wait()
+
+    document = tree_json(tmp_path / "ckpt")
+    assert document["version"] == 2
+    entries = {entry["path"]: entry for entry in document["leaves"]}
+    assert entries["['big']"]["name"].startswith("leaf_") and "offset" not in entries["['big']"]
+    packed = [entry for path, entry in entries.items() if path != "['big']"]
+    assert all(entry["name"].startswith("pack_") and "offset" in entry for entry in packed)
+    # One pack per stored dtype: float32, bfloat16, int32, bool, uint32 (key data), int64
+    # (the Python int), float64 (the Python float) and bool again for the Python bool.
+    assert {pack["dtype"] for pack in document["packs"]} == {
+        "float32", "bfloat16", "int32", "bool", "uint32", "int64", "float64"}
+    assert len(document["packs"]) == 7
+    stored = sorted(p.name for p in (tmp_path / "ckpt" / "arrays").iterdir()
+                    if p.name.startswith(("leaf_", "pack_")))
+    assert stored == sorted([entries["['big']"]["name"]] + [p["name"] for p in document["packs"]])
+
+    restored = backend.read(str(tmp_path / "ckpt"), like_of(state))
+
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for name in ("step", "lr", "done"):
+        assert restored[name] == state[name] and type(restored[name]) is type(state[name])
+    assert type(restored["np_scalar"]) is np.float32 and restored["np_scalar"] == 2.5
+    for name in ("mask", "host", "empty"):
+        assert type(restored[name]) is np.ndarray
+        assert_bitwise_equal(restored[name], state[name])
+    for name in ("rng", "keys"):
+        assert str(jax.random.key_impl(restored[name])) == str(jax.random.key_impl(state[name]))
+        assert_bitwise_equal(jax.random.key_data(restored[name]),
+                             jax.random.key_data(state[name]))
+    for name in ("half", "counts", "big"):
+        assert isinstance(restored[name], jax.Array)
+        assert_bitwise_equal(restored[name], state[name])
+    for name, value in state["params"].items():
+        assert_bitwise_equal(restored["params"][name], value)
+
+
+def test_packed_leaves_restore_onto_the_like_shardings(backend, tmp_path, mesh_4x2):
+    values = sample(np.float32, (8, 4), seed=3)
+    keys = jax.random.split(jax.random.key(2), 8)
+    backend.write(str(tmp_path / "ckpt"), {"w": jnp.asarray(values), "keys": keys, "n": 1},
+                  asynchronous=True).wait()
+    assert all("offset" in e for e in tree_json(tmp_path / "ckpt")["leaves"])
+
+    sharded = NamedSharding(mesh_4x2, P("a", "b"))
+    one_device = SingleDeviceSharding(jax.devices()[5])
+    key_sharding = NamedSharding(mesh_4x2, P("a"))
+    like = {"w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=sharded),
+            "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=key_sharding),
+            "n": 0}
+    restored = backend.read(str(tmp_path / "ckpt"), like)
+    assert restored["w"].sharding == sharded
+    assert_bitwise_equal(restored["w"], values)
+    assert restored["keys"].sharding == key_sharding
+    assert_bitwise_equal(jax.random.key_data(restored["keys"]), jax.random.key_data(keys))
+
+    like["w"] = jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=one_device)
+    restored = backend.read(str(tmp_path / "ckpt"), like)
+    assert restored["w"].sharding == one_device
+    assert_bitwise_equal(restored["w"], values)
+
+
+def test_mismatch_in_a_packed_tree_names_the_original_paths(backend, tmp_path):
+    state = {"layer": {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}, "count": 3,
+             "old": np.zeros(2, np.int32)}
+    backend.write(str(tmp_path / "ckpt"), state, asynchronous=False)
+    assert all("offset" in e for e in tree_json(tmp_path / "ckpt")["leaves"])
+
+    like = {"layer": {"w": jax.ShapeDtypeStruct((3, 4), jnp.float32),
+                      "b": jax.ShapeDtypeStruct((3,), jnp.bfloat16)},
+            "count": 0.0, "new": jax.ShapeDtypeStruct((5,), jnp.float32)}
+    with pytest.raises(TreeMismatchError) as caught:
+        backend.read(str(tmp_path / "ckpt"), like)
+
+    message = str(caught.value)
+    assert "['layer']['w']: expected shape (3, 4) float32, checkpoint has shape (4, 3)" in message
+    assert "['layer']['b']: expected shape (3,) bfloat16, checkpoint has shape (3,) float32" \
+        in message
+    assert "['count']: expected python float, checkpoint has python int" in message
+    assert "['new']: missing from checkpoint" in message
+    assert "['old']: not in like" in message
+    assert "pack_" not in message  # storage names are ours, paths are the user's
+    assert len(caught.value.problems) == 5
+
+
+def test_packs_split_at_pack_bytes_and_many_leaves_make_few_arrays(tmp_path):
+    backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=64 * 1024)
+    try:
+        state = {f"p{i:04d}": np.full((256,), i, np.float32) for i in range(2000)}  # 1 KiB each
+        backend.write(str(tmp_path / "ckpt"), state, asynchronous=True).wait()
+
+        document = tree_json(tmp_path / "ckpt")
+        sizes = [pack["size"] * 4 for pack in document["packs"]]
+        assert len(sizes) == 32 and max(sizes) <= 64 * 1024  # 2000 KiB in 64 KiB packs
+        arrays = [p for p in (tmp_path / "ckpt" / "arrays").iterdir()
+                  if p.name.startswith(("leaf_", "pack_"))]
+        assert len(arrays) == 32
+        restored = backend.read(str(tmp_path / "ckpt"), like_of(state))
+        for name, value in state.items():
+            assert_bitwise_equal(restored[name], value)
+    finally:
+        backend.close()
+
+
+def test_pack_leaf_bytes_zero_writes_every_leaf_alone_and_either_layout_reads(tmp_path):
+    state = {"w": jnp.arange(6.0), "n": 7, "k": jax.random.key(1)}
+    unpacked = OrbaxBackend(pack_leaf_bytes=0)
+    packing = OrbaxBackend()
+    try:
+        unpacked.write(str(tmp_path / "v1"), state, asynchronous=False)
+        document = tree_json(tmp_path / "v1")
+        assert document["version"] == 1 and "packs" not in document
+        assert all("offset" not in e and e["name"].startswith("leaf_")
+                   for e in document["leaves"])
+        packing.write(str(tmp_path / "v2"), state, asynchronous=False)
+        for reader, directory in ((packing, "v1"), (unpacked, "v2")):
+            restored = reader.read(str(tmp_path / directory), like_of(state))
+            assert_bitwise_equal(restored["w"], state["w"])
+            assert restored["n"] == 7
+            assert_bitwise_equal(jax.random.key_data(restored["k"]),
+                                 jax.random.key_data(state["k"]))
+    finally:
+        unpacked.close()
+        packing.close()
+
+
+@pytest.mark.parametrize("pack_leaf_bytes", [0, 1 << 20], ids=["unpacked", "packed"])
+def test_reused_buffers_never_change_an_earlier_checkpoint(tmp_path, pack_leaf_bytes):
+    backend = OrbaxBackend(pack_leaf_bytes=pack_leaf_bytes)
+    try:
+        host = np.zeros(1 << 12, np.float32)
+        small = np.zeros(8, np.int32)
+        for step in range(3):
+            host[:] = step
+            small[:] = step
+            handle = backend.write(str(tmp_path / f"s{step}"), {"h": host, "s": small},
+                                   asynchronous=True)
+            host[:] = -1.0  # the loop reuses its buffers right after staging
+            small[:] = -1
+        handle.wait()
+        for step in range(3):
+            restored = backend.read(str(tmp_path / f"s{step}"),
+                                    {"h": np.zeros_like(host), "s": np.zeros_like(small)})
+            assert (restored["h"] == step).all() and (restored["s"] == step).all()
+    finally:
+        backend.close()
+
+
+def test_tree_json_naming_a_missing_pack_or_outside_offset_is_corrupt(backend, tmp_path):
+    state = {"a": jnp.arange(4.0), "b": jnp.arange(3.0)}
+    like = like_of(state)
+    for case in ("offset", "pack"):
+        directory = tmp_path / case
+        backend.write(str(directory), state, asynchronous=False)
+        document = tree_json(directory)
+        entry = next(e for e in document["leaves"] if e["path"] == "['b']")
+        if case == "offset":
+            entry["offset"] = 5  # 3 elements from 5 overrun the 7-element pack
+        else:
+            entry["name"] = "pack_float32_007"
+        (directory / "tree.json").write_text(json.dumps(document))
+        with pytest.raises(CheckpointCorruptError, match=r"\['b'\]"):
+            backend.read(str(directory), like)
+
+
+def test_pack_settings_are_validated():
+    with pytest.raises(ValueError, match="pack_bytes"):
+        OrbaxBackend(pack_leaf_bytes=1 << 20, pack_bytes=1024)
+    with pytest.raises(ValueError, match="pack_leaf_bytes"):
+        OrbaxBackend(pack_leaf_bytes=-1)
+
+
+def test_second_async_write_is_staged_while_the_first_still_writes(tmp_path, monkeypatch):
+    """A save that writes a changed auxiliary item and then the state: the state's staging
+    must not wait for the item's write, nor reuse the buffers that write still reads."""
+    import threading
+
+    backend = OrbaxBackend()
+    release = threading.Event()
+    original = backend._write_local
+
+    def held_write(root, tree_json, save_args):
+        release.wait(30)
+        original(root, tree_json, save_args)
+
+    monkeypatch.setattr(backend, "_write_local", held_write)
+    try:
+        small = np.arange(64, dtype=np.float32)
+        first = backend.write(str(tmp_path / "item"), {"w": small}, asynchronous=True)
+        started = time.perf_counter()
+        second = backend.write(str(tmp_path / "state"), {"w": small + 100.0}, asynchronous=True)
+        assert time.perf_counter() - started < 5.0
+        assert not first.done() and not second.done()
+        release.set()
+        first.wait()
+        second.wait()
+        for name, expected in (("item", small), ("state", small + 100.0)):
+            restored = backend.read(str(tmp_path / name), {"w": np.zeros_like(small)})
+            assert_bitwise_equal(restored["w"], expected)
+    finally:
+        release.set()
+        backend.close()

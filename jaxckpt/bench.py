@@ -1,0 +1,1087 @@
+"""``jaxckpt bench``: what checkpointing costs on this machine, measured in one run on one state.
+
+Owns: the benchmark states (about 1 GiB over 64 leaves of float32 and bfloat16 by default,
+the same bytes over 10,000 leaves, the same tensors for torch, a Llama param tree for the
+Hugging Face export), every measurement (physical floors, Orbax's CheckpointManager with
+default options, jaxckpt sync/async save and restore, torch.save, DCP, DcpCheckpointManager,
+safetensors and ``export_hf``, a training loop with async saves, host memory over repeated
+saves, bytes rewritten for an unchanged auxiliary item), the targets, and the text and JSON
+output.
+
+How numbers are taken: every row is measured once per round and the rounds repeat
+(``repeats``), so the rows of one round ran side by side under the same load. A ratio is
+computed within each round, then the median over rounds is reported: on a shared, noisy
+machine both sides of a ratio see the same noise, while absolute times across rounds may
+differ several-fold. Reads are cold (the page cache is dropped before each, which needs
+root) when ``/proc/sys/vm/drop_caches`` is writable, else warm for every row alike, and the
+output says which. Every save row is durable (data fsynced) unless its label says
+otherwise, because jaxckpt's saves are.
+
+Importing this module imports numpy only; ``run_bench`` imports jax and orbax, and the
+torch rows import torch and torch_bridge lazily: without them those rows read
+"unavailable" and the JAX rows still run.
+
+Concurrency contract: ``run_bench`` is called from one thread; it creates and removes files
+only under its own directory (a fresh subdirectory of ``directory``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
+
+#: Groups of rows; ``BenchConfig.sections`` picks a subset.
+SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux")
+
+_MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """What to measure, and how big."""
+
+    directory: str | None = None
+    """Where files are written (a fresh subdirectory, removed at the end); None: the system
+    temporary directory. Point it at the disk your checkpoints go to."""
+    size_mb: int = 1024
+    """Total size of the benchmark state, MiB."""
+    leaves: int = 64
+    """Leaves of the main state (about ``size_mb / leaves`` MiB each)."""
+    many_leaves: int = 10_000
+    """Leaves of the many-small-leaves variant of the same bytes (0 skips it)."""
+    repeats: int = 3
+    """Rounds; every reported figure is a median over them."""
+    train_steps: int = 200
+    """Steps of each training-loop run (with and without checkpoints)."""
+    train_sizes: tuple[int, ...] = (512, 2048, 2048, 512)
+    """Layer widths of the training loop's MLP (jaxckpt.demo.train)."""
+    train_batch: int = 256
+    """Batch size of the training loop."""
+    save_every: int = 20
+    """Steps between the training loop's async saves."""
+    memory_saves: int = 50
+    """Async saves over which host memory (RSS) is followed."""
+    hf_shard_mb: int = 256
+    """``max_shard_bytes`` of the Hugging Face export, MiB."""
+    sections: tuple[str, ...] = SECTIONS
+    """Which groups of rows to run (see ``SECTIONS``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("size_mb", "leaves", "repeats", "train_steps", "save_every",
+                     "memory_saves", "hf_shard_mb", "train_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BenchConfig.{name} must be an int >= 1, got {value!r}.")
+        if isinstance(self.many_leaves, bool) or not isinstance(self.many_leaves, int) \
+                or self.many_leaves < 0:
+            raise ValueError(f"BenchConfig.many_leaves must be an int >= 0, got "
+                             f"{self.many_leaves!r}.")
+        unknown = sorted(set(self.sections) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"BenchConfig.sections has unknown names {unknown}; pick from "
+                             f"{list(SECTIONS)}.")
+        if self.size_mb * _MiB // self.leaves < 64:
+            raise ValueError(f"BenchConfig: size_mb={self.size_mb} over leaves={self.leaves} "
+                             f"leaves is under 64 bytes a leaf; use fewer leaves.")
+
+    @classmethod
+    def quick(cls, **changes: Any) -> BenchConfig:
+        """The tiny size CI runs to keep the benchmark working (well under a minute)."""
+        base = dict(size_mb=8, leaves=8, many_leaves=256, repeats=1, train_steps=41,
+                    train_sizes=(16, 64, 64, 16), train_batch=32, memory_saves=6,
+                    hf_shard_mb=2)
+        base.update(changes)
+        return cls(**base)
+
+
+# ------------------------------------------------------------------------------ results
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Row:
+    key: str
+    label: str
+    section: str
+    nbytes_of: str | None = None
+    """Which state's size gives this row a throughput ("jax", "torch", "hf"), if any."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Target:
+    label: str
+    numerator: str
+    denominator: str
+    op: str
+    """"<=" or ">=": how the median ratio must compare with ``limit``."""
+    limit: float
+    invert: bool = False
+    """Ratio of throughputs: denominator time / numerator time."""
+    note: str = ""
+
+
+_ROWS: tuple[_Row, ...] = (
+    _Row(key="copy", label="host copy of the state, fresh buffers (staging floor)",
+         section="jax", nbytes_of="jax"),
+    _Row(key="copy_reused", label="host copy of the state into reused buffers",
+         section="jax", nbytes_of="jax"),
+    _Row(key="write", label="raw write + fsync, one file", section="jax", nbytes_of="jax"),
+    _Row(key="write_files", label="raw write + fsync, a file per leaf, 4 threads",
+         section="jax", nbytes_of="jax"),
+    _Row(key="read", label="raw read, one file", section="jax", nbytes_of="jax"),
+    _Row(key="read_files", label="raw read, a file per leaf, 4 threads", section="jax",
+         nbytes_of="jax"),
+    _Row(key="write_best", label="raw write floor: the faster of the two, per round",
+         section="jax", nbytes_of="jax"),
+    _Row(key="read_best", label="raw read floor: the faster of the two, per round",
+         section="jax", nbytes_of="jax"),
+    _Row(key="orbax_blocking", label="Orbax CheckpointManager defaults: save() blocks",
+         section="jax"),
+    _Row(key="orbax_save", label="Orbax CheckpointManager defaults: save, finished",
+         section="jax", nbytes_of="jax"),
+    _Row(key="orbax_restore", label="Orbax CheckpointManager defaults: restore",
+         section="jax", nbytes_of="jax"),
+    _Row(key="jx_sync", label="jaxckpt sync save, committed", section="jax",
+         nbytes_of="jax"),
+    _Row(key="jx_write", label="  of which OrbaxBackend.write", section="jax",
+         nbytes_of="jax"),
+    _Row(key="jx_commit", label="  of which the rest: commit (crc32 + fsync pass), driver",
+         section="jax", nbytes_of="jax"),
+    _Row(key="jx_blocking", label="jaxckpt async save: blocking", section="jax"),
+    _Row(key="jx_async", label="jaxckpt async save: total, committed", section="jax",
+         nbytes_of="jax"),
+    _Row(key="jx_restore", label="jaxckpt restore (verify=checksums, the default)",
+         section="jax", nbytes_of="jax"),
+    _Row(key="jx_read", label="  OrbaxBackend.read alone (= verify=sizes)", section="jax",
+         nbytes_of="jax"),
+    _Row(key="jx_verify", label="  checksum verification alone", section="jax",
+         nbytes_of="jax"),
+    _Row(key="many_copy", label="many leaves: host copy, fresh buffers", section="many",
+         nbytes_of="jax"),
+    _Row(key="many_orbax_save", label="many leaves: Orbax defaults save, finished",
+         section="many", nbytes_of="jax"),
+    _Row(key="many_orbax_restore", label="many leaves: Orbax defaults restore",
+         section="many", nbytes_of="jax"),
+    _Row(key="many_jx_sync", label="many leaves: jaxckpt sync save, committed",
+         section="many", nbytes_of="jax"),
+    _Row(key="many_jx_blocking", label="many leaves: jaxckpt async save: blocking",
+         section="many"),
+    _Row(key="many_jx_restore", label="many leaves: jaxckpt restore (verify=checksums)",
+         section="many", nbytes_of="jax"),
+    _Row(key="torch_save", label="torch.save + fsync", section="torch", nbytes_of="torch"),
+    _Row(key="dcp_save", label="dcp.save", section="torch", nbytes_of="torch"),
+    _Row(key="dcp_blocking", label="dcp.async_save: blocking", section="torch"),
+    _Row(key="dcp_async", label="dcp.async_save: total", section="torch", nbytes_of="torch"),
+    _Row(key="dcpm_blocking", label="DcpCheckpointManager async save: blocking",
+         section="torch"),
+    _Row(key="dcpm_async", label="DcpCheckpointManager async save: total, committed",
+         section="torch", nbytes_of="torch"),
+    _Row(key="dcp_load", label="dcp.load", section="torch", nbytes_of="torch"),
+    _Row(key="dcpm_restore", label="DcpCheckpointManager restore", section="torch",
+         nbytes_of="torch"),
+    _Row(key="st_save", label="safetensors save_file + fsync, same tensors and shards",
+         section="hf", nbytes_of="hf"),
+    _Row(key="hf_export", label="torch_bridge.export_hf", section="hf", nbytes_of="hf"),
+    _Row(key="train_plain", label="training loop, no checkpoints", section="train"),
+    _Row(key="train_raw", label="training loop, raw write + fsync every N steps (floor)",
+         section="train"),
+    _Row(key="train_ckpt", label="training loop, jaxckpt async save every N steps",
+         section="train"),
+)
+
+_TARGETS: tuple[_Target, ...] = (
+    _Target(label="async blocking / host copy", numerator="jx_blocking", denominator="copy",
+            op="<=", limit=1.5),
+    _Target(label="sync save throughput / raw write", numerator="jx_sync",
+            denominator="write_best", op=">=", limit=0.8, invert=True),
+    _Target(label="sync save throughput / Orbax defaults", numerator="jx_sync",
+            denominator="orbax_save", op=">=", limit=2.0, invert=True),
+    _Target(label="async save throughput / raw write", numerator="jx_async",
+            denominator="write_best", op=">=", limit=0.8, invert=True),
+    _Target(label="restore throughput / raw read", numerator="jx_restore",
+            denominator="read_best", op=">=", limit=0.8, invert=True),
+    _Target(label="restore throughput / Orbax defaults", numerator="jx_restore",
+            denominator="orbax_restore", op=">=", limit=2.0, invert=True),
+    _Target(label="backend read throughput / raw read (verify=sizes)", numerator="jx_read",
+            denominator="read_best", op=">=", limit=0.8, invert=True),
+    _Target(label="many leaves async blocking / their host copy",
+            numerator="many_jx_blocking", denominator="many_copy", op="<=", limit=1.5),
+    _Target(label="many leaves save / same bytes in few leaves", numerator="many_jx_sync",
+            denominator="jx_sync", op="<=", limit=3.0),
+    _Target(label="many leaves restore / same bytes in few leaves",
+            numerator="many_jx_restore", denominator="jx_restore", op="<=", limit=3.0),
+    _Target(label="many leaves save throughput / Orbax defaults", numerator="many_jx_sync",
+            denominator="many_orbax_save", op=">=", limit=2.0, invert=True),
+    _Target(label="DcpCheckpointManager blocking / dcp.async_save blocking",
+            numerator="dcpm_blocking", denominator="dcp_blocking", op="<=", limit=1.1),
+    _Target(label="HF export throughput / safetensors", numerator="hf_export",
+            denominator="st_save", op=">=", limit=0.8, invert=True),
+    _Target(label="training loop wall time with saves / without, minus 1",
+            numerator="train_ckpt", denominator="train_plain", op="<=", limit=0.03),
+    _Target(label="  floor: with raw write + fsync / without, minus 1",
+            numerator="train_raw", denominator="train_plain", op="<=", limit=0.03,
+            note="the least an async checkpoint of this state costs on this machine"),
+)
+
+
+@dataclasses.dataclass(kw_only=True)
+class BenchResult:
+    """Everything one run measured (``to_json`` gives the machine-readable form)."""
+
+    config: BenchConfig
+    samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Row key -> seconds, one per round."""
+    unavailable: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Row key or section -> why it was not measured."""
+    nbytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """State name ("jax", "torch", "hf") -> bytes of array data."""
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Single measurements and context (cache mode, memory, aux items, loop shape)."""
+    checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Targets that are not a ratio of two rows (memory, bytes)."""
+
+    def add(self, key: str, seconds: float) -> None:
+        self.samples.setdefault(key, []).append(float(seconds))
+
+    def derive_floors(self) -> None:
+        """``write_best``/``read_best``: per round, the faster of the one-file and the
+        file-per-leaf raw figures. The physical limit is what the best simple approach
+        reaches, so targets are taken against it."""
+        for kind in ("write", "read"):
+            single, files = self.samples.get(kind), self.samples.get(f"{kind}_files")
+            if single and files:
+                self.samples[f"{kind}_best"] = [min(a, b) for a, b in zip(single, files)]
+
+    def median(self, key: str) -> float | None:
+        values = self.samples.get(key)
+        return statistics.median(values) if values else None
+
+    def ratio(self, target: _Target) -> float | None:
+        """Median over rounds of the per-round ratio (rows measured side by side)."""
+        num, den = self.samples.get(target.numerator), self.samples.get(target.denominator)
+        if not num or not den:
+            return None
+        pairs = list(zip(num, den))
+        if target.numerator in ("train_ckpt", "train_raw"):  # overhead, not a ratio
+            return statistics.median(n / d - 1.0 for n, d in pairs)
+        if target.invert:
+            return statistics.median(d / n for n, d in pairs)
+        return statistics.median(n / d for n, d in pairs)
+
+    def targets(self) -> list[dict[str, Any]]:
+        rows = []
+        for target in _TARGETS:
+            if _section_of(target.numerator) not in self.config.sections:
+                continue
+            value = self.ratio(target)
+            missing = [k for k in (target.numerator, target.denominator)
+                       if not self.samples.get(k)]
+            why = "; ".join(self.unavailable.get(k) or self.unavailable.get(_section_of(k), "")
+                            for k in missing).strip("; ")
+            met = None if value is None else (
+                value <= target.limit if target.op == "<=" else value >= target.limit)
+            rows.append({"target": target.label, "value": value, "op": target.op,
+                         "limit": target.limit, "met": met,
+                         "note": why if value is None else target.note})
+        return rows + self.checks
+
+    def to_json(self) -> dict[str, Any]:
+        rows = {}
+        for row in _ROWS:
+            median = self.median(row.key)
+            nbytes = self.nbytes.get(row.nbytes_of) if row.nbytes_of else None
+            rows[row.key] = {
+                "label": row.label, "median_s": median, "samples_s": self.samples.get(row.key),
+                "bytes": nbytes,
+                "gb_per_s": nbytes / median / 1e9 if nbytes and median else None,
+                "unavailable": self.unavailable.get(row.key)
+                or (self.unavailable.get(row.section) if median is None else None)}
+        return {"config": dataclasses.asdict(self.config), "bytes": self.nbytes,
+                "facts": self.facts, "rows": rows, "targets": self.targets()}
+
+
+def _section_of(key: str) -> str:
+    return next((row.section for row in _ROWS if row.key == key), key)
+
+
+def format_table(result: BenchResult) -> str:
+    """The human-readable report: rows (median seconds, GB/s), then targets."""
+    config = result.config
+    facts = result.facts
+    lines = [f"jaxckpt bench: {_size(result.nbytes.get('jax'))} state in {config.leaves} leaves "
+             f"(float32 + bfloat16), {config.many_leaves} leaves for the many-leaves rows; "
+             f"{config.repeats} round(s), medians",
+             f"directory {facts.get('directory')}; reads: {facts.get('reads')}; "
+             f"{facts.get('cpus')} CPUs; load average at start {facts.get('load_start')}, "
+             f"end {facts.get('load_end')}", ""]
+    table = []
+    for row in _ROWS:
+        if row.section not in config.sections:
+            continue
+        median = result.median(row.key)
+        if median is None:
+            why = result.unavailable.get(row.key) or result.unavailable.get(row.section, "-")
+            table.append([row.label, "unavailable", "", why])
+            continue
+        nbytes = result.nbytes.get(row.nbytes_of) if row.nbytes_of else None
+        rate = f"{nbytes / median / 1e9:.2f}" if nbytes else ""
+        spread = result.samples[row.key]
+        note = "" if len(spread) < 2 else f"range {min(spread):.3f}-{max(spread):.3f}"
+        table.append([row.label, f"{median:.3f} s", rate, note])
+    lines += _columns(table, ["ROW", "MEDIAN", "GB/s", "NOTE"])
+    lines.append("")
+    checks = []
+    for target in result.targets():
+        value = target["value"]
+        shown = "-" if value is None else (f"{value:.1%}" if "minus 1" in target["target"]
+                                           else f"{value:.2f}")
+        limit = (f"{target['limit']:.0%}" if "minus 1" in target["target"]
+                 else f"{target['limit']:g}")
+        met = {None: "n/a", True: "yes", False: "NO"}[target["met"]]
+        checks.append([target["target"], shown, f"{target['op']} {limit}", met,
+                       target.get("note", "")])
+    lines += _columns(checks, ["TARGET (median of per-round ratios)", "VALUE", "GOAL", "MET",
+                               "NOTE"])
+    for key in ("train", "memory", "aux", "hf_memory"):
+        if key in facts:
+            lines.append(f"{key}: {json.dumps(facts[key], default=str)}")
+    return "\n".join(lines)
+
+
+def _columns(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+def _size(nbytes: int | None) -> str:
+    if not nbytes:
+        return "?"
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / _MiB:.1f} MiB"
+
+
+# ------------------------------------------------------------------------- measurement
+
+
+def _settle() -> None:
+    """Before a timed row: the previous row's garbage, dirty pages and the discards of the
+    files it deleted (ext4 -o discard) are not this row's cost."""
+    gc.collect()
+    os.sync()
+
+
+def _timed(action: Callable[[], Any]) -> float:
+    _settle()
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def _drop_page_cache() -> bool:
+    """Write back dirty pages and evict the page cache (root only), so a read comes from
+    the disk. False when the kernel refuses (not root, or a container)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _traced_peak(action: Callable[[], Any]) -> int:
+    """Peak bytes of Python and numpy allocations made during ``action`` (numpy reports its
+    buffers to tracemalloc; RSS cannot show a peak that reuses freed memory)."""
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        action()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
+    """The disk's durable write speed for these bytes: one file, 64 MiB writes, one fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for array in arrays:
+            view = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            while view:
+                written = os.write(fd, view[:64 * _MiB])
+                view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_read(path: str, nbytes: int) -> np.ndarray:
+    """Read a whole file into one new buffer (what a restore has to produce at least), in
+    8 MiB reads: one giant read() was several times slower here on some runs."""
+    out = np.empty(nbytes, np.uint8)
+    with open(path, "rb", buffering=0) as handle:
+        view = memoryview(out)
+        while view:
+            got = handle.readinto(view[:8 * _MiB])
+            if not got:
+                break
+            view = view[got:]
+    return out
+
+
+def _random_bytes(nbytes: int, seed: int) -> np.ndarray:
+    """Incompressible data (random float32 values; no compression is applied anyway)."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(-(-nbytes // 4), dtype=np.float32).view(np.uint8)[:nbytes]
+
+
+def _leaf_arrays(data: np.ndarray, leaves: int) -> list[np.ndarray]:
+    """Split ``data`` into ``leaves`` arrays, every fourth one bfloat16, float32 otherwise."""
+    import ml_dtypes
+
+    per = data.size // leaves
+    out = []
+    for index in range(leaves):
+        dtype = np.dtype(ml_dtypes.bfloat16) if index % 4 == 3 else np.dtype(np.float32)
+        count = max(1, per // dtype.itemsize)
+        chunk = data[index * per:index * per + count * dtype.itemsize]
+        out.append(chunk.view(dtype))
+    return out
+
+
+def _jax_state(arrays: list[np.ndarray]) -> dict[str, Any]:
+    """A two-level param-like tree of jax.Arrays (``{"layer_00017": {"w": ...}}``)."""
+    import jax.numpy as jnp
+
+    return {f"layer_{index:05d}": {"w": jnp.asarray(array)} for index, array in enumerate(arrays)}
+
+
+def _abstract(state: Any) -> Any:
+    import jax
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+
+
+def _tree_bytes(state: Any) -> int:
+    import jax
+
+    return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(state))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Library warnings (DCP's single-process notice, Orbax deprecations) are not results."""
+    import logging
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = logging.getLogger("absl").level
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logging.getLogger("absl").setLevel(previous)
+
+
+class _TimedBackend:
+    """A backend that records how long each ``write`` call took, so that a manager's sync
+    save (write, then commit, on the caller's thread) splits into its two parts."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+        self.write_s: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
+        start = time.perf_counter()
+        handle = self._inner.write(directory, state, asynchronous=asynchronous)
+        self.write_s.append(time.perf_counter() - start)
+        return handle
+
+
+class _Bench:
+    """One run: the states, the long-lived managers, one method per group of rows."""
+
+    def __init__(self, config: BenchConfig, workdir: str, result: BenchResult,
+                 log: Callable[[str], None]):
+        self.config = config
+        self.workdir = workdir
+        self.result = result
+        self.log = log
+        self.cold = True
+        self._counter = 0
+        self._closers: list[Callable[[], None]] = []
+
+    def fresh(self, name: str) -> str:
+        self._counter += 1
+        return os.path.join(self.workdir, f"{name}-{self._counter:04d}")
+
+    def before_read(self) -> None:
+        if self.cold:
+            self.cold = _drop_page_cache()
+
+    def close(self) -> None:
+        for closer in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                closer()
+
+    # --- state ---------------------------------------------------------------------------
+    def build_states(self) -> None:
+        config = self.config
+        data = _random_bytes(config.size_mb * _MiB, seed=0)
+        self.arrays = _leaf_arrays(data, config.leaves)
+        self.state = _jax_state(self.arrays)
+        self.arrays = [np.asarray(leaf["w"]) for leaf in self.state.values()]  # zero-copy views
+        self.result.nbytes["jax"] = sum(a.nbytes for a in self.arrays)
+        self.many_state = None
+        if "many" in config.sections and config.many_leaves:
+            self.many_state = _jax_state(_leaf_arrays(data, config.many_leaves))
+        del data
+        self.reused = [np.empty_like(a) for a in self.arrays]
+
+    # --- floors, Orbax defaults, jaxckpt on the main state ----------------------------------
+    def floors(self) -> None:
+        result = self.result
+        result.add("copy", _timed(lambda: [np.array(a, copy=True) for a in self.arrays]))
+        result.add("copy_reused",
+                   _timed(lambda: [np.copyto(b, a) for a, b in zip(self.arrays, self.reused)]))
+        path = self.fresh("raw")
+        result.add("write", _timed(lambda: _raw_write(path, self.arrays)))
+        self.before_read()
+        result.add("read", _timed(lambda: _raw_read(path, self.result.nbytes["jax"])))
+        os.unlink(path)
+        # The same bytes the way Orbax lays them out: one file per leaf, written and read
+        # by several threads. On this kind of machine that is faster than one stream, and
+        # much steadier when other processes use the disk.
+        directory = self.fresh("raw-files")
+        os.makedirs(directory)
+        paths = [os.path.join(directory, str(i)) for i in range(len(self.arrays))]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            result.add("write_files", _timed(lambda: list(pool.map(
+                lambda i: _raw_write(paths[i], [self.arrays[i]]), range(len(paths))))))
+            self.before_read()
+            result.add("read_files", _timed(lambda: list(pool.map(
+                lambda i: _raw_read(paths[i], self.arrays[i].nbytes), range(len(paths))))))
+        shutil.rmtree(directory)
+
+    def orbax_defaults(self, state: Any, prefix: str) -> None:
+        import orbax.checkpoint as ocp
+
+        directory = self.fresh(f"orbax{prefix}")
+        manager = ocp.CheckpointManager(directory)  # every option at its default
+        try:
+            _settle()
+            start = time.perf_counter()
+            manager.save(0, args=ocp.args.StandardSave(state))
+            blocking = time.perf_counter() - start
+            manager.wait_until_finished()
+            total = time.perf_counter() - start
+            if not prefix:
+                self.result.add("orbax_blocking", blocking)
+            self.result.add(f"{prefix}orbax_save", total)
+            like = _abstract(state)
+            self.before_read()
+            self.result.add(f"{prefix}orbax_restore", _timed(
+                lambda: manager.restore(0, args=ocp.args.StandardRestore(like))))
+        finally:
+            manager.close()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def jaxckpt_manager(self, name: str) -> Any:
+        import jaxckpt
+
+        manager = getattr(self, f"_manager_{name}", None)
+        if manager is None:
+            from .orbax_backend import OrbaxBackend
+
+            backend = _TimedBackend(OrbaxBackend())
+            self._closers.append(backend.close)
+            manager = jaxckpt.CheckpointManager(
+                os.path.join(self.workdir, f"jaxckpt-{name}"),
+                recover=jaxckpt.RecoverConfig(keep_last_n=1), mode="async",
+                backend=backend, preemption_signals=())
+            setattr(self, f"_manager_{name}", manager)
+            self._closers.append(manager.close)
+            setattr(self, f"_step_{name}", 0)
+        return manager
+
+    def jaxckpt_save(self, manager: Any, name: str, state: Any, *, mode: str) -> Any:
+        import jaxckpt
+
+        step = getattr(self, f"_step_{name}")
+        setattr(self, f"_step_{name}", step + 1)
+        _settle()
+        report = manager.save(jaxckpt.StepInfo(0, step, step), state, mode=mode)
+        report.wait()
+        manager.wait()  # retention of the previous checkpoint is not the next row's cost
+        return report
+
+    def jaxckpt_rows(self, state: Any, prefix: str) -> None:
+        from jaxckpt.manager import STATE_DIR
+
+        name = prefix or "main"
+        manager = self.jaxckpt_manager(name)
+        if getattr(self, f"_step_{name}") == 0:  # first save: buffers, caches, directories
+            self.jaxckpt_save(manager, name, state, mode="async")
+        report = self.jaxckpt_save(manager, name, state, mode="sync")
+        self.result.add(f"{prefix}jx_sync", report.total_s)
+        if not prefix:  # the same save in its two parts: the backend's write, the rest
+            write_s = manager.backend.write_s[-1]
+            self.result.add("jx_write", write_s)
+            self.result.add("jx_commit", report.total_s - write_s)
+        report = self.jaxckpt_save(manager, name, state, mode="async")
+        self.result.add(f"{prefix}jx_blocking", report.blocking_s)
+        if not prefix:
+            self.result.add("jx_async", report.total_s)
+        like = _abstract(state)
+        self.before_read()
+        self.result.add(f"{prefix}jx_restore", _timed(lambda: manager.restore(like)))
+        if prefix:
+            return
+        self.before_read()
+        self.result.add("jx_read", _timed(
+            lambda: manager.backend.read(os.path.join(report.path, STATE_DIR), like)))
+        self.before_read()
+        self.result.add("jx_verify", _timed(
+            lambda: manager.store.verify(report.path, checksums=True)))
+
+    # --- torch ---------------------------------------------------------------------------
+    def torch_rows(self) -> None:
+        try:
+            import torch
+            import torch.distributed.checkpoint as dcp
+        except ImportError as error:
+            self.result.unavailable["torch"] = f"torch not installed ({error})"
+            return
+        if not hasattr(self, "torch_state"):
+            self.torch_state = {f"layer_{i:05d}": _to_torch(torch, a)
+                                for i, a in enumerate(self.arrays)}
+            self.result.nbytes["torch"] = sum(t.numel() * t.element_size()
+                                              for t in self.torch_state.values())
+        state = self.torch_state
+        result = self.result
+        path = self.fresh("torch.pt")
+
+        def torch_save() -> None:
+            torch.save(state, path)
+            _fsync_path(path)
+
+        result.add("torch_save", _timed(torch_save))
+        os.unlink(path)
+        directory = self.fresh("dcp")
+        result.add("dcp_save", _timed(lambda: dcp.save(state, checkpoint_id=directory)))
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        self.before_read()
+        result.add("dcp_load", _timed(lambda: dcp.load(target, checkpoint_id=directory)))
+        shutil.rmtree(directory)
+        directory = self.fresh("dcp-async")
+        _settle()
+        start = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=directory)
+        result.add("dcp_blocking", time.perf_counter() - start)
+        (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+        result.add("dcp_async", time.perf_counter() - start)
+        shutil.rmtree(directory)
+        self.dcp_manager_rows(state, target)
+
+    def dcp_manager_rows(self, state: dict[str, Any], target: dict[str, Any]) -> None:
+        import jaxckpt
+
+        try:
+            import torch_bridge
+
+            manager_class = torch_bridge.DcpCheckpointManager
+        except Exception as error:  # noqa: BLE001 - being written elsewhere; say why
+            for key in ("dcpm_blocking", "dcpm_async", "dcpm_restore"):
+                self.result.unavailable[key] = f"torch_bridge.DcpCheckpointManager: {error!r}"
+            return
+        manager = getattr(self, "_dcp_manager", None)
+        if manager is None:
+            manager = manager_class(os.path.join(self.workdir, "dcp-manager"),
+                                    recover=jaxckpt.RecoverConfig(keep_last_n=1), mode="async")
+            self._dcp_manager = manager
+            self._dcp_step = 0
+            self._closers.append(manager.close)
+            manager.save(jaxckpt.StepInfo(0, 0, 0), state).wait()  # warm-up: staging memory
+            manager.wait()
+        self._dcp_step += 1
+        step = self._dcp_step
+        _settle()
+        report = manager.save(jaxckpt.StepInfo(0, step, step), state)
+        report.wait()
+        manager.wait()
+        self.result.add("dcpm_blocking", report.blocking_s)
+        self.result.add("dcpm_async", report.total_s)
+        self.before_read()
+        self.result.add("dcpm_restore", _timed(lambda: manager.restore(target)))
+
+    # --- Hugging Face --------------------------------------------------------------------
+    def hf_rows(self) -> None:
+        try:
+            export_hf = _export_hf()
+            from safetensors.numpy import load_file, save_file
+        except Exception as error:  # noqa: BLE001 - being written elsewhere; say why
+            self.result.unavailable["hf"] = f"torch_bridge.export_hf: {error!r}"
+            return
+        if not hasattr(self, "hf_params"):
+            self.hf_config, self.hf_params = _llama_params(self.config.size_mb * _MiB)
+            self.result.nbytes["hf"] = _tree_bytes(self.hf_params)
+        shard = self.config.hf_shard_mb * _MiB
+        out = self.fresh("hf")
+
+        def export(directory: str) -> None:
+            export_hf(self.hf_params, directory, arch="llama", config=self.hf_config,
+                      max_shard_bytes=shard)
+
+        self.result.add("hf_export", _timed(lambda: export(out)))
+        shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+        # The same tensors, file by file, as safetensors itself writes them.
+        tensors = {name: {k: np.array(v) for k, v in load_file(os.path.join(out, name)).items()}
+                   for name in shards}
+        baseline = self.fresh("safetensors")
+        os.makedirs(baseline)
+
+        def safetensors_save(directory: str) -> None:
+            for name, items in tensors.items():
+                file = os.path.join(directory, name)
+                save_file(items, file, metadata={"format": "pt"})
+                _fsync_path(file)
+
+        self.result.add("st_save", _timed(lambda: safetensors_save(baseline)))
+        if "hf_memory" not in self.result.facts:  # once: tracing slows the calls it watches
+            export_peak = _traced_peak(lambda: export(self.fresh("hf")))
+            baseline_peak = _traced_peak(lambda: safetensors_save(baseline))
+            self.result.facts["hf_memory"] = {
+                "shard_mib": self.config.hf_shard_mb, "files": len(shards),
+                "export_peak_mib": round(export_peak / _MiB, 1),
+                "safetensors_peak_mib": round(baseline_peak / _MiB, 1)}
+            self.result.checks.append({
+                "target": "HF export peak extra memory / shard size", "op": "<=",
+                "value": export_peak / shard, "limit": 1.5, "met": export_peak <= 1.5 * shard,
+                "note": "peak of numpy/Python allocations during export_hf (tracemalloc)"})
+        del tensors
+        for directory in os.listdir(self.workdir):
+            if directory.startswith(("hf-", "safetensors-")):
+                shutil.rmtree(os.path.join(self.workdir, directory), ignore_errors=True)
+
+    # --- training loop -------------------------------------------------------------------
+    def train_rows(self) -> None:
+        config = self.config
+        facts: dict[str, Any] = {"sizes": list(config.train_sizes), "batch": config.train_batch,
+                                 "steps": config.train_steps, "save_every": config.save_every}
+        _train_loop(config, "none", self.fresh("train"))  # compile caches, first-touch memory
+        blocking = []
+        for _ in range(config.repeats):
+            plain = _train_loop(config, "none", self.fresh("train"))
+            raw = _train_loop(config, "raw", self.fresh("train"))
+            ckpt = _train_loop(config, "jaxckpt", self.fresh("train"))
+            self.result.add("train_plain", plain["loop_s"])
+            self.result.add("train_raw", raw["loop_s"])
+            self.result.add("train_ckpt", ckpt["loop_s"])
+            blocking.append(sum(ckpt["blocking_s"]) / plain["loop_s"])
+            facts.update(state_bytes=ckpt["state_bytes"], saves_per_run=len(ckpt["blocking_s"]))
+        facts["step_ms"] = round(1000 * self.result.median("train_plain")
+                                 / max(1, config.train_steps - 1), 2)
+        facts["blocking_share_of_loop"] = round(statistics.median(blocking), 4)
+        self.result.facts["train"] = facts
+
+    # --- host memory over repeated saves -------------------------------------------------
+    def memory_rows(self) -> None:
+        name = "memory"
+        manager = self.jaxckpt_manager(name)
+        rss = []
+        step_state = self.state
+        for index in range(self.config.memory_saves):
+            # A changed leaf per save, as in training (the arrays are new every step).
+            first = next(iter(step_state))
+            step_state = {**step_state, first: {"w": step_state[first]["w"] + 0}}
+            self.jaxckpt_save(manager, name, step_state, mode="async")
+            gc.collect()
+            rss.append(_rss())
+        settle = min(4, len(rss) - 1)
+        growth = rss[-1] - rss[settle]
+        # "Flat": allocator noise of a few MiB is not growth; a leak of one staged copy per
+        # save (the failure this guards against) would be a whole state's worth.
+        limit = max(16 * _MiB, self.result.nbytes["jax"] // 50)
+        self.result.facts["memory"] = {
+            "saves": len(rss),
+            "rss_mib_sampled": [round(r / _MiB) for r in rss[::max(1, len(rss) // 10)]],
+            f"growth_mib_after_save_{settle + 1}": round(growth / _MiB, 1),
+            "max_minus_min_mib": round((max(rss[settle:]) - min(rss[settle:])) / _MiB, 1)}
+        self.result.checks.append({
+            "target": f"RSS growth over {len(rss)} async saves, MiB", "op": "<=",
+            "value": growth / _MiB, "limit": limit / _MiB, "met": growth <= limit,
+            "note": f"from save {settle + 1} to save {len(rss)}; limit max(16 MiB, 2% of "
+                    f"the state)"})
+
+    # --- auxiliary items -----------------------------------------------------------------
+    def aux_rows(self) -> None:
+        """A GRPO-style reference policy as a versioned item (``items=``), updated every
+        ``every`` steps: bytes written and blocking time on saves where it did not change,
+        against saves where it did. Half the state is the policy, half the reference."""
+        import jaxckpt
+
+        every = 4
+        keys = list(self.state)
+        half = max(1, len(keys) // 2)
+        policy = {k: self.state[k] for k in keys[:half]}
+        reference = {k: self.state[k] for k in keys[half:]}
+        policy_bytes, reference_bytes = _tree_bytes(policy), _tree_bytes(reference)
+        manager = jaxckpt.CheckpointManager(
+            os.path.join(self.workdir, "jaxckpt-aux"),
+            recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1), keep_last_n=1),
+            mode="async", items={"ref": jaxckpt.Every(steps=every)}, preemption_signals=())
+        changed: list[tuple[int, float]] = []
+        unchanged: list[tuple[int, float]] = []
+        try:
+            for index in range(2 * every):
+                step = jaxckpt.StepInfo(0, index, index)
+                report = manager.save(step, policy, items={"ref": reference})
+                report.wait()
+                manager.wait()
+                # Version v = (step + 1) // every is new at step 0 and when (step+1) % every == 0.
+                fresh = index == 0 or (index + 1) % every == 0
+                (changed if fresh else unchanged).append((report.bytes, report.blocking_s))
+        finally:
+            manager.close()
+        rewritten = statistics.median(b for b, _ in unchanged) - policy_bytes
+        self.result.facts["aux"] = {
+            "policy_mib": round(policy_bytes / _MiB, 1),
+            "reference_mib": round(reference_bytes / _MiB, 1), "reference_every": every,
+            "mib_written_when_reference_changed": [round(b / _MiB, 1) for b, _ in changed],
+            "mib_written_when_unchanged": [round(b / _MiB, 1) for b, _ in unchanged],
+            "blocking_s_changed": [round(t, 4) for _, t in changed],
+            "blocking_s_unchanged": [round(t, 4) for _, t in unchanged]}
+        share = max(0.0, rewritten) / reference_bytes
+        self.result.checks.append({
+            "target": "unchanged reference item: bytes rewritten / its size", "op": "<=",
+            "value": share, "limit": 0.01, "met": share <= 0.01,
+            "note": f"{rewritten / 1024:.0f} KiB a save beyond the policy's bytes: driver, "
+                    "tree and manifest metadata"})
+
+
+def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
+    """jaxckpt.demo's training loop (the reference MLP with Adam on SyntheticLoader batches,
+    the loss fetched every step) with a choice of checkpointing:
+
+    - "none": no checkpoints;
+    - "jaxckpt": ``CheckpointManager.maybe_save`` after every step, async saves every
+      ``save_every`` steps (what a user writes);
+    - "raw": every ``save_every`` steps a background thread writes the state's bytes to one
+      file and fsyncs it (the least any async checkpoint must do: the floor).
+
+    Times the loop from the end of step 0 (compiled) to the end of the last step, so start-up
+    and the final wait for the last save are not counted on either side.
+    """
+    import concurrent.futures
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxckpt
+
+    from .demo import SyntheticLoader
+    from .models import MLP
+
+    steps, every = config.train_steps, config.save_every
+    loader = SyntheticLoader(seed=0, batch_size=config.train_batch, steps_per_epoch=steps,
+                             in_dim=config.train_sizes[0])
+    model = MLP(config.train_sizes, rngs=nnx.Rngs(params=0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
+        def loss_fn(model: MLP) -> jax.Array:
+            return jnp.mean((model(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    manager = None
+    writer = None
+    pending: concurrent.futures.Future[None] | None = None
+    blocking: list[float] = []
+    state_bytes = 0
+    last_report = None
+    os.makedirs(root, exist_ok=True)
+    if saver == "jaxckpt":
+        manager = jaxckpt.CheckpointManager(
+            root, recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=every),
+                                                keep_last_n=1),
+            mode="async", preemption_signals=())
+    elif saver == "raw":
+        writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def raw_save(arrays: list[np.ndarray], index: int) -> None:
+        _raw_write(os.path.join(root, f"state-{index % 2}"), arrays)
+
+    start = 0.0
+    try:
+        for index in range(steps):
+            step = jaxckpt.StepInfo(0, index, index, steps)
+            x, y = loader.next_batch()
+            float(train_step(model, optimizer, x, y))
+            if manager is not None:
+                for report in manager.maybe_save(step, nnx.state((model, optimizer)),
+                                                 stateful={"loader": loader}):
+                    blocking.append(report.blocking_s)
+                    last_report = report
+            elif writer is not None and (index + 1) % every == 0:
+                began = time.perf_counter()
+                if pending is not None:
+                    pending.result()  # one save in flight, as the manager does
+                leaves = [jax.random.key_data(leaf)
+                          if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+                          for leaf in jax.tree.leaves(nnx.state((model, optimizer)))]
+                # jax.Arrays are immutable: their host views need no copy on CPU.
+                arrays = [np.asarray(leaf) for leaf in leaves]
+                state_bytes = sum(a.nbytes for a in arrays)
+                pending = writer.submit(raw_save, arrays, index)
+                blocking.append(time.perf_counter() - began)
+            if index == 0:
+                start = time.perf_counter()
+        loop_s = time.perf_counter() - start
+    finally:
+        if manager is not None:
+            manager.close()
+        if writer is not None:
+            writer.shutdown(wait=True)
+    if last_report is not None:
+        state_bytes = last_report.bytes or 0  # known once closed: every save committed
+    return {"loop_s": loop_s, "blocking_s": blocking, "state_bytes": state_bytes}
+
+
+def _to_torch(torch: Any, array: np.ndarray) -> Any:
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def _export_hf() -> Callable[..., Any]:
+    import torch_bridge
+
+    try:
+        return torch_bridge.export_hf
+    except AttributeError:  # not re-exported yet by torch_bridge/__init__
+        from torch_bridge.hf import export_hf
+
+        return export_hf
+
+
+def _llama_params(nbytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Llama config whose float32 params total about ``nbytes``, and random params in
+    jaxckpt.llm's layout (numpy leaves: the export's cost, not a device transfer's)."""
+    import jax
+    from flax import nnx
+
+    from .llm import from_config, params_of
+
+    # Per layer about 12 hidden^2 params (attention 4, gated MLP 3 x 8/3), plus 16 hidden^2
+    # for embedding and LM head with vocab = 8 hidden: four layers make 64 hidden^2.
+    layers = 4
+    hidden = 64 * max(1, round(math.sqrt(nbytes / 4 / 64) / 64))
+    vocab = 8 * hidden
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "hidden_size": hidden, "intermediate_size": max(64, hidden * 8 // 3 // 64 * 64),
+              "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 64),
+              "num_key_value_heads": max(1, hidden // 64), "vocab_size": vocab,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "rope_theta": 10000.0}
+    abstract = nnx.eval_shape(lambda: from_config(config, rngs=nnx.Rngs(0)))
+    shapes = params_of(abstract)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(
+        lambda leaf: rng.standard_normal(leaf.shape, dtype=np.float32) * 0.02, shapes)
+    return config, params
+
+
+# ------------------------------------------------------------------------------ runner
+
+
+def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) -> BenchResult:
+    """Run every selected row ``config.repeats`` times (see the module docstring)."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from jax.tree_util import tree_leaves as jax_leaves
+
+    result = BenchResult(config=config)
+    parent = config.directory or tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="jaxckpt-bench-", dir=parent)
+    result.facts.update(directory=workdir, cpus=os.cpu_count(),
+                        load_start=round(os.getloadavg()[0], 2))
+    bench = _Bench(config, workdir, result, log)
+    sections = config.sections
+    try:
+        with _quiet():
+            bench.cold = _drop_page_cache()
+            result.facts["reads"] = ("cold (page cache dropped before each read)" if bench.cold
+                                     else "warm: drop_caches is not permitted here, every "
+                                          "read row is warm alike")
+            log("jaxckpt bench: building the states")
+            bench.build_states()
+            for round_index in range(config.repeats):
+                log(f"jaxckpt bench: round {round_index + 1} of {config.repeats}")
+                if "jax" in sections:
+                    bench.floors()
+                    bench.orbax_defaults(bench.state, "")
+                    bench.jaxckpt_rows(bench.state, "")
+                if "many" in sections and bench.many_state is not None:
+                    many = jax_leaves(bench.many_state)
+                    result.add("many_copy", _timed(lambda: [np.array(a, copy=True)
+                                                            for a in many]))
+                    bench.orbax_defaults(bench.many_state, "many_")
+                    bench.jaxckpt_rows(bench.many_state, "many_")
+                if "torch" in sections:
+                    bench.torch_rows()
+                if "hf" in sections:
+                    bench.hf_rows()
+            if "train" in sections:
+                log("jaxckpt bench: training loop")
+                bench.train_rows()
+            if "memory" in sections:
+                log(f"jaxckpt bench: host memory over {config.memory_saves} saves")
+                bench.memory_rows()
+            if "aux" in sections:
+                bench.aux_rows()
+    finally:
+        bench.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    result.derive_floors()
+    result.facts["load_end"] = round(os.getloadavg()[0], 2)
+    return result

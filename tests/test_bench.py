@@ -1,0 +1,73 @@
+"""``jaxckpt bench --quick``: every row runs and the report is complete (the numbers come from
+full runs; this keeps the benchmark working)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from jaxckpt import cli
+from jaxckpt.bench import BenchConfig, BenchResult, _Target, format_table
+
+
+def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
+    started = time.perf_counter()
+    code = cli.main(["bench", "--quick", "--json", "--dir", str(tmp_path)])
+    elapsed = time.perf_counter() - started
+    captured = capsys.readouterr()
+
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    rows = report["rows"]
+    jax_rows = ["copy", "write", "read", "orbax_save", "orbax_restore", "jx_sync", "jx_blocking",
+                "jx_async", "jx_restore", "jx_read", "jx_verify", "many_jx_sync",
+                "many_jx_restore", "many_orbax_save", "train_plain", "train_ckpt"]
+    for key in jax_rows:
+        assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
+    # torch and HF rows are measured, or say why not (torch_bridge is written elsewhere).
+    for key in ("torch_save", "dcp_save", "dcp_blocking", "dcpm_blocking", "st_save",
+                "hf_export"):
+        assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
+    assert rows["jx_sync"]["gb_per_s"] > 0
+    targets = {t["target"]: t for t in report["targets"]}
+    assert targets["async blocking / host copy"]["value"] is not None
+    assert any("RSS growth" in name for name in targets)
+    assert any("reference item" in name for name in targets)
+    assert report["facts"]["aux"]["mib_written_when_unchanged"]
+    assert report["facts"]["memory"]["saves"] == BenchConfig.quick().memory_saves
+    assert report["facts"]["train"]["saves_per_run"] >= 1
+    assert not list(tmp_path.iterdir()), "the bench leaves no files behind"
+    assert elapsed < 60, f"--quick must stay fast for CI; took {elapsed:.1f} s"
+
+
+def test_ratios_are_medians_of_per_round_ratios():
+    result = BenchResult(config=BenchConfig(repeats=3))
+    # Round 2 ran on a loaded machine: both sides slowed together, the ratio did not move.
+    result.samples = {"jx_sync": [1.0, 4.0, 1.1], "write": [0.8, 3.2, 0.88]}
+    target = _Target(label="t", numerator="jx_sync", denominator="write", op=">=", limit=0.8,
+                     invert=True)
+    assert result.ratio(target) == pytest.approx(0.8)
+    assert result.median("jx_sync") == 1.1
+
+
+def test_table_marks_unmeasured_rows_unavailable_with_the_reason():
+    config = BenchConfig.quick(sections=("torch",))
+    result = BenchResult(config=config)
+    result.unavailable["torch"] = "torch not installed (No module named 'torch')"
+    text = format_table(result)
+    assert "dcp.async_save: blocking" in text and "unavailable" in text
+    assert "torch not installed" in text
+
+
+@pytest.mark.parametrize("field, value", [("size_mb", 0), ("repeats", 0),
+                                          ("sections", ("jax", "disk")), ("many_leaves", -1)])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        BenchConfig(**{field: value})
+
+
+def test_cli_reports_a_bad_setting_as_usage_error(capsys):
+    assert cli.main(["bench", "--quick", "--sections", "jax,nope"]) == cli.EXIT_USAGE
+    assert "nope" in capsys.readouterr().err
