@@ -13,6 +13,7 @@ from .config import Every, ExportConfig, RecoverConfig, StepInfo, Versioned
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointRootError,
     CheckpointWarning,
@@ -38,6 +39,7 @@ __all__ = [
     "ConfigError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
+    "CheckpointFormatError",
     "CheckpointWriteError",
     "TreeMismatchError",
     "RootLockedError",

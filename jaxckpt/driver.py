@@ -28,7 +28,13 @@ import numpy as np
 from . import codec
 from ._version import __version__
 from .config import StepInfo
-from .errors import CheckpointCorruptError, CheckpointWarning, CodecError, ConfigError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointWarning,
+    CodecError,
+    ConfigError,
+)
 
 __all__ = [
     "DRIVER_FORMAT",
@@ -215,7 +221,8 @@ def parse_driver(data: bytes, where: str) -> dict[str, Any]:
             f"holds this checkpoint.") from exc
     if not isinstance(body, dict) or body.get("format") != DRIVER_FORMAT:
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
-        raise CheckpointCorruptError(
+        newer = isinstance(found, str) and found.startswith("jaxckpt.driver/")
+        raise (CheckpointFormatError if newer else CheckpointCorruptError)(
             f"{where}: driver.json has format {found!r}, expected {DRIVER_FORMAT!r}; it was not "
             f"written by this version of jaxckpt (upgrade jaxckpt to read newer formats).")
     if "step_info" not in body:

@@ -10,6 +10,7 @@ __all__ = [
     "ConfigError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
+    "CheckpointFormatError",
     "TreeMismatchError",
     "RootLockedError",
     "CheckpointRootError",
@@ -33,6 +34,11 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointCorruptError(CheckpointError, OSError):
     """A committed checkpoint fails verification (missing, truncated or altered files)."""
+
+
+class CheckpointFormatError(CheckpointCorruptError):
+    """Written in a newer format than this jaxckpt reads: not damaged, so recovery never
+    skips it silently (that would drop the newest progress); upgrade jaxckpt to read it."""
 
 
 class TreeMismatchError(CheckpointError, ValueError):

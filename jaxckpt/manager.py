@@ -56,6 +56,7 @@ from .config import (
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointRootError,
     CheckpointWarning,
@@ -63,7 +64,15 @@ from .errors import (
     ConfigError,
 )
 from .policy import SaveTrigger, resolve_mode, steps_to_delete, writes_periodic
-from .store import COMMIT_MARKER, DRIVER_FILE, CheckpointStore, RootLock, atomic_write, export_dirname
+from .store import (
+    COMMIT_MARKER,
+    DRIVER_FILE,
+    CheckpointStore,
+    Entry,
+    RootLock,
+    atomic_write,
+    export_dirname,
+)
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
@@ -750,66 +759,45 @@ class CheckpointManager:
         self._drain()
         self._raise_unraised()
         checksums = self.recover_config.verify == "checksums"
-        skipped: list[str] = []
-        bad: list[Any] = []
-        chosen = -1
-        if self._primary:
-            if step is None:
-                limit = None
-                while True:
-                    entry, newly_bad = self._store.latest_valid(checksums=checksums,
-                                                                at_or_before=limit)
-                    bad += newly_bad
-                    if entry is None:
-                        break
-                    problems = self._item_problems(entry.path, checksums)
-                    if not problems:
-                        chosen = entry.step
-                        break
-                    # A checkpoint whose items are gone or damaged cannot be restored whole.
-                    bad.append(dataclasses.replace(entry, status="corrupt",
-                                                   problems=tuple(problems)))
-                    limit = entry.step - 1
-                for item in bad:
-                    why = "; ".join(item.problems) or "no commit marker (interrupted save)"
-                    skipped.append(f"{item.path}: {item.status}: {why}")
-            else:
-                chosen = self._check_requested(step, checksums)
-                problems = self._item_problems(self._store.step_path(step), checksums)
-                if problems:
-                    raise CheckpointCorruptError(
-                        f"checkpoint {self._store.step_path(step)} refers to unusable items: "
-                        + "; ".join(problems) + ". Restore another step.")
-        chosen = self._backend.broadcast_int(chosen) if self._count > 1 else chosen
-        if chosen < 0:
-            if skipped:
-                warnings.warn("no valid checkpoint to resume from; unusable ones: "
-                              + " | ".join(skipped), CheckpointWarning, stacklevel=3)
-            if required:
-                raise CheckpointNotFoundError(
-                    f"no valid recovery checkpoint under {self._store.recover_dir}"
-                    + (f" (unusable: {' | '.join(skipped)})" if skipped else "")
-                    + ". Train from scratch, or point the manager at the root that holds the "
-                      "checkpoints.")
-            return None
+        bad: list[Entry] = []
+        limit: int | None = None
+        while True:
+            chosen = self._choose(step, checksums, limit, bad)
+            skipped = [f"{item.path}: {item.status}: "
+                       + ("; ".join(item.problems) or "no commit marker (interrupted save)")
+                       for item in bad]
+            if chosen < 0:
+                if skipped:
+                    warnings.warn("no valid checkpoint to resume from; unusable ones: "
+                                  + " | ".join(skipped), CheckpointWarning, stacklevel=3)
+                if required:
+                    raise CheckpointNotFoundError(
+                        f"no valid recovery checkpoint under {self._store.recover_dir}"
+                        + (f" (unusable: {' | '.join(skipped)})" if skipped else "")
+                        + ". Train from scratch, or point the manager at the root that holds "
+                          "the checkpoints.")
+                return None
+            path = self._store.step_path(chosen)
+            try:
+                body, state, versions, restored_items = self._read_checkpoint(path, like, items,
+                                                                              chosen)
+            except CheckpointFormatError:
+                raise  # newer, not damaged: skipping it would silently drop progress
+            except CheckpointCorruptError as exc:
+                # Verified files can still fail to decode (altered yet consistent metadata):
+                # when resuming, fall back like for any other corrupt checkpoint.
+                if step is not None or self._count > 1:
+                    raise
+                bad.append(Entry(step=chosen, path=path, status="corrupt", problems=(str(exc),)))
+                limit = chosen - 1
+                continue
+            break
         if skipped:
             warnings.warn(f"resuming from step {chosen}, skipping newer unusable checkpoints: "
                           + " | ".join(skipped), CheckpointWarning, stacklevel=3)
-        path = self._store.step_path(chosen)
-        with self._state_lock:
-            self._reading.add(chosen)
-        try:
-            with self._store.reading(path):
-                body = self._read_driver(path)
-                state = self._backend.read(os.path.join(path, STATE_DIR), like)
-                versions = {name: int(ref["version"])
-                            for name, ref in (body.get("items") or {}).items()}
-                restored_items = self._read_items(items, versions, path)
-                local = body.get("local") if self._primary else self._read_local(path)
-                self._restore_local(local, stateful, path)
-        finally:
-            with self._state_lock:
-                self._reading.discard(chosen)
+        # Local state only once the arrays are in: never a half-restored loader or RNG.
+        local = body.get("local") if self._primary else self._read_local(path)
+        self._restore_local(local, stateful, path)
         # Unusable newer checkpoints would collide with the steps about to be redone: move
         # them aside (kept for inspection; partial ones are just debris).
         for item in bad:
@@ -830,6 +818,53 @@ class CheckpointManager:
                          metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped),
                          items=restored_items, item_versions=versions,
                          saved_process_count=int(body.get("process_count", 1)))
+
+    def _choose(self, step: int | None, checksums: bool, limit: int | None,
+                bad: list[Entry]) -> int:
+        """The step to restore (-1: none), decided by the primary and shared. Unusable newer
+        checkpoints found on the way are appended to ``bad``."""
+        chosen = -1
+        if self._primary:
+            if step is None:
+                while True:
+                    entry, newly_bad = self._store.latest_valid(checksums=checksums,
+                                                                at_or_before=limit)
+                    bad += newly_bad
+                    if entry is None:
+                        break
+                    problems = self._item_problems(entry.path, checksums)
+                    if not problems:
+                        chosen = entry.step
+                        break
+                    # A checkpoint whose items are gone or damaged cannot be restored whole.
+                    bad.append(dataclasses.replace(entry, status="corrupt",
+                                                   problems=tuple(problems)))
+                    limit = entry.step - 1
+            else:
+                chosen = self._check_requested(step, checksums)
+                problems = self._item_problems(self._store.step_path(step), checksums)
+                if problems:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {self._store.step_path(step)} refers to unusable items: "
+                        + "; ".join(problems) + ". Restore another step.")
+        return self._backend.broadcast_int(chosen) if self._count > 1 else chosen
+
+    def _read_checkpoint(self, path: str, like: Any, items: Mapping[str, Any] | None,
+                         step: int) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
+        """Driver, arrays and requested items of one checkpoint, under a reader lock that
+        keeps retention away from it."""
+        with self._state_lock:
+            self._reading.add(step)
+        try:
+            with self._store.reading(path):
+                body = self._read_driver(path)
+                state = self._backend.read(os.path.join(path, STATE_DIR), like)
+                versions = {name: int(ref["version"])
+                            for name, ref in (body.get("items") or {}).items()}
+                return body, state, versions, self._read_items(items, versions, path)
+        finally:
+            with self._state_lock:
+                self._reading.discard(step)
 
     def _item_problems(self, path: str, checksums: bool) -> list[str]:
         """What is wrong with the item versions a committed checkpoint refers to."""

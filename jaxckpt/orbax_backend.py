@@ -48,6 +48,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -59,6 +60,7 @@ from etils import epath
 
 from jaxckpt.errors import (
     CheckpointCorruptError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     TreeMismatchError,
@@ -78,6 +80,8 @@ _UNPACKED_TREE_VERSION = 1
 _TREE_FILE = "tree.json"
 _ARRAYS_DIR = "arrays"
 _PACK_PREFIX = "pack_"
+#: The only storage names written: leaf_000017, pack_float32_000 (never a path).
+_STORAGE_NAME = re.compile(r"^(leaf_\d{1,12}|pack_[a-z0-9]{1,24}_\d{1,9})$")
 
 #: Leaves of at most this many bytes are packed (see the module docstring). At ~2 ms of
 #: Orbax overhead per leaf and a host copy at >= 2 GB/s, packing wins for every leaf below
@@ -850,8 +854,19 @@ class OrbaxBackend:
                     dtype=entry.stored_dtype)
 
         with _gc_paused(self._pause_gc):
-            restored = self._sync.restore(arrays_dir,
-                                          args=ocp.args.PyTreeRestore(restore_args=restore_args))
+            try:
+                restored = self._sync.restore(
+                    arrays_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+            except (CheckpointCorruptError, MemoryError, KeyboardInterrupt):
+                raise
+            except Exception as error:
+                # Orbax and tensorstore report damaged metadata or chunks with their own
+                # types (ValueError, UnicodeDecodeError, DATA_LOSS...): to the caller this is
+                # one thing, a checkpoint that cannot be read, so recovery can fall back.
+                raise CheckpointCorruptError(
+                    f"{directory}: array data cannot be read ({type(error).__name__}: "
+                    f"{error}). The checkpoint is damaged; restore another one "
+                    f"(recover() falls back to the previous valid checkpoint).") from error
             values = self._unpack(directory, targets, saved, restored, placements)
 
         leaves = []
@@ -1017,9 +1032,16 @@ def _read_tree_json(root: epath.Path, directory: str) -> dict[str, _SavedLeaf]:
         if document.get("format") != TREE_FORMAT:
             raise ValueError(f"format is {document.get('format')!r}, not {TREE_FORMAT!r}")
         if document.get("version", 0) > TREE_FORMAT_VERSION:
-            raise ValueError(f"version {document['version']} is newer than this jaxckpt "
-                             f"reads ({TREE_FORMAT_VERSION}); upgrade jaxckpt")
+            raise CheckpointFormatError(
+                f"{directory}/{_TREE_FILE} is unreadable: version {document['version']} is newer "
+                f"than this jaxckpt reads ({TREE_FORMAT_VERSION}); upgrade jaxckpt")
         entries = [_SavedLeaf.from_json(entry) for entry in document["leaves"]]
+        for entry in entries:
+            # A storage name becomes a path under arrays/: only names this backend makes.
+            if not isinstance(entry.name, str) or not _STORAGE_NAME.match(entry.name):
+                raise ValueError(f"leaf {entry.path!r} has storage name {entry.name!r}, which is "
+                                 "not one this backend writes (leaf_N or pack_DTYPE_N); "
+                                 "refusing a name that could point outside the checkpoint")
         _check_packs(entries, document.get("packs") or [])
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointCorruptError(f"{directory}/{_TREE_FILE} is unreadable: {error}") \
@@ -1032,8 +1054,8 @@ def _check_packs(entries: list[_SavedLeaf], packs: list[dict[str, Any]]) -> None
     listed: dict[str, tuple[np.dtype, int]] = {}
     for pack in packs:
         name, size = pack["name"], pack["size"]
-        if not isinstance(name, str) or not name.startswith(_PACK_PREFIX):
-            raise ValueError(f"pack name {name!r} does not start with {_PACK_PREFIX!r}")
+        if not isinstance(name, str) or not name.startswith(_PACK_PREFIX) or not _STORAGE_NAME.match(name):
+            raise ValueError(f"pack name {name!r} is not a pack name this backend writes")
         if type(size) is not int or size < 0:
             raise ValueError(f"pack {name} has size {size!r}, not an integer >= 0")
         listed[name] = (np.dtype(pack["dtype"]), size)

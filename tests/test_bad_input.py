@@ -2,8 +2,8 @@
 names the field or tree path involved AND says how to fix it.
 
 Every case is one row: the wrong call, the exception type, the words that locate the problem
-(field name, tree path, directory) and the words of the fix (any one of them). Rows marked
-xfail are bugs reported to the owners of the code they name.
+(field name, tree path, directory) and the words of the fix (any one of them). Rows in FIXED
+first failed; each keeps the reason it failed, as a regression.
 """
 
 from __future__ import annotations

@@ -234,11 +234,6 @@ ADDED = ["state.pkl", "checkpoint.pickle", "driver.pkl", "state/arrays/state.pic
 VARIANTS = ([{"name": n, "how": "pickle"} for n in REPLACED]
             + [{"name": n, "how": "npy-object" if n.endswith(".npy") else "pickle"} for n in ADDED])
 
-# Orbax's own files, replaced: Orbax/tensorstore fail with raw errors that name neither
-# the checkpoint nor a fix, and recover() does not fall back.
-UNCLEAR = {"state/arrays/_METADATA", "@w/zarr.json", "@w/chunk"}
-
-
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("planted")
@@ -270,12 +265,7 @@ def test_planted_pickle_is_never_unpickled(planted, name):
         assert "error" not in result["ops"][command], result["ops"][command]
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(v["name"], marks=pytest.mark.xfail(strict=True, reason=(
-        "orbax_backend.OrbaxBackend.read lets Orbax/tensorstore errors escape raw (e.g. "
-        "UnicodeDecodeError, ValueError DATA_LOSS) instead of CheckpointCorruptError naming "
-        "the checkpoint; recover() then crashes instead of falling back")))
-    if v["name"] in UNCLEAR else v["name"] for v in VARIANTS])
+@pytest.mark.parametrize("name", [v["name"] for v in VARIANTS])
 def test_a_checkpoint_refused_over_a_planted_file_says_which_and_why(planted, name):
     result = planted[name]
     for op in ("recover", "restore"):
@@ -423,13 +413,8 @@ def test_data_outside_the_checkpoint_is_never_restored(tmp_path_factory, case):
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param("tree-parent", marks=pytest.mark.xfail(strict=True, reason=(
-        "orbax_backend._read_tree_json / _SavedLeaf.from_json accept any storage name: a "
-        "tree.json naming '../..' is only stopped by Orbax/tensorstore with a raw ValueError, "
-        "not rejected as CheckpointCorruptError naming tree.json"))),
-    pytest.param("tree-absolute", marks=pytest.mark.xfail(strict=True, reason=(
-        "orbax_backend._read_tree_json accepts an absolute storage name; Orbax fails later "
-        "with a raw ValueError, not CheckpointCorruptError naming tree.json"))),
+    "tree-parent",
+    "tree-absolute",
     "symlink",
 ])
 def test_a_checkpoint_pointing_outside_itself_is_refused_as_corrupt(tmp_path_factory, case):
