@@ -464,7 +464,9 @@ class CheckpointManager:
                 backend_versions=self._backend.versions(), process_count=self._count,
                 metrics=metrics, local=local, saved_at=saved_at)
             body["items"] = {name: {"version": v} for name, (v, _) in item_versions.items()}
-            driver_file, driver_bytes = DRIVER_FILE, json.dumps(body, indent=1).encode()
+            # Compact separators keep json on its C encoder (indent= switches to the Python
+            # one: ~1.4 ms of a ~4 ms blocking time with RNG states inside).
+            driver_file, driver_bytes = DRIVER_FILE, json.dumps(body, separators=(",", ":")).encode()
             self._make_room(path)
         else:
             driver_file = drv.local_filename(self._index)
