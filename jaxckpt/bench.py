@@ -908,29 +908,16 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
     import concurrent.futures
 
     import jax
-    import jax.numpy as jnp
-    import optax
     from flax import nnx
 
     import jaxckpt
 
-    from .demo import SyntheticLoader
-    from .models import MLP
+    from .demo import build_training
 
     steps, every = config.train_steps, config.save_every
-    loader = SyntheticLoader(seed=0, batch_size=config.train_batch, steps_per_epoch=steps,
-                             in_dim=config.train_sizes[0])
-    model = MLP(config.train_sizes, rngs=nnx.Rngs(params=0, dropout=1))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
-        def loss_fn(model: MLP) -> jax.Array:
-            return jnp.mean((model(x) - y) ** 2)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
+    loader, model, optimizer, train_step = build_training(
+        config.train_sizes, seed=0, batch_size=config.train_batch, steps_per_epoch=steps,
+        learning_rate=1e-3)
 
     manager = None
     writer = None

@@ -203,6 +203,35 @@ def compare_npz(expected_path: str, actual_path: str) -> list[str]:
     return problems
 
 
+def build_training(sizes: Sequence[int], *, seed: int, batch_size: int, steps_per_epoch: int,
+                   learning_rate: float, dropout_rate: float = 0.1) -> tuple[Any, Any, Any, Any]:
+    """The demo's training setup, shared with ``jaxckpt bench``'s training-loop rows:
+    ``(loader, model, optimizer, train_step)`` where ``train_step(model, optimizer, x, y)``
+    is a jitted Adam step on the mean squared error and returns the loss."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxckpt.models import MLP
+
+    loader = SyntheticLoader(seed=seed, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+                             in_dim=int(sizes[0]))
+    model = MLP(sizes, rngs=nnx.Rngs(params=seed, dropout=seed + 1), dropout_rate=dropout_rate)
+    optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
+        def loss_fn(model: MLP) -> jax.Array:
+            return jnp.mean((model(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return loader, model, optimizer, train_step
+
+
 def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
           steps_per_epoch: int, mode: str = "async", log_path: str | None = None,
           final_path: str | None = None, seed: int = 0, batch_size: int = 16,
@@ -219,13 +248,9 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
     ``hold_save_at=S`` (a test hook) keeps the save of step S uncommitted ``hold_save_s``
     seconds longer.
     """
-    import jax
-    import jax.numpy as jnp
-    import optax
     from flax import nnx
 
     import jaxckpt
-    from jaxckpt.models import MLP
 
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps!r}.")
@@ -234,19 +259,9 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
         final_path = (os.path.splitext(log_path)[0] + ".final.npz" if log_path
                       else os.path.join(root, "final_state.npz"))
 
-    loader = SyntheticLoader(seed=seed, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
-                             in_dim=int(sizes[0]))
-    model = MLP(sizes, rngs=nnx.Rngs(params=seed, dropout=seed + 1), dropout_rate=dropout_rate)
-    optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
-        def loss_fn(model: MLP) -> jax.Array:
-            return jnp.mean((model(x) - y) ** 2)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
+    loader, model, optimizer, train_step = build_training(
+        sizes, seed=seed, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+        learning_rate=learning_rate, dropout_rate=dropout_rate)
 
     backend = None
     if hold_save_at is not None:
