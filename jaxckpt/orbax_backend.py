@@ -81,7 +81,8 @@ _TREE_FILE = "tree.json"
 _ARRAYS_DIR = "arrays"
 _PACK_PREFIX = "pack_"
 #: The only storage names written: leaf_000017, pack_float32_000 (never a path).
-_STORAGE_NAME = re.compile(r"^(leaf_\d{1,12}|pack_[a-z0-9]{1,24}_\d{1,9})$")
+# numpy dtype names have underscores of their own (float8_e4m3fn), never '/' or '.'.
+_STORAGE_NAME = re.compile(r"^(leaf_\d{1,12}|pack_[a-z0-9_]{1,32}_\d{1,9})$")
 
 #: Leaves of at most this many bytes are packed (see the module docstring). At ~2 ms of
 #: Orbax overhead per leaf and a host copy at >= 2 GB/s, packing wins for every leaf below

@@ -673,3 +673,18 @@ def test_second_async_write_is_staged_while_the_first_still_writes(tmp_path, mon
     finally:
         release.set()
         backend.close()
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int4"])
+def test_packs_of_dtypes_with_underscores_or_sub_byte_sizes_restore(backend, tmp_path, dtype):
+    import ml_dtypes
+
+    values = np.arange(-4, 4, dtype=np.float32).astype(getattr(ml_dtypes, dtype))
+    state = {"host": values, "device": jnp.asarray(values)}
+    backend.write(str(tmp_path / "ckpt"), state, asynchronous=True).wait()
+    assert {pack["name"] for pack in tree_json(tmp_path / "ckpt")["packs"]} == {
+        f"pack_{dtype}_000"}
+
+    restored = backend.read(str(tmp_path / "ckpt"), like_of(state))
+    for name in state:
+        assert_bitwise_equal(restored[name], state[name])
