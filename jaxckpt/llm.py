@@ -104,6 +104,14 @@ def _act(name: str, model: str) -> Callable[[jax.Array], jax.Array]:
                           f"model; supported: {sorted(_ACTIVATIONS)}.") from None
 
 
+def _check_positive_ints(spec: Any, owner: str, names: tuple[str, ...]) -> None:
+    """Every named field of a model spec is a positive int (a bool is not)."""
+    for name in names:
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}.")
+
+
 def _rope_theta(config: Mapping[str, Any]) -> float:
     # transformers 5 nests RoPE settings in rope_parameters; older config.json files keep
     # rope_theta / rope_scaling at the top level.
@@ -151,11 +159,9 @@ class LlamaSpec:
     """The LM head reuses the embedding (no ``lm_head`` param)."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"LlamaSpec.{name} must be a positive int, got {value!r}.")
+        _check_positive_ints(self, "LlamaSpec", ("vocab_size", "hidden_size", "intermediate_size",
+                                                 "num_layers", "num_heads", "num_kv_heads",
+                                                 "head_dim"))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"LlamaSpec.num_heads={self.num_heads} must be a multiple of "
                               f"num_kv_heads={self.num_kv_heads}.")
@@ -218,11 +224,8 @@ class GPT2Spec:
     """The LM head reuses ``wte`` (no ``lm_head`` param)."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions",
-                     "inner_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"GPT2Spec.{name} must be a positive int, got {value!r}.")
+        _check_positive_ints(self, "GPT2Spec", ("vocab_size", "hidden_size", "num_layers",
+                                                "num_heads", "max_positions", "inner_size"))
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"GPT2Spec.hidden_size={self.hidden_size} must be a multiple of "
                               f"num_heads={self.num_heads}.")
