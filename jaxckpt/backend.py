@@ -42,7 +42,10 @@ class Backend(Protocol):
 
     Optional attributes: ``export_needs_copy = True`` makes exporters always receive
     ``host_copy(state)`` (e.g. torch state dicts rather than live modules), whatever the export
-    mode; ``close()`` is called by a manager that created its backend itself.
+    mode; ``reads_in_place = True`` says that ``read`` loads into the objects of ``like``
+    (so what it read cannot be discarded): the manager then verifies every checksum before
+    reading, instead of checking those of large data files while ``read`` runs; ``close()``
+    is called by a manager that created its backend itself.
     """
 
     #: short name recorded in driver.json, e.g. "orbax" or "dcp".

@@ -66,6 +66,7 @@ from .errors import (
 from .policy import SaveTrigger, resolve_mode, steps_to_delete, writes_periodic
 from .store import (
     COMMIT_MARKER,
+    DEFER_CHECKSUMS_OVER,
     DRIVER_FILE,
     CheckpointStore,
     Entry,
@@ -178,6 +179,49 @@ class Recovered:
     saved_process_count: int = 1
     """How many processes wrote the checkpoint (compare with yours to detect a world-size
     change, e.g. to re-deal the rest of an epoch's samples)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Verification:
+    """How one restore checks the checkpoints it considers."""
+
+    checksums: bool
+    """crc32 as well as sizes (``RecoverConfig.verify == "checksums"``)."""
+    defer_over: int | None
+    """Bulk files larger than this are checksummed while the backend reads them, not before
+    (``CheckpointStore.verify(defer_over=...)``); None: every checksum up front."""
+    deferred_items: frozenset[str]
+    """Items whose bulk checksums are deferred as well: those being restored."""
+
+
+class _DeferredChecksumsFailed(Exception):
+    """Internal: the checksums checked alongside a read failed (every process raises it,
+    the primary with the problems it found). Never leaves the manager."""
+
+    def __init__(self, path: str, own: list[str], items: list[str]):
+        super().__init__(path)
+        self.path = path
+        self.own = own
+        self.items = items
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return (*self.own, *self.items)
+
+    def corrupt_error(self) -> CheckpointCorruptError:
+        """What ``restore(step=...)`` raises, worded as when the checksums fail up front."""
+        if self.own:
+            return CheckpointCorruptError(
+                f"checkpoint {self.path} failed verification: " + "; ".join(self.problems)
+                + ". Restore another step (step=None picks the latest valid one).")
+        if self.items:
+            return CheckpointCorruptError(
+                f"checkpoint {self.path} refers to unusable items: " + "; ".join(self.items)
+                + ". Restore another step.")
+        return CheckpointCorruptError(
+            f"checkpoint {self.path} failed verification on the primary process (its error "
+            f"names the damaged files). Restore another step (step=None picks the latest "
+            f"valid one).")
 
 
 class CheckpointManager:
@@ -760,11 +804,11 @@ class CheckpointManager:
                  required: bool, items: Mapping[str, Any] | None = None) -> Recovered | None:
         self._drain()
         self._raise_unraised()
-        checksums = self.recover_config.verify == "checksums"
+        checks = self._verification(items)
         bad: list[Entry] = []
         limit: int | None = None
         while True:
-            chosen = self._choose(step, checksums, limit, bad)
+            chosen = self._choose(step, checks, limit, bad)
             skipped = [f"{item.path}: {item.status}: "
                        + ("; ".join(item.problems) or "no commit marker (interrupted save)")
                        for item in bad]
@@ -782,7 +826,18 @@ class CheckpointManager:
             path = self._store.step_path(chosen)
             try:
                 body, state, versions, restored_items = self._read_checkpoint(path, like, items,
-                                                                              chosen)
+                                                                              chosen, checks)
+            except _DeferredChecksumsFailed as failed:
+                # What was read went with the exception; nothing else was touched yet. The
+                # same outcome as when these checksums fail up front: an explicit step is an
+                # error, a resume falls back (the primary quarantines this one below).
+                if step is not None:
+                    raise failed.corrupt_error() from None
+                if self._primary:
+                    bad.append(Entry(step=chosen, path=path, status="corrupt",
+                                     problems=failed.problems))
+                limit = chosen - 1
+                continue
             except CheckpointFormatError:
                 raise  # newer, not damaged: skipping it would silently drop progress
             except CheckpointCorruptError as exc:
@@ -821,20 +876,34 @@ class CheckpointManager:
                          items=restored_items, item_versions=versions,
                          saved_process_count=int(body.get("process_count", 1)))
 
-    def _choose(self, step: int | None, checksums: bool, limit: int | None,
+    def _verification(self, items: Mapping[str, Any] | None) -> _Verification:
+        """How this restore checks checkpoints. With checksums on, the crc32 of bulk array
+        files is checked alongside the read (the read brings the same bytes in from disk,
+        so the two share one pass) and the restored values are thrown away if it fails. A
+        backend that reads into the caller's live objects (``reads_in_place``, e.g. DCP)
+        could not take its values back, so it gets every checksum before the read."""
+        checksums = self.recover_config.verify == "checksums"
+        overlap = checksums and not getattr(self._backend, "reads_in_place", False)
+        return _Verification(checksums=checksums,
+                             defer_over=DEFER_CHECKSUMS_OVER if overlap else None,
+                             deferred_items=frozenset(items or ()) if overlap else frozenset())
+
+    def _choose(self, step: int | None, checks: _Verification, limit: int | None,
                 bad: list[Entry]) -> int:
         """The step to restore (-1: none), decided by the primary and shared. Unusable newer
-        checkpoints found on the way are appended to ``bad``."""
+        checkpoints found on the way are appended to ``bad``. Checksums that
+        ``checks.defer_over`` leaves out are checked later, by ``_read_checkpoint``."""
         chosen = -1
         if self._primary:
             if step is None:
                 while True:
-                    entry, newly_bad = self._store.latest_valid(checksums=checksums,
-                                                                at_or_before=limit)
+                    entry, newly_bad = self._store.latest_valid(
+                        checksums=checks.checksums, at_or_before=limit,
+                        defer_over=checks.defer_over)
                     bad += newly_bad
                     if entry is None:
                         break
-                    problems = self._item_problems(entry.path, checksums)
+                    problems = self._item_problems(entry.path, checks)
                     if not problems:
                         chosen = entry.step
                         break
@@ -843,8 +912,8 @@ class CheckpointManager:
                                                    problems=tuple(problems)))
                     limit = entry.step - 1
             else:
-                chosen = self._check_requested(step, checksums)
-                problems = self._item_problems(self._store.step_path(step), checksums)
+                chosen = self._check_requested(step, checks)
+                problems = self._item_problems(self._store.step_path(step), checks)
                 if problems:
                     raise CheckpointCorruptError(
                         f"checkpoint {self._store.step_path(step)} refers to unusable items: "
@@ -852,37 +921,115 @@ class CheckpointManager:
         return self._backend.broadcast_int(chosen) if self._count > 1 else chosen
 
     def _read_checkpoint(self, path: str, like: Any, items: Mapping[str, Any] | None,
-                         step: int) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
+                         step: int, checks: _Verification,
+                         ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
         """Driver, arrays and requested items of one checkpoint, under a reader lock that
-        keeps retention away from it."""
+        keeps retention away from it.
+
+        With deferred checksums the primary checks them in a thread while this reads, and
+        the read is judged only once they are in: when they fail, what was read is dropped
+        and ``_DeferredChecksumsFailed`` raised, on every process (the primary shares its
+        verdict), also when the read itself failed (damaged bytes explain that failure)."""
         with self._state_lock:
             self._reading.add(step)
         try:
             with self._store.reading(path):
-                body = self._read_driver(path)
-                state = self._backend.read(os.path.join(path, STATE_DIR), like)
-                versions = {name: int(ref["version"])
-                            for name, ref in (body.get("items") or {}).items()}
-                return body, state, versions, self._read_items(items, versions, path)
+                checking = self._start_deferred_checks(path, items, checks)
+                result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]] | None = None
+                error: Exception | None = None
+                try:
+                    body = self._read_driver(path)
+                    state = self._backend.read(os.path.join(path, STATE_DIR), like)
+                    versions = {name: int(ref["version"])
+                                for name, ref in (body.get("items") or {}).items()}
+                    result = body, state, versions, self._read_items(items, versions, path)
+                except Exception as exc:  # noqa: BLE001 - judged once the checksums are in
+                    if checks.defer_over is None:
+                        raise
+                    error = exc
+                finally:
+                    own, item_problems = (checking.result() if checking is not None
+                                          else ([], []))
+                failed = bool(own or item_problems)
+                if checks.defer_over is not None and self._count > 1:
+                    # Only the primary checked: its verdict is every process's, so that
+                    # all of them fall back (or raise) together.
+                    failed = self._backend.broadcast_int(int(failed)) != 0
+                if failed:
+                    # Let go of every array read (error tracebacks hold some too) before the
+                    # next checkpoint is read: two models may not fit in memory.
+                    result = error = state = None
+                    raise _DeferredChecksumsFailed(path, own, item_problems)
+                if error is not None:
+                    raise error
+                assert result is not None
+                return result
         finally:
             with self._state_lock:
                 self._reading.discard(step)
 
-    def _item_problems(self, path: str, checksums: bool) -> list[str]:
-        """What is wrong with the item versions a committed checkpoint refers to."""
+    def _start_deferred_checks(self, path: str, items: Mapping[str, Any] | None,
+                               checks: _Verification,
+                               ) -> concurrent.futures.Future[tuple[list[str], list[str]]] | None:
+        """Primary: start checking, in a thread, the checksums that ``_choose`` left out,
+        of the checkpoint and of the item versions about to be restored with it. The
+        result is (the checkpoint's problems, the items' problems)."""
+        if checks.defer_over is None or not self._primary:
+            return None
+        over = checks.defer_over
+        refs = [(name, version) for name, version in self._item_refs(path).items()
+                if name in checks.deferred_items]
+
+        def run() -> tuple[list[str], list[str]]:
+            own = self._deferred_problems(path, over)
+            item_problems: list[str] = []
+            for name, version in refs:
+                item_dir = self._store.item_path(name, version)
+                item_problems += [f"item {name!r} v{version}: {problem}"
+                                  for problem in self._deferred_problems(item_dir, over)]
+            return own, item_problems
+
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                     thread_name_prefix="jaxckpt-verify")
+        try:
+            return pool.submit(run)
+        finally:
+            pool.shutdown(wait=False)  # the submitted check still runs to its end
+
+    def _deferred_problems(self, path: str, over: int) -> list[str]:
+        """``store.verify_deferred`` under a reader lock, reporting instead of raising: a
+        check that cannot run has not vouched for anything."""
+        try:
+            with self._store.reading(path):
+                return self._store.verify_deferred(path, over=over)
+        except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+            return [str(exc)]
+        except Exception as exc:  # noqa: BLE001 - unverified bytes are never trusted
+            return [f"checksums could not be checked ({type(exc).__name__}: {exc})"]
+
+    def _item_refs(self, path: str) -> dict[str, int]:
+        """Item name -> version that a committed checkpoint refers to ({} when its driver
+        cannot be read: that problem is reported when the driver is read)."""
         try:
             with open(os.path.join(path, DRIVER_FILE), "rb") as handle:
                 refs = json.loads(handle.read()).get("items") or {}
         except (OSError, ValueError):
-            return []  # the driver problem itself is reported when the driver is read
+            return {}
+        return {name: int(ref.get("version", -1)) for name, ref in refs.items()}
+
+    def _item_problems(self, path: str, checks: _Verification) -> list[str]:
+        """What is wrong with the item versions a committed checkpoint refers to (the
+        checksums of bulk files of the items in ``checks.deferred_items`` left out)."""
         problems = []
-        for name, ref in refs.items():
-            item_dir = self._store.item_path(name, int(ref.get("version", -1)))
+        for name, version in self._item_refs(path).items():
+            item_dir = self._store.item_path(name, version)
+            defer = checks.defer_over if name in checks.deferred_items else None
             try:
-                for problem in self._store.verify(item_dir, checksums=checksums):
-                    problems.append(f"item {name!r} v{ref.get('version')}: {problem}")
+                for problem in self._store.verify(item_dir, checksums=checks.checksums,
+                                                  defer_over=defer):
+                    problems.append(f"item {name!r} v{version}: {problem}")
             except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
-                problems.append(f"item {name!r} v{ref.get('version')}: {exc}")
+                problems.append(f"item {name!r} v{version}: {exc}")
         return problems
 
     def _read_items(self, items: Mapping[str, Any] | None, versions: Mapping[str, int],
@@ -898,14 +1045,15 @@ class CheckpointManager:
                 out[name] = self._backend.read(os.path.join(item_dir, STATE_DIR), like)
         return out
 
-    def _check_requested(self, step: int, checksums: bool) -> int:
+    def _check_requested(self, step: int, checks: _Verification) -> int:
         path = self._store.step_path(step)
         if not os.path.isdir(path):
             available = self._store.committed_steps()
             raise CheckpointNotFoundError(
                 f"no checkpoint for step {step} under {self._store.recover_dir}; committed steps "
                 f"are {available or 'none'}. Pass one of those, or step=None for the latest.")
-        problems = self._store.verify(path, checksums=checksums)
+        problems = self._store.verify(path, checksums=checks.checksums,
+                                      defer_over=checks.defer_over)
         if problems:
             raise CheckpointCorruptError(
                 f"checkpoint {path} failed verification: " + "; ".join(problems)

@@ -10,6 +10,10 @@ A checkpoint directory is valid iff its ``COMMITTED`` manifest exists, parses, n
 paths inside the directory, and every listed file has the listed size (and checksum, when
 asked). Anything else is partial or corrupt and is never restored.
 
+Verification can be split in two for a restore (``verify(defer_over=...)`` then
+``verify_deferred``): everything but the checksums of large bulk-data files up front, those
+checksums while the backend reads the same bytes. See ``DEFER_CHECKSUMS_OVER``.
+
 Concurrency contract: ``commit``, ``delete``, ``cleanup_partial`` and ``quarantine`` are
 called only by the primary process. ``delete`` takes an exclusive, non-blocking ``flock`` on
 the victim's marker and ``reading`` holds a shared one, so a checkpoint being restored (in
@@ -36,7 +40,7 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -45,6 +49,7 @@ from .errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedE
 __all__ = [
     "COMMIT_MARKER",
     "DRIVER_FILE",
+    "DEFER_CHECKSUMS_OVER",
     "CheckpointStore",
     "Manifest",
     "Entry",
@@ -67,6 +72,24 @@ _ITEM_DIR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 16 * 1024 * 1024
+
+#: Files larger than this many bytes may have their crc32 checked while a backend reads the
+#: checkpoint instead of before (``verify(defer_over=...)``, ``verify_deferred``).
+#: Why only those: readers act on metadata (shapes to allocate, names to open, offsets to
+#: cut at), so a metadata file that is damaged yet still parses must never be interpreted.
+#: Every file up to this size, and every file named like metadata whatever its size
+#: (``_is_metadata``), is therefore checksummed before anything is read. What is left is
+#: bulk array bytes: damaged, they can only decode to wrong numbers, which the manager
+#: drops when their checksum fails. Why 1 MiB: the metadata written here (driver.json,
+#: tree.json, zarr.json, Orbax's _METADATA, DCP's .metadata, objects.json) stays far below
+#: it for ordinary models, and it equals OrbaxBackend's default ``pack_leaf_bytes``, so
+#: every array file of a default Orbax checkpoint but the smallest packs is above it and the
+#: up-front pass is a handful of small reads.
+DEFER_CHECKSUMS_OVER = 1024 * 1024
+# Names of files that are metadata whatever their size (the tree.json of a state with
+# about ten thousand leaves passes 1 MiB): never deferred.
+_METADATA_SUFFIXES = (".json", ".txt", ".pbtxt", ".ocdbt")
+_METADATA_NAMES = frozenset({COMMIT_MARKER, "_METADATA", "_CHECKPOINT_METADATA", "_sharding"})
 
 Status = Literal["committed", "partial", "corrupt"]
 
@@ -139,6 +162,45 @@ def _crc32(path: str) -> tuple[int, str]:
         return _crc32_fd(fd)
     finally:
         os.close(fd)
+
+
+def _is_metadata(rel: str) -> bool:
+    """Whether a manifest path names a file that some reader parses (rather than bulk data)."""
+    name = rel.rsplit("/", 1)[-1]
+    return (name.startswith(".") or name in _METADATA_NAMES
+            or name.endswith(_METADATA_SUFFIXES))
+
+
+def _deferrable(rel: str, info: dict[str, Any], over: int) -> bool:
+    """Whether ``rel``'s checksum may wait until its bytes are being read (see
+    ``DEFER_CHECKSUMS_OVER``)."""
+    return info["size"] > over and not _is_metadata(rel)
+
+
+def _check_file(path: str, inside: str, rel: str, info: dict[str, Any], *,
+                checksums: bool) -> str | None:
+    """What is wrong with one manifest entry on disk (None: nothing): a path that leaves the
+    checkpoint, a missing or unreadable file, a size or (when asked) crc32 mismatch."""
+    full = os.path.join(path, *rel.split("/"))
+    if os.path.islink(full) or not os.path.realpath(full).startswith(inside + os.sep):
+        return (f"{rel}: resolves outside the checkpoint (a symlink); refusing to read "
+                f"data that does not belong to it")
+    try:
+        size = os.path.getsize(full)
+    except FileNotFoundError:
+        return f"{rel}: missing"
+    except OSError as exc:
+        return f"{rel}: unreadable ({exc})"
+    if size != info["size"]:
+        return f"{rel}: size {size} bytes, manifest says {info['size']} (truncated or overwritten)"
+    if checksums:
+        try:
+            _, crc = _crc32(full)
+        except OSError as exc:
+            return f"{rel}: unreadable ({exc})"
+        if crc != info["crc32"]:
+            return f"{rel}: crc32 {crc}, manifest says {info['crc32']} (contents altered)"
+    return None
 
 
 def _listed_files(path: str) -> list[str]:
@@ -334,12 +396,8 @@ class CheckpointStore:
             raise CheckpointCorruptError(f"{path}: commit marker is unreadable ({exc})") from exc
         return Manifest.parse(data, path)
 
-    def verify(self, path: str, *, checksums: bool = True) -> list[str]:
-        """Problems found in a committed checkpoint (empty when it is valid).
-
-        Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
-        ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
-        """
+    def _committed_manifest(self, path: str) -> Manifest:
+        """The manifest of ``path``; raises like :meth:`verify` when there is none."""
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"no checkpoint directory at {path!r}")
         manifest = self.read_manifest(path)
@@ -347,51 +405,75 @@ class CheckpointStore:
             raise CheckpointCorruptError(
                 f"{path}: no {COMMIT_MARKER} marker: this checkpoint never finished committing "
                 f"(the job stopped while saving); it is not restorable")
-        problems: list[str] = []
+        return manifest
+
+    def verify(self, path: str, *, checksums: bool = True,
+               defer_over: int | None = None) -> list[str]:
+        """Problems found in a committed checkpoint (empty when it is valid).
+
+        Every listed file must exist inside the directory with its listed size (and crc32
+        with ``checksums``), and no file may be present that the manifest does not list.
+        ``defer_over``: leave out the crc32 of bulk-data files larger than this many bytes
+        (see ``DEFER_CHECKSUMS_OVER``; everything else, their sizes included, is still
+        checked); :meth:`verify_deferred` checks exactly those later. None (the default)
+        checks every checksum here.
+
+        Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
+        ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
+        """
+        manifest = self._committed_manifest(path)
         inside = os.path.realpath(path)
 
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
-            full = os.path.join(path, *rel.split("/"))
-            if os.path.islink(full) or not os.path.realpath(full).startswith(inside + os.sep):
-                return (f"{rel}: resolves outside the checkpoint (a symlink); refusing to read "
-                        f"data that does not belong to it")
-            try:
-                size = os.path.getsize(full)
-            except FileNotFoundError:
-                return f"{rel}: missing"
-            except OSError as exc:
-                return f"{rel}: unreadable ({exc})"
-            if size != info["size"]:
-                return f"{rel}: size {size} bytes, manifest says {info['size']} (truncated or overwritten)"
-            if checksums:
-                try:
-                    _, crc = _crc32(full)
-                except OSError as exc:
-                    return f"{rel}: unreadable ({exc})"
-                if crc != info["crc32"]:
-                    return f"{rel}: crc32 {crc}, manifest says {info['crc32']} (contents altered)"
-            return None
+            crc = checksums and (defer_over is None or not _deferrable(rel, info, defer_over))
+            return _check_file(path, inside, rel, info, checksums=crc)
 
-        items = sorted(manifest.files.items())
+        return self._check_all(path, manifest, check, unlisted=True)
+
+    def verify_deferred(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER) -> list[str]:
+        """The second half of ``verify(path, checksums=True, defer_over=over)``: problems in
+        the files whose crc32 it left out (their sizes are compared again too), empty when
+        they match. Raises like :meth:`verify`."""
+        manifest = self._committed_manifest(path)
+        inside = os.path.realpath(path)
+
+        def check(item: tuple[str, dict[str, Any]]) -> str | None:
+            rel, info = item
+            if not _deferrable(rel, info, over):
+                return None
+            return _check_file(path, inside, rel, info, checksums=True)
+
+        return self._check_all(path, manifest, check, unlisted=False)
+
+    @staticmethod
+    def _check_all(path: str, manifest: Manifest,
+                   check: Callable[[tuple[str, dict[str, Any]]], str | None], *,
+                   unlisted: bool) -> list[str]:
+        """Run ``check`` over every manifest entry (a few at a time: checksums release the
+        GIL and overlap I/O) and, with ``unlisted``, report files the manifest omits."""
+        problems: list[str] = []
         with ThreadPoolExecutor(max_workers=4) as pool:
-            for problem in pool.map(check, items):
+            for problem in pool.map(check, sorted(manifest.files.items())):
                 if problem:
                     problems.append(problem)
-        for rel in sorted(set(_listed_files(path)) - set(manifest.files)):
-            # A file the commit never vouched for could be read by a backend all the same.
-            problems.append(f"{rel}: not in the manifest (added after the commit)")
+        if unlisted:
+            for rel in sorted(set(_listed_files(path)) - set(manifest.files)):
+                # A file the commit never vouched for could be read by a backend all the same.
+                problems.append(f"{rel}: not in the manifest (added after the commit)")
         return problems
 
-    def _classify(self, step: int, path: str, *, checksums: bool) -> Entry:
-        """One step directory with its status: partial (no marker), corrupt, or committed."""
+    def _classify(self, step: int, path: str, *, checksums: bool,
+                  defer_over: int | None = None) -> Entry:
+        """One step directory with its status: partial (no marker), corrupt, or committed
+        (``defer_over``: as in :meth:`verify`)."""
         try:
             manifest = self.read_manifest(path)
         except CheckpointCorruptError as exc:
             return Entry(step=step, path=path, status="corrupt", problems=(str(exc),))
         if manifest is None:
             return Entry(step=step, path=path, status="partial")
-        problems = tuple(self.verify(path, checksums=checksums))
+        problems = tuple(self.verify(path, checksums=checksums, defer_over=defer_over))
         return Entry(step=step, path=path, status="corrupt" if problems else "committed",
                      problems=problems, manifest=manifest)
 
@@ -408,14 +490,17 @@ class CheckpointStore:
                 steps.append(step)
         return steps
 
-    def latest_valid(self, *, checksums: bool = True,
-                     at_or_before: int | None = None) -> tuple[Entry | None, list[Entry]]:
-        """The newest valid checkpoint and the newer ones skipped (partial or corrupt)."""
+    def latest_valid(self, *, checksums: bool = True, at_or_before: int | None = None,
+                     defer_over: int | None = None) -> tuple[Entry | None, list[Entry]]:
+        """The newest valid checkpoint and the newer ones skipped (partial or corrupt).
+
+        With ``defer_over`` (see :meth:`verify`) the returned entry is valid except for the
+        checksums left out, which the caller must check with :meth:`verify_deferred`."""
         skipped: list[Entry] = []
         for step, path in reversed(self._step_dirs()):
             if at_or_before is not None and step > at_or_before:
                 continue
-            entry = self._classify(step, path, checksums=checksums)
+            entry = self._classify(step, path, checksums=checksums, defer_over=defer_over)
             if entry.status == "committed":
                 return entry, skipped
             skipped.append(entry)

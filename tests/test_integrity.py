@@ -6,6 +6,10 @@ damages step 1 (one file, several files, or its COMMITTED manifest), then checks
 - ``jaxckpt verify STEP_DIR`` exits 1 and names each damaged file;
 - ``recover`` restores step 0 bit for bit, with a ``CheckpointWarning`` naming step 1's
   directory, the file and the reason; the damaged checkpoint is kept in ``superseded/``.
+
+The last section covers large array data files, whose checksums are checked alongside the
+backend's read rather than before it: the values read are dropped and the same fallback (or
+error, for an explicit step) follows, while metadata is still checked before any read.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from jaxckpt import (
     CheckpointWarning,
     RecoverConfig,
     StepInfo,
+    Versioned,
 )
 from jaxckpt.cli import main as cli
-from jaxckpt.store import COMMIT_MARKER
+from jaxckpt.orbax_backend import OrbaxBackend
+from jaxckpt.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER
 
 
 def state(value: float) -> dict:
@@ -305,3 +311,257 @@ def test_restoring_a_damaged_step_by_number_names_the_file_and_the_fix(root):
     assert str(step_dir(root, 1)) in message and "state/tree.json: size" in message, message
     assert "step=None picks the latest valid one" in message
     assert step_dir(root, 1).exists(), "an explicit restore must not move the checkpoint away"
+
+
+# ------------------------------------------------- bulk checksums checked alongside the read
+#
+# With verify="checksums", the crc32 of large array data files is checked while the backend
+# reads them (store.DEFER_CHECKSUMS_OVER); everything else is checked before. A counting
+# subclass of the real Orbax backend shows which directories were read, i.e. whether a
+# damaged file was caught before the read or alongside it.
+
+BIG_SHAPE = (1024, 512)  # 2 MiB of float32: an unpacked leaf over the threshold
+BIG_PATH = "['big']"
+
+
+def big_state(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {"big": jnp.asarray(rng.standard_normal(BIG_SHAPE, dtype=np.float32)),
+            "w": jnp.full((64, 64), float(step + 1), jnp.float32),
+            "key": jax.random.key(step)}
+
+
+BIG_LIKE = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), big_state(0))
+
+
+class ReadCounting(OrbaxBackend):
+    """The real Orbax backend, recording the directory of every read."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def read(self, directory, like):
+        self.reads.append(directory)
+        return super().read(directory, like)
+
+
+class RecordingLoader(Loader):
+    """A loader that remembers every state it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.loaded: list[dict] = []
+
+    def load_state_dict(self, saved):
+        self.loaded.append(dict(saved))
+        super().load_state_dict(saved)
+
+
+@pytest.fixture
+def big_root(tmp_path: Path) -> Path:
+    loader = Loader()
+    with CheckpointManager(tmp_path, recover=RecoverConfig(keep_last_n=None), mode="sync",
+                           preemption_signals=()) as mgr:
+        for step in (0, 1):
+            loader.position = 10 + step
+            mgr.save(StepInfo(0, step, step), big_state(step), stateful={"loader": loader})
+    return tmp_path
+
+
+def big_data_file(ckpt: Path) -> str:
+    """The manifest path of the big leaf's data file (one chunk), checked to be deferred."""
+    chunks = ckpt / "state" / "arrays" / leaf_name(ckpt, BIG_PATH) / "c"
+    (found,) = [p for p in chunks.rglob("*") if p.is_file()]
+    assert found.stat().st_size > DEFER_CHECKSUMS_OVER
+    return found.relative_to(ckpt).as_posix()
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def edit_same_size(path: Path, old: str, new: str) -> None:
+    """A damage that keeps the size and still parses: only a checksum can tell."""
+    assert len(old) == len(new)
+    text = path.read_text()
+    assert text.count(old) == 1, (old, text)
+    path.write_text(text.replace(old, new))
+
+
+def assert_exactly(restored: dict, expected: dict) -> None:
+    for name in ("big", "w"):
+        assert np.asarray(restored[name]).tobytes() == np.asarray(expected[name]).tobytes(), name
+    assert (np.asarray(jax.random.key_data(restored["key"])).tobytes()
+            == np.asarray(jax.random.key_data(expected["key"])).tobytes())
+
+
+def restore_counting(root: Path, backend: ReadCounting | None = None, **kwargs):
+    """recover() (or restore(step=...) with ``step``) through a read-counting backend:
+    (result, backend reads, loader, CheckpointWarning messages)."""
+    backend, loader = backend or ReadCounting(), RecordingLoader()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with CheckpointManager(root, backend=backend, preemption_signals=()) as mgr:
+                if "step" in kwargs:
+                    result = mgr.restore(BIG_LIKE, stateful={"loader": loader}, **kwargs)
+                else:
+                    result = mgr.recover(BIG_LIKE, stateful={"loader": loader}, **kwargs)
+    finally:
+        backend.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    return result, backend.reads, loader, messages
+
+
+def state_dir(root: Path, step: int) -> str:
+    return str(step_dir(root, step) / "state")
+
+
+def test_intact_checkpoint_restores_bit_exactly_reading_it_once(big_root):
+    recovered, reads, loader, messages = restore_counting(big_root)
+    assert recovered.step_info.global_step == 1 and not messages, messages
+    assert_exactly(recovered.state, big_state(1))
+    assert reads == [state_dir(big_root, 1)]
+    assert loader.loaded == [{"position": 11}]
+
+
+@pytest.mark.parametrize("where", ["middle", "chunk-index"])
+def test_damaged_bulk_data_found_alongside_the_read_makes_recovery_fall_back(big_root, where):
+    # middle: the read succeeds with one wrong number; chunk-index: tensorstore's own crc32c
+    # of the shard index fails, so the read raises too, and the checksum verdict must win.
+    ckpt = step_dir(big_root, 1)
+    rel = big_data_file(ckpt)
+    size = (ckpt / rel).stat().st_size
+    flip_byte(ckpt / rel, size // 2 if where == "middle" else size - 8)
+
+    recovered, reads, loader, messages = restore_counting(big_root)
+
+    assert recovered.step_info.global_step == 0 and recovered.path == str(step_dir(big_root, 0))
+    assert_exactly(recovered.state, big_state(0))
+    # The damaged checkpoint was read (its checksum ran alongside) and then thrown away; its
+    # loader state was never applied, only step 0's.
+    assert reads == [state_dir(big_root, 1), state_dir(big_root, 0)]
+    assert loader.loaded == [{"position": 10}] and loader.position == 10
+    skipped = [m for m in messages if str(ckpt) in m]
+    assert any(f"{rel}: crc32" in m for m in skipped), messages
+    superseded = list((big_root / "recover" / "superseded").iterdir())
+    assert [p.name.split(".")[0] for p in superseded] == ["step_00000001"]
+    assert not ckpt.exists()
+
+
+@pytest.mark.parametrize("where", ["middle", "chunk-index"])
+def test_damaged_bulk_data_of_a_requested_step_raises_and_touches_nothing(big_root, where):
+    ckpt = step_dir(big_root, 1)
+    rel = big_data_file(ckpt)
+    size = (ckpt / rel).stat().st_size
+    flip_byte(ckpt / rel, size // 2 if where == "middle" else size - 8)
+    backend, loader = ReadCounting(), RecordingLoader()
+    loader.position = 99
+    try:
+        with CheckpointManager(big_root, backend=backend, preemption_signals=()) as mgr:
+            with pytest.raises(CheckpointCorruptError) as info:
+                mgr.restore(BIG_LIKE, step=1, stateful={"loader": loader})
+    finally:
+        backend.close()
+    message = str(info.value)
+    assert str(ckpt) in message and f"{rel}: crc32" in message, message
+    assert "step=None picks the latest valid one" in message
+    assert backend.reads == [state_dir(big_root, 1)]
+    assert loader.loaded == [] and loader.position == 99
+    assert ckpt.exists(), "an explicit restore must not move the checkpoint away"
+
+
+SMALL_DAMAGE = {
+    "tree.json-bitflip": ("tree.json", None),
+    "tree.json-parses": ("tree.json", ("[1024, 512]", "[1024, 513]")),
+    "zarr.json-bitflip": ("array-metadata", None),
+    "zarr.json-parses": ("array-metadata", ('"shape":[1024,512]', '"shape":[1024,513]')),
+    "_METADATA-bitflip": ("orbax-metadata", None),
+}
+
+
+def _damage_small(ckpt: Path, case: str) -> str:
+    target, edit = SMALL_DAMAGE[case]
+    if target == "array-metadata":
+        rel = f"state/arrays/{leaf_name(ckpt, BIG_PATH)}/zarr.json"
+    else:
+        rel = target_file(ckpt, target)
+    if edit is None:
+        damage(ckpt / rel, "bitflip")
+    else:
+        edit_same_size(ckpt / rel, *edit)
+    return rel
+
+
+@pytest.mark.parametrize("case", list(SMALL_DAMAGE))
+def test_damaged_metadata_is_caught_before_anything_is_read(big_root, case):
+    ckpt = step_dir(big_root, 1)
+    rel = _damage_small(ckpt, case)
+
+    backend = ReadCounting()
+    with pytest.raises(CheckpointCorruptError, match=f"{rel}: crc32"):
+        restore_counting(big_root, backend, step=1)
+    assert backend.reads == [], "the damaged checkpoint must never be read"
+    recovered, reads, loader, messages = restore_counting(big_root)
+
+    assert reads == [state_dir(big_root, 0)], "the damaged checkpoint must never be read"
+    assert recovered.step_info.global_step == 0 and loader.loaded == [{"position": 10}]
+    assert_exactly(recovered.state, big_state(0))
+    assert any(str(ckpt) in m and f"{rel}: crc32" in m for m in messages), messages
+
+
+def _items_root(root: Path) -> Path:
+    """Checkpoints 0 and 1, each referring to its own version of a big item."""
+    loader = Loader()
+    with CheckpointManager(root, recover=RecoverConfig(keep_last_n=None), mode="sync",
+                           preemption_signals=()) as mgr:
+        for step in (0, 1):
+            loader.position = 10 + step
+            mgr.save(StepInfo(0, step, step), big_state(step), stateful={"loader": loader},
+                     items={"ref": Versioned(step, {"big": big_state(10 + step)["big"]})})
+    return root
+
+
+ITEM_LIKE = {"big": BIG_LIKE["big"]}
+
+
+@pytest.mark.parametrize("requested", [True, False])
+def test_damaged_bulk_data_of_an_item_makes_its_checkpoint_fall_back(tmp_path, requested):
+    root = _items_root(tmp_path)
+    item = root / "recover" / "items" / "ref" / "v000001"
+    rel = big_data_file(item)
+    flip_byte(item / rel, (item / rel).stat().st_size // 2)
+    items = {"ref": ITEM_LIKE} if requested else None
+
+    recovered, reads, loader, messages = restore_counting(root, items=items)
+
+    assert recovered.step_info.global_step == 0 and recovered.item_versions == {"ref": 0}
+    assert_exactly(recovered.state, big_state(0))
+    assert loader.loaded == [{"position": 10}]
+    assert any(str(step_dir(root, 1)) in m and "item 'ref' v1" in m and f"{rel}: crc32" in m
+               for m in messages), messages
+    if requested:
+        # Read alongside its checksum with the checkpoint that refers to it, then dropped.
+        v0, v1 = (str(root / "recover" / "items" / "ref" / f"v00000{v}" / "state") for v in (0, 1))
+        assert reads == [state_dir(root, 1), v1, state_dir(root, 0), v0]
+        assert (np.asarray(recovered.items["ref"]["big"]).tobytes()
+                == np.asarray(big_state(10)["big"]).tobytes())
+    else:
+        # Not restored, so not read: it is checked in full before anything is read.
+        assert reads == [state_dir(root, 0)]
+        assert recovered.items == {}
+
+
+def test_damaged_bulk_data_of_an_item_of_a_requested_step_raises(tmp_path):
+    root = _items_root(tmp_path)
+    item = root / "recover" / "items" / "ref" / "v000001"
+    rel = big_data_file(item)
+    flip_byte(item / rel, (item / rel).stat().st_size // 2)
+    with pytest.raises(CheckpointCorruptError) as info:
+        restore_counting(root, step=1, items={"ref": ITEM_LIKE})
+    message = str(info.value)
+    assert "refers to unusable items" in message and "item 'ref' v1" in message, message
+    assert f"{rel}: crc32" in message, message

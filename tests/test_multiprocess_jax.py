@@ -188,3 +188,135 @@ def test_sharded_item_written_by_both_processes_restores_in_one(two_process_root
             result = mgr.restore({**like, "n": 0}, step=3, items={"ref": like})
     expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 1000 * 102
     np.testing.assert_array_equal(np.asarray(result.items["ref"]["w"]), expected)
+
+
+# Both processes restore a checkpoint in which one bulk data file, read only by process 1,
+# is damaged. Only the primary checks checksums (alongside the read); its verdict must make
+# both processes fall back (recover) or raise (restore(step=...)) together.
+DAMAGE_WORKER = textwrap.dedent('''
+    import json, os, sys, traceback, warnings
+    index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    try:
+        import jax
+        jax.config.update("jax_num_cpu_devices", 2)
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index,
+                                   initialization_timeout=60, heartbeat_timeout_seconds=10,
+                                   shutdown_timeout_seconds=10)
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.experimental import multihost_utils
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxckpt import (CheckpointCorruptError, CheckpointManager, RecoverConfig,
+                             StepInfo)
+        from jaxckpt.store import DEFER_CHECKSUMS_OVER
+
+        mesh = jax.make_mesh((4,), ("x",))
+        sharding = NamedSharding(mesh, P("x"))
+        shape = (4096, 512)  # 2 MiB per device shard: every chunk file is over the threshold
+
+        def values(step):
+            return np.random.default_rng(step).standard_normal(shape, dtype=np.float32)
+
+        def weights(step):
+            data = values(step)
+            return jax.make_array_from_callback(shape, sharding, lambda idx: data[idx])
+
+        class Loader:
+            def __init__(self):
+                self.position, self.loaded = -1, []
+            def state_dict(self):
+                return {"position": self.position}
+            def load_state_dict(self, state):
+                self.loaded.append(state["position"])
+                self.position = state["position"]
+
+        config = RecoverConfig(keep_last_n=None)
+        loader = Loader()
+        with CheckpointManager(root, recover=config, mode="sync", preemption_signals=()) as mgr:
+            for step in (0, 1):
+                loader.position = 10 * (index + 1) + step
+                mgr.save(StepInfo(0, step, step), {"w": weights(step)},
+                         stateful={"loader": loader})
+        multihost_utils.sync_global_devices("saved")
+        out = {}
+        if index == 0:
+            ckpt = os.path.join(root, "recover", "step_00000001")
+            chunks = sorted(os.path.relpath(os.path.join(d, f), ckpt)
+                            for d, _, files in os.walk(os.path.join(ckpt, "state", "arrays"))
+                            for f in files if os.sep + "c" + os.sep in os.path.join(d, f))
+            out["chunks"] = chunks
+            rel = chunks[-1]  # the last rows: on process 1's devices
+            with open(os.path.join(ckpt, rel), "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                assert size > DEFER_CHECKSUMS_OVER
+                f.seek(size // 2)
+                byte = f.read(1)
+                f.seek(size // 2)
+                f.write(bytes([byte[0] ^ 0x10]))
+            out["damaged"] = rel
+        multihost_utils.sync_global_devices("damaged")
+
+        like = {"w": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
+        fresh = Loader()
+        with CheckpointManager(root, recover=config, preemption_signals=()) as mgr:
+            try:
+                mgr.restore(like, step=1, stateful={"loader": fresh})
+                out["explicit"] = "restored"
+            except CheckpointCorruptError as exc:
+                out["explicit"] = str(exc)
+            out["loaded_after_explicit"] = list(fresh.loaded)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = mgr.recover(like, stateful={"loader": fresh})
+            out["step"] = result.step_info.global_step
+            out["exact"] = all(np.array_equal(np.asarray(shard.data), values(0)[shard.index])
+                               for shard in result.state["w"].addressable_shards)
+            out["loaded"] = list(fresh.loaded)
+            out["warnings"] = [str(w.message) for w in caught]
+        multihost_utils.sync_global_devices("jaxckpt-test-end")
+        print("RESULT " + json.dumps(out), flush=True)
+        print("worker ok", flush=True)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+''')
+
+
+def test_damaged_bulk_data_makes_every_process_fall_back_or_raise_together(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(DAMAGE_WORKER)
+    root = str(tmp_path / "root")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = free_port()
+    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), root], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True) for i in range(2)]
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=180)[0])
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    for worker, output in zip(workers, outputs):
+        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+    primary, other = [json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
+                      for out in outputs]
+    rel = primary["damaged"]
+    assert len(primary["chunks"]) == 4, primary["chunks"]  # one file per device shard
+    # restore(step=1): both raise; the primary names the file, the other points to it.
+    assert f"{rel}: crc32" in primary["explicit"], primary["explicit"]
+    assert "failed verification on the primary process" in other["explicit"], other["explicit"]
+    assert primary["loaded_after_explicit"] == other["loaded_after_explicit"] == []
+    # recover: both fall back to step 0, bit for bit, each with its own step-0 local state.
+    assert primary["step"] == other["step"] == 0
+    assert primary["exact"] and other["exact"]
+    assert primary["loaded"] == [10] and other["loaded"] == [20]
+    assert any("step_00000001" in m and f"{rel}: crc32" in m for m in primary["warnings"])
+    superseded = os.listdir(os.path.join(root, "recover", "superseded"))
+    assert [name.split(".")[0] for name in superseded] == ["step_00000001"]

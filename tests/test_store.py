@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from jaxckpt import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
-from jaxckpt.store import COMMIT_MARKER, CheckpointStore, RootLock
+from jaxckpt.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER, CheckpointStore, RootLock
 
 
 def make_step(store, step, *, commit=True, payload=b"x" * 1000):
@@ -75,6 +75,76 @@ def test_bit_flip_passes_size_check_but_not_checksum(store):
         f.write(b"[]")
     assert store.verify(path, checksums=False) == []
     assert "crc32" in store.verify(path, checksums=True)[0]
+
+
+# Every kind of file a split verification must tell apart: bulk data over the threshold
+# (deferrable) and, over the threshold too, files named like metadata (never deferred).
+SPLIT_FILES = {
+    "state/arrays/leaf_0/c/0": DEFER_CHECKSUMS_OVER + 1,  # zarr chunk: bulk
+    "state/__0_0.distcp": DEFER_CHECKSUMS_OVER + 1,  # DCP data: bulk
+    "state/arrays/leaf_1/c/0": DEFER_CHECKSUMS_OVER,  # bulk, but not over the threshold
+    "state/tree.json": DEFER_CHECKSUMS_OVER + 1,  # metadata whatever its size
+    "state/arrays/_METADATA": DEFER_CHECKSUMS_OVER + 1,
+    "state/.metadata": DEFER_CHECKSUMS_OVER + 1,
+    "driver.json": 100,
+}
+DEFERRED = {"state/arrays/leaf_0/c/0", "state/__0_0.distcp"}
+
+
+def make_split_step(store, step):
+    path = store.step_path(step)
+    for rel, size in SPLIT_FILES.items():
+        os.makedirs(os.path.dirname(os.path.join(path, rel)), exist_ok=True)
+        with open(os.path.join(path, rel), "wb") as f:
+            f.write(bytes(range(256)) * (size // 256) + b"z" * (size % 256))
+    store.commit(path, step)
+    return path
+
+
+def named(problems):
+    return {p.split(": ")[0] for p in problems}
+
+
+def test_split_verification_defers_only_the_checksums_of_large_bulk_files(store):
+    path = make_split_step(store, 1)
+    assert store.verify(path, defer_over=DEFER_CHECKSUMS_OVER) == []
+    assert store.verify_deferred(path) == []
+    for rel, size in SPLIT_FILES.items():
+        with open(os.path.join(path, rel), "r+b") as f:
+            f.seek(size // 2)
+            f.write(b"\xff")
+    assert named(store.verify(path)) == set(SPLIT_FILES)  # no argument: everything, as before
+    up_front = store.verify(path, defer_over=DEFER_CHECKSUMS_OVER)
+    assert named(up_front) == set(SPLIT_FILES) - DEFERRED and all("crc32" in p for p in up_front)
+    later = store.verify_deferred(path, over=DEFER_CHECKSUMS_OVER)
+    assert named(later) == DEFERRED and all("crc32" in p for p in later)
+
+
+def test_split_verification_still_checks_every_size_and_unlisted_file_up_front(store):
+    path = make_split_step(store, 1)
+    with open(os.path.join(path, "state/arrays/leaf_0/c/0"), "ab") as f:
+        f.write(b"more")
+    with open(os.path.join(path, "extra.bin"), "wb") as f:
+        f.write(b"x" * (2 * DEFER_CHECKSUMS_OVER))
+    os.unlink(os.path.join(path, "state/__0_0.distcp"))
+    problems = store.verify(path, checksums=True, defer_over=DEFER_CHECKSUMS_OVER)
+    assert any(p.startswith("state/arrays/leaf_0/c/0: size") for p in problems), problems
+    assert "state/__0_0.distcp: missing" in problems
+    assert "extra.bin: not in the manifest (added after the commit)" in problems
+    entry, skipped = store.latest_valid(defer_over=DEFER_CHECKSUMS_OVER)
+    assert entry is None and skipped[0].status == "corrupt"
+
+
+def test_latest_valid_with_deferred_checksums_leaves_bulk_crc32_to_the_caller(store):
+    make_split_step(store, 1)
+    path = make_split_step(store, 2)
+    with open(os.path.join(path, "state/arrays/leaf_0/c/0"), "r+b") as f:
+        f.write(b"\xff")
+    entry, skipped = store.latest_valid(defer_over=DEFER_CHECKSUMS_OVER)
+    assert entry.step == 2 and skipped == []
+    assert named(store.verify_deferred(entry.path)) == {"state/arrays/leaf_0/c/0"}
+    entry, skipped = store.latest_valid()  # no defer_over: the full pass, as before
+    assert entry.step == 1 and skipped[0].step == 2
 
 
 @pytest.mark.parametrize("bad", ["../escape", "/etc/passwd", "a/../../b", "", "a//b"])

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from jaxckpt import (
+    CheckpointCorruptError,
     CheckpointWarning,
     CheckpointWriteError,
     CodecError,
@@ -28,6 +29,7 @@ from jaxckpt import (
     codec,
 )
 from jaxckpt.backend import Backend, WriteHandle
+from jaxckpt.store import DEFER_CHECKSUMS_OVER
 from torch_bridge import DcpBackend, DcpCheckpointManager, dcp_backend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -309,6 +311,32 @@ def test_auxiliary_item_rides_along_and_each_checkpoint_restores_its_version(tmp
                                     items={"ref": {"policy": like_ref}})
         assert recovered.items["ref"]["policy"] is like_ref
         assert_bitwise(like_ref.state_dict(), versions[version])
+
+
+def test_damaged_data_of_a_requested_step_leaves_the_live_tensors_untouched(tmp_path):
+    # DCP loads into the caller's own tensors and could not take a read back, so every
+    # checksum, large data files included, is checked before anything is read.
+    config = RecoverConfig(every=Every(steps=1), keep_last_n=None)
+    generator = torch.Generator().manual_seed(0)
+    with DcpCheckpointManager(tmp_path, recover=config, mode="sync") as mgr:
+        for step in (0, 1):
+            mgr.save(StepInfo(0, step, step), {"big": torch.randn(512, 1024, generator=generator)})
+    step_dir = tmp_path / "recover" / "step_00000001"
+    (data,) = step_dir.rglob("*.distcp")
+    assert data.stat().st_size > DEFER_CHECKSUMS_OVER
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    data.write_bytes(bytes(damaged))
+    live = torch.zeros(512, 1024)
+    with DcpCheckpointManager(tmp_path, recover=config) as mgr:
+        with pytest.raises(CheckpointCorruptError, match=rf"{data.name}: crc32"):
+            mgr.restore({"big": live}, step=1)
+        assert torch.count_nonzero(live) == 0
+        with pytest.warns(CheckpointWarning, match=rf"step_00000001.*{data.name}: crc32"):
+            recovered = mgr.recover({"big": live})
+    assert recovered.step_info.global_step == 0 and recovered.state["big"] is live
+    expected = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(live, expected)
 
 
 def _like_model_and_optimizer():

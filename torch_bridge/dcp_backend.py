@@ -409,6 +409,9 @@ class DcpBackend:
     supports_async = True
     #: Exporters get state dicts (host copies), never live modules, in every mode.
     export_needs_copy = True
+    #: read() loads into the caller's live modules and tensors, which cannot be taken back:
+    #: the manager verifies every checksum before reading rather than alongside.
+    reads_in_place = True
 
     def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
                  reuse_staging_memory: bool = True, sync_files: bool = False,
