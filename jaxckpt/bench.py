@@ -161,7 +161,7 @@ _ROWS: tuple[_Row, ...] = (
          nbytes_of="jax"),
     _Row(key="jx_write", label="  of which OrbaxBackend.write", section="jax",
          nbytes_of="jax"),
-    _Row(key="jx_commit", label="  of which the rest: commit (crc32 + fsync pass), driver",
+    _Row(key="jx_commit", label="  of which the rest: commit (crc32c + fsync pass), driver",
          section="jax", nbytes_of="jax"),
     _Row(key="jx_blocking", label="jaxckpt async save: blocking", section="jax"),
     _Row(key="jx_async", label="jaxckpt async save: total, committed", section="jax",

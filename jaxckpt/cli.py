@@ -86,7 +86,7 @@ def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], 
 def _ls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="checkpoint root (the directory holding recover/)")
     parser.add_argument("--checksums", action="store_true",
-                        help="re-read every file against its crc32 (slower; default: sizes)")
+                        help="re-read every file against its checksum (slower; default: sizes)")
 
 
 def _ls(opts: argparse.Namespace) -> int:

@@ -256,9 +256,9 @@ class RecoverConfig:
     """How many times ``jaxckpt run`` restarts a failed run from its latest checkpoint."""
     verify: Literal["checksums", "sizes"] = "checksums"
     """How ``recover`` checks a checkpoint before trusting it: "checksums" compares every
-    file's crc32 with the manifest (detects bit flips; large array files are checked while
-    they are read, and what was read is dropped if they fail); "sizes" only compares file
-    sizes (faster)."""
+    file's checksum (crc32c) with the manifest (detects bit flips; large array files are
+    checked while they are read, and what was read is dropped if they fail); "sizes" only
+    compares file sizes (faster)."""
     restore_global_rng: bool = True
     """Save and restore Python's ``random`` and NumPy's global RNG state with each checkpoint."""
 

@@ -186,7 +186,7 @@ class _Verification:
     """How one restore checks the checkpoints it considers."""
 
     checksums: bool
-    """crc32 as well as sizes (``RecoverConfig.verify == "checksums"``)."""
+    """Checksums as well as sizes (``RecoverConfig.verify == "checksums"``)."""
     defer_over: int | None
     """Bulk files larger than this are checksummed while the backend reads them, not before
     (``CheckpointStore.verify(defer_over=...)``); None: every checksum up front."""
@@ -877,8 +877,8 @@ class CheckpointManager:
                          saved_process_count=int(body.get("process_count", 1)))
 
     def _verification(self, items: Mapping[str, Any] | None) -> _Verification:
-        """How this restore checks checkpoints. With checksums on, the crc32 of bulk array
-        files is checked alongside the read (the read brings the same bytes in from disk,
+        """How this restore checks checkpoints. With checksums on, the checksums of bulk array
+        files are checked alongside the read (the read brings the same bytes in from disk,
         so the two share one pass) and the restored values are thrown away if it fails. A
         backend that reads into the caller's live objects (``reads_in_place``, e.g. DCP)
         could not take its values back, so it gets every checksum before the read."""

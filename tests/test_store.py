@@ -77,6 +77,60 @@ def test_bit_flip_passes_size_check_but_not_checksum(store):
     assert "crc32" in store.verify(path, checksums=True)[0]
 
 
+def test_new_commits_record_crc32c_of_each_file(store):
+    import google_crc32c
+
+    path = make_step(store, 1, payload=os.urandom(3000))
+    body = json.loads(open(os.path.join(path, COMMIT_MARKER)).read())
+    assert body["format"] == "jaxckpt.commit/2"
+    data = open(os.path.join(path, "state", "arrays", "leaf_0"), "rb").read()
+    assert body["files"]["state/arrays/leaf_0"] == {
+        "size": 3000, "crc32c": f"{google_crc32c.value(data):08x}"}
+
+
+def _as_format_1(path):
+    """Rewrite a commit's manifest as the previous release wrote it: zlib crc32, format 1."""
+    import zlib
+
+    marker = os.path.join(path, COMMIT_MARKER)
+    body = json.loads(open(marker).read())
+    body["format"] = "jaxckpt.commit/1"
+    for rel in body["files"]:
+        data = open(os.path.join(path, rel), "rb").read()
+        body["files"][rel] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    open(marker, "w").write(json.dumps(body))
+
+
+def test_format_1_manifests_with_crc32_still_verify(store):
+    make_step(store, 1)
+    path = make_step(store, 2)
+    _as_format_1(path)
+    assert store.verify(path) == []
+    assert store.latest_valid()[0].step == 2
+    with open(os.path.join(path, "state", "arrays", "leaf_0"), "r+b") as f:
+        f.seek(10)
+        f.write(b"y")
+    problems = store.verify(path)
+    assert len(problems) == 1 and problems[0].startswith("state/arrays/leaf_0: crc32 "), problems
+    assert store.latest_valid()[0].step == 1
+
+
+@pytest.mark.parametrize("fmt,entry", [
+    ("jaxckpt.commit/1", {"size": 2, "crc32c": "00000000"}),  # format 1 knew no crc32c
+    ("jaxckpt.commit/2", {"size": 2, "crc32c": "00000000", "crc32": "00000000"}),  # which?
+    ("jaxckpt.commit/2", {"size": 2, "md5": "00000000"}),  # no known checksum
+])
+def test_manifest_entries_must_carry_exactly_one_known_checksum(store, fmt, entry):
+    path = make_step(store, 1)
+    marker = os.path.join(path, COMMIT_MARKER)
+    body = json.loads(open(marker).read())
+    body["format"] = fmt
+    body["files"]["driver.json"] = entry
+    open(marker, "w").write(json.dumps(body))
+    with pytest.raises(CheckpointCorruptError, match="malformed manifest entry for 'driver.json'"):
+        store.read_manifest(path)
+
+
 # Every kind of file a split verification must tell apart: bulk data over the threshold
 # (deferrable) and, over the threshold too, files named like metadata (never deferred).
 SPLIT_FILES = {
