@@ -32,6 +32,13 @@ jax.Array as a zero-copy view: it is immutable) and async writes run on the back
 writer thread; with several processes Orbax's AsyncCheckpointer writes each process's
 shards. docs/performance.md has the measurements behind each of these choices.
 
+A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
+again, and everything but the data follows from the layout: tree paths, classification, the
+packs and every leaf's place in them, the text of tree.json. That is a write plan
+(``_WritePlan``); a single-process backend keeps the plans of its last few layouts, so a
+save of a known layout only flattens the tree, compares the layout, checks the values that
+need checking (Python ints within int64) and copies the data.
+
 This is the only module of jaxckpt that imports orbax. It must not import torch (nor
 torch_bridge): a JAX run must never pay for, or depend on, PyTorch.
 """
@@ -40,7 +47,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import gc
 import importlib.metadata
@@ -51,7 +57,8 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from math import prod
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -93,12 +100,16 @@ DEFAULT_PACK_LEAF_BYTES = 1 << 20
 #: restore never needs one huge contiguous buffer. 16, 32 and 64 MiB measured alike
 #: (docs/performance.md).
 DEFAULT_PACK_BYTES = 32 << 20
+#: Write plans a backend keeps (see OrbaxBackend._plan_for): enough for a run that saves a
+#: few different trees (items and the state) in turn.
+_MAX_PLANS = 4
 
 # Python scalar types we store, by the name recorded in tree.json. bool comes first in
 # the lookups below because bool is a subclass of int.
 _PY_SCALAR_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float}
 _PY_SCALAR_DTYPES = {"bool": np.dtype(np.bool_), "int": np.dtype(np.int64),
                      "float": np.dtype(np.float64)}
+_PY_SCALAR_CLASSES = frozenset(_PY_SCALAR_TYPES.values())
 # Which numpy dtype kinds a 0-d saved leaf may have to restore into a Python scalar like.
 _PY_SCALAR_DTYPE_KINDS = {"bool": "b", "int": "iu", "float": "f"}
 
@@ -210,20 +221,39 @@ class _SavedLeaf:
         return f"{text} (impl {self.impl})" if self.kind == "key" else text
 
 
-def _stage_leaf(path: str, name: str, leaf: Any) -> tuple[_SavedLeaf, Any]:
-    """Classify one state leaf; return its tree.json entry and the array that holds its data
-    (the caller's own numpy array, not a copy: ``OrbaxBackend._stage_host`` copies what
-    must be copied)."""
+class _Layout(NamedTuple):
+    """What tree.json records of one leaf apart from where it is stored (see _SavedLeaf)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    impl: str | None = None
+    data_shape: tuple[int, ...] | None = None
+    data_dtype: str | None = None
+    python_type: str | None = None
+
+
+def _check_int64(path: str, value: int) -> None:
+    """Python ints are stored as int64; one outside its range raises, naming its path."""
+    if not -(2**63) <= value < 2**63:
+        raise TypeError(
+            f"leaf {path} is the Python int {value}, which does not fit in int64. "
+            "Fix: store it as a string in a stateful object's JSON state.")
+
+
+def _stage_leaf(path: str, leaf: Any) -> tuple[_Layout, Any]:
+    """Classify one state leaf; return what tree.json records of it and the array that
+    holds its data (the caller's own numpy array, not a copy: ``OrbaxBackend._stage_host``
+    copies what must be copied). Raises TypeError, naming ``path``, for a leaf that cannot
+    be stored."""
     if isinstance(leaf, jax.Array):
         if _is_key_dtype(leaf.dtype):
             data = jax.random.key_data(leaf)
-            return _SavedLeaf(path=path, name=name, kind="key", shape=tuple(leaf.shape),
-                              dtype=_dtype_name(leaf.dtype),
-                              impl=str(jax.random.key_impl(leaf)),
-                              data_shape=tuple(data.shape),
-                              data_dtype=np.dtype(data.dtype).name), data
-        return _SavedLeaf(path=path, name=name, kind="array", shape=tuple(leaf.shape),
-                          dtype=_dtype_name(leaf.dtype)), leaf
+            return _Layout(kind="key", shape=tuple(leaf.shape), dtype=_dtype_name(leaf.dtype),
+                           impl=str(jax.random.key_impl(leaf)), data_shape=tuple(data.shape),
+                           data_dtype=np.dtype(data.dtype).name), data
+        return _Layout(kind="array", shape=tuple(leaf.shape),
+                       dtype=_dtype_name(leaf.dtype)), leaf
     if isinstance(leaf, (np.ndarray, np.generic)):
         # Objects, strings, dates and records have no array encoding in Orbax.
         if leaf.dtype.kind in "OUSMm" or leaf.dtype.fields is not None:
@@ -232,17 +262,15 @@ def _stage_leaf(path: str, name: str, leaf: Any) -> tuple[_SavedLeaf, Any]:
                 "store as an array. Fix: convert it to a numeric array, or keep it out of the "
                 "array state (e.g. in a stateful object's JSON state).")
         array = np.asarray(leaf)
-        return _SavedLeaf(path=path, name=name, kind="array", shape=tuple(array.shape),
-                          dtype=_dtype_name(array.dtype)), array
+        return _Layout(kind="array", shape=tuple(array.shape),
+                       dtype=_dtype_name(array.dtype)), array
     for type_name, py_type in _PY_SCALAR_TYPES.items():
         if type(leaf) is py_type:
             dtype = _PY_SCALAR_DTYPES[type_name]
-            if py_type is int and not -(2**63) <= leaf < 2**63:
-                raise TypeError(
-                    f"leaf {path} is the Python int {leaf}, which does not fit in int64. "
-                    "Fix: store it as a string in a stateful object's JSON state.")
-            return _SavedLeaf(path=path, name=name, kind="scalar", shape=(),
-                              dtype=dtype.name, python_type=type_name), np.asarray(leaf, dtype)
+            if py_type is int:
+                _check_int64(path, leaf)
+            return _Layout(kind="scalar", shape=(), dtype=dtype.name,
+                           python_type=type_name), np.asarray(leaf, dtype)
     raise TypeError(
         f"leaf {path} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which cannot be "
         "checkpointed as an array. Leaves must be jax.Array (typed PRNG keys included), numpy "
@@ -254,48 +282,41 @@ def _stage_leaf(path: str, name: str, leaf: Any) -> tuple[_SavedLeaf, Any]:
 # -------------------------------------------------------------------------------- packing
 
 
-def _packable(array: Any, leaf_limit: int, local: bool) -> bool:
-    """Whether a staged array goes into a pack: small, and held entirely by this process
-    (an array sharded across processes is written shard by shard by Orbax instead; with a
-    single process every array is, and asking costs microseconds per leaf)."""
-    if array.nbytes > leaf_limit:
-        return False
-    return local or isinstance(array, np.ndarray) or array.is_fully_addressable
+#: The packs of a write: {pack name: (dtype, leaf indices in pack order, size in elements)}.
+_Packs = dict[str, tuple[np.dtype, list[int], int]]
 
 
-def _plan_packs(entries: list[_SavedLeaf], arrays: list[Any], *, leaf_limit: int,
-                pack_limit: int, local: bool) -> dict[str, tuple[np.dtype, list[int], int]]:
-    """Assign small leaves to packs; rewrites their entries (pack name, element offset).
+def _plan_packs(candidates: list[tuple[int, np.dtype, int]],
+                pack_limit: int) -> tuple[_Packs, dict[int, tuple[str, int]]]:
+    """Assign the leaves that go into packs to packs.
 
-    Returns ``{pack name: (dtype, entry indices in pack order, size in elements)}``. Leaves
-    are grouped by stored dtype, in tree order, and a pack is closed before it would exceed
+    ``candidates`` are ``(leaf index, stored dtype, element count)`` in tree order. Returns
+    the packs and, per packed leaf index, its ``(pack name, element offset)``. Leaves are
+    grouped by stored dtype, in tree order, and a pack is closed before it would exceed
     ``pack_limit`` bytes (a single leaf larger than that still gets a pack of its own).
     """
-    by_dtype: dict[str, list[int]] = {}
-    if leaf_limit > 0:
-        for index, array in enumerate(arrays):
-            if _packable(array, leaf_limit, local):
-                by_dtype.setdefault(_dtype_name(array.dtype), []).append(index)
-    plan: dict[str, tuple[np.dtype, list[int], int]] = {}
-    for dtype_name, indices in by_dtype.items():
+    by_dtype: dict[str, list[tuple[int, np.dtype, int]]] = {}
+    for candidate in candidates:
+        by_dtype.setdefault(candidate[1].name, []).append(candidate)
+    packs: _Packs = {}
+    placements: dict[int, tuple[str, int]] = {}
+    for dtype_name, members in by_dtype.items():
         dtype = np.dtype(dtype_name)
-        groups: list[list[int]] = [[]]
+        number = 0
+        name = f"{_PACK_PREFIX}{dtype_name}_{number:03d}"
+        indices: list[int] = []
         size = 0
-        for index in indices:
-            count = arrays[index].size
-            if groups[-1] and (size + count) * dtype.itemsize > pack_limit:
-                groups.append([])
-                size = 0
-            groups[-1].append(index)
+        for index, _, count in members:
+            if indices and (size + count) * dtype.itemsize > pack_limit:
+                packs[name] = (dtype, indices, size)
+                number += 1
+                name = f"{_PACK_PREFIX}{dtype_name}_{number:03d}"
+                indices, size = [], 0
+            placements[index] = (name, size)
+            indices.append(index)
             size += count
-        for number, members in enumerate(groups):
-            name = f"{_PACK_PREFIX}{dtype_name}_{number:03d}"
-            offset = 0
-            for index in members:
-                entries[index] = dataclasses.replace(entries[index], name=name, offset=offset)
-                offset += arrays[index].size
-            plan[name] = (dtype, members, offset)
-    return plan
+        packs[name] = (dtype, indices, size)
+    return packs, placements
 
 
 def _host_arrays(arrays: list[jax.Array]) -> list[np.ndarray]:
@@ -307,12 +328,139 @@ def _host_arrays(arrays: list[jax.Array]) -> list[np.ndarray]:
     return jax.device_get(arrays)
 
 
-def _fill_pack(buffer: np.ndarray, sources: list[Any]) -> None:
-    """Copy ``sources`` (numpy or host-fetched arrays, in pack order) into ``buffer``."""
-    if len(sources) == 1:
-        np.copyto(buffer, np.asarray(sources[0]).reshape(-1))
-        return
-    np.concatenate([np.asarray(source).reshape(-1) for source in sources], out=buffer)
+def _fill_pack(buffer: np.ndarray, sources: list[np.ndarray]) -> None:
+    """Copy ``sources`` (host numpy arrays, in pack order) into ``buffer``."""
+    np.concatenate(sources, axis=None, out=buffer)  # axis=None: flattened, in C order
+
+
+# ---------------------------------------------------------------------------- write plans
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _WritePlan:
+    """Everything a write derives from the state's layout rather than from its values:
+    the tree.json text, which leaf is stored where (its own Orbax array, or a pack and an
+    offset), and how each leaf's data is fetched. Built by :func:`_build_plan`, which
+    validates every leaf; a plan therefore only exists for a layout that can be written."""
+
+    tree_json: str
+    """tree.json's full text."""
+    nbytes: int
+    """Bytes of array data (stored sizes) plus tree.json's length: the handle's ``nbytes``."""
+    packs: _Packs
+    """``{pack name: (dtype, leaf indices in pack order, size in elements)}``."""
+    unpacked: list[tuple[int, str]]
+    """``(leaf index, storage name)`` of the leaves written as Orbax arrays of their own."""
+    on_device: list[int]
+    """Leaves whose data is a jax.Array that comes to the host before the write."""
+    keys: list[int]
+    """Typed PRNG key leaves: their data is ``jax.random.key_data``."""
+    numpy: list[int]
+    """numpy array and numpy scalar leaves: their data is ``np.asarray`` of them."""
+    scalars: list[tuple[int, np.dtype, str | None]]
+    """Python scalar leaves: ``(leaf index, stored dtype, path if an int else None)``."""
+
+    def sources(self, leaves: list[Any]) -> list[Any]:
+        """The array that holds each leaf's data for this save (the caller's own numpy
+        arrays; jax.Arrays as they are). Runs the checks that depend on values, not layout:
+        a Python int outside int64 raises TypeError naming its path."""
+        sources = list(leaves)  # a jax.Array leaf is its own data
+        for index in self.keys:
+            sources[index] = jax.random.key_data(leaves[index])
+        for index in self.numpy:
+            sources[index] = np.asarray(leaves[index])
+        for index, dtype, int_path in self.scalars:
+            if int_path is not None:
+                _check_int64(int_path, leaves[index])
+            sources[index] = np.asarray(leaves[index], dtype)
+        return sources
+
+
+def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) -> _WritePlan:
+    """The write plan of ``state``, from scratch: flattens it with tree paths, classifies
+    and validates every leaf (TypeError / ValueError naming the path, before any I/O) and
+    plans the packs. ``local``: a single process, which holds every array entirely and
+    hands Orbax host arrays only."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    paths: list[str] = []
+    layouts: list[_Layout] = []
+    candidates: list[tuple[int, np.dtype, int]] = []  # leaves that may go into a pack
+    stored_bytes = 0
+    on_device: list[int] = []
+    keys: list[int] = []
+    numpy_leaves: list[int] = []
+    scalars: list[tuple[int, np.dtype, str | None]] = []
+    seen: set[str] = set()
+    for index, (key_path, leaf) in enumerate(path_leaves):
+        path = jax.tree_util.keystr(key_path)
+        if path in seen:
+            raise ValueError(f"two leaves of the state share the tree path {path}; "
+                             "paths must be unique to be matched on restore")
+        seen.add(path)
+        layout, data = _stage_leaf(path, leaf)
+        paths.append(path)
+        layouts.append(layout)
+        if layout.kind == "key":
+            keys.append(index)
+            stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
+        else:
+            stored_shape, dtype = layout.shape, np.dtype(data.dtype)
+            if layout.kind == "scalar":
+                scalars.append((index, dtype, path if layout.python_type == "int" else None))
+            elif isinstance(data, np.ndarray):
+                numpy_leaves.append(index)
+        # Sizes from the shape: jax.Array's size and nbytes properties cost microseconds.
+        count = prod(stored_shape)
+        nbytes = count * dtype.itemsize
+        stored_bytes += nbytes
+        on_host = isinstance(data, np.ndarray)
+        # Small leaves this process holds entirely go into packs. An array sharded across
+        # processes is written shard by shard by Orbax instead; with a single process every
+        # array is held entirely, and asking would cost microseconds per leaf.
+        packable = 0 < leaf_limit and nbytes <= leaf_limit and (
+            local or on_host or data.is_fully_addressable)
+        if packable:
+            candidates.append((index, dtype, count))
+        # jax data comes to the host to be packed, and in a single process to be written.
+        if not on_host and (packable or local):
+            on_device.append(index)
+    packs, placements = _plan_packs(candidates, pack_limit)
+
+    entries: list[_SavedLeaf] = []
+    unpacked: list[tuple[int, str]] = []
+    for index, (path, layout) in enumerate(zip(paths, layouts)):
+        placed = placements.get(index)
+        if placed is None:
+            name, offset = f"leaf_{index:06d}", None
+            unpacked.append((index, name))
+        else:
+            name, offset = placed
+        entries.append(_SavedLeaf(
+            path=path, name=name, kind=layout.kind, shape=layout.shape, dtype=layout.dtype,
+            impl=layout.impl, data_shape=layout.data_shape, data_dtype=layout.data_dtype,
+            python_type=layout.python_type, offset=offset))
+    tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name, "size": size}
+                                     for name, (dtype, _, size) in packs.items()])
+    return _WritePlan(tree_json=tree_json, nbytes=len(tree_json) + stored_bytes, packs=packs,
+                      unpacked=unpacked, on_device=on_device, keys=keys, numpy=numpy_leaves,
+                      scalars=scalars)
+
+
+def _layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
+    """What a write plan depends on besides the backend's pack settings: the tree structure
+    and, per leaf, its type, shape and dtype (a typed key's dtype names its impl; a Python
+    scalar's type alone fixes its layout). Cheap next to building a plan: no tree paths, no
+    classification. Raises (AttributeError) for a leaf without shape or dtype; no plan
+    exists for such a leaf.
+
+    The structure is both the treedef and its text. Treedefs tell node types apart by
+    identity, which the text (type names) does not; but they compare dict keys with ``==``:
+    ``{1: x}``, ``{True: x}`` and ``{np.int64(1): x}`` have equal treedefs and the tree paths
+    ``[1]``, ``[True]`` and ``[np.int64(1)]``, which only the text tells apart."""
+    signature = tuple([cls if (cls := type(leaf)) in _PY_SCALAR_CLASSES
+                       else (cls, leaf.shape, leaf.dtype) for leaf in leaves])
+    # Cheapest comparisons first: a key that differs mostly differs early.
+    return signature, str(treedef), treedef
 
 
 # ---------------------------------------------------------------------------- like leaves
@@ -521,6 +669,8 @@ class OrbaxBackend:
         # buffer is refilled only once that write finished (see _stage_host).
         self._host_buffers: dict[tuple[str, tuple[int, ...], np.dtype],
                                  list[list[Any]]] = {}
+        # Write plans of recent layouts, most recently used first: (key, plan); see _plan_for.
+        self._plans: list[tuple[tuple[Any, ...], _WritePlan]] = []
         registry = _type_handler_registry()
 
         def checkpointer() -> ocp.Checkpointer:
@@ -593,40 +743,66 @@ class OrbaxBackend:
         Returns once the arrays are staged (the caller may then mutate numpy leaves, donate
         or free arrays). With ``asynchronous=False`` the data is written on return.
         Raises TypeError, before any I/O, naming the tree path of a leaf that is not an
-        array, typed key or Python scalar.
+        array, typed key or Python scalar (or a Python int outside int64). A save of a
+        layout seen recently reuses its write plan (see the module docstring).
         """
-        # Validate and classify everything before touching the filesystem, so a bad leaf
-        # leaves nothing behind and every process fails the same way.
-        path_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-        entries: list[_SavedLeaf] = []
-        sources: list[Any] = []
-        seen: set[str] = set()
-        for index, (key_path, leaf) in enumerate(path_leaves):
-            path = jax.tree_util.keystr(key_path)
-            if path in seen:
-                raise ValueError(f"two leaves of the state share the tree path {path}; "
-                                 "paths must be unique to be matched on restore")
-            seen.add(path)
-            entry, array = _stage_leaf(path, f"leaf_{index:06d}", leaf)
-            entries.append(entry)
-            sources.append(array)
-        # A single process holds every array entirely: it hands Orbax host arrays and runs
-        # async writes on the backend's own thread (see _write_local). Several processes
-        # write one sharded array together, which Orbax's AsyncCheckpointer coordinates.
-        local = jax.process_count() == 1
-        plan = _plan_packs(entries, sources, leaf_limit=self._pack_leaf_bytes,
-                           pack_limit=self._pack_bytes, local=local)
-        tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name, "size": size}
-                                         for name, (dtype, _, size) in plan.items()])
-        nbytes = len(tree_json) + sum(int(a.size) * a.dtype.itemsize for a in sources)
+        with _gc_paused(self._pause_gc):
+            leaves, treedef = jax.tree_util.tree_flatten(state)
+            # A single process holds every array entirely: it hands Orbax host arrays and
+            # runs async writes on the backend's own thread (see _write_local). Several
+            # processes write one sharded array together, which Orbax's AsyncCheckpointer
+            # coordinates.
+            local = jax.process_count() == 1
+            # Everything is validated and classified before touching the filesystem, so a
+            # bad leaf leaves nothing behind and every process fails the same way.
+            plan = self._plan_for(state, treedef, leaves, local)
+            sources = plan.sources(leaves)
+            return self._write_staged(directory, plan, sources, asynchronous=asynchronous,
+                                      local=local)
 
+    def _plan_for(self, state: Any, treedef: Any, leaves: list[Any],
+                  local: bool) -> _WritePlan:
+        """The write plan of ``state``: the one of an earlier save with the same layout
+        (tree structure, leaf types, shapes, dtypes), else a new one.
+
+        Only single-process runs reuse plans: there a plan follows from the layout alone.
+        With several processes it also depends on which arrays this process holds entirely
+        (only those go into packs), a property of each array's sharding that the layout
+        key does not capture; those saves plan afresh, as every save did before.
+        """
+        settings = dict(leaf_limit=self._pack_leaf_bytes, pack_limit=self._pack_bytes)
+        if not local:
+            return _build_plan(state, local=False, **settings)
+        try:
+            key = (self._pack_leaf_bytes, self._pack_bytes, *_layout_key(treedef, leaves))
+            position = next((i for i, (cached, _) in enumerate(self._plans) if cached == key),
+                            None)
+        except Exception:  # noqa: BLE001 - leaves or tree metadata we cannot compare
+            # No plan can be reused (building one says what is wrong, if anything is).
+            return _build_plan(state, local=True, **settings)
+        if position is not None:
+            entry = self._plans.pop(position)
+            self._plans.insert(0, entry)  # most recently used first
+            return entry[1]
+        plan = _build_plan(state, local=True, **settings)
+        # Keep a few layouts, so that a run alternating between them (a save that writes an
+        # item and then the state) reuses every plan, and a layout that changed for good
+        # is dropped before long.
+        self._plans.insert(0, (key, plan))
+        del self._plans[_MAX_PLANS:]
+        return plan
+
+    def _write_staged(self, directory: str, plan: _WritePlan, sources: list[Any], *,
+                      asynchronous: bool, local: bool) -> OrbaxWriteHandle:
+        """The part of write() after planning: stage the host arrays, create the directory,
+        write (sync) or hand the write to a background thread (async)."""
+        tree_json, nbytes = plan.tree_json, plan.nbytes
         root = epath.Path(directory)
-        with _gc_paused(self._pause_gc), self._lock:
+        with self._lock:
             if not local:
                 self._drain_locked()
             self._queued = [queued for queued in self._queued if not queued.done()]
-            arrays, used = self._stage_host(entries, sources, plan, copy_numpy=asynchronous,
-                                            to_host=local)
+            arrays, used = self._stage_host(plan, sources, copy_numpy=asynchronous)
             primary = jax.process_index() == 0
             if primary:
                 self._create_directory(root, directory)
@@ -669,14 +845,13 @@ class OrbaxBackend:
         _write_durably(root / _TREE_FILE, tree_json)
         self._background.save(root / _ARRAYS_DIR, args=save_args)
 
-    def _stage_host(self, entries: list[_SavedLeaf], sources: list[Any],
-                    plan: dict[str, tuple[np.dtype, list[int], int]], *,
-                    copy_numpy: bool, to_host: bool) -> tuple[dict[str, Any], list[list[Any]]]:
+    def _stage_host(self, plan: _WritePlan, sources: list[Any], *,
+                    copy_numpy: bool) -> tuple[dict[str, Any], list[list[Any]]]:
         """The flat ``{storage name: array}`` dict Orbax writes, and the reused-buffer slots
         it fills. Packs are filled; numpy leaves are copied when the caller may change them
-        during the write (``copy_numpy``); jax.Arrays come to the host when ``to_host`` (a
-        view, no copy, on CPU: they are immutable), else stay as they are. Caller holds
-        ``self._lock``."""
+        during the write (``copy_numpy``); the jax.Arrays the plan names come to the host
+        (a view, no copy, on CPU: they are immutable), the others stay as they are. Caller
+        holds ``self._lock``."""
         used: list[list[Any]] = []
 
         def buffer(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -694,22 +869,23 @@ class OrbaxBackend:
 
         # Device arrays come to the host in one batch (transfers started together), not one
         # blocking transfer per leaf; on CPU this copies nothing.
-        on_device = [index for index, (entry, source) in enumerate(zip(entries, sources))
-                     if isinstance(source, jax.Array) and (entry.packed or to_host)]
-        fetched = dict(zip(on_device, _host_arrays([sources[i] for i in on_device])))
+        host = list(sources)
+        fetched = _host_arrays([sources[index] for index in plan.on_device])
+        for index, array in zip(plan.on_device, fetched):
+            host[index] = array
         arrays: dict[str, Any] = {}
-        for name, (dtype, members, size) in plan.items():
+        for name, (dtype, members, size) in plan.packs.items():
             pack = buffer(name, (size,), dtype)
-            _fill_pack(pack, [fetched.get(index, sources[index]) for index in members])
+            _fill_pack(pack, [host[index] for index in members])
             arrays[name] = pack
-        for index, (entry, source) in enumerate(zip(entries, sources)):
-            if entry.packed:
-                continue
+        for index, name in plan.unpacked:
+            source = sources[index]
             if copy_numpy and isinstance(source, np.ndarray):  # the caller's, mutable
-                copy = buffer(entry.name, source.shape, source.dtype)
+                copy = buffer(name, source.shape, source.dtype)
                 np.copyto(copy, source)
-                source = copy
-            arrays[entry.name] = fetched.get(index, source)
+                arrays[name] = copy
+            else:
+                arrays[name] = host[index]
         # Buffers that neither this write nor one in flight uses are dropped: a layout that
         # changed must not pin memory for the rest of the run.
         taken = {id(slot) for slot in used}
@@ -762,6 +938,7 @@ class OrbaxBackend:
         with self._lock:
             self._drain_locked()
             self._host_buffers.clear()
+            self._plans.clear()
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None

@@ -440,20 +440,23 @@ def tree_json(directory):
     return json.loads((directory / "tree.json").read_text())
 
 
-def mixed_small_state():
-    """Every kind of small leaf the packer must carry, plus one leaf too large to pack."""
+def mixed_small_state(step=0):
+    """Every kind of small leaf the packer must carry, plus one leaf too large to pack.
+    Every ``step`` gives the same layout with other values."""
+    seed = 100 * step
     return {
-        "params": {f"bias_{i}": jnp.asarray(sample(np.float32, (7,), seed=i)) for i in range(5)},
-        "half": jnp.asarray(sample(jnp.bfloat16, (3, 5), seed=9)),
-        "counts": jnp.asarray(sample(np.int32, (4,), seed=10)),
-        "mask": sample(np.bool_, (6,), seed=11),
-        "host": sample(np.float32, (2, 2), seed=12),
+        "params": {f"bias_{i}": jnp.asarray(sample(np.float32, (7,), seed=seed + i))
+                   for i in range(5)},
+        "half": jnp.asarray(sample(jnp.bfloat16, (3, 5), seed=seed + 9)),
+        "counts": jnp.asarray(sample(np.int32, (4,), seed=seed + 10)),
+        "mask": sample(np.bool_, (6,), seed=seed + 11),
+        "host": sample(np.float32, (2, 2), seed=seed + 12),
         "empty": np.zeros((0, 3), np.float32),
-        "np_scalar": np.float32(2.5),
-        "rng": jax.random.key(5, impl="rbg"),
-        "keys": jax.random.split(jax.random.key(6), 3),
-        "step": 41, "lr": 0.125, "done": False,
-        "big": jnp.asarray(sample(np.float32, (1 << 19,), seed=13)),  # 2 MiB: not packed
+        "np_scalar": np.float32(2.5 + step),
+        "rng": jax.random.key(5 + step, impl="rbg"),
+        "keys": jax.random.split(jax.random.key(6 + step), 3),
+        "step": 41 + step, "lr": 0.125 * (step + 1), "done": step % 2 == 1,
+        "big": jnp.asarray(sample(np.float32, (1 << 19,), seed=seed + 13)),  # 2 MiB: not packed
     }
 
 
@@ -688,3 +691,184 @@ def test_packs_of_dtypes_with_underscores_or_sub_byte_sizes_restore(backend, tmp
     restored = backend.read(str(tmp_path / "ckpt"), like_of(state))
     for name in state:
         assert_bitwise_equal(restored[name], state[name])
+
+
+# ------------------------------------------------------------- write plans reused across saves
+
+
+def assert_same_tree(restored, state):
+    """Same structure, and every leaf the same type and bits (keys: impl and key data)."""
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        if isinstance(want, jax.Array) and jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            assert str(jax.random.key_impl(got)) == str(jax.random.key_impl(want))
+            assert_bitwise_equal(jax.random.key_data(got), jax.random.key_data(want))
+        elif isinstance(want, (bool, int, float)):
+            assert type(got) is type(want) and got == want
+        else:
+            assert type(got) is type(want) or (isinstance(got, jax.Array)
+                                               and isinstance(want, jax.Array))
+            assert_bitwise_equal(got, want)
+
+
+@pytest.fixture
+def plan_builds(monkeypatch):
+    """Counts the write plans built from scratch (saves whose layout was not cached)."""
+    import jaxckpt.orbax_backend as orbax_backend
+
+    calls = []
+    original = orbax_backend._build_plan
+
+    def counting(state, **settings):
+        calls.append(settings)
+        return original(state, **settings)
+
+    monkeypatch.setattr(orbax_backend, "_build_plan", counting)
+    return calls
+
+
+@pytest.fixture
+def fresh_backend():
+    """A backend whose plan cache starts empty (the module's ``backend`` is shared)."""
+    orbax_backend = OrbaxBackend()
+    yield orbax_backend
+    orbax_backend.close()
+
+
+def uncached_tree_json(state, directory):
+    """tree.json as a backend that never saw any layout writes it for ``state``."""
+    reference = OrbaxBackend()
+    try:
+        reference.write(str(directory), state, asynchronous=False)
+    finally:
+        reference.close()
+    return (directory / "tree.json").read_bytes()
+
+
+def test_saves_of_one_layout_reuse_the_plan_and_keep_their_own_values(
+        fresh_backend, plan_builds, tmp_path):
+    states = [mixed_small_state(step) for step in range(4)]
+    # 0 and 1 overlap (1 is staged while 0 may still write: other pack buffers), 2 and 3
+    # come after a wait (they refill the buffers 0 and 1 used).
+    first = fresh_backend.write(str(tmp_path / "s0"), states[0], asynchronous=True)
+    second = fresh_backend.write(str(tmp_path / "s1"), states[1], asynchronous=True)
+    first.wait()
+    second.wait()
+    fresh_backend.write(str(tmp_path / "s2"), states[2], asynchronous=True).wait()
+    fresh_backend.write(str(tmp_path / "s3"), states[3], asynchronous=False)
+
+    assert len(plan_builds) == 1  # one layout, planned once
+    for step, state in enumerate(states):
+        restored = fresh_backend.read(str(tmp_path / f"s{step}"), like_of(state))
+        assert_same_tree(restored, state)
+    # Typed keys, numpy leaves and Python scalars of a reused plan hold this save's values.
+    last = fresh_backend.read(str(tmp_path / "s3"), like_of(states[3]))
+    assert (last["step"], last["lr"], last["done"]) == (44, 0.5, True)
+    assert last["np_scalar"] == np.float32(5.5)
+
+
+def test_tree_json_of_a_reused_plan_is_the_uncached_one_byte_for_byte(
+        fresh_backend, plan_builds, tmp_path):
+    fresh_backend.write(str(tmp_path / "s0"), mixed_small_state(0), asynchronous=True).wait()
+    state = mixed_small_state(1)
+    fresh_backend.write(str(tmp_path / "s1"), state, asynchronous=True).wait()
+    assert len(plan_builds) == 1
+
+    cached = (tmp_path / "s1" / "tree.json").read_bytes()
+    assert cached == uncached_tree_json(state, tmp_path / "reference")
+    assert len(plan_builds) == 2  # the reference backend planned from scratch
+
+
+def test_every_change_of_layout_gets_a_new_plan_and_a_correct_checkpoint(
+        fresh_backend, plan_builds, tmp_path):
+    base = {"w": jnp.arange(6.0), "h": np.arange(4, dtype=np.int32), "n": 3,
+            "k": jax.random.key(0), "big": jnp.arange(1 << 19, dtype=jnp.float32)}
+    variants = {
+        "base": base,
+        "shape": base | {"w": jnp.arange(8.0)},
+        "dtype": base | {"w": jnp.arange(6.0, dtype=jnp.bfloat16)},
+        "numpy_dtype": base | {"h": np.arange(4, dtype=np.int64)},
+        "added_key": base | {"extra": jnp.ones(2)},
+        "python_type": base | {"n": 3.5},
+        "python_bool": base | {"n": True},
+        "key_impl": base | {"k": jax.random.key(0, impl="rbg")},
+        "numpy_not_jax": base | {"w": np.arange(6.0, dtype=np.float32)},
+        "unpacked": base | {"w": jnp.arange(1 << 19, dtype=jnp.float32) + 1.0},
+        # Equal dict keys (equal treedefs) whose tree paths differ: [1], [np.int64(1)], [True].
+        "int_key": {1: jnp.ones(2)},
+        "numpy_int_key": {np.int64(1): jnp.ones(2)},
+        "bool_key": {True: jnp.ones(2)},
+        "base_again": base,
+    }
+    for label, state in variants.items():
+        directory = tmp_path / label
+        fresh_backend.write(str(directory), state, asynchronous=True).wait()
+        assert (directory / "tree.json").read_bytes() == \
+            uncached_tree_json(state, tmp_path / f"{label}_reference"), label
+        assert_same_tree(fresh_backend.read(str(directory), like_of(state)), state)
+    paths = {label: [leaf["path"] for leaf in tree_json(tmp_path / label)["leaves"]]
+             for label in ("int_key", "numpy_int_key", "bool_key")}
+    assert paths == {"int_key": ["[1]"], "numpy_int_key": ["[np.int64(1)]"],
+                     "bool_key": ["[True]"]}
+    # Every layout was planned (twice: by the reused backend and by its reference), base
+    # again too: more layouts than a backend keeps came in between.
+    assert len(plan_builds) == 2 * len(variants)
+
+
+def test_alternating_layouts_each_keep_their_plan(fresh_backend, plan_builds, tmp_path):
+    item = {"count": jnp.zeros((), jnp.int32), "seen": np.zeros(3, np.int64)}
+    state = mixed_small_state()
+    for step in range(3):
+        fresh_backend.write(str(tmp_path / f"item{step}"), item, asynchronous=True)
+        fresh_backend.write(str(tmp_path / f"state{step}"), state, asynchronous=True).wait()
+    assert len(plan_builds) == 2
+
+    # A backend keeps a few plans: the least recently used one goes first.
+    from jaxckpt.orbax_backend import _MAX_PLANS
+
+    for width in range(1, _MAX_PLANS + 1):
+        fresh_backend.write(str(tmp_path / f"other{width}"), {"v": np.zeros(width)},
+                            asynchronous=False)
+    assert len(plan_builds) == 2 + _MAX_PLANS
+    fresh_backend.write(str(tmp_path / "other_again"), {"v": np.zeros(_MAX_PLANS)},
+                        asynchronous=False)
+    assert len(plan_builds) == 2 + _MAX_PLANS  # kept
+    fresh_backend.write(str(tmp_path / "item_again"), item, asynchronous=False)
+    assert len(plan_builds) == 3 + _MAX_PLANS  # dropped, planned again
+    assert_same_tree(fresh_backend.read(str(tmp_path / "item_again"), like_of(item)), item)
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1])
+def test_python_int_beyond_int64_raises_even_with_a_reused_plan(
+        fresh_backend, plan_builds, tmp_path, value):
+    state = {"w": jnp.ones(3), "opt": {"step": 2**63 - 1}}
+    fresh_backend.write(str(tmp_path / "ok"), state, asynchronous=True).wait()
+
+    message = r"leaf \['opt'\]\['step'\] is the Python int .*int64.*Fix:"
+    with pytest.raises(TypeError, match=message):
+        fresh_backend.write(str(tmp_path / "bad"), state | {"opt": {"step": value}},
+                            asynchronous=True)
+    assert not (tmp_path / "bad").exists()  # checked before any I/O
+    assert len(plan_builds) == 1  # the layout's plan was reused, and the value still checked
+
+    state["opt"]["step"] = -(2**63)
+    fresh_backend.write(str(tmp_path / "again"), state, asynchronous=True).wait()
+    assert fresh_backend.read(str(tmp_path / "again"), like_of(state))["opt"]["step"] == -(2**63)
+
+
+def test_bad_leaves_raise_as_before_whatever_was_cached(fresh_backend, plan_builds, tmp_path):
+    fresh_backend.write(str(tmp_path / "ok"), {"w": jnp.ones(3), "h": np.ones(2)},
+                        asynchronous=True).wait()
+    bad = {
+        "text": ({"w": "run-1", "h": np.ones(2)}, r"\['w'\] is a builtins.str"),
+        "abstract": ({"w": jax.ShapeDtypeStruct((3,), jnp.float32), "h": np.ones(2)},
+                     r"\['w'\] is a jax.*ShapeDtypeStruct"),
+        "objects": ({"w": jnp.ones(3), "h": np.array([None, 1], dtype=object)},
+                    r"\['h'\] is a numpy array of dtype object"),
+    }
+    for label, (state, message) in bad.items():
+        for _ in range(2):  # a layout that failed was not cached either
+            with pytest.raises(TypeError, match=message):
+                fresh_backend.write(str(tmp_path / label), state, asynchronous=True)
+        assert not (tmp_path / label).exists()
+    assert len(plan_builds) == 1 + 2 * len(bad)
