@@ -1,8 +1,12 @@
 """File checksums for commit manifests.
 
-Owns: the checksum algorithms a ``COMMITTED`` manifest may name, computing one over a file
-(through a read-only memory map: no bytes objects are allocated per chunk), and the choice
-of algorithm for new commits.
+Owns: the checksum algorithms a ``COMMITTED`` manifest may name, computing one over a file,
+and the choice of algorithm for new commits.
+
+A file is read in 1 MiB pieces into one buffer per thread, reused. Measured on 1 GiB in 64
+files with 4 threads: cold (restore-time verification) 0.54 s, the same as a plain read,
+against 0.97 s through a memory map (page faults bring in the file a few pages at a time);
+warm (the commit, right after the write) 0.09 s against 0.15 s mapped, and less CPU.
 
 - ``crc32c`` (Castagnoli), the default for new commits, computed by ``google-crc32c``'s C
   extension with the CPU's CRC instruction: about 10 GiB/s here against 5.5 GiB/s for
@@ -18,8 +22,8 @@ Must not import: jax, orbax, torch.
 
 from __future__ import annotations
 
-import mmap
 import os
+import threading
 import zlib
 
 import numpy as np
@@ -27,7 +31,8 @@ import numpy as np
 __all__ = ["ALGORITHMS", "default_algorithm", "file_checksum", "fd_checksum"]
 
 ALGORITHMS = ("crc32c", "crc32")
-_CHUNK = 64 * 1024 * 1024
+_PIECE = 1024 * 1024
+_buffers = threading.local()
 
 try:  # the C extension only: see the module docstring
     import google_crc32c as _crc32c_module
@@ -60,19 +65,29 @@ def _extend(algorithm: str, crc: int, view: np.ndarray) -> int:
     return zlib.crc32(view, crc)
 
 
+def _buffer() -> tuple[memoryview, np.ndarray]:
+    """This thread's read buffer, as a writable view and a uint8 array over the same bytes."""
+    cached = getattr(_buffers, "value", None)
+    if cached is None:
+        raw = bytearray(_PIECE)
+        cached = _buffers.value = (memoryview(raw), np.frombuffer(raw, dtype=np.uint8))
+    return cached
+
+
 def fd_checksum(fd: int, algorithm: str) -> tuple[int, str]:
-    """Size and checksum (8 hex digits) of an open file, read through a memory map."""
-    _check_available(algorithm)  # before mapping: nothing below raises while a view lives
-    size = os.fstat(fd).st_size
-    crc = 0
-    if size:
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-            data = np.frombuffer(mapped, dtype=np.uint8)  # a view: nothing is copied
-            try:
-                for start in range(0, size, _CHUNK):
-                    crc = _extend(algorithm, crc, data[start:start + _CHUNK])
-            finally:
-                del data  # release the buffer before the map closes
+    """Size and checksum (8 hex digits) of an open file, read from its start to its end."""
+    _check_available(algorithm)
+    view, array = _buffer()
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger readahead when cold
+    os.lseek(fd, 0, os.SEEK_SET)
+    size = crc = 0
+    while True:
+        count = os.readv(fd, [view])
+        if not count:
+            break
+        crc = _extend(algorithm, crc, array[:count])
+        size += count
     return size, f"{crc:08x}"
 
 
