@@ -394,9 +394,10 @@ def test_killed_export_never_leaves_a_model_at_out_dir(hf_dirs, tmp_path):
     assert all("config.json" not in os.listdir(tmp_path / d) for d in leftovers)
 
 
-def test_export_streams_one_tensor_at_a_time(tmp_path):
+def test_export_streams_a_tensor_at_a_time(tmp_path):
     """Peak extra host memory while exporting ~10 MiB of float32 params into ONE file (every
-    Linear needs a transposed copy) stays at about one tensor, not a copy of the model."""
+    Linear needs a transposed copy) stays at about two tensors (the one being written and
+    the next, converted meanwhile), not a copy of the model."""
     config = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 256,
               "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 4}
@@ -413,7 +414,7 @@ def test_export_streams_one_tensor_at_a_time(tmp_path):
         tracemalloc.stop()
     assert os.listdir(tmp_path / "out").count("model.safetensors") == 1
     assert model_bytes > 8 * largest
-    assert peak < largest + 256 * 1024, (peak, largest, model_bytes)
+    assert peak < 2 * largest + 256 * 1024, (peak, largest, model_bytes)
 
 
 # ---------------------------------------------------------------- periodic exports
@@ -557,3 +558,16 @@ def test_hf_modules_do_not_import_jax():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 200), (130, 67), (2, 129, 257)])
+@pytest.mark.parametrize("target", ["float32", "bfloat16"])
+def test_tiled_transpose_matches_numpy_bit_for_bit(shape, target):
+    """The export's tiled copy of a transposed view (sizes not a multiple of the tile edge,
+    stacked layers, a cast on the way) equals numpy's plain transposed copy."""
+    source = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    view = np.swapaxes(source, -1, -2)
+    out = np.empty(view.shape, np.dtype(target))
+    hf._copy_in_tiles(out, view)
+    expected = np.array(view, dtype=np.dtype(target), order="C")
+    assert out.tobytes() == expected.tobytes()
