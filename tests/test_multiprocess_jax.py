@@ -96,12 +96,13 @@ def free_port():
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_process_root(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mp")
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
-    root = str(tmp / "root")
+def run_two_workers(source: str, tmp_path) -> tuple[str, list[str]]:
+    """Run ``source`` as two jax processes (ids 0 and 1) on a free localhost port, each in
+    its own session so that a hung pair is killed as a group; both must print "worker ok".
+    Returns the shared checkpoint root and each worker's output."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    root = str(tmp_path / "root")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     port = free_port()
     workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), root], env=env,
@@ -118,6 +119,12 @@ def two_process_root(tmp_path_factory):
                 worker.wait()
     for worker, output in zip(workers, outputs):
         assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+    return root, outputs
+
+
+@pytest.fixture(scope="module")
+def two_process_root(tmp_path_factory):
+    root, outputs = run_two_workers(WORKER, tmp_path_factory.mktemp("mp"))
     events = [json.loads(next(l for l in out.splitlines() if l.startswith("EVENTS "))[7:])
               for out in outputs]
     return root, events
@@ -286,25 +293,7 @@ DAMAGE_WORKER = textwrap.dedent('''
 
 
 def test_damaged_bulk_data_makes_every_process_fall_back_or_raise_together(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(DAMAGE_WORKER)
-    root = str(tmp_path / "root")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    port = free_port()
-    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), root], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True) for i in range(2)]
-    outputs = []
-    try:
-        for worker in workers:
-            outputs.append(worker.communicate(timeout=180)[0])
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
-    for worker, output in zip(workers, outputs):
-        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+    root, outputs = run_two_workers(DAMAGE_WORKER, tmp_path)
     primary, other = [json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
                       for out in outputs]
     rel = primary["damaged"]
