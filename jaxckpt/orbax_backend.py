@@ -222,7 +222,8 @@ class _SavedLeaf:
 
 
 class _Layout(NamedTuple):
-    """What tree.json records of one leaf apart from where it is stored (see _SavedLeaf)."""
+    """What tree.json records of one leaf apart from its path and where it is stored: the
+    fields of _SavedLeaf but path, name and offset, with the same meanings."""
 
     kind: str
     shape: tuple[int, ...]
@@ -435,10 +436,7 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
             unpacked.append((index, name))
         else:
             name, offset = placed
-        entries.append(_SavedLeaf(
-            path=path, name=name, kind=layout.kind, shape=layout.shape, dtype=layout.dtype,
-            impl=layout.impl, data_shape=layout.data_shape, data_dtype=layout.data_dtype,
-            python_type=layout.python_type, offset=offset))
+        entries.append(_SavedLeaf(path=path, name=name, offset=offset, **layout._asdict()))
     tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name, "size": size}
                                      for name, (dtype, _, size) in packs.items()])
     return _WritePlan(tree_json=tree_json, nbytes=len(tree_json) + stored_bytes, packs=packs,
