@@ -6,10 +6,6 @@ time-based trigger for both; a single process with another mesh restores what th
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -20,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig
+from two_processes import run_two_workers
 
 WORKER = textwrap.dedent('''
     import json, os, sys, traceback
@@ -88,38 +85,6 @@ WORKER = textwrap.dedent('''
     sys.stdout.flush()
     os._exit(0)  # skip jax.distributed's shutdown barrier
 ''')
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def run_two_workers(source: str, tmp_path) -> tuple[str, list[str]]:
-    """Run ``source`` as two jax processes (ids 0 and 1) on a free localhost port, each in
-    its own session so that a hung pair is killed as a group; both must print "worker ok".
-    Returns the shared checkpoint root and each worker's output."""
-    script = tmp_path / "worker.py"
-    script.write_text(source)
-    root = str(tmp_path / "root")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    port = free_port()
-    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), root], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True) for i in range(2)]
-    outputs = []
-    try:
-        for worker in workers:
-            outputs.append(worker.communicate(timeout=180)[0])
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
-    for worker, output in zip(workers, outputs):
-        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
-    return root, outputs
 
 
 @pytest.fixture(scope="module")

@@ -395,33 +395,9 @@ except BaseException:
 
 
 def test_two_processes_write_one_checkpoint_and_share_barriers(tmp_path):
-    import socket
-    import subprocess
-    import sys
+    from two_processes import run_two_workers
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
-    directory = str(tmp_path / "ckpt")
-    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), directory],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, text=True) for i in range(2)]
-    outputs = []
-    try:
-        for worker in workers:
-            outputs.append(worker.communicate(timeout=120)[0])
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
-    for worker, output in zip(workers, outputs):
-        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+    directory, _ = run_two_workers(_WORKER, tmp_path, dirname="ckpt", timeout=120)
 
     # A single process with a different device count reads what the two wrote.
     values = np.arange(32, dtype=np.float32).reshape(8, 4)

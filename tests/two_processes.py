@@ -1,0 +1,52 @@
+"""Launching two cooperating worker processes on localhost, for the multi-process tests.
+
+A worker script gets ``<process index> <port> <directory>`` as arguments, runs in its own
+session (so that a hung pair is killed as a group) and prints "worker ok" when it succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def free_port() -> int:
+    """A localhost TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_two_workers(source: str, tmp_path: Path, *, dirname: str = "root",
+                    timeout: float = 180) -> tuple[str, list[str]]:
+    """Run ``source`` as processes 0 and 1 sharing ``tmp_path / dirname``; assert both
+    printed "worker ok" and exited 0. Returns that directory and each worker's output.
+    XLA_FLAGS is dropped (each worker sets its own device count) and the repository goes on
+    PYTHONPATH."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    directory = str(tmp_path / dirname)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    port = free_port()
+    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), directory],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True) for i in range(2)]
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=timeout)[0])
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    for worker, output in zip(workers, outputs):
+        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+    return directory, outputs
