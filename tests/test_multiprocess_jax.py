@@ -6,7 +6,6 @@ time-based trigger for both; a single process with another mesh restores what th
 
 import json
 import os
-import textwrap
 import warnings
 
 import jax
@@ -16,17 +15,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig
-from two_processes import run_two_workers
+from two_processes import jax_worker, run_two_workers
 
-WORKER = textwrap.dedent('''
-    import json, os, sys, traceback
-    index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    try:
-        import jax
-        jax.config.update("jax_num_cpu_devices", 2)
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index,
-                                   initialization_timeout=60, heartbeat_timeout_seconds=10,
-                                   shutdown_timeout_seconds=10)
+WORKER = jax_worker('''
         import jax.numpy as jnp
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -77,13 +68,6 @@ WORKER = textwrap.dedent('''
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("jaxckpt-test-end")
         print("EVENTS " + json.dumps(events), flush=True)
-        print("worker ok", flush=True)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)  # skip jax.distributed's shutdown barrier
 ''')
 
 
@@ -165,15 +149,7 @@ def test_sharded_item_written_by_both_processes_restores_in_one(two_process_root
 # Both processes restore a checkpoint in which one bulk data file, read only by process 1,
 # is damaged. Only the primary checks checksums (alongside the read); its verdict must make
 # both processes fall back (recover) or raise (restore(step=...)) together.
-DAMAGE_WORKER = textwrap.dedent('''
-    import json, os, sys, traceback, warnings
-    index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    try:
-        import jax
-        jax.config.update("jax_num_cpu_devices", 2)
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index,
-                                   initialization_timeout=60, heartbeat_timeout_seconds=10,
-                                   shutdown_timeout_seconds=10)
+DAMAGE_WORKER = jax_worker('''
         import jax.numpy as jnp
         import numpy as np
         from jax.experimental import multihost_utils
@@ -247,13 +223,6 @@ DAMAGE_WORKER = textwrap.dedent('''
             out["warnings"] = [str(w.message) for w in caught]
         multihost_utils.sync_global_devices("jaxckpt-test-end")
         print("RESULT " + json.dumps(out), flush=True)
-        print("worker ok", flush=True)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
 ''')
 
 

@@ -23,6 +23,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 from jaxckpt.orbax_backend import OrbaxBackend
+from two_processes import jax_worker, run_two_workers
 
 
 @pytest.fixture(scope="module")
@@ -347,23 +348,15 @@ def test_process_facts_and_rng_of_a_single_process(backend):
     assert backend.broadcast_int(41) == 41
 
 
-_WORKER = r'''
-import os, sys, threading, traceback
-try:
-    process_id, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    import jax
+_WORKER = jax_worker('''
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    jax.config.update("jax_num_cpu_devices", 2)
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
-                               initialization_timeout=30, heartbeat_timeout_seconds=10,
-                               shutdown_timeout_seconds=10)
     from jaxckpt.orbax_backend import OrbaxBackend
 
     backend = OrbaxBackend()
-    assert (backend.process_index, backend.process_count) == (process_id, 2)
-    assert backend.broadcast_int(100 + process_id) == 100
-    assert backend.broadcast_int(200 + process_id) == 200
+    assert (backend.process_index, backend.process_count) == (index, 2)
+    assert backend.broadcast_int(100 + index) == 100
+    assert backend.broadcast_int(200 + index) == 200
     # The manager waits at barriers from its background commit thread.
     waiter = threading.Thread(target=backend.barrier, args=("from-a-thread", 30.0))
     waiter.start()
@@ -374,29 +367,19 @@ try:
     mesh = jax.make_mesh((4,), ("a",))
     sharded = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("a")),
                                            lambda index: values[index])
-    backend.write(directory, {"w": sharded, "step": 5}, asynchronous=True).wait()
+    backend.write(root, {"w": sharded, "step": 5}, asynchronous=True).wait()
     backend.barrier("written", 30.0)
     like = {"w": jax.ShapeDtypeStruct(values.shape, values.dtype,
                                       sharding=NamedSharding(mesh, P(None, "a"))), "step": 0}
-    restored = backend.read(directory, like)
+    restored = backend.read(root, like)
     assert restored["step"] == 5
     for shard in restored["w"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])
     backend.close()
-    print("worker ok", process_id, flush=True)
-    sys.stdout.flush()
-    os._exit(0)
-except BaseException:
-    traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)  # never hang in jax.distributed's shutdown barrier
-'''
+''', init_timeout=30)
 
 
 def test_two_processes_write_one_checkpoint_and_share_barriers(tmp_path):
-    from two_processes import run_two_workers
-
     directory, _ = run_two_workers(_WORKER, tmp_path, dirname="ckpt", timeout=120)
 
     # A single process with a different device count reads what the two wrote.

@@ -2,6 +2,7 @@
 
 A worker script gets ``<process index> <port> <directory>`` as arguments, runs in its own
 session (so that a hung pair is killed as a group) and prints "worker ok" when it succeeds.
+``jax_worker`` writes the part every JAX worker shares around a test's own body.
 """
 
 from __future__ import annotations
@@ -11,9 +12,40 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 REPO = str(Path(__file__).resolve().parent.parent)
+
+
+_JAX_WORKER = """\
+import json, os, sys, threading, traceback, warnings
+index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+try:
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index,
+                               initialization_timeout=@INIT_TIMEOUT@,
+                               heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
+@BODY@
+    print("worker ok", flush=True)
+except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(1)
+sys.stdout.flush()
+os._exit(0)  # never wait in jax.distributed's shutdown barrier
+"""
+
+
+def jax_worker(body: str, *, init_timeout: int = 60) -> str:
+    """A worker script: ``index``, ``port`` and ``root`` from the arguments, jax with 2 CPU
+    devices joined to the other process, then ``body`` (any indentation; ``json``, ``os``,
+    ``sys``, ``threading`` and ``warnings`` are imported). Any exception prints its
+    traceback and exits 1; success prints "worker ok" and exits without jax's shutdown
+    barrier, which would hang if the other process already failed."""
+    return (_JAX_WORKER.replace("@INIT_TIMEOUT@", str(init_timeout))
+            .replace("@BODY@", textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")))
 
 
 def free_port() -> int:
