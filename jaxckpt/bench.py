@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from .store import fsync_file
+
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset.
@@ -423,14 +425,6 @@ def _traced_peak(action: Callable[[], Any]) -> int:
         tracemalloc.stop()
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
     """The disk's durable write speed for these bytes: one file, 64 MiB writes, one fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -696,7 +690,7 @@ class _Bench:
 
         def torch_save() -> None:
             torch.save(state, path)
-            _fsync_path(path)
+            fsync_file(path)
 
         result.add("torch_save", _timed(torch_save))
         os.unlink(path)
@@ -777,7 +771,7 @@ class _Bench:
             for name, items in tensors.items():
                 file = os.path.join(directory, name)
                 save_file(items, file, metadata={"format": "pt"})
-                _fsync_path(file)
+                fsync_file(file)
 
         self.result.add("st_save", _timed(lambda: safetensors_save(baseline)))
         if "hf_memory" not in self.result.facts:  # once: tracing slows the calls it watches

@@ -54,6 +54,7 @@ __all__ = [
     "Entry",
     "RootLock",
     "fsync_dir",
+    "fsync_file",
     "atomic_write",
     "export_dirname",
 ]
@@ -96,6 +97,15 @@ Status = Literal["committed", "partial", "corrupt"]
 
 def export_dirname(epoch: int, epoch_step: int, global_step: int) -> str:
     return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+
+def fsync_file(path: str) -> None:
+    """Make a file's data (written by someone else, or already closed) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

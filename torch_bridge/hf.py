@@ -64,7 +64,7 @@ from jaxckpt.errors import (
     ConfigError,
     TreeMismatchError,
 )
-from jaxckpt.store import fsync_dir
+from jaxckpt.store import fsync_dir, fsync_file
 
 __all__ = [
     "HFTensor",
@@ -546,14 +546,6 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(raw, default=_json_default))
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: str, body: Any) -> int:
     data = (json.dumps(body, indent=2, sort_keys=True, default=_json_default) + "\n").encode()
     with open(path, "wb") as handle:
@@ -791,7 +783,7 @@ def _copy_tokenizer(tokenizer: Any, directory: str) -> list[str]:
             f"directory a tokenizer's save_pretrained wrote.")
     for name in names:
         shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
-        _fsync_file(os.path.join(directory, name))
+        fsync_file(os.path.join(directory, name))
     return names
 
 
