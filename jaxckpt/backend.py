@@ -22,6 +22,12 @@ class WriteHandle(Protocol):
     Concurrency contract: ``wait`` is called exactly once, from the manager's background
     commit thread; it must be safe to call from a thread other than the one that started the
     write.
+
+    Optional attribute ``checksums``, read after ``wait``: manifest entries
+    (``{"size": n, "crc32c": hex}``, the commit's algorithm) of files the backend computed
+    from the bytes it wrote and made durable itself, by path relative to the directory it
+    wrote. The commit takes those instead of reading the files back (it still checks their
+    sizes). None or absent: the commit checksums every file.
     """
 
     def wait(self) -> None:

@@ -25,10 +25,11 @@ from __future__ import annotations
 import os
 import threading
 import zlib
+from typing import Any
 
 import numpy as np
 
-__all__ = ["ALGORITHMS", "default_algorithm", "file_checksum", "fd_checksum"]
+__all__ = ["ALGORITHMS", "default_algorithm", "extend", "file_checksum", "fd_checksum"]
 
 ALGORITHMS = ("crc32c", "crc32")
 _PIECE = 1024 * 1024
@@ -63,6 +64,13 @@ def _extend(algorithm: str, crc: int, view: np.ndarray) -> int:
     if algorithm == "crc32c":
         return int(_crc32c_module.extend(crc, view))  # type: ignore[union-attr]
     return zlib.crc32(view, crc)
+
+
+def extend(algorithm: str, crc: int, data: Any) -> int:
+    """``crc`` (0 to start) extended over ``data`` (any buffer), e.g. to checksum a file's
+    bytes while they are being written instead of reading the file back."""
+    _check_available(algorithm)
+    return _extend(algorithm, crc, data)
 
 
 def _buffer() -> tuple[memoryview, np.ndarray]:

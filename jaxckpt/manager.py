@@ -70,6 +70,7 @@ from .store import (
     DRIVER_FILE,
     CheckpointStore,
     Entry,
+    ReadClaims,
     RootLock,
     atomic_write,
     export_dirname,
@@ -535,11 +536,11 @@ class CheckpointManager:
             item_bytes = 0
             for name, version, item_dir, item_handle in item_writes:
                 item_handle.wait()
-                item_bytes += self._commit_dir(item_dir, version)
+                item_bytes += self._commit_dir(item_dir, version, _known_checksums(item_handle))
                 with self._state_lock:
                     self._written_items.setdefault(name, set()).add(version)
             handle.wait()
-            self._commit(path, step.global_step, report)
+            self._commit(path, step.global_step, report, _known_checksums(handle))
             if report.bytes is not None:
                 report.bytes += item_bytes
 
@@ -641,14 +642,17 @@ class CheckpointManager:
         else:
             self._store.delete(path)
 
-    def _commit(self, path: str, step: int, report: SaveReport) -> None:
+    def _commit(self, path: str, step: int, report: SaveReport,
+                known: dict[str, dict[str, Any]] | None = None) -> None:
         """Background: every process's writes are done -> marker (sizes on the report)."""
-        written = self._commit_dir(path, step)
+        written = self._commit_dir(path, step, known)
         report.bytes = written if self._primary else None
 
-    def _commit_dir(self, path: str, step: int) -> int:
+    def _commit_dir(self, path: str, step: int,
+                    known: dict[str, dict[str, Any]] | None = None) -> int:
         """Once every process finished writing ``path``, the primary commits it. Returns the
-        bytes committed (0 on other processes, which wait until the marker exists)."""
+        bytes committed (0 on other processes, which wait until the marker exists).
+        ``known``: checksums the backend computed while writing (``_known_checksums``)."""
         if self._count > 1:
             atomic_write(os.path.join(path, f"done.p{self._index:05d}"), b"")
         if not self._primary:
@@ -659,7 +663,7 @@ class CheckpointManager:
             names = [f"done.p{i:05d}" for i in range(1, self._count)]
             self._wait_for(lambda: all(os.path.exists(os.path.join(path, n)) for n in names),
                            f"all {self._count} processes to finish writing {path}")
-        return self._store.commit(path, step).total_bytes
+        return self._store.commit(path, step, known=known).total_bytes
 
     def _apply_retention(self) -> None:
         keep = self.recover_config.keep_last_n
@@ -934,12 +938,18 @@ class CheckpointManager:
             self._reading.add(step)
         try:
             with self._store.reading(path):
-                checking = self._start_deferred_checks(path, items, checks)
+                claims = (ReadClaims() if checks.defer_over is not None and self._primary
+                          and getattr(self._backend, "verifies_reads", False) else None)
+                checking = self._start_deferred_checks(path, items, checks, claims)
                 result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]] | None = None
                 error: Exception | None = None
                 try:
                     body = self._read_driver(path)
-                    state = self._backend.read(os.path.join(path, STATE_DIR), like)
+                    if claims is not None:
+                        state = self._backend.read(os.path.join(path, STATE_DIR), like,
+                                                   claims=claims)
+                    else:
+                        state = self._backend.read(os.path.join(path, STATE_DIR), like)
                     versions = {name: int(ref["version"])
                                 for name, ref in (body.get("items") or {}).items()}
                     result = body, state, versions, self._read_items(items, versions, path)
@@ -948,8 +958,12 @@ class CheckpointManager:
                         raise
                     error = exc
                 finally:
+                    if claims is not None:
+                        claims.close()
                     own, item_problems = (checking.result() if checking is not None
                                           else ([], []))
+                    if claims is not None:
+                        own = own + claims.problems(path)
                 failed = bool(own or item_problems)
                 if checks.defer_over is not None and self._count > 1:
                     # Only the primary checked: its verdict is every process's, so that
@@ -969,24 +983,46 @@ class CheckpointManager:
                 self._reading.discard(step)
 
     def _start_deferred_checks(self, path: str, items: Mapping[str, Any] | None,
-                               checks: _Verification,
+                               checks: _Verification, claims: ReadClaims | None = None,
                                ) -> concurrent.futures.Future[tuple[list[str], list[str]]] | None:
         """Primary: start checking, in a thread, the checksums that ``_choose`` left out,
         of the checkpoint and of the item versions about to be restored with it. The
-        result is (the checkpoint's problems, the items' problems)."""
+        result is (the checkpoint's problems, the items' problems).
+
+        With ``claims`` the entries are offered first (here, before the read starts), the
+        backend claims the files it checks while reading them, and the thread checks the
+        rest once the backend closed its claims (``store.ReadClaims``)."""
         if checks.defer_over is None or not self._primary:
             return None
         over = checks.defer_over
         refs = [(name, version) for name, version in self._item_refs(path).items()
                 if name in checks.deferred_items]
+        directories = [(None, path)] + [(f"item {name!r} v{version}: ",
+                                         self._store.item_path(name, version))
+                                        for name, version in refs]
+        offered: dict[str, list[str]] = {}  # directory -> problems found while offering
+        if claims is not None:
+            for _, directory in directories:
+                try:
+                    claims.offer(directory, self._store.deferred_entries(directory, over=over))
+                except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
+                    offered[directory] = [str(exc)]
+                except Exception as exc:  # noqa: BLE001 - unverified bytes are never trusted
+                    offered[directory] = [f"checksums could not be checked "
+                                          f"({type(exc).__name__}: {exc})"]
+
+        def problems_of(directory: str) -> list[str]:
+            if claims is None:
+                return self._deferred_problems(directory, over)
+            if directory in offered:
+                return offered[directory]
+            return self._deferred_problems(directory, over, claims.unclaimed(directory))
 
         def run() -> tuple[list[str], list[str]]:
-            own = self._deferred_problems(path, over)
+            own = problems_of(path)
             item_problems: list[str] = []
-            for name, version in refs:
-                item_dir = self._store.item_path(name, version)
-                item_problems += [f"item {name!r} v{version}: {problem}"
-                                  for problem in self._deferred_problems(item_dir, over)]
+            for prefix, directory in directories[1:]:
+                item_problems += [f"{prefix}{problem}" for problem in problems_of(directory)]
             return own, item_problems
 
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
@@ -996,11 +1032,15 @@ class CheckpointManager:
         finally:
             pool.shutdown(wait=False)  # the submitted check still runs to its end
 
-    def _deferred_problems(self, path: str, over: int) -> list[str]:
-        """``store.verify_deferred`` under a reader lock, reporting instead of raising: a
-        check that cannot run has not vouched for anything."""
+    def _deferred_problems(self, path: str, over: int,
+                           entries: list[tuple[str, dict[str, Any]]] | None = None) -> list[str]:
+        """``store.verify_deferred`` (or ``verify_entries`` of the given ``entries``) under a
+        reader lock, reporting instead of raising: a check that cannot run has not vouched
+        for anything."""
         try:
             with self._store.reading(path):
+                if entries is not None:
+                    return self._store.verify_entries(path, entries)
                 return self._store.verify_deferred(path, over=over)
         except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
             return [str(exc)]
@@ -1218,6 +1258,16 @@ def _check_step_info(step_info: Any) -> None:
         raise ConfigError(f"step_info must be a jaxckpt.StepInfo, got {type(step_info).__name__} "
                           f"{step_info!r}. Write StepInfo(epoch, epoch_step, global_step, "
                           f"steps_per_epoch).")
+
+
+def _known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
+    """Manifest entries a backend's write handle offers for the files it wrote (optional
+    ``checksums``: by path relative to the directory it wrote, ``STATE_DIR``), as paths
+    relative to the checkpoint; the commit then does not read those files back."""
+    entries = getattr(handle, "checksums", None)
+    if not entries:
+        return None
+    return {f"{STATE_DIR}/{rel}": info for rel, info in entries.items()}
 
 
 def _tree_bytes(path: str) -> int:

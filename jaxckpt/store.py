@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,7 +44,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from .checksum import ALGORITHMS, default_algorithm, file_checksum
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    RootLockedError,
+)
 
 __all__ = [
     "COMMIT_MARKER",
@@ -53,6 +59,7 @@ __all__ = [
     "Manifest",
     "Entry",
     "RootLock",
+    "ReadClaims",
     "fsync_dir",
     "fsync_file",
     "atomic_write",
@@ -274,6 +281,82 @@ class Entry:
     manifest: Manifest | None = None
 
 
+class ReadClaims:
+    """The deferred checksums of one restore, shared between the thread that checks them
+    and a backend that checks some of them itself while it reads the same bytes.
+
+    The manager offers the deferred entries of each directory being restored, before the
+    read starts. A backend that reads a file whole ``claim``s it (it then computes the
+    checksum of what it read and ``settle``s it, which records a mismatch) and ``close``s
+    once it knows which files it claims; the checking thread waits for that, then checks
+    the ``unclaimed`` rest. Each file is checked exactly once. ``close`` is idempotent; the
+    manager also calls it when the read ends, so the checking thread never waits forever.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        # realpath of the file -> (directory it was offered with, manifest path, entry)
+        self._offered: dict[str, tuple[str, str, dict[str, Any]]] = {}
+        self._claimed: dict[str, tuple[str, str, dict[str, Any]]] = {}
+        self._settled: set[str] = set()
+        self._problems: dict[str, list[str]] = {}
+
+    def offer(self, path: str, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        with self._lock:
+            for rel, info in entries:
+                full = os.path.realpath(os.path.join(path, *rel.split("/")))
+                self._offered[full] = (path, rel, info)
+
+    def claim(self, file: str) -> tuple[str, str] | None:
+        """Take over the check of ``file``: its (algorithm, expected checksum), or None when
+        it is not offered (not deferred, already claimed, or claiming has closed)."""
+        with self._lock:
+            if self._closed.is_set():
+                return None
+            full = os.path.realpath(file)
+            item = self._offered.pop(full, None)
+            if item is None:
+                return None
+            self._claimed[full] = item
+            algorithm = _algorithm_of(item[2])
+            return algorithm, item[2][algorithm]
+
+    def settle(self, file: str, checksum: str) -> None:
+        """The checksum of what was read from a claimed ``file``."""
+        with self._lock:
+            full = os.path.realpath(file)
+            path, rel, info = self._claimed[full]
+            self._settled.add(full)
+            algorithm = _algorithm_of(info)
+            if checksum != info[algorithm]:
+                self._problems.setdefault(path, []).append(
+                    f"{rel}: {algorithm} {checksum}, manifest says {info[algorithm]} "
+                    "(contents altered)")
+
+    def close(self) -> None:
+        """No more claims: the checking thread may start on what is left."""
+        with self._lock:
+            self._closed.set()
+
+    def unclaimed(self, path: str) -> list[tuple[str, dict[str, Any]]]:
+        """Once claiming has closed: the entries of ``path`` that nobody claimed."""
+        self._closed.wait()
+        with self._lock:
+            return sorted((rel, info) for owner, rel, info in self._offered.values()
+                          if owner == path)
+
+    def problems(self, path: str) -> list[str]:
+        """Once the read ended: mismatches in the claimed files of ``path``, and claimed
+        files whose checksum never came (a read that stopped half way vouches for nothing)."""
+        with self._lock:
+            unsettled = sorted(rel for full, (owner, rel, _) in self._claimed.items()
+                               if owner == path and full not in self._settled)
+            return list(self._problems.get(path, [])) + [
+                f"{rel}: claimed by the reader but its checksum was never computed"
+                for rel in unsettled]
+
+
 class RootLock:
     """An exclusive ``flock`` on ``{root}/.lock`` held for a job's lifetime.
 
@@ -421,16 +504,27 @@ class CheckpointStore:
         """The second half of ``verify(path, checksums=True, defer_over=over)``: problems in
         the files whose checksums it left out (their sizes are compared again too), empty when
         they match. Raises like :meth:`verify`."""
+        return self.verify_entries(path, self.deferred_entries(path, over=over))
+
+    def deferred_entries(self, path: str, *,
+                         over: int = DEFER_CHECKSUMS_OVER) -> list[tuple[str, dict[str, Any]]]:
+        """The manifest entries whose checksums ``verify(defer_over=over)`` leaves out, as
+        (manifest path, entry). Raises like :meth:`verify`."""
         manifest = self._committed_manifest(path)
+        return [(rel, info) for rel, info in sorted(manifest.files.items())
+                if _deferrable(rel, info, over)]
+
+    def verify_entries(self, path: str, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        """Problems in these manifest entries of ``path`` (size and checksum), a few files
+        at a time."""
         inside = os.path.realpath(path)
-
-        def check(item: tuple[str, dict[str, Any]]) -> str | None:
-            rel, info = item
-            if not _deferrable(rel, info, over):
-                return None
-            return _check_file(path, inside, rel, info, checksums=True)
-
-        return self._check_all(path, manifest, check, unlisted=False)
+        problems: list[str] = []
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for problem in pool.map(
+                    lambda item: _check_file(path, inside, *item, checksums=True), entries):
+                if problem:
+                    problems.append(problem)
+        return problems
 
     @staticmethod
     def _check_all(path: str, manifest: Manifest,
@@ -493,28 +587,53 @@ class CheckpointStore:
         return None, skipped
 
     # --- commit ---------------------------------------------------------------------------
-    def commit(self, path: str, step: int, *, exclude: tuple[str, ...] = ()) -> Manifest:
+    def commit(self, path: str, step: int, *, exclude: tuple[str, ...] = (),
+               known: dict[str, dict[str, Any]] | None = None) -> Manifest:
         """Make ``path`` a valid checkpoint: checksum and fsync every file and directory in
-        it, then write the marker atomically. Call only after every process's writes ended."""
+        it, then write the marker atomically. Call only after every process's writes ended.
+
+        ``known``: manifest entries (``{"size": n, algorithm: hex}``, by path relative to
+        ``path``) of files whose writer computed their checksum from the bytes it wrote and
+        made them durable itself (``zarr_io``): those are not read back, only their size is
+        checked against the file's. Entries of another algorithm than this commit's, or of
+        files that are not there, are refused (a writer's bug, never a valid manifest).
+        """
         files = sorted(rel for rel in _listed_files(path) if rel not in exclude)
         dirs = [dirpath for dirpath, _, _ in os.walk(path)]
         algorithm = default_algorithm()
+        known = dict(known or {})
+        for rel, info in known.items():
+            if rel not in files or set(info) != {"size", algorithm}:
+                raise ValueError(f"commit of {path}: the writer's checksum entry for {rel!r} "
+                                 f"({info!r}) names no file of the checkpoint or is not "
+                                 f"{{'size', {algorithm!r}}}")
+
         def summarise(rel: str) -> tuple[int, str]:
             full = os.path.join(path, rel)
+            if rel in known:
+                size = os.lstat(full).st_size
+                if size != known[rel]["size"]:
+                    raise CheckpointWriteError(
+                        f"{full} has {size} bytes but its writer wrote {known[rel]['size']}: "
+                        "the file changed after it was written. This save is not committed.")
+                return size, known[rel][algorithm]
             # Our writers never make links; one found here is recorded, never followed, and
             # verification refuses it.
             return (0, "link") if os.path.islink(full) else file_checksum(full, algorithm,
                                                                           fsync=True)
 
+        unknown = [rel for rel in files if rel not in known]
         with ThreadPoolExecutor(max_workers=4) as pool:
-            sums = list(pool.map(summarise, files))
+            sums = dict(zip(unknown, pool.map(summarise, unknown)))
+        sums.update((rel, summarise(rel)) for rel in known)
+        sums_in_order = [sums[rel] for rel in files]
         # Deepest first, so that every rename inside the checkpoint is durable before its
         # parent's entry is.
         for directory in sorted(dirs, key=len, reverse=True):
             fsync_dir(directory)
         manifest = Manifest(step=step, created=time.time(),
                             files={rel: {"size": size, algorithm: crc}
-                                   for rel, (size, crc) in zip(files, sums)})
+                                   for rel, (size, crc) in zip(files, sums_in_order)})
         atomic_write(os.path.join(path, COMMIT_MARKER), manifest.to_bytes())
         fsync_dir(os.path.dirname(path))
         return manifest

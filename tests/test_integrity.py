@@ -341,9 +341,9 @@ class ReadCounting(OrbaxBackend):
         super().__init__()
         self.reads: list[str] = []
 
-    def read(self, directory, like):
+    def read(self, directory, like, **options):
         self.reads.append(directory)
-        return super().read(directory, like)
+        return super().read(directory, like, **options)
 
 
 class RecordingLoader(Loader):
