@@ -307,11 +307,11 @@ def _write_direct(fd: int, flat: np.ndarray, tail: np.ndarray, algorithm: str) -
 
 def _write_buffered(fd: int, flat: np.ndarray, tail: np.ndarray, algorithm: str) -> str:
     crc = 0
-    view = memoryview(flat)
     for offset in range(0, flat.size, PIECE):
-        piece = view[offset:offset + PIECE]
+        piece = flat[offset:offset + PIECE]
+        # numpy, not a memoryview: google_crc32c's extension refuses memoryviews.
         crc = extend(algorithm, crc, piece)
-        _pwrite_all(fd, piece, offset)
+        _pwrite_all(fd, memoryview(piece), offset)
     crc = extend(algorithm, crc, tail)
     _pwrite_all(fd, memoryview(tail), flat.size)
     return f"{crc:08x}"

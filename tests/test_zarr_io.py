@@ -1,0 +1,445 @@
+"""zarr_io against real Orbax and real files: what it writes is Orbax's checkpoint byte for
+byte, Orbax reads it, Orbax's files are read natively, the checksums it reports are those of
+the files, damage is caught, and a failed or unsupported write falls back or leaves nothing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo, zarr_io
+from jaxckpt.checksum import default_algorithm, file_checksum
+from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
+from jaxckpt.orbax_backend import OrbaxBackend
+from jaxckpt.store import CheckpointStore, ReadClaims
+from test_integrity import flip_byte, step_dir
+from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same_tree, like_of
+
+ALGORITHM = default_algorithm()
+PIECE = zarr_io.PIECE
+ALIGN = zarr_io.ALIGN
+
+
+@pytest.fixture(scope="module")
+def backends():
+    """backends(kind, pack_leaf_bytes): one shared backend per setting. kind "native" is
+    the default (zarr_io), "orbax" is native_io=False."""
+    made: dict[tuple[str, int | None], OrbaxBackend] = {}
+
+    def get(kind: str, pack: int | None = None) -> OrbaxBackend:
+        if (kind, pack) not in made:
+            options = {} if pack is None else {"pack_leaf_bytes": pack}
+            made[kind, pack] = OrbaxBackend(native_io=kind == "native", **options)
+        return made[kind, pack]
+
+    yield get
+    for backend in made.values():
+        backend.close()
+
+
+def random_array(dtype, shape, rng) -> np.ndarray:
+    """Random bits (NaN payloads, subnormals and all) of any dtype; bool as 0/1."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    count = int(np.prod(shape)) * dtype.itemsize
+    return rng.integers(0, 256, size=count, dtype=np.uint8).view(dtype).reshape(shape)
+
+
+def chunk_files(directory: Path) -> dict[str, Path]:
+    """Array data files under ``directory/arrays`` (``{name}/c`` or ``{name}/c/0/...``), by
+    path relative to ``directory``."""
+    found = {}
+    for path in (directory / "arrays").rglob("*"):
+        rel = path.relative_to(directory)
+        if path.is_file() and len(rel.parts) >= 3 and rel.parts[2] == "c":
+            found[rel.as_posix()] = path
+    return found
+
+
+def offer_chunks(directory: Path, entries=None) -> tuple[ReadClaims, list]:
+    """A ReadClaims offering every chunk file of ``directory`` (with the files' current
+    checksums unless ``entries`` are given), as a restore with deferred checks does."""
+    if entries is None:
+        entries = []
+        for rel, path in sorted(chunk_files(directory).items()):
+            size, crc = file_checksum(str(path), ALGORITHM)
+            entries.append((rel, {"size": size, ALGORITHM: crc}))
+    claims = ReadClaims()
+    claims.offer(str(directory), entries)
+    return claims, sorted(entries)
+
+
+def assert_checksums_are_the_files(handle, directory: Path) -> None:
+    """The write handle lists every chunk file, with the file's real size and checksum."""
+    chunks = chunk_files(directory)
+    assert sorted(handle.checksums) == sorted(chunks)
+    for rel, info in handle.checksums.items():
+        size, crc = file_checksum(str(chunks[rel]), ALGORITHM)
+        assert info == {"size": size, ALGORITHM: crc}, rel
+
+
+def files_of(directory: Path) -> set[str]:
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+
+
+def stored_names(directory: Path) -> dict[str, str]:
+    tree = json.loads((directory / "tree.json").read_text())
+    return {leaf["path"]: leaf["name"] for leaf in tree["leaves"]}
+
+
+def mixed_state() -> dict:
+    rng = np.random.default_rng(1)
+    return {
+        "params": {"w": jnp.asarray(rng.standard_normal((64, 32), np.float32)),
+                   "b": jnp.asarray(rng.standard_normal(32), jnp.bfloat16)},
+        "big": jnp.asarray(rng.standard_normal(1 << 19, np.float32)),  # 2 MiB: never packed
+        "host": rng.standard_normal((5, 3)),
+        "half": rng.standard_normal(9).astype(ml_dtypes.bfloat16),
+        "counts": rng.integers(-5, 5, (4,), dtype=np.int16),
+        "key": jax.random.key(0),
+        "step": 12345,
+        "lr": 3e-4,
+    }
+
+
+# ------------------------------------------------------------------ same files as Orbax
+
+
+@pytest.fixture(scope="module")
+def fidelity(tmp_path_factory, backends):
+    """The same flat dict written by Orbax and by zarr_io, every leaf its own array."""
+    rng = np.random.default_rng(0)
+    state = {f"{name}_{len(shape)}d": random_array(name, shape, rng)
+             for name in sorted(zarr_io.SUPPORTED_DTYPES)
+             for shape in [(), (7,), (3, 5), (2, 3, 4)]}
+    state["one_block"] = random_array("uint8", (ALIGN - 20,), rng)  # data + index: 4096
+    state["two_blocks"] = random_array("float32", ((2 * ALIGN - 20) // 4,), rng)
+    state["piece_exact"] = random_array("uint8", (PIECE,), rng)  # the index starts a piece
+    state["piece_straddle"] = random_array("uint8", (PIECE - 10,), rng)  # index crosses it
+    state["pieces"] = random_array("float32", (3 * PIECE // 8 + 5,), rng)  # 12 MiB
+    root = tmp_path_factory.mktemp("fidelity")
+    for kind in ("orbax", "native"):
+        handle = backends(kind, 0).write(str(root / kind), state, asynchronous=False)
+        handle.wait()
+        assert (handle.checksums is not None) == (kind == "native")
+    return root / "orbax", root / "native", state
+
+
+def test_native_files_are_orbaxs_byte_for_byte(fidelity):
+    orbax_dir, native_dir, state = fidelity
+    orbax_files = files_of(orbax_dir)  # tree.json and arrays/
+    assert "tree.json" in orbax_files and "arrays/_METADATA" in orbax_files
+    assert files_of(native_dir) == orbax_files
+    assert len(chunk_files(native_dir)) == len(state)
+    stamped = {"arrays/_CHECKPOINT_METADATA", "arrays/commit_success.txt"}  # times, path
+    differing = sorted(rel for rel in orbax_files - stamped
+                       if (orbax_dir / rel).read_bytes() != (native_dir / rel).read_bytes())
+    assert differing == []
+
+    metadata = []
+    for directory in (orbax_dir, native_dir):
+        document = json.loads((directory / "arrays" / "_CHECKPOINT_METADATA").read_text())
+        assert document.pop("init_timestamp_nsecs") <= document.pop("commit_timestamp_nsecs")
+        metadata.append(document)
+    assert metadata[1] == metadata[0]
+    orbax_text = (orbax_dir / "arrays" / "commit_success.txt").read_text()
+    native_text = (native_dir / "arrays" / "commit_success.txt").read_text()
+    assert str(native_dir / "arrays") in native_text
+    assert native_text == orbax_text.replace(str(orbax_dir), str(native_dir))
+
+
+def test_plain_orbax_restores_what_zarr_io_wrote_bit_for_bit(fidelity):
+    _, native_dir, state = fidelity
+    names = stored_names(native_dir)
+    restored = ocp.PyTreeCheckpointer().restore(native_dir / "arrays")
+    assert sorted(restored) == sorted(names.values())
+    for key, value in state.items():
+        assert_bitwise_equal(restored[names[f"['{key}']"]], value)
+
+
+# ------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("pack", [0, None], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("writer,reader", [("native", "native"), ("orbax", "native"),
+                                           ("native", "orbax")])
+def test_mixed_tree_round_trips_bit_exactly(backends, tmp_path, writer, reader, pack):
+    state = mixed_state()
+    handle = backends(writer, pack).write(str(tmp_path / "ckpt"), state, asynchronous=False)
+    handle.wait()
+    claims, offered = offer_chunks(tmp_path / "ckpt")
+
+    restored = backends(reader, pack).read(str(tmp_path / "ckpt"), like_of(state),
+                                           claims=claims)
+
+    assert_same_tree(restored, state)
+    # The native reader claims (and checksums) every chunk file; Orbax claims none.
+    assert claims.unclaimed(str(tmp_path / "ckpt")) == ([] if reader == "native" else offered)
+    assert claims.problems(str(tmp_path / "ckpt")) == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_write_checksums_are_the_files_checksums(backends, tmp_path, asynchronous):
+    handle = backends("native", 0).write(str(tmp_path / "ckpt"), mixed_state(),
+                                         asynchronous=asynchronous)
+    handle.wait()
+    assert_checksums_are_the_files(handle, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_manager_commits_a_manifest_that_verifies(tmp_path, mode):
+    with CheckpointManager(tmp_path, mode=mode, preemption_signals=()) as mgr:
+        mgr.save(StepInfo(0, 0, 0), mixed_state())
+        mgr.wait()
+    store = CheckpointStore(tmp_path)
+    path = store.step_path(0)
+    assert store.verify(path, checksums=True) == []
+    listed = store.read_manifest(path).files
+    chunks = chunk_files(Path(path) / "state")
+    assert chunks and all(f"state/{rel}" in listed for rel in chunks)
+
+
+# ------------------------------------------------------------------------- fallbacks
+
+
+def test_an_array_zarr_io_cannot_write_sends_the_whole_write_to_orbax(backends, tmp_path):
+    state = {"w": np.arange(12, dtype=np.float32).reshape(3, 4),
+             "int4": np.array([1, -2, 7, -8, 0], ml_dtypes.int4)}
+    handle = backends("native", 0).write(str(tmp_path / "ckpt"), state, asynchronous=False)
+    handle.wait()
+    assert handle.checksums is None  # Orbax wrote it
+    claims, offered = offer_chunks(tmp_path / "ckpt")
+    assert offered
+
+    restored = backends("native", 0).read(str(tmp_path / "ckpt"), like_of(state), claims=claims)
+
+    assert_same_tree(restored, state)
+    # One array not in zarr_io's layout: Orbax reads them all.
+    assert claims.unclaimed(str(tmp_path / "ckpt")) == offered
+
+
+def test_buffered_io_writes_the_same_files_and_reads_them_back(tmp_path):
+    rng = np.random.default_rng(2)
+    state = {"pieces": random_array("float32", (3 * PIECE // 8 + 5,), rng),
+             "small": random_array("bfloat16", (3, 7), rng)}
+    direct, buffered = OrbaxBackend(pack_leaf_bytes=0), OrbaxBackend(pack_leaf_bytes=0,
+                                                                     direct_io=False)
+    try:
+        direct.write(str(tmp_path / "direct"), state, asynchronous=False).wait()
+        handle = buffered.write(str(tmp_path / "buffered"), state, asynchronous=False)
+        handle.wait()
+        assert_checksums_are_the_files(handle, tmp_path / "buffered")
+        for rel, path in chunk_files(tmp_path / "buffered").items():
+            assert path.read_bytes() == (tmp_path / "direct" / rel).read_bytes(), rel
+        claims, _ = offer_chunks(tmp_path / "buffered", list(handle.checksums.items()))
+        restored = buffered.read(str(tmp_path / "buffered"), like_of(state), claims=claims)
+        assert_same_tree(restored, state)
+        assert claims.unclaimed(str(tmp_path / "buffered")) == []
+        assert claims.problems(str(tmp_path / "buffered")) == []
+    finally:
+        direct.close()
+        buffered.close()
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_io(backends):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        try:
+            os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+        else:
+            pytest.skip("/dev/shm accepts O_DIRECT here (tmpfs does since Linux 6.6) and no "
+                        "other filesystem at hand refuses it")
+        state = mixed_state()
+        handle = backends("native", 0).write(str(directory / "ckpt"), state, asynchronous=False)
+        handle.wait()
+        assert os.stat(directory).st_dev in zarr_io._no_direct
+        assert_checksums_are_the_files(handle, directory / "ckpt")
+        assert_same_tree(backends("native", 0).read(str(directory / "ckpt"), like_of(state)),
+                         state)
+    finally:
+        shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_failed_native_write_leaves_no_arrays_directory(tmp_path, asynchronous):
+    backend = OrbaxBackend()
+    try:
+        with _FileSizeLimit(2 << 20), pytest.raises(OSError, match="File too large"):
+            backend.write(str(tmp_path / "ckpt"), {"w": np.ones(1 << 20, np.float32)},
+                          asynchronous=asynchronous).wait()
+    finally:
+        backend.close()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["tree.json"]  # no arrays, no arrays.tmp-*
+
+
+# ------------------------------------------------------------------------------ damage
+
+
+def test_array_bytes_refuses_a_damaged_shard_index(tmp_path):
+    data = random_array("float32", (1000,), np.random.default_rng(3))
+    path = tmp_path / "chunk"
+    zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM)
+    content, _ = zarr_io.read_chunk(str(path), data.nbytes, algorithm=None)
+    assert zarr_io.array_bytes(str(path), content, data.nbytes).tobytes() == data.tobytes()
+    for offset in (data.nbytes + 9, data.nbytes + 18):  # its length field, its crc32c
+        flip_byte(path, offset)
+        content, _ = zarr_io.read_chunk(str(path), data.nbytes, algorithm=None)
+        with pytest.raises(CheckpointCorruptError, match="shard index"):
+            zarr_io.array_bytes(str(path), content, data.nbytes)
+        flip_byte(path, offset)  # undo
+
+
+def test_read_chunk_refuses_a_truncated_file(tmp_path):
+    data = np.arange(5000, dtype=np.int32)
+    path = tmp_path / "chunk"
+    zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM)
+    os.truncate(path, path.stat().st_size - 1)
+    with pytest.raises(CheckpointCorruptError, match=f"{data.nbytes + 19} bytes"):
+        zarr_io.read_chunk(str(path), data.nbytes, algorithm=ALGORITHM)
+
+
+@pytest.mark.parametrize("where", ["data", "index"])
+def test_the_native_reads_checksum_catches_what_the_read_alone_misses(backends, tmp_path, where):
+    state = {"w": random_array("float32", (1 << 18,), np.random.default_rng(4))}
+    handle = backends("native", 0).write(str(tmp_path / "ckpt"), state, asynchronous=False)
+    handle.wait()
+    ((rel, path),) = chunk_files(tmp_path / "ckpt").items()
+    flip_byte(path, state["w"].nbytes // 2 if where == "data" else state["w"].nbytes + 12)
+    # As a restore does: the checksums of the commit, not of the damaged file.
+    claims, _ = offer_chunks(tmp_path / "ckpt", list(handle.checksums.items()))
+
+    if where == "data":  # one wrong number: the read itself cannot tell
+        restored = backends("native", 0).read(str(tmp_path / "ckpt"), like_of(state),
+                                              claims=claims)
+        assert restored["w"].tobytes() != state["w"].tobytes()
+    else:
+        with pytest.raises(CheckpointCorruptError, match="shard index"):
+            backends("native", 0).read(str(tmp_path / "ckpt"), like_of(state), claims=claims)
+    assert claims.unclaimed(str(tmp_path / "ckpt")) == []
+    (problem,) = claims.problems(str(tmp_path / "ckpt"))
+    assert problem.startswith(f"{rel}: {ALGORITHM} ") and "contents altered" in problem
+
+
+def multi_piece_state(step: int) -> dict:
+    rng = np.random.default_rng(10 + step)
+    return {"big": jnp.asarray(rng.standard_normal(PIECE // 4 + 1000, dtype=np.float32)),
+            "w": jnp.full((8, 8), float(step), jnp.float32), "key": jax.random.key(step)}
+
+
+@pytest.mark.parametrize("where", ["second-piece", "index-length", "index-crc"])
+def test_damaged_chunk_makes_recovery_fall_back_to_the_previous_step(tmp_path, where):
+    with CheckpointManager(tmp_path, recover=RecoverConfig(keep_last_n=None), mode="sync",
+                           preemption_signals=()) as mgr:
+        for step in (0, 1):
+            mgr.save(StepInfo(0, step, step), multi_piece_state(step))
+    ckpt = step_dir(tmp_path, 1)
+    name = stored_names(ckpt / "state")["['big']"]
+    ((rel, path),) = [(f"state/{r}", p) for r, p in chunk_files(ckpt / "state").items()
+                      if r.startswith(f"arrays/{name}/")]
+    size = path.stat().st_size
+    flip_byte(path, {"second-piece": PIECE + 100, "index-length": size - 9,
+                     "index-crc": size - 2}[where])
+
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), multi_piece_state(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(tmp_path, preemption_signals=()) as mgr:
+            recovered = mgr.recover(like)
+
+    assert recovered.step_info.global_step == 0
+    assert_same_tree(recovered.state, multi_piece_state(0))
+    messages = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert any(str(ckpt) in m and f"{rel}: {ALGORITHM}" in m for m in messages), messages
+
+
+# ------------------------------------------------------------------------- ReadClaims
+
+
+def test_each_offered_file_is_claimed_once_and_none_after_close(tmp_path):
+    claims, _ = offer_chunks(tmp_path, [("a/x", {"size": 3, "crc32c": "0000000a"}),
+                                        ("b", {"size": 4, "crc32c": "0000000b"})])
+    assert claims.claim(f"{tmp_path}/a/./x") == ("crc32c", "0000000a")  # any spelling
+    assert claims.claim(str(tmp_path / "a" / "x")) is None  # already claimed
+    assert claims.claim(str(tmp_path / "other")) is None  # never offered
+    claims.close()
+    assert claims.claim(str(tmp_path / "b")) is None
+    assert claims.unclaimed(str(tmp_path)) == [("b", {"size": 4, "crc32c": "0000000b"})]
+
+
+def test_unclaimed_waits_for_close(tmp_path):
+    claims, offered = offer_chunks(tmp_path, [("x", {"size": 1, "crc32c": "00000001"})])
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(claims.unclaimed(str(tmp_path))))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and got == []
+    claims.close()
+    waiter.join(5)
+    assert got == [offered]
+
+
+def test_settle_reports_a_wrong_checksum_and_a_missing_one(tmp_path):
+    claims, _ = offer_chunks(tmp_path, [(name, {"size": 1, "crc32c": "00000001"})
+                                        for name in ("good", "bad", "never")])
+    for name in ("good", "bad", "never"):
+        assert claims.claim(str(tmp_path / name)) is not None
+    claims.close()
+    claims.settle(str(tmp_path / "good"), "00000001")
+    claims.settle(str(tmp_path / "bad"), "deadbeef")
+    problems = claims.problems(str(tmp_path))
+    assert len(problems) == 2
+    assert problems[0].startswith("bad: crc32c deadbeef") and "contents altered" in problems[0]
+    assert problems[1].startswith("never: ") and "never computed" in problems[1]
+
+
+# ------------------------------------------------------------------ commit(known=...)
+
+
+@pytest.fixture
+def written(tmp_path):
+    path = tmp_path / "recover" / "step_00000000"
+    path.mkdir(parents=True)
+    (path / "data.bin").write_bytes(b"x" * 100)
+    size, crc = file_checksum(str(path / "data.bin"), ALGORITHM)
+    return CheckpointStore(tmp_path), str(path), {"size": size, ALGORITHM: crc}
+
+
+def test_commit_takes_a_writers_checksum_without_reading_the_file(written):
+    store, path, info = written
+    lying = {"size": info["size"], ALGORITHM: "%08x" % (int(info[ALGORITHM], 16) ^ 1)}
+    store.commit(path, 0, known={"data.bin": lying})
+    assert store.read_manifest(path).files["data.bin"] == lying
+    (problem,) = store.verify(path, checksums=True)
+    assert problem.startswith("data.bin: ") and "contents altered" in problem
+
+
+@pytest.mark.parametrize("case", ["no-such-file", "other-algorithm", "wrong-size"])
+def test_commit_refuses_a_bad_known_entry(written, case):
+    store, path, info = written
+    other = "crc32" if ALGORITHM == "crc32c" else "crc32c"
+    known = {"no-such-file": {"missing.bin": info},
+             "other-algorithm": {"data.bin": {"size": info["size"], other: "00000000"}},
+             "wrong-size": {"data.bin": {**info, "size": info["size"] + 1}}}[case]
+    error = CheckpointWriteError if case == "wrong-size" else ValueError
+    with pytest.raises(error):
+        store.commit(path, 0, known=known)
+    assert store.read_manifest(path) is None
