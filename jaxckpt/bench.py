@@ -205,6 +205,9 @@ _ROWS: tuple[_Row, ...] = (
          section="train"),
     _Row(key="train_ckpt", label="training loop, jaxckpt async save every N steps",
          section="train"),
+    _Row(key="train_ckpt_orbax_io",
+         label="training loop, the same with Orbax's own writer (native_io=False)",
+         section="train"),
 )
 
 _TARGETS: tuple[_Target, ...] = (
@@ -801,9 +804,11 @@ class _Bench:
             plain = _train_loop(config, "none", self.fresh("train"))
             raw = _train_loop(config, "raw", self.fresh("train"))
             ckpt = _train_loop(config, "jaxckpt", self.fresh("train"))
+            orbax_io = _train_loop(config, "jaxckpt-orbax-io", self.fresh("train"))
             self.result.add("train_plain", plain["loop_s"])
             self.result.add("train_raw", raw["loop_s"])
             self.result.add("train_ckpt", ckpt["loop_s"])
+            self.result.add("train_ckpt_orbax_io", orbax_io["loop_s"])
             blocking.append(sum(ckpt["blocking_s"]) / plain["loop_s"])
             facts.update(state_bytes=ckpt["state_bytes"], saves_per_run=len(ckpt["blocking_s"]))
         facts["step_ms"] = round(1000 * self.result.median("train_plain")
@@ -893,6 +898,8 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
     - "none": no checkpoints;
     - "jaxckpt": ``CheckpointManager.maybe_save`` after every step, async saves every
       ``save_every`` steps (what a user writes);
+    - "jaxckpt-orbax-io": the same with ``OrbaxBackend(native_io=False)``: Orbax and
+      tensorstore write the arrays, the commit reads them back to checksum them;
     - "raw": every ``save_every`` steps a background thread writes the state's bytes to one
       file and fsyncs it (the least any async checkpoint must do: the floor).
 
@@ -914,17 +921,21 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
         learning_rate=1e-3)
 
     manager = None
+    backend = None
     writer = None
     pending: concurrent.futures.Future[None] | None = None
     blocking: list[float] = []
     state_bytes = 0
     last_report = None
     os.makedirs(root, exist_ok=True)
-    if saver == "jaxckpt":
+    if saver in ("jaxckpt", "jaxckpt-orbax-io"):
+        from .orbax_backend import OrbaxBackend
+
+        backend = OrbaxBackend(native_io=saver == "jaxckpt")
         manager = jaxckpt.CheckpointManager(
             root, recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=every),
                                                 keep_last_n=1),
-            mode="async", preemption_signals=())
+            mode="async", preemption_signals=(), backend=backend)
     elif saver == "raw":
         writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
@@ -960,6 +971,8 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
     finally:
         if manager is not None:
             manager.close()
+        if backend is not None:
+            backend.close()
         if writer is not None:
             writer.shutdown(wait=True)
     if last_report is not None:

@@ -67,9 +67,12 @@ def _extend(algorithm: str, crc: int, view: np.ndarray) -> int:
 
 
 def extend(algorithm: str, crc: int, data: Any) -> int:
-    """``crc`` (0 to start) extended over ``data`` (any buffer), e.g. to checksum a file's
-    bytes while they are being written instead of reading the file back."""
+    """``crc`` (0 to start) extended over ``data`` (bytes, a numpy array or a memoryview),
+    e.g. to checksum a file's bytes while they are being written instead of reading the
+    file back."""
     _check_available(algorithm)
+    if isinstance(data, memoryview):  # google-crc32c's extension refuses memoryviews
+        data = np.frombuffer(data, np.uint8)
     return _extend(algorithm, crc, data)
 
 

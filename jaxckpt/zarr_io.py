@@ -257,11 +257,10 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str,
         if is_direct:
             try:
                 crc = _write_direct(fd, flat, tail, algorithm)
-            except OSError as error:
-                if error.errno != errno.EINVAL:
-                    raise
-                # Opened but refused at the first write (alignment rules stricter than
-                # ours): this filesystem gets buffered writes from now on.
+            except _DirectRefused:
+                # Opened, but the first write was refused (alignment rules stricter than
+                # ours): this filesystem gets buffered writes from now on. A failure later
+                # in the file (a full disk, a size limit) is an error like any other.
                 _no_direct.add(dev)
                 os.close(fd)
                 fd = -1
@@ -277,6 +276,10 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str,
         if fd >= 0:
             os.close(fd)
     return nbytes + _INDEX_BYTES, crc
+
+
+class _DirectRefused(Exception):
+    """The first O_DIRECT write of a file failed with EINVAL."""
 
 
 def _write_direct(fd: int, flat: np.ndarray, tail: np.ndarray, algorithm: str) -> str:
@@ -296,7 +299,12 @@ def _write_direct(fd: int, flat: np.ndarray, tail: np.ndarray, algorithm: str) -
         padded = _padded(end)
         if padded > end:
             bounce[end:padded] = 0
-        _pwrite_all(fd, memoryview(bounce[:padded]), offset)
+        try:
+            _pwrite_all(fd, memoryview(bounce[:padded]), offset)
+        except OSError as error:
+            if offset == 0 and error.errno == errno.EINVAL:
+                raise _DirectRefused() from error
+            raise
         offset += count
         if last:
             break
