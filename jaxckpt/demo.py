@@ -299,7 +299,8 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
             emit(f"STEP {step.global_step}")
             if backend is not None:
                 backend.current_step = step.global_step
-            started = mgr.maybe_save(step, nnx.state((model, optimizer)),
+            # A function: the state tree is only built on steps where a save is due.
+            started = mgr.maybe_save(step, lambda: nnx.state((model, optimizer)),
                                      metrics={"loss": loss_value})
             reports.extend(started)
             if any(r.kind == "recover" for r in started):

@@ -31,12 +31,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import signal
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -385,10 +387,13 @@ class CheckpointManager:
                    items: Mapping[str, Any] | None = None) -> list[SaveReport]:
         """Save a recovery checkpoint and/or an export if one is due after ``step_info``.
 
-        ``epoch_end`` defaults to what ``step_info`` says (last step of its epoch, when
-        ``steps_per_epoch`` is known). ``items``: auxiliary items (see the class docstring),
-        only touched when a recovery checkpoint is due. Returns the reports of the saves
-        started (often [])."""
+        ``state`` is the array state, or a function of no arguments that returns it
+        (e.g. ``lambda: nnx.state((model, optimizer))``): called only when something is
+        due, so the steps between saves do not pay for building the state tree (~0.4 ms a
+        step for the demo's MLP and Adam, 1% of its step). ``epoch_end`` defaults to what
+        ``step_info`` says (last step of its epoch, when ``steps_per_epoch`` is known).
+        ``items``: auxiliary items (see the class docstring), only touched when a recovery
+        checkpoint is due. Returns the reports of the saves started (often [])."""
         self._check_usable()
         _check_step_info(step_info)
         if epoch_end is None:
@@ -409,6 +414,8 @@ class CheckpointManager:
                 warnings.warn("preemption requested but recovery is off: no checkpoint written.",
                               CheckpointWarning, stacklevel=2)
         reports = []
+        if recover_reason or export_reason:
+            state = _resolve_state(state)
         if recover_reason:
             reports.append(self._save_recover(step_info, state, stateful, metrics, recover_reason,
                                               items=items, epoch_end=epoch_end))
@@ -425,9 +432,11 @@ class CheckpointManager:
         """A forced recovery checkpoint (e.g. at the end of training), whatever the triggers
         and the recover mode. ``mode`` overrides the manager's save mode for this call (the
         final save of a run is usually ``mode="sync"``). Saving a step this manager already
-        saved returns that save's report instead of writing it twice."""
+        saved returns that save's report instead of writing it twice. ``state`` may be a
+        function of no arguments that returns it, as in ``maybe_save``."""
         self._check_usable()
         _check_step_info(step_info)
+        state = _resolve_state(state)
         override = None if mode is None else resolve_mode(
             mode, supports_async=self._backend.supports_async, field="save(mode=...)")
         if epoch_end is None:
@@ -1258,6 +1267,15 @@ def _check_step_info(step_info: Any) -> None:
         raise ConfigError(f"step_info must be a jaxckpt.StepInfo, got {type(step_info).__name__} "
                           f"{step_info!r}. Write StepInfo(epoch, epoch_step, global_step, "
                           f"steps_per_epoch).")
+
+
+def _resolve_state(state: Any) -> Any:
+    """``state``, or what it returns when it is a plain function (lambda, def, bound
+    method, functools.partial). Only those: a function is never an array state itself,
+    while pytree containers and modules with ``__call__`` are."""
+    if isinstance(state, (types.FunctionType, types.MethodType, functools.partial)):
+        return state()
+    return state
 
 
 def _known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:

@@ -377,3 +377,31 @@ def test_error_seen_through_report_wait_is_not_raised_twice(tmp_path):
     mgr.maybe_save(StepInfo(0, 1, 1), tree())
     with pytest.raises(jaxckpt.CheckpointWriteError, match="step 1"):  # ... and is raised once
         mgr.close()
+
+
+def test_a_function_as_state_is_called_only_when_a_save_is_due(tmp_path):
+    calls = []
+
+    def build(value):
+        calls.append(value)
+        return tree(value)
+
+    export_dir = []
+    export = ExportConfig(every=Every(steps=4),
+                          exporter=lambda state, out: export_dir.append(float(state["w"][0, 0])))
+    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=3), keep_last_n=None),
+                           export=export, mode="sync") as mgr:
+        info = StepInfo(0, 0, 0)
+        for _ in range(8):
+            value = float(info.global_step)
+            mgr.maybe_save(info, lambda value=value: build(value))
+            info = info.next()
+        # A forced save takes a function too.
+        mgr.save(info, lambda: build(99.0))
+        mgr.wait()
+        # Steps 2 and 5 (recovery), 3 and 7 (export): one call each, none in between.
+        assert calls == [2.0, 3.0, 5.0, 7.0, 99.0]
+        assert export_dir == [3.0, 7.0]
+        recovered = mgr.recover(like())
+    assert recovered.step_info.global_step == 8
+    assert float(recovered.state["w"][0, 0]) == 99.0
