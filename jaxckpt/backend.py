@@ -50,8 +50,11 @@ class Backend(Protocol):
     ``host_copy(state)`` (e.g. torch state dicts rather than live modules), whatever the export
     mode; ``reads_in_place = True`` says that ``read`` loads into the objects of ``like``
     (so what it read cannot be discarded): the manager then verifies every checksum before
-    reading, instead of checking those of large data files while ``read`` runs; ``close()``
-    is called by a manager that created its backend itself.
+    reading, instead of checking those of large data files while ``read`` runs;
+    ``verifies_reads = True`` says that ``read`` takes ``claims=`` (a ``store.ReadClaims``)
+    and checks the deferred checksums of the files it reads whole as it reads them, so that
+    the manager's verifier skips those; ``close()`` is called by a manager that created its
+    backend itself.
     """
 
     #: short name recorded in driver.json, e.g. "orbax" or "dcp".
