@@ -14,24 +14,18 @@ failed worker has its whole process group killed.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from two_processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("torch_worker.py")
 TIMEOUT_S = 120
 STEPS_1, STEPS_2 = 16, 14  # single process: 12 steps/epoch; 2 ranks: 6 steps/epoch
 KILL_AT = 7  # right after the async save of step 7 started (saves every 4 steps: 3, 7, ...)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(arg_lists: list[list[str]], *, timeout: float = TIMEOUT_S) -> list[int]:
