@@ -649,7 +649,8 @@ class OrbaxBackend:
                  collective_timeout_s: float = 300.0, pause_gc: bool = True,
                  pack_leaf_bytes: int = DEFAULT_PACK_LEAF_BYTES,
                  pack_bytes: int = DEFAULT_PACK_BYTES, reuse_host_buffers: bool = True,
-                 native_io: bool = True, direct_io: bool = True, io_threads: int = 2):
+                 native_io: bool = True, direct_io: bool = True, io_threads: int = 2,
+                 read_threads: int = 4):
         """
         Args:
           use_ocdbt: Orbax's OCDBT container format. Off: one zarr array per leaf was the
@@ -677,16 +678,22 @@ class OrbaxBackend:
             writes and reads everything, as with several processes.
           direct_io: with ``native_io``, move the bytes with ``O_DIRECT`` where the
             filesystem allows it (no copy through the page cache); False: buffered I/O.
-          io_threads: threads that write (and read) array files in parallel with
-            ``native_io``.
+          io_threads: threads that write array files in parallel with ``native_io``. Two:
+            more finish a large write no sooner on the disks measured, and their bursts of
+            copying and checksumming land on every core at once while training runs
+            (docs/performance.md).
+          read_threads: threads that read array files in parallel with ``native_io``: more
+            reads in flight help a restore (1 GiB: 0.49 s with 4, 0.64 s with 2), and
+            nothing else runs then.
         """
         for field, value in (("pack_leaf_bytes", pack_leaf_bytes), ("pack_bytes", pack_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"OrbaxBackend({field}=...) must be an int >= 0 (bytes), got "
                                  f"{value!r}.")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise ValueError(f"OrbaxBackend(io_threads=...) must be an int >= 1, got "
-                             f"{io_threads!r}.")
+        for field, value in (("io_threads", io_threads), ("read_threads", read_threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"OrbaxBackend({field}=...) must be an int >= 1, got "
+                                 f"{value!r}.")
         if pack_leaf_bytes > 0 and pack_bytes < pack_leaf_bytes:
             raise ValueError(f"OrbaxBackend(pack_bytes={pack_bytes}) must be at least "
                              f"pack_leaf_bytes={pack_leaf_bytes}: a pack holds leaves of up to "
@@ -701,7 +708,9 @@ class OrbaxBackend:
         self._native_io = native_io
         self._direct_io = direct_io
         self._io_threads = io_threads
+        self._read_threads = read_threads
         self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._read_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # (storage name, shape, dtype) -> [host buffer, the write that last used it]: a
         # buffer is refilled only once that write finished (see _stage_host).
         self._host_buffers: dict[tuple[str, tuple[int, ...], np.dtype],
@@ -901,6 +910,12 @@ class OrbaxBackend:
                 max_workers=self._io_threads, thread_name_prefix="jaxckpt-io")
         return self._io_pool
 
+    def _readers(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._read_pool is None:
+            self._read_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._read_threads, thread_name_prefix="jaxckpt-read")
+        return self._read_pool
+
     def _write_local_native(self, root: epath.Path, tree_json: str,
                             arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
         """The writer thread's half of a single-process async write through zarr_io."""
@@ -1049,9 +1064,10 @@ class OrbaxBackend:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None
-            if self._io_pool is not None:
-                self._io_pool.shutdown(wait=True)
-                self._io_pool = None
+            for pool in (self._io_pool, self._read_pool):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._io_pool = self._read_pool = None
             self._async.close()
             self._sync.close()
             self._background.close()
@@ -1229,7 +1245,7 @@ class OrbaxBackend:
             return zarr_io.array_bytes(file, content, nbytes).view(dtype).reshape(shape)
 
         plans.sort(key=lambda plan: -prod(plan[1]) * plan[2].itemsize)  # largest first
-        arrays = list(self._pool().map(read, plans))
+        arrays = list(self._readers().map(read, plans))
         restored: dict[str, Any] = {}
         placed: list[tuple[str, np.ndarray, Any]] = []
         for (name, _, _, args, _), array in zip(plans, arrays):
