@@ -1,4 +1,4 @@
-"""The JAX/Flax backend: pytrees of arrays written and read by Orbax.
+"""The JAX/Flax backend: pytrees of arrays stored as Orbax checkpoints.
 
 Owns: turning a JAX pytree (dicts, lists, tuples, NamedTuples, ``flax.nnx.State``, optax
 states) into a flat ``{storage_name: array}`` dict that Orbax writes, our own ``tree.json``
@@ -10,9 +10,9 @@ Also the process facts (index, count, barrier, broadcast) of a ``jax.distributed
 Layout of one written directory::
 
     {directory}/tree.json     our metadata (see ``TREE_FORMAT``), written by the primary process
-    {directory}/arrays/       an Orbax PyTreeCheckpointHandler checkpoint of the flat dict;
-                              Orbax writes it under a temporary name and renames it into place
-                              only once every process's data is written
+    {directory}/arrays/       an Orbax PyTreeCheckpointHandler checkpoint of the flat dict,
+                              written under a temporary name and renamed into place only once
+                              every process's data is written
 
 Small leaves are packed. Orbax spends about 2 ms of Python per leaf whatever its size
 (FIELD_NOTES.md), so a state of thousands of small leaves (optimizer states, biases, norms)
@@ -27,10 +27,14 @@ each, on their own shardings.
 
 How a write runs: the caller's thread validates and classifies the leaves, fills the packs,
 copies numpy leaves (async writes only: the caller may change them once write() returns)
-and returns. In a single process every array goes to Orbax as a host array (a CPU
-jax.Array as a zero-copy view: it is immutable) and async writes run on the backend's own
-writer thread; with several processes Orbax's AsyncCheckpointer writes each process's
-shards. docs/performance.md has the measurements behind each of these choices.
+and returns. In a single process every array is staged as a host array (a CPU jax.Array as
+a zero-copy view: it is immutable), async writes run on the backend's own writer thread,
+and on a local filesystem that thread writes Orbax's files itself (``jaxckpt.zarr_io``:
+the same bytes tensorstore would write, moved with O_DIRECT and checksummed on the way;
+``native_io``), which restores read back the same way. Orbax writes and reads everything
+else: several processes (its AsyncCheckpointer writes each process's shards), remote
+paths, dtypes zarr_io does not store, arrays in another layout. docs/performance.md has
+the measurements behind each of these choices.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
 again, and everything but the data follows from the layout: tree paths, classification, the
