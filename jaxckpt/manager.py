@@ -436,7 +436,6 @@ class CheckpointManager:
         function of no arguments that returns it, as in ``maybe_save``."""
         self._check_usable()
         _check_step_info(step_info)
-        state = _resolve_state(state)
         override = None if mode is None else resolve_mode(
             mode, supports_async=self._backend.supports_async, field="save(mode=...)")
         if epoch_end is None:
@@ -500,6 +499,7 @@ class CheckpointManager:
             existing = self._already_committed(step.global_step, mode, reason)
             if existing is not None:
                 return existing
+        state = _resolve_state(state)  # a function: only now that this save happens
         self._drain()
         self._raise_unraised()
         path = self._store.step_path(step.global_step)

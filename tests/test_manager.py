@@ -405,3 +405,11 @@ def test_a_function_as_state_is_called_only_when_a_save_is_due(tmp_path):
         recovered = mgr.recover(like())
     assert recovered.step_info.global_step == 8
     assert float(recovered.state["w"][0, 0]) == 99.0
+
+
+def test_a_forced_save_of_a_step_already_saved_does_not_build_the_state(tmp_path):
+    with CheckpointManager(tmp_path, recover=RecoverConfig(keep_last_n=None), mode="sync") as mgr:
+        first = mgr.save(StepInfo(0, 3, 3), tree(3.0))
+        calls = []
+        again = mgr.save(StepInfo(0, 3, 3), lambda: calls.append(1) or tree(4.0))
+    assert again is first and calls == []
