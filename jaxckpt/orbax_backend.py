@@ -861,7 +861,7 @@ class OrbaxBackend:
                     _write_durably(root / _TREE_FILE, tree_json)
             if not arrays:  # Orbax refuses an empty tree; tree.json alone describes it.
                 return OrbaxWriteHandle(None, directory, nbytes)
-            native = local and self._writes_natively(directory, arrays)
+            native = self._writes_natively(directory, arrays)
             save_args = None if native else ocp.args.PyTreeSave(item=arrays)
             if not asynchronous:
                 if native:
@@ -901,12 +901,16 @@ class OrbaxBackend:
         _write_durably(root / _TREE_FILE, tree_json)
         self._background.save(root / _ARRAYS_DIR, args=save_args)
 
+    def _native_here(self, directory: str) -> bool:
+        """Whether ``native_io`` applies to ``directory``: a single process, a local path."""
+        return self._native_io and jax.process_count() == 1 and "://" not in directory
+
     def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> bool:
-        """Whether this single-process write goes through zarr_io (see ``native_io``):
-        a local path, and every array of a dtype and size it stores as Orbax would."""
-        return (self._native_io and "://" not in directory
-                and all(isinstance(array, np.ndarray) and zarr_io.supported(array)
-                        for array in arrays.values()))
+        """Whether this write goes through zarr_io: ``_native_here``, and every array of a
+        dtype and size it stores as Orbax would."""
+        return self._native_here(directory) and all(
+            isinstance(array, np.ndarray) and zarr_io.supported(array)
+            for array in arrays.values())
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._io_pool is None:
@@ -1168,8 +1172,7 @@ class OrbaxBackend:
         with _gc_paused(self._pause_gc):
             try:
                 restored = None
-                if (self._native_io and jax.process_count() == 1
-                        and "://" not in directory):
+                if self._native_here(directory):
                     restored = self._read_native(os.fspath(arrays_dir), restore_args, claims)
                 if claims is not None:
                     claims.close()

@@ -62,7 +62,6 @@ from .errors import CheckpointCorruptError
 __all__ = [
     "ALIGN",
     "SUPPORTED_DTYPES",
-    "aligned_empty",
     "array_bytes",
     "chunk_relpath",
     "metadata_text",
@@ -99,8 +98,7 @@ def supported(array: np.ndarray) -> bool:
     """Whether this module writes ``array`` (else the whole write goes through Orbax)."""
     dtype = array.dtype
     return (dtype.name in SUPPORTED_DTYPES and array.size > 0
-            and (dtype.byteorder in "=|" or (dtype.byteorder == "<" and sys.byteorder == "little"))
-            and sys.byteorder == "little")
+            and dtype.byteorder in "=|<" and sys.byteorder == "little")
 
 
 def chunk_relpath(ndim: int) -> str:
@@ -202,10 +200,6 @@ def _aligned_blocks(nbytes: int) -> np.ndarray:
     start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + padded]
 
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """A uint8 array of ``nbytes`` whose data starts on an ``ALIGN`` boundary."""
-    return _aligned_blocks(nbytes)[:nbytes]
 
 
 _local = threading.local()
