@@ -187,6 +187,14 @@ def _check_file(path: str, inside: str, rel: str, info: dict[str, Any], *,
     return None
 
 
+def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
+                entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The problems ``check`` finds in manifest ``entries``, in order, a few at a time
+    (checksums release the GIL and overlap I/O)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return [problem for problem in pool.map(check, entries) if problem]
+
+
 def _algorithm_of(info: dict[str, Any]) -> str:
     """The checksum algorithm of one (parsed, hence valid) manifest entry."""
     return next(name for name in ALGORITHMS if name in info)
@@ -498,7 +506,11 @@ class CheckpointStore:
             crc = checksums and (defer_over is None or not _deferrable(rel, info, defer_over))
             return _check_file(path, inside, rel, info, checksums=crc)
 
-        return self._check_all(path, manifest, check, unlisted=True)
+        problems = _run_checks(check, sorted(manifest.files.items()))
+        for rel in sorted(set(_listed_files(path)) - set(manifest.files)):
+            # A file the commit never vouched for could be read by a backend all the same.
+            problems.append(f"{rel}: not in the manifest (added after the commit)")
+        return problems
 
     def verify_deferred(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER) -> list[str]:
         """The second half of ``verify(path, checksums=True, defer_over=over)``: problems in
@@ -518,30 +530,8 @@ class CheckpointStore:
         """Problems in these manifest entries of ``path`` (size and checksum), a few files
         at a time."""
         inside = os.path.realpath(path)
-        problems: list[str] = []
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            for problem in pool.map(
-                    lambda item: _check_file(path, inside, *item, checksums=True), entries):
-                if problem:
-                    problems.append(problem)
-        return problems
-
-    @staticmethod
-    def _check_all(path: str, manifest: Manifest,
-                   check: Callable[[tuple[str, dict[str, Any]]], str | None], *,
-                   unlisted: bool) -> list[str]:
-        """Run ``check`` over every manifest entry (a few at a time: checksums release the
-        GIL and overlap I/O) and, with ``unlisted``, report files the manifest omits."""
-        problems: list[str] = []
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            for problem in pool.map(check, sorted(manifest.files.items())):
-                if problem:
-                    problems.append(problem)
-        if unlisted:
-            for rel in sorted(set(_listed_files(path)) - set(manifest.files)):
-                # A file the commit never vouched for could be read by a backend all the same.
-                problems.append(f"{rel}: not in the manifest (added after the commit)")
-        return problems
+        return _run_checks(lambda item: _check_file(path, inside, *item, checksums=True),
+                           entries)
 
     def _classify(self, step: int, path: str, *, checksums: bool,
                   defer_over: int | None = None) -> Entry:
