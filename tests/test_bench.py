@@ -31,6 +31,9 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
                 "hf_export"):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     assert rows["jx_sync"]["gb_per_s"] > 0
+    # The O_DIRECT floors run wherever the filesystem takes O_DIRECT, or say why not.
+    for key in ("write_direct", "read_direct"):
+        assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     targets = {t["target"]: t for t in report["targets"]}
     assert targets["async blocking / host copy"]["value"] is not None
     assert any("RSS growth" in name for name in targets)
@@ -50,6 +53,17 @@ def test_ratios_are_medians_of_per_round_ratios():
                      invert=True)
     assert result.ratio(target) == pytest.approx(0.8)
     assert result.median("jx_sync") == 1.1
+
+
+def test_floors_are_the_fastest_way_in_each_round():
+    result = BenchResult(config=BenchConfig(repeats=3))
+    result.samples = {"write": [1.0, 0.9, 2.0], "write_files": [0.7, 1.2, 1.5],
+                      "write_direct": [0.8, 0.6, 1.8], "read": [0.5, 0.4, 0.6],
+                      "read_files": [0.6, 0.5, 0.3]}
+    result.derive_floors()
+    assert result.samples["write_best"] == [0.7, 0.6, 1.5]
+    # Without the O_DIRECT row (a filesystem that refuses it) the other two decide.
+    assert result.samples["read_best"] == [0.5, 0.4, 0.3]
 
 
 def test_table_marks_unmeasured_rows_unavailable_with_the_reason():
