@@ -886,21 +886,24 @@ class _Bench:
 
     # --- training loop -------------------------------------------------------------------
     def train_rows(self) -> None:
+        """Each run in its own fresh process (``_train_in_process``), the variants taking
+        turns: a user's training process does not hold this benchmark's other states, and
+        in one long-lived process the runs inherited its memory churn (on this VM, freed
+        memory goes back to the host and costs faults again when reused)."""
         config = self.config
         facts: dict[str, Any] = {"sizes": list(config.train_sizes), "batch": config.train_batch,
-                                 "steps": config.train_steps, "save_every": config.save_every}
-        _train_loop(config, "none", self.fresh("train"))  # compile caches, first-touch memory
+                                 "steps": config.train_steps, "save_every": config.save_every,
+                                 "process": "a fresh process per run"}
+        variants = [("train_plain", "none"), ("train_raw", "raw"), ("train_ckpt", "jaxckpt"),
+                    ("train_ckpt_orbax_io", "jaxckpt-orbax-io")]
         blocking = []
-        for _ in range(config.repeats):
-            plain = _train_loop(config, "none", self.fresh("train"))
-            raw = _train_loop(config, "raw", self.fresh("train"))
-            ckpt = _train_loop(config, "jaxckpt", self.fresh("train"))
-            orbax_io = _train_loop(config, "jaxckpt-orbax-io", self.fresh("train"))
-            self.result.add("train_plain", plain["loop_s"])
-            self.result.add("train_raw", raw["loop_s"])
-            self.result.add("train_ckpt", ckpt["loop_s"])
-            self.result.add("train_ckpt_orbax_io", orbax_io["loop_s"])
-            blocking.append(sum(ckpt["blocking_s"]) / plain["loop_s"])
+        for round_index in range(config.repeats):
+            runs = {}
+            for key, saver in variants[::-1] if round_index % 2 else variants:
+                runs[key] = _train_in_process(config, saver, self.fresh("train"))
+                self.result.add(key, runs[key]["loop_s"])
+            ckpt = runs["train_ckpt"]
+            blocking.append(sum(ckpt["blocking_s"]) / runs["train_plain"]["loop_s"])
             facts.update(state_bytes=ckpt["state_bytes"], saves_per_run=len(ckpt["blocking_s"]))
         facts["step_ms"] = round(1000 * self.result.median("train_plain")
                                  / max(1, config.train_steps - 1), 2)
@@ -1070,6 +1073,41 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
     if last_report is not None:
         state_bytes = last_report.bytes or 0  # known once closed: every save committed
     return {"loop_s": loop_s, "blocking_s": blocking, "state_bytes": state_bytes}
+
+
+_TRAIN_FIELDS = ("train_steps", "train_sizes", "train_batch", "save_every")
+
+
+def _train_in_process(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
+    """``_train_loop`` run in a new Python process (same interpreter and environment);
+    its result comes back as JSON on the last line of its output."""
+    import subprocess
+
+    job = {"saver": saver, "root": root,
+           "config": {name: getattr(config, name) for name in _TRAIN_FIELDS}}
+    # The child imports this very jaxckpt, installed or not.
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    done = subprocess.run(
+        [sys.executable, "-c", "from jaxckpt.bench import _train_worker; _train_worker()"],
+        input=json.dumps(job), capture_output=True, text=True, check=False, env=env)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the training-loop run ({saver}) failed with exit code "
+                           f"{done.returncode}:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _train_worker() -> None:
+    """The child side of ``_train_in_process``: a job as JSON on stdin, the result as one
+    JSON line on stdout."""
+    job = json.load(sys.stdin)
+    fields = job["config"]
+    fields["train_sizes"] = tuple(fields["train_sizes"])
+    with _quiet():
+        result = _train_loop(BenchConfig(**fields), job["saver"], job["root"])
+    print(json.dumps(result), flush=True)
 
 
 def _to_torch(torch: Any, array: np.ndarray) -> Any:
