@@ -15,14 +15,16 @@ machine both sides of a ratio see the same noise, while absolute times across ro
 differ several-fold. Reads are cold (the page cache is dropped before each, which needs
 root) when ``/proc/sys/vm/drop_caches`` is writable, else warm for every row alike, and the
 output says which. Every save row is durable (data fsynced) unless its label says
-otherwise, because jaxckpt's saves are.
+otherwise, because jaxckpt's saves are. The training-loop runs each get a fresh Python
+process (``_train_in_process``), as a user's training job would.
 
 Importing this module imports numpy only; ``run_bench`` imports jax and orbax, and the
 torch rows import torch and torch_bridge lazily: without them those rows read
 "unavailable" and the JAX rows still run.
 
 Concurrency contract: ``run_bench`` is called from one thread; it creates and removes files
-only under its own directory (a fresh subdirectory of ``directory``).
+only under its own directory (a fresh subdirectory of ``directory``), and waits for the
+training-loop processes it starts.
 """
 
 from __future__ import annotations
