@@ -453,16 +453,13 @@ def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
     so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from .zarr_io import PIECE
+    from .zarr_io import PIECE, _pwrite_all
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
         view = memoryview(block)
         for offset in range(0, len(view), PIECE):
-            piece = view[offset:offset + PIECE]
-            while piece:
-                written = os.pwrite(fd, piece, offset)
-                piece, offset = piece[written:], offset + written
+            _pwrite_all(fd, view[offset:offset + PIECE], offset)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -1089,8 +1086,9 @@ def _train_in_process(config: BenchConfig, saver: str, root: str) -> dict[str, A
            "config": {name: getattr(config, name) for name in _TRAIN_FIELDS}}
     # The child imports this very jaxckpt, installed or not.
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [package_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    inherited = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + inherited
+                                                         if inherited else ""))
     done = subprocess.run(
         [sys.executable, "-c", "from jaxckpt.bench import _train_worker; _train_worker()"],
         input=json.dumps(job), capture_output=True, text=True, check=False, env=env)

@@ -203,7 +203,6 @@ def aligned_blocks(nbytes: int) -> np.ndarray:
     return raw[start:start + padded]
 
 
-
 _local = threading.local()
 
 
@@ -313,8 +312,7 @@ def _write_buffered(fd: int, flat: np.ndarray, tail: np.ndarray, algorithm: str)
     crc = 0
     for offset in range(0, flat.size, PIECE):
         piece = flat[offset:offset + PIECE]
-        # numpy, not a memoryview: google_crc32c's extension refuses memoryviews.
-        crc = extend(algorithm, crc, piece)
+        crc = extend(algorithm, crc, piece)  # numpy: checksummed without the GIL
         _pwrite_all(fd, memoryview(piece), offset)
     crc = extend(algorithm, crc, tail)
     _pwrite_all(fd, memoryview(tail), flat.size)
