@@ -31,6 +31,7 @@ from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same
 ALGORITHM = default_algorithm()
 PIECE = zarr_io.PIECE
 ALIGN = zarr_io.ALIGN
+ZERO_COPY_MIN = zarr_io.ZERO_COPY_MIN
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,28 @@ def files_of(directory: Path) -> set[str]:
     return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
 
 
+def placed(array: np.ndarray, past_page: int) -> np.ndarray:
+    """A copy of ``array`` whose memory starts ``past_page`` bytes after a page boundary."""
+    raw = np.empty(array.nbytes + 2 * ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN + past_page
+    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def stored_chunk(directory: Path, rel: str) -> tuple[int, bytes]:
+    """(offset, array bytes) of the chunk file ``rel`` under ``directory``, after checking
+    that the file is exactly ``offset`` zeros, the bytes, and the shard index naming them."""
+    name_dir = (directory / rel).parents[len(Path(rel).parts) - 3]
+    shape, dtype, offset = zarr_io.parse_metadata((name_dir / "zarr.json").read_bytes())
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    content = (directory / rel).read_bytes()
+    assert len(content) == offset + nbytes + 20, rel
+    assert content[:offset] == bytes(offset), rel
+    assert content[offset + nbytes:] == zarr_io._shard_index(nbytes, offset), rel
+    return offset, content[offset:offset + nbytes]
+
+
 def stored_names(directory: Path) -> dict[str, str]:
     tree = json.loads((directory / "tree.json").read_text())
     return {leaf["path"]: leaf["name"] for leaf in tree["leaves"]}
@@ -128,9 +151,13 @@ def fidelity(tmp_path_factory, backends):
              for shape in [(), (7,), (3, 5), (2, 3, 4)]}
     state["one_block"] = random_array("uint8", (ALIGN - 20,), rng)  # data + index: 4096
     state["two_blocks"] = random_array("float32", ((2 * ALIGN - 20) // 4,), rng)
-    state["piece_exact"] = random_array("uint8", (PIECE,), rng)  # the index starts a piece
-    state["piece_straddle"] = random_array("uint8", (PIECE - 10,), rng)  # index crosses it
-    state["pieces"] = random_array("float32", (3 * PIECE // 8 + 5,), rng)  # 12 MiB
+    # Large arrays keep tensorstore's layout (offset 0) when their memory is not 64-byte
+    # aligned (copied through the bounce buffer) or sits on a page boundary (written from
+    # where it is): see data_offset.
+    state["piece_exact"] = placed(random_array("uint8", (PIECE,), rng), 16)  # index starts a piece
+    state["piece_straddle"] = placed(random_array("uint8", (PIECE - 10,), rng), 0)  # index crosses it
+    state["pieces"] = placed(random_array("float32", (3 * PIECE // 8 + 5,), rng), 16)  # 12 MiB
+    state["page_aligned"] = placed(random_array("bfloat16", (3, ZERO_COPY_MIN), rng), 0)
     root = tmp_path_factory.mktemp("fidelity")
     for kind in ("orbax", "native"):
         handle = backends(kind, 0).write(str(root / kind), state, asynchronous=False)
@@ -213,6 +240,145 @@ def test_manager_commits_a_manifest_that_verifies(tmp_path, mode):
     assert chunks and all(f"state/{rel}" in listed for rel in chunks)
 
 
+# ---------------------------------------------------------- arrays written where they lie
+
+
+def test_data_offset_follows_the_arrays_memory(tmp_path):
+    big = np.zeros(ZERO_COPY_MIN, np.uint8)
+    assert zarr_io.data_offset(placed(big, 64), str(tmp_path)) == 64  # where jax puts them
+    assert zarr_io.data_offset(placed(big, 448), str(tmp_path)) == 448
+    assert zarr_io.data_offset(placed(big, 0), str(tmp_path)) == 0  # already aligned
+    assert zarr_io.data_offset(placed(big, 16), str(tmp_path)) == 0  # restored misaligned
+    assert zarr_io.data_offset(placed(big, 64), str(tmp_path), direct=False) == 0
+    assert zarr_io.data_offset(placed(big[:-1], 64), str(tmp_path)) == 0  # small: copied
+    matrix = placed(np.zeros((1024, 2048), np.uint8), 64)
+    assert zarr_io.data_offset(matrix[:, ::2], str(tmp_path)) == 0  # not contiguous
+    assert zarr_io.aligned_empty((3, 5), np.float32).ctypes.data % ALIGN == 0
+    array = jnp.arange(ZERO_COPY_MIN // 4, dtype=jnp.float32)
+    host = np.asarray(array)
+    assert zarr_io.data_offset(host, str(tmp_path)) == host.ctypes.data % ALIGN
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("past_page,offset", [(64, 64), (448, 448), (0, 0), (16, 64), (0, 4032)],
+                         ids=["zero-copy", "zero-copy-448", "aligned", "bounce", "bounce-far"])
+@pytest.mark.parametrize("nbytes", [ALIGN - 64, 2 * ALIGN + 7, PIECE + 3 * ALIGN + 5],
+                         ids=["one-block", "blocks", "pieces"])
+def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, direct, past_page, offset, nbytes):
+    data = placed(random_array("uint8", (nbytes,), np.random.default_rng(nbytes)), past_page)
+    path = tmp_path / "chunk"
+    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, direct=direct,
+                                    offset=offset)
+    content = path.read_bytes()
+    assert size == len(content) == offset + nbytes + 20
+    assert content == bytes(offset) + data.tobytes() + zarr_io._shard_index(nbytes, offset)
+    assert (size, crc) == file_checksum(str(path), ALGORITHM)
+
+    read, checksum = zarr_io.read_chunk(str(path), nbytes, algorithm=ALGORITHM, offset=offset)
+    assert checksum == crc
+    restored = zarr_io.array_bytes(str(path), read, nbytes, offset)
+    assert restored.tobytes() == data.tobytes()
+    assert restored.ctypes.data % ALIGN == offset  # 64-byte aligned: jax adopts it as is
+    # A zarr.json that names another offset: the size, or else the shard index, says so.
+    with pytest.raises(CheckpointCorruptError, match=f"at offset {offset + 1} is stored in"):
+        zarr_io.read_chunk(str(path), nbytes, algorithm=None, offset=offset + 1)
+    with pytest.raises(CheckpointCorruptError, match=f"shard index .* offset {offset + 1}"):
+        zarr_io.array_bytes(str(path), read, nbytes - 1, offset + 1)
+
+
+def test_write_chunk_refuses_an_offset_outside_a_block(tmp_path):
+    with pytest.raises(ValueError, match="offset 4096"):
+        zarr_io.write_chunk(str(tmp_path / "c"), np.zeros(8, np.uint8), algorithm=ALGORITHM,
+                            offset=ALIGN)
+    assert not (tmp_path / "c").exists()
+
+
+def test_parse_metadata_takes_orbaxs_form_and_ours_only():
+    plain = zarr_io.metadata_text((3, 4), "float32")
+    assert zarr_io.parse_metadata(plain) == ((3, 4), np.dtype("float32"), 0)
+    ours = zarr_io.metadata_text((3, 4), "float32", 64)
+    assert json.loads(ours)["attributes"] == {"jaxckpt": {"chunk_offset": 64}}
+    assert zarr_io.parse_metadata(ours) == ((3, 4), np.dtype("float32"), 64)
+    document = json.loads(plain)
+    for attributes in ({"other": 1}, {"jaxckpt": {"chunk_offset": 64}, "other": 1},
+                       {"jaxckpt": {"chunk_offset": 64, "more": 1}}, {"jaxckpt": 64}, [],
+                       {"jaxckpt": {"chunk_offset": -1}}, {"jaxckpt": {"chunk_offset": ALIGN}},
+                       {"jaxckpt": {"chunk_offset": True}}, {"jaxckpt": {"chunk_offset": 6.0}},
+                       {"jaxckpt": {"chunk_offset": "64"}}):
+        text = json.dumps({**document, "attributes": attributes})
+        assert zarr_io.parse_metadata(text) is None, attributes
+
+
+@pytest.fixture(scope="module")
+def offsets(tmp_path_factory, backends):
+    """The same arrays written by Orbax and by zarr_io, in memory that sits 64 and 448
+    bytes past a page boundary, as jax's host buffers do."""
+    rng = np.random.default_rng(5)
+    state = {"at_64": placed(random_array("float32", (3, PIECE // 8 + 11), rng), 64),
+             "at_448": placed(random_array("bfloat16", (ZERO_COPY_MIN,), rng), 448),
+             "jax": jnp.asarray(random_array("float32", (ZERO_COPY_MIN // 2,), rng))}
+    root = tmp_path_factory.mktemp("offsets")
+    handles = {}
+    for kind in ("orbax", "native"):
+        handles[kind] = backends(kind, 0).write(str(root / kind), state, asynchronous=False)
+        handles[kind].wait()
+    return root / "orbax", root / "native", state, handles["native"]
+
+
+def test_offset_files_are_orbaxs_bytes_after_the_zeros(offsets):
+    orbax_dir, native_dir, state, _ = offsets
+    names = stored_names(native_dir)
+    expected = {"at_64": 64, "at_448": 448,
+                "jax": np.asarray(state["jax"]).ctypes.data % ALIGN}
+    for key, offset in expected.items():
+        name = names[f"['{key}']"]
+        (rel,) = [rel for rel in chunk_files(native_dir) if rel.startswith(f"arrays/{name}/")]
+        assert stored_chunk(native_dir, rel) == (offset, stored_chunk(orbax_dir, rel)[1])
+        ours = json.loads((native_dir / "arrays" / name / "zarr.json").read_text())
+        theirs = json.loads((orbax_dir / "arrays" / name / "zarr.json").read_text())
+        if offset:
+            assert ours.pop("attributes") == {"jaxckpt": {"chunk_offset": offset}}
+        assert ours == theirs
+
+
+def test_plain_orbax_restores_offset_files_bit_for_bit(offsets):
+    _, native_dir, state, _ = offsets
+    names = stored_names(native_dir)
+    restored = ocp.PyTreeCheckpointer().restore(native_dir / "arrays")
+    for key, value in state.items():
+        assert_bitwise_equal(restored[names[f"['{key}']"]], np.asarray(value))
+
+
+def test_offset_files_are_read_natively_and_checksummed(offsets, backends):
+    _, native_dir, state, handle = offsets
+    assert_checksums_are_the_files(handle, native_dir)
+    claims, _ = offer_chunks(native_dir, list(handle.checksums.items()))
+    restored = backends("native", 0).read(str(native_dir), like_of(state), claims=claims)
+    assert_same_tree(restored, state)
+    assert claims.unclaimed(str(native_dir)) == []  # read natively, every file checked
+    assert claims.problems(str(native_dir)) == []
+    assert restored["at_64"].ctypes.data % ALIGN == 64  # the bytes where the read put them
+    assert restored["at_448"].ctypes.data % ALIGN == 448
+
+
+def test_a_reader_that_does_not_know_the_attribute_hands_the_array_to_orbax(offsets, backends,
+                                                                           tmp_path):
+    """What a reader from before offsets does with such a checkpoint: it finds a zarr.json
+    that is not exactly tensorstore's, so Orbax reads it, correctly."""
+    _, native_dir, state, _ = offsets
+    copy = tmp_path / "copy"
+    shutil.copytree(native_dir, copy)
+    for path in (copy / "arrays").glob("*/zarr.json"):
+        document = json.loads(path.read_text())
+        if "attributes" in document:
+            document["attributes"] = {"jaxckpt": {"chunk_offset": 64, "newer": True}}
+            path.write_text(json.dumps(document))
+    claims, offered = offer_chunks(copy)
+    restored = backends("native", 0).read(str(copy), like_of(state), claims=claims)
+    assert_same_tree(restored, state)
+    assert claims.unclaimed(str(copy)) == offered  # Orbax read them
+
+
 # ------------------------------------------------------------------------- fallbacks
 
 
@@ -243,8 +409,9 @@ def test_buffered_io_writes_the_same_files_and_reads_them_back(tmp_path):
         handle = buffered.write(str(tmp_path / "buffered"), state, asynchronous=False)
         handle.wait()
         assert_checksums_are_the_files(handle, tmp_path / "buffered")
-        for rel, path in chunk_files(tmp_path / "buffered").items():
-            assert path.read_bytes() == (tmp_path / "direct" / rel).read_bytes(), rel
+        for rel in chunk_files(tmp_path / "buffered"):  # offsets may differ: data_offset
+            assert (stored_chunk(tmp_path / "buffered", rel)[1]
+                    == stored_chunk(tmp_path / "direct", rel)[1]), rel
         claims, _ = offer_chunks(tmp_path / "buffered", list(handle.checksums.items()))
         restored = buffered.read(str(tmp_path / "buffered"), like_of(state), claims=claims)
         assert_same_tree(restored, state)
@@ -323,7 +490,7 @@ def test_the_native_reads_checksum_catches_what_the_read_alone_misses(backends, 
     handle = backends("native", 0).write(str(tmp_path / "ckpt"), state, asynchronous=False)
     handle.wait()
     ((rel, path),) = chunk_files(tmp_path / "ckpt").items()
-    flip_byte(path, state["w"].nbytes // 2 if where == "data" else state["w"].nbytes + 12)
+    flip_byte(path, state["w"].nbytes // 2 if where == "data" else path.stat().st_size - 8)
     # As a restore does: the checksums of the commit, not of the damaged file.
     claims, _ = offer_chunks(tmp_path / "ckpt", list(handle.checksums.items()))
 
