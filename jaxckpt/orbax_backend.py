@@ -674,18 +674,21 @@ class OrbaxBackend:
             (docs/performance.md); the price is one host copy of those leaves held between
             saves. False allocates per save and frees after the write.
           native_io: single-process runs on a local filesystem write, and read back, the
-            arrays with jaxckpt's own file I/O (``jaxckpt.zarr_io``) in exactly the zarr3
-            layout Orbax + tensorstore produce, instead of through them: a third of the CPU
-            per save, checksums computed on the way, no read-back at commit
+            arrays with jaxckpt's own file I/O (``jaxckpt.zarr_io``) in the zarr3 layout
+            Orbax + tensorstore produce, instead of through them: a third of the CPU per
+            save, checksums computed on the way, no read-back at commit
             (docs/performance.md). The files are Orbax's: Orbax reads them, and arrays
-            Orbax wrote are read natively when their layout is this one. False: Orbax
-            writes and reads everything, as with several processes.
+            Orbax wrote are read natively when their layout is this one. (Large arrays
+            may start a few bytes into their file, where their memory lines up with its
+            blocks: ``zarr_io.data_offset``.) False: Orbax writes and reads everything,
+            as with several processes.
           direct_io: with ``native_io``, move the bytes with ``O_DIRECT`` where the
             filesystem allows it (no copy through the page cache); False: buffered I/O.
           io_threads: threads that write array files in parallel with ``native_io``. Each
-            copies a piece into its aligned buffer, checksums it, then waits for the disk;
-            four keep the disk busy while others copy (1 GiB: 0.73 s with 4, 0.80 s with
-            2), and the training loop measured no dearer with 4 than with 2
+            checksums a piece (copied into its aligned buffer first where the array's
+            memory does not line up with the file), then waits for the disk; four keep
+            the disk busy (1 GiB: 0.73 s with 4, 0.80 s with 2, measured with every
+            piece copied), and the training loop measured no dearer with 4 than with 2
             (docs/performance.md).
           read_threads: threads that read array files in parallel with ``native_io``. Each
             reads a piece, then checksums it: more reads in flight help a restore (1 GiB,
