@@ -958,8 +958,8 @@ class OrbaxBackend:
     def _write_native_into(self, base: str, final: str, arrays: dict[str, np.ndarray],
                            started_ns: int) -> dict[str, dict[str, Any]]:
         algorithm = default_algorithm()
-        jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)  # largest first:
-        # the threads finish together.
+        # Largest first, so that the threads finish together.
+        jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)
 
         def write(job: tuple[str, np.ndarray]) -> tuple[int, str]:
             # Each array's directories and zarr.json are made on the I/O threads too: a
@@ -983,7 +983,8 @@ class OrbaxBackend:
         _write_small(os.path.join(base, "commit_success.txt"),
                      zarr_io.commit_success_text(final))
         return {f"{_ARRAYS_DIR}/{name}/{zarr_io.chunk_relpath(array.ndim)}":
-                {"size": size, algorithm: crc} for (name, array), (size, crc) in zip(jobs, results)}
+                {"size": size, algorithm: crc}
+                for (name, array), (size, crc) in zip(jobs, results)}
 
     def _stage_host(self, plan: _WritePlan, sources: list[Any], *,
                     copy_numpy: bool) -> tuple[dict[str, Any], list[list[Any]]]:

@@ -154,8 +154,8 @@ def fidelity(tmp_path_factory, backends):
     # Large arrays keep tensorstore's layout (offset 0) when their memory is not 64-byte
     # aligned (copied through the bounce buffer) or sits on a page boundary (written from
     # where it is): see data_offset.
-    state["piece_exact"] = placed(random_array("uint8", (PIECE,), rng), 16)  # index starts a piece
-    state["piece_straddle"] = placed(random_array("uint8", (PIECE - 10,), rng), 0)  # index crosses it
+    state["piece_exact"] = placed(random_array("uint8", (PIECE,), rng), 16)  # index: a piece
+    state["piece_straddle"] = placed(random_array("uint8", (PIECE - 10,), rng), 0)  # crosses
     state["pieces"] = placed(random_array("float32", (3 * PIECE // 8 + 5,), rng), 16)  # 12 MiB
     state["page_aligned"] = placed(random_array("bfloat16", (3, ZERO_COPY_MIN), rng), 0)
     root = tmp_path_factory.mktemp("fidelity")
