@@ -961,20 +961,22 @@ class OrbaxBackend:
         # Largest first, so that the threads finish together.
         jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)
 
-        def write(job: tuple[str, np.ndarray]) -> tuple[int, str]:
+        def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
             # Each array's directories and zarr.json are made on the I/O threads too: a
             # mkdir or create takes 0.1-0.4 ms here, ~70 ms for 64 arrays, which on the
             # caller's thread delayed the first large write by as much.
             name, array = job
-            chunk = os.path.join(base, name, *zarr_io.chunk_relpath(array.ndim).split("/"))
+            relative = f"{name}/{zarr_io.chunk_relpath(array.ndim)}"
+            chunk = os.path.join(base, *relative.split("/"))
             os.makedirs(os.path.dirname(chunk))
             # Large arrays start where their memory lines up with the file's blocks, and
             # are written from it without a copy (zarr_io.data_offset).
             offset = zarr_io.data_offset(array, base, direct=self._direct_io)
             _write_small(os.path.join(base, name, _ZARR_JSON),
                          zarr_io.metadata_text(array.shape, array.dtype.name, offset))
-            return zarr_io.write_chunk(chunk, array, algorithm=algorithm,
-                                       direct=self._direct_io, offset=offset)
+            size, crc = zarr_io.write_chunk(chunk, array, algorithm=algorithm,
+                                            direct=self._direct_io, offset=offset)
+            return relative, size, crc
 
         results = list(self._pool().map(write, jobs))
         _write_small(os.path.join(base, "_METADATA"), zarr_io.tree_metadata_text(list(arrays)))
@@ -982,9 +984,8 @@ class OrbaxBackend:
                      zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
         _write_small(os.path.join(base, "commit_success.txt"),
                      zarr_io.commit_success_text(final))
-        return {f"{_ARRAYS_DIR}/{name}/{zarr_io.chunk_relpath(array.ndim)}":
-                {"size": size, algorithm: crc}
-                for (name, array), (size, crc) in zip(jobs, results)}
+        return {f"{_ARRAYS_DIR}/{relative}": {"size": size, algorithm: crc}
+                for relative, size, crc in results}
 
     def _stage_host(self, plan: _WritePlan, sources: list[Any], *,
                     copy_numpy: bool) -> tuple[dict[str, Any], list[list[Any]]]:
