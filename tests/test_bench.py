@@ -22,7 +22,8 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
     report = json.loads(captured.out)
     rows = report["rows"]
     jax_rows = ["copy", "write", "read", "orbax_save", "orbax_restore", "jx_sync", "jx_blocking",
-                "jx_async", "jx_restore", "jx_read", "jx_verify", "many_jx_sync",
+                "jx_async", "jx_restore", "jx_read", "jx_verify", "jx_read_bare",
+                "fresh_memory", "many_jx_sync",
                 "many_jx_restore", "many_orbax_save", "train_plain", "train_ckpt"]
     for key in jax_rows:
         assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
@@ -36,6 +37,7 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     targets = {t["target"]: t for t in report["targets"]}
     assert targets["async blocking / host copy"]["value"] is not None
+    assert targets["restore throughput / bare read of its files, side by side"]["value"] > 0
     assert any("RSS growth" in name for name in targets)
     assert any("reference item" in name for name in targets)
     assert report["facts"]["aux"]["mib_written_when_unchanged"]
