@@ -261,6 +261,12 @@ class RecoverConfig:
     compares file sizes (faster)."""
     restore_global_rng: bool = True
     """Save and restore Python's ``random`` and NumPy's global RNG state with each checkpoint."""
+    on_corrupt: Literal["raise", "start_fresh"] = "raise"
+    """What ``recover`` does when the root holds committed checkpoints and none of them
+    verifies: "raise" (fail closed) raises ``CheckpointCorruptError`` listing each one and
+    why, so a damaged root never turns silently into a run from scratch; "start_fresh"
+    warns, moves them to ``recover/superseded/`` for inspection and returns None. Roots
+    holding only interrupted (uncommitted) saves start fresh either way: nothing was lost."""
 
     def __post_init__(self) -> None:
         _check_mode("RecoverConfig", "mode", self.mode, RECOVER_MODES)
@@ -269,6 +275,7 @@ class RecoverConfig:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"RecoverConfig.retries must be an int >= 0, got {self.retries!r}.")
         _check_mode("RecoverConfig", "verify", self.verify, ("checksums", "sizes"))
+        _check_mode("RecoverConfig", "on_corrupt", self.on_corrupt, ("raise", "start_fresh"))
         if self.keep_last_n == 0 and not self.every.never:
             raise ConfigError(
                 f"RecoverConfig.keep_last_n=0 writes no periodic checkpoints, but "

@@ -319,6 +319,9 @@ class CheckpointManager:
         self._state_lock = threading.Lock()
         self._closed = False
         self._restored_step: int | None = None
+        # The last step the loop reported as completed (maybe_save) or resumed from (recover):
+        # what save() records when given no step, and what it checks a given step against.
+        self._last_completed: StepInfo | None = None
         self._preempt_signal: int | None = None
         self._preempted = False
         self._previous_handlers: dict[int, Any] = {}
@@ -396,6 +399,7 @@ class CheckpointManager:
         checkpoint is due. Returns the reports of the saves started (often [])."""
         self._check_usable()
         _check_step_info(step_info)
+        self._last_completed = step_info
         if epoch_end is None:
             epoch_end = step_info.is_epoch_end
         recover_reason = None
@@ -423,7 +427,7 @@ class CheckpointManager:
             reports.append(self._save_export(step_info, state, export_reason))
         return reports
 
-    def save(self, step_info: StepInfo, state: Any, *,
+    def save(self, step_info: StepInfo | None = None, state: Any = None, *,
              stateful: Mapping[str, Any] | None = None,
              metrics: Mapping[str, Any] | None = None,
              mode: str | None = None,
@@ -433,15 +437,48 @@ class CheckpointManager:
         and the recover mode. ``mode`` overrides the manager's save mode for this call (the
         final save of a run is usually ``mode="sync"``). Saving a step this manager already
         saved returns that save's report instead of writing it twice. ``state`` may be a
-        function of no arguments that returns it, as in ``maybe_save``."""
+        function of no arguments that returns it, as in ``maybe_save``.
+
+        ``step_info`` is the step that just completed, as everywhere in jaxckpt; None means
+        the last completed step this manager was told about (the last ``maybe_save`` step,
+        or the step ``recover`` resumed from), which is what a final save after the loop
+        wants: ``mgr.save(state=..., mode="sync")``. A step one past that (the usual slip
+        after ``step = step.next()`` ends the loop) is refused: it would record a step that
+        never ran, and a resumed job would skip one."""
         self._check_usable()
-        _check_step_info(step_info)
+        step_info = self._completed_step(step_info)
+        if state is None:
+            raise ConfigError("save() needs the state to write: mgr.save(step_info, state) or "
+                              "mgr.save(state=...) for the last completed step.")
         override = None if mode is None else resolve_mode(
             mode, supports_async=self._backend.supports_async, field="save(mode=...)")
         if epoch_end is None:
             epoch_end = step_info.is_epoch_end
         return self._save_recover(step_info, state, stateful, metrics, "forced", override,
                                   items=items, epoch_end=epoch_end)
+
+    def _completed_step(self, step_info: StepInfo | None) -> StepInfo:
+        """The step a forced save records: ``step_info``, checked against the last step
+        the loop reported, or that last step when None."""
+        last = self._last_completed
+        if step_info is None:
+            if last is None:
+                raise ConfigError(
+                    "save() without step_info records the last completed step, but this "
+                    "manager has not seen one yet (no maybe_save or recover call). Pass the "
+                    "StepInfo of the step that just completed: mgr.save(step_info, state).")
+            return last
+        _check_step_info(step_info)
+        if last is not None and step_info.global_step == last.global_step + 1:
+            raise ConfigError(
+                f"save(step_info) got global_step={step_info.global_step}, one past the last "
+                f"completed step this manager saw (global_step={last.global_step}, from "
+                f"maybe_save or recover). A StepInfo names the step that just completed, so "
+                f"this would record a step that never ran and a resumed job would skip it. "
+                f"After a loop that ends with `step = step.next()`, call "
+                f"mgr.save(state=...) (no step: the last completed one) or pass the previous "
+                f"StepInfo.")
+        return step_info
 
     def export(self, step_info: StepInfo, state: Any) -> SaveReport:
         """A forced export (needs ``export=ExportConfig(...)``)."""
@@ -825,10 +862,14 @@ class CheckpointManager:
             skipped = [f"{item.path}: {item.status}: "
                        + ("; ".join(item.problems) or "no commit marker (interrupted save)")
                        for item in bad]
+            if chosen == _FAIL_CLOSED:
+                raise self._no_valid_checkpoint(skipped)
             if chosen < 0:
                 if skipped:
                     warnings.warn("no valid checkpoint to resume from; unusable ones: "
                                   + " | ".join(skipped), CheckpointWarning, stacklevel=3)
+                if self._primary and not required:
+                    self._set_aside(bad)
                 if required:
                     raise CheckpointNotFoundError(
                         f"no valid recovery checkpoint under {self._store.recover_dir}"
@@ -868,19 +909,13 @@ class CheckpointManager:
         # Local state only once the arrays are in: never a half-restored loader or RNG.
         local = body.get("local") if self._primary else self._read_local(path)
         self._restore_local(local, stateful, path)
-        # Unusable newer checkpoints would collide with the steps about to be redone: move
-        # them aside (kept for inspection; partial ones are just debris).
-        for item in bad:
-            with contextlib.suppress(OSError):
-                if item.status == "partial":
-                    self._store.delete(item.path)
-                else:
-                    self._store.quarantine(item.path, item.status)
+        self._set_aside(bad)
         step_info = StepInfo.from_json(body["step_info"])
         # Training goes on from the restored step: saves made before it are history, and a
         # later save of an equal step number is new work, not a duplicate.
         self._last.clear()
         self._restored_step = chosen
+        self._last_completed = step_info
         self._recover_trigger.mark_saved()
         if self._export_trigger is not None:
             self._export_trigger.mark_saved()
@@ -888,6 +923,33 @@ class CheckpointManager:
                          metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped),
                          items=restored_items, item_versions=versions,
                          saved_process_count=int(body.get("process_count", 1)))
+
+    def _set_aside(self, bad: Sequence[Entry]) -> None:
+        """Unusable checkpoints would collide with the steps about to be (re)done, and
+        retention, which counts commit markers, could keep them over new valid ones: move
+        them aside (kept for inspection; partial ones are just debris)."""
+        for item in bad:
+            with contextlib.suppress(OSError):
+                if item.status == "partial":
+                    self._store.delete(item.path)
+                else:
+                    self._store.quarantine(item.path, item.status)
+
+    def _no_valid_checkpoint(self, skipped: Sequence[str]) -> CheckpointCorruptError:
+        """Fail closed: committed checkpoints exist and none can be restored."""
+        where = self._store.recover_dir
+        if not self._primary:
+            return CheckpointCorruptError(
+                f"no checkpoint under {where} verifies (the primary process lists them); "
+                f"nothing was restored.")
+        listing = "\n".join(f"  - {line}" for line in skipped)
+        return CheckpointCorruptError(
+            f"the checkpoint root holds checkpoints but none verifies, so there is nothing "
+            f"safe to resume from; nothing was restored, moved or deleted:\n{listing}\n"
+            f"Starting from scratch here would silently drop that progress. Fix: repair or "
+            f"restore the files (e.g. from a backup), point the manager at another root, or "
+            f"opt in to starting over with RecoverConfig(on_corrupt=\"start_fresh\") (the "
+            f"damaged checkpoints are then moved to {where}/superseded/).")
 
     def _verification(self, items: Mapping[str, Any] | None) -> _Verification:
         """How this restore checks checkpoints. With checksums on, the checksums of bulk array
@@ -924,6 +986,9 @@ class CheckpointManager:
                     bad.append(dataclasses.replace(entry, status="corrupt",
                                                    problems=tuple(problems)))
                     limit = entry.step - 1
+                if (chosen < 0 and self.recover_config.on_corrupt == "raise"
+                        and any(entry.status != "partial" for entry in bad)):
+                    chosen = _FAIL_CLOSED
             else:
                 chosen = self._check_requested(step, checks)
                 problems = self._item_problems(self._store.step_path(step), checks)
@@ -1249,6 +1314,10 @@ class CheckpointManager:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+_FAIL_CLOSED = -2
+"""What ``_choose`` shares when committed checkpoints exist and none verifies (-1: none)."""
 
 
 def _check_signals(signals: Any) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ error, for an explicit step) follows, while metadata is still checked before any
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -28,8 +29,8 @@ import pytest
 from jaxckpt import (
     CheckpointCorruptError,
     CheckpointManager,
-    CheckpointNotFoundError,
     CheckpointWarning,
+    Every,
     RecoverConfig,
     StepInfo,
     Versioned,
@@ -201,26 +202,56 @@ def test_training_resumes_and_saves_the_redone_step_after_a_fallback(root):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CheckpointWarning)
             mgr.recover(LIKE)
+        mgr.maybe_save(StepInfo(0, 1, 1), state(5.0))  # step 1 trained again (no trigger)
         mgr.save(StepInfo(0, 1, 1), state(5.0))
         again = mgr.restore(LIKE)
     assert again.step_info.global_step == 1
     assert float(again.state["w"][0, 0]) == 5.0
 
 
-def test_every_checkpoint_damaged_means_no_resume_and_restore_names_them(root):
+def _tree_listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name != ".lock")
+
+
+def test_every_checkpoint_damaged_fails_closed_naming_each_and_touching_nothing(root):
     damage(step_dir(root, 1) / "driver.json", "truncate")
     damage(step_dir(root, 0) / "state" / "tree.json", "bitflip")
+    before = _tree_listing(root)
+    for call in ("recover", "restore"):
+        with pytest.raises(CheckpointCorruptError, match="none verifies") as info:
+            with CheckpointManager(root, preemption_signals=()) as mgr:
+                getattr(mgr, call)(LIKE)
+        text = str(info.value)
+        assert "step_00000000" in text and "step_00000001" in text
+        assert "driver.json" in text and "state/tree.json" in text
+        assert 'on_corrupt="start_fresh"' in text
+        assert _tree_listing(root) == before  # the evidence stays where it was
+
+
+def test_starting_fresh_over_a_corrupt_root_is_an_explicit_opt_in(root):
+    damage(step_dir(root, 1) / "driver.json", "truncate")
+    damage(step_dir(root, 0) / "state" / "tree.json", "bitflip")
+    config = RecoverConfig(every=Every(steps=1), keep_last_n=1, on_corrupt="start_fresh")
     with pytest.warns(CheckpointWarning, match="no valid checkpoint to resume from") as caught:
-        with CheckpointManager(root, preemption_signals=()) as mgr:
+        with CheckpointManager(root, mode="sync", recover=config, preemption_signals=()) as mgr:
             assert mgr.recover(LIKE) is None
+            # The damaged ones were set aside: retention, which counts commit markers, must
+            # not keep them over the new run's checkpoint (and delete the new one instead).
+            mgr.maybe_save(StepInfo(0, 0, 0), state(7.0))
+            assert mgr.committed_steps() == [0]
     text = " ".join(str(w.message) for w in caught)
     assert "step_00000000" in text and "step_00000001" in text
-    with pytest.raises(CheckpointNotFoundError, match="unusable") as info, \
-            pytest.warns(CheckpointWarning, match="no valid checkpoint"):
-        with CheckpointManager(root, preemption_signals=()) as mgr:
-            mgr.restore(LIKE)
-    assert "driver.json" in str(info.value) and "state/tree.json" in str(info.value)
-    assert "point the manager" in str(info.value) or "from scratch" in str(info.value)
+    kept = os.listdir(root / "recover" / "superseded")
+    assert sorted(name.split(".")[0] for name in kept) == ["step_00000000", "step_00000001"]
+    with CheckpointManager(root, preemption_signals=()) as mgr:
+        assert float(mgr.recover(LIKE).state["w"][0, 0]) == 7.0
+
+
+def test_a_root_with_only_an_interrupted_save_starts_fresh_without_raising(root):
+    for step in (0, 1):
+        os.unlink(step_dir(root, step) / "COMMITTED")
+    with CheckpointManager(root, preemption_signals=()) as mgr:
+        assert mgr.recover(LIKE) is None
 
 
 # ------------------------------------------------------------------ damaged manifest

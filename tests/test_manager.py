@@ -137,6 +137,7 @@ def test_keep_last_zero_writes_only_forced_saves(tmp_path):
         saved, info = run_steps(mgr, 4)
         assert saved == []
         mgr.save(StepInfo(0, 3, 3), tree())
+        assert mgr.maybe_save(StepInfo(0, 4, 4), tree()) == []
         mgr.save(StepInfo(0, 4, 4), tree())
         mgr.wait()
         assert mgr.committed_steps() == [4]
@@ -396,14 +397,14 @@ def test_a_function_as_state_is_called_only_when_a_save_is_due(tmp_path):
             value = float(info.global_step)
             mgr.maybe_save(info, lambda value=value: build(value))
             info = info.next()
-        # A forced save takes a function too.
-        mgr.save(info, lambda: build(99.0))
+        # A forced save takes a function too (no step: the last completed one, 7).
+        mgr.save(state=lambda: build(99.0))
         mgr.wait()
-        # Steps 2 and 5 (recovery), 3 and 7 (export): one call each, none in between.
+        # Steps 2 and 5 (recovery), 3 and 7 (export), the final save: one call each.
         assert calls == [2.0, 3.0, 5.0, 7.0, 99.0]
         assert export_dir == [3.0, 7.0]
         recovered = mgr.recover(like())
-    assert recovered.step_info.global_step == 8
+    assert recovered.step_info.global_step == 7
     assert float(recovered.state["w"][0, 0]) == 99.0
 
 
