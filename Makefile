@@ -15,8 +15,6 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
-	# torchdata's StatefulDataLoader is pure Python; its metadata would pull another torch.
-	$(BIN)/pip install --quiet --no-deps 'torchdata==0.11.0'
 	touch $@
 
 install: $(VENV)/.installed

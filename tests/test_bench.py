@@ -4,7 +4,6 @@ full runs; this keeps the benchmark working)."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -13,9 +12,7 @@ from jaxckpt.bench import BenchConfig, BenchResult, _Target, format_table
 
 
 def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
-    started = time.perf_counter()
     code = cli.main(["bench", "--quick", "--json", "--dir", str(tmp_path)])
-    elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
 
     assert code == 0, captured.err
@@ -44,7 +41,6 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
     assert report["facts"]["memory"]["saves"] == BenchConfig.quick().memory_saves
     assert report["facts"]["train"]["saves_per_run"] >= 1
     assert not list(tmp_path.iterdir()), "the bench leaves no files behind"
-    assert elapsed < 60, f"--quick must stay fast for CI; took {elapsed:.1f} s"
 
 
 def test_ratios_are_medians_of_per_round_ratios():

@@ -7,7 +7,6 @@ import json
 import os
 import resource
 import signal
-import time
 
 import jax
 import jax.numpy as jnp
@@ -342,9 +341,7 @@ def test_process_facts_and_rng_of_a_single_process(backend):
     assert {"jaxlib", "orbax-checkpoint", "flax"} <= set(versions)
     assert backend.rng_state() is None
     backend.set_rng_state(None)
-    started = time.perf_counter()
-    backend.barrier("test", timeout_s=1.0)
-    assert time.perf_counter() - started < 1.0
+    backend.barrier("test", timeout_s=1.0)  # one process: nothing to wait for, no error
     assert backend.broadcast_int(41) == 41
 
 
@@ -622,9 +619,9 @@ def test_second_async_write_is_staged_while_the_first_still_writes(tmp_path, mon
     try:
         small = np.arange(64, dtype=np.float32)
         first = backend.write(str(tmp_path / "item"), {"w": small}, asynchronous=True)
-        started = time.perf_counter()
         second = backend.write(str(tmp_path / "state"), {"w": small + 100.0}, asynchronous=True)
-        assert time.perf_counter() - started < 5.0
+        # Had the second write waited for the first, it could only have returned once the
+        # held write gave up waiting (30 s) and finished.
         assert not first.done() and not second.done()
         release.set()
         first.wait()

@@ -33,7 +33,7 @@ class DcpCheckpointManager(CheckpointManager):
             info = recovered.step_info.next() if recovered else StepInfo(0, 0, 0, spe)
             ...
                 mgr.maybe_save(info, state)           # returns once tensors are staged
-            mgr.save(info, state, mode="sync")        # the final save
+            mgr.save(state=state, mode="sync")        # the final save: the last completed step
 
     ``recover(like, ...)`` takes the live state dict: modules, optimizers, schedulers and
     tensors are loaded in place and ``recovered.state`` is that same dict.
