@@ -836,9 +836,9 @@ def _describe_foreign(path: str, found: list[str]) -> str:
         re.fullmatch(r"(?:\w+_)?\d+/", entry)
         and os.path.exists(os.path.join(path, entry, "_CHECKPOINT_METADATA"))
         for entry in found)
-    hint = (" It looks like an Orbax checkpoint: `jaxckpt import-orbax SRC NEW_ROOT` (or "
-            "jaxckpt.import_orbax(src, new_root)) turns it into a jaxckpt checkpoint without "
-            "changing it." if looks_orbax else "")
+    hint = (f" It looks like an Orbax checkpoint: `jaxckpt import-orbax {path} NEW_ROOT` (or "
+            f"jaxckpt.import_orbax(src, new_root)) turns it into a jaxckpt checkpoint without "
+            f"changing it." if looks_orbax else "")
     return f"{path!r} holds entries jaxckpt never writes: {shown}.{hint}"
 
 
