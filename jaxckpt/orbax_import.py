@@ -40,6 +40,7 @@ __all__ = ["import_orbax"]
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _PYTREE_METADATA = "_METADATA"
 _JSON_ITEM_FILE = "metadata"
+_COMMIT_SUCCESS = "commit_success.txt"
 # Step directory names: "100", or "{step_prefix}_100". Temporary directories of unfinished
 # saves ("100.orbax-checkpoint-tmp-...") never match.
 _STEP_NAME = re.compile(r"^(?:.+_)?(\d+)$")
@@ -157,9 +158,9 @@ def _restore(kind: str, path: str) -> Any:
         if not os.path.isdir(item_dir):
             continue
         handler = handlers.get(name, "")
-        if "Json" in handler or (not handler and os.path.isfile(
-                os.path.join(item_dir, _JSON_ITEM_FILE))):
-            value = _restore_json(item_dir, name)
+        json_file = _json_file(item_dir)
+        if "Json" in handler or (not handler and json_file == _JSON_ITEM_FILE):
+            value = _restore_json(item_dir, name, json_file)
             if value is not None:
                 items[name] = value
         elif os.path.isfile(os.path.join(item_dir, _PYTREE_METADATA)):
@@ -193,10 +194,21 @@ def _restore_tree(path: str, handler: str) -> Any:
         return checkpointer.restore(path)
 
 
-def _restore_json(path: str, name: str) -> Any:
+def _json_file(item_dir: str) -> str | None:
+    """The one file a JSON item holds besides Orbax's commit marker ("metadata", or the item's
+    name when a CheckpointManager wrote it); None when there is not exactly one."""
+    files = [name for name in _names(item_dir) if name != _COMMIT_SUCCESS
+             and os.path.isfile(os.path.join(item_dir, name))]
+    return files[0] if len(files) == 1 else None
+
+
+def _restore_json(path: str, name: str, filename: str | None) -> Any:
     import orbax.checkpoint as ocp
 
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+    if filename is None:
+        raise CheckpointNotFoundError(f"{path}: JSON item {name!r} does not hold exactly one "
+                                      f"file besides {_COMMIT_SUCCESS}; cannot tell which to read.")
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler(filename=filename)) as checkpointer:
         value = checkpointer.restore(path)
     bad = _non_numeric(value, "")
     if bad:
