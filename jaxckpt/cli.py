@@ -97,7 +97,7 @@ def _locate(command: str, path: str) -> tuple[str, str] | int:
     if kind in ("root", "checkpoint"):
         return full, kind
     print(f"jaxckpt {command}: {sentence}", file=sys.stderr)
-    return EXIT_NOT_JAXCKPT
+    return EXIT_USAGE if kind == "unreadable" else EXIT_NOT_JAXCKPT  # permissions: environment
 
 
 def _ls_arguments(parser: argparse.ArgumentParser) -> None:

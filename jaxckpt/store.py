@@ -118,7 +118,7 @@ _METADATA_NAMES = frozenset({COMMIT_MARKER, "_METADATA", "_CHECKPOINT_METADATA",
 
 Status = Literal["committed", "partial", "corrupt"]
 #: What a path given to a command is (see ``classify_path``).
-PathKind = Literal["missing", "file", "empty", "foreign", "root", "checkpoint"]
+PathKind = Literal["missing", "unreadable", "file", "empty", "foreign", "root", "checkpoint"]
 
 
 def export_dirname(epoch: int, epoch_step: int, global_step: int) -> str:
@@ -844,8 +844,15 @@ def _describe_foreign(path: str, found: list[str]) -> str:
 
 def check_root(root: str) -> None:
     """Raise ``CheckpointRootError`` when ``root`` holds entries jaxckpt did not write (see
-    ``foreign_entries``), naming some and the fix. Reads names only; writes nothing."""
-    found = foreign_entries(root)
+    ``foreign_entries``), naming some and the fix, or cannot be listed (what it holds is
+    unknown, so nothing may be written there either). Reads names only; writes nothing."""
+    try:
+        found = foreign_entries(root)
+    except OSError as exc:
+        raise CheckpointRootError(
+            f"checkpoint root {root!r} cannot be used: listing it failed: {exc.strerror or exc} "
+            f"({exc.filename}). Fix: pass another root, or give this user read and write "
+            f"access to it (chmod/chown).") from exc
     if found:
         raise CheckpointRootError(
             f"refusing checkpoint root: {_describe_foreign(root, found)} jaxckpt writes into "
@@ -866,12 +873,17 @@ def _looks_like_checkpoint(path: str, names: list[str]) -> bool:
 
 
 def classify_path(path: str) -> tuple[PathKind, str]:
-    """What ``path`` is, and a sentence saying so for the user: "missing", "file", "empty"
-    (a directory with nothing in it), "foreign" (holds entries jaxckpt never writes),
-    "checkpoint" (one checkpoint directory, committed or partial) or "root"."""
+    """What ``path`` is, and a sentence saying so for the user: "missing", "unreadable"
+    (no permission), "file", "empty" (a directory with nothing in it), "foreign" (holds
+    entries jaxckpt never writes), "checkpoint" (one checkpoint directory, committed or
+    partial) or "root"."""
     if not os.path.lexists(path):
         return "missing", f"no such file or directory: {path!r}"
-    names = _listdir(path)
+    try:
+        names = _listdir(path)
+        found = foreign_entries(path)
+    except OSError as exc:
+        return "unreadable", f"cannot read {path!r}: {exc.strerror or exc} ({exc.filename})"
     if names is None:
         return "file", f"{path!r} is a file, not a jaxckpt checkpoint or root (a directory)"
     if _looks_like_checkpoint(path, names):
@@ -879,7 +891,6 @@ def classify_path(path: str) -> tuple[PathKind, str]:
     if not [name for name in names if name not in _SYSTEM_NAMES]:
         return "empty", (f"{path!r} is an empty directory: not a jaxckpt checkpoint or root "
                          f"(nothing was ever saved here)")
-    found = foreign_entries(path)
     if found:
         return "foreign", f"not a jaxckpt checkpoint or root: {_describe_foreign(path, found)}"
     return "root", f"{path!r} is a checkpoint root"
