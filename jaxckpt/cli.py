@@ -93,6 +93,8 @@ def _locate(command: str, path: str) -> tuple[str, str] | int:
     from .store import classify_path
 
     full = os.path.abspath(path)
+    if os.path.basename(full) == "recover" and classify_path(os.path.dirname(full))[0] == "root":
+        full = os.path.dirname(full)  # ROOT/recover given for ROOT
     kind, sentence = classify_path(full)
     if kind in ("root", "checkpoint"):
         return full, kind

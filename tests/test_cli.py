@@ -209,6 +209,10 @@ def _corrupt_root(base: Path, clean: Path) -> Path:
     return root
 
 
+def _recover_dir_of_a_root(base: Path, clean: Path) -> Path:
+    return _valid_root(base, clean) / "recover"  # taken for its root
+
+
 def _valid_checkpoint(base: Path, clean: Path) -> Path:
     return step_dir(_valid_root(base, clean), 1)
 
@@ -234,6 +238,7 @@ EXIT_CASES = [
     (_random_files, (3, 3, 3), "never writes: data.bin, sub/"),
     (_valid_root, (0, 0, 0), ("committed", "ok", "2 committed")),
     (_corrupt_root, (1, 1, 1), "corrupt"),
+    (_recover_dir_of_a_root, (0, 0, 0), ("committed", "ok", "2 committed")),
     (_valid_checkpoint, (0, 0, 0), ("committed", "ok", "committed")),
     (_partial_checkpoint, (1, 1, 1), "partial"),
     (_partial_with_files, (1, 1, 1), "partial"),
