@@ -78,6 +78,7 @@ def import_orbax(src: str | os.PathLike[str], root: str | os.PathLike[str], *,
         raise ConfigError(f"root {root_path!r} lies inside src {src_path!r}: writing it would "
                           f"change the Orbax checkpoint. Pass a root outside src.")
     chosen, kind, path = _choose(src_path, step)
+    _require_orbax()
     state = _restore(kind, path)
     return _save(state, root_path, chosen, src_path)
 
@@ -132,6 +133,15 @@ def _choose(src: str, step: int | None) -> tuple[int, str, str]:
 
 
 # --- reading with Orbax ----------------------------------------------------------------------
+def _require_orbax() -> None:
+    try:
+        import jax  # noqa: F401
+        import orbax.checkpoint  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"import_orbax needs jax and orbax-checkpoint ({exc}): "
+                          f"pip install 'jaxckpt[jax]'") from exc
+
+
 def _handlers(step_dir: str) -> dict[str, str]:
     """Item name -> Orbax handler class name, from the step's metadata (empty if unreadable:
     each item's own files then tell)."""
