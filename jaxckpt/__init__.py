@@ -24,6 +24,7 @@ from .errors import (
     TreeMismatchError,
 )
 from .manager import CheckpointManager, Recovered, SaveReport
+from .orbax_import import import_orbax
 
 __all__ = [
     "__version__",
@@ -33,6 +34,7 @@ __all__ = [
     "ExportConfig",
     "Versioned",
     "CheckpointManager",
+    "import_orbax",
     "SaveReport",
     "Recovered",
     "CheckpointError",

@@ -6,8 +6,10 @@ handler returning the exit code), so adding one (export-hf, import-hf, bench, ru
 entry and two small functions. Handlers import what they need lazily: ``jaxckpt ls`` and
 ``jaxckpt verify`` never import jax, orbax or torch.
 
-Exit codes: 0 success, 1 a checkpoint is partial or corrupt (or the demo found a
-difference), 2 bad usage or a path that does not exist.
+Exit codes (docs/configuration.md, "Command line"): 0 success; 1 a checkpoint is partial or
+corrupt (or the demo found a difference); 2 bad usage or environment (bad flags, a missing
+extra); 3 the path is not a jaxckpt checkpoint or root (missing, a file, an empty directory,
+or another tool's files).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 EXIT_OK = 0
 EXIT_BAD_CHECKPOINT = 1
 EXIT_USAGE = 2
+EXIT_NOT_JAXCKPT = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,11 +84,27 @@ def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], 
         out("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-# ------------------------------------------------------------------------------ ls
+# ------------------------------------------------------------------- ls, verify, info
+
+
+def _locate(command: str, path: str) -> tuple[str, str] | int:
+    """(absolute path, "root" or "checkpoint"), or, for anything else (missing, a file, an
+    empty directory, another tool's directory), the exit code after saying what it is."""
+    from .store import classify_path
+
+    full = os.path.abspath(path)
+    if os.path.basename(full) == "recover" and classify_path(os.path.dirname(full))[0] == "root":
+        full = os.path.dirname(full)  # ROOT/recover given for ROOT
+    kind, sentence = classify_path(full)
+    if kind in ("root", "checkpoint"):
+        return full, kind
+    print(f"jaxckpt {command}: {sentence}", file=sys.stderr)
+    return EXIT_USAGE if kind == "unreadable" else EXIT_NOT_JAXCKPT  # permissions: environment
 
 
 def _ls_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", help="checkpoint root (the directory holding recover/)")
+    parser.add_argument("root", help="checkpoint root (the directory holding recover/), or one "
+                                     "checkpoint directory")
     parser.add_argument("--checksums", action="store_true",
                         help="re-read every file against its checksum (slower; default: sizes)")
 
@@ -92,14 +112,18 @@ def _ls_arguments(parser: argparse.ArgumentParser) -> None:
 def _ls(opts: argparse.Namespace) -> int:
     from .store import CheckpointStore
 
-    store = CheckpointStore(opts.root)
-    if not os.path.isdir(store.root):
-        print(f"jaxckpt ls: no directory {store.root!r}", file=sys.stderr)
-        return EXIT_USAGE
-    entries = store.entries(checksums=opts.checksums)
-    if not entries:
-        print(f"no checkpoints under {store.recover_dir}")
-        return EXIT_OK
+    located = _locate("ls", opts.root)
+    if isinstance(located, int):
+        return located
+    path, kind = located
+    if kind == "checkpoint":
+        entries = [CheckpointStore(os.path.dirname(path)).entry(path, checksums=opts.checksums)]
+    else:
+        store = CheckpointStore(path)
+        entries = store.entries(checksums=opts.checksums)
+        if not entries:
+            print(f"no checkpoints under {store.recover_dir}")
+            return EXIT_OK
     now = time.time()
     rows = []
     for entry in entries:
@@ -119,7 +143,13 @@ def _ls(opts: argparse.Namespace) -> int:
     for entry in entries:
         for problem in entry.problems:
             print(f"  step {entry.step}: {problem}")
-    return EXIT_OK
+    return _bad_if(entries)
+
+
+def _bad_if(entries: Sequence[Any]) -> int:
+    """EXIT_BAD_CHECKPOINT when any of these store entries is partial or corrupt."""
+    bad = [entry for entry in entries if entry.status != "committed"]
+    return EXIT_BAD_CHECKPOINT if bad else EXIT_OK
 
 
 # -------------------------------------------------------------------------- verify
@@ -136,26 +166,32 @@ def _verify(opts: argparse.Namespace) -> int:
     from .errors import CheckpointCorruptError, CheckpointNotFoundError
     from .store import COMMIT_MARKER, CheckpointStore
 
-    path = os.path.abspath(opts.path)
-    if not os.path.isdir(path):
-        print(f"jaxckpt verify: no directory {opts.path!r}", file=sys.stderr)
-        return EXIT_USAGE
-    store = CheckpointStore(path)
-    if os.path.exists(os.path.join(path, COMMIT_MARKER)) or not os.path.isdir(store.recover_dir):
-        targets = [path]  # one checkpoint (committed or not)
+    located = _locate("verify", opts.path)
+    if isinstance(located, int):
+        return located
+    path, kind = located
+    if kind == "checkpoint":
+        targets = [path]
     else:
+        store = CheckpointStore(path)
         targets = [entry.path for entry in store.entries()]
         if not targets:
-            print(f"no checkpoints under {store.recover_dir}")
+            print(f"no checkpoints under {store.recover_dir} (nothing to verify)")
             return EXIT_OK
     bad = 0
     for target in targets:
+        if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
+            bad += 1
+            print(f"PARTIAL {target}")
+            print(f"  no {COMMIT_MARKER} marker: this checkpoint never finished committing "
+                  f"(the job stopped while saving, or is saving now); it is not restorable")
+            continue
         try:
             problems = CheckpointStore(os.path.dirname(target)).verify(
                 target, checksums=not opts.sizes_only)
-        except CheckpointNotFoundError as exc:
-            print(f"jaxckpt verify: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        except CheckpointNotFoundError:  # deleted meanwhile (retention of a running job)
+            print(f"GONE    {target} (deleted while this command ran)")
+            continue
         except CheckpointCorruptError as exc:
             problems = [str(exc)]
         if problems:
@@ -188,30 +224,73 @@ def _demo(opts: argparse.Namespace) -> int:
 
 
 def _info_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a checkpoint directory (recover/step_N)")
+    parser.add_argument("path", help="a checkpoint directory (recover/step_N), or a root for a "
+                                     "summary of its checkpoints")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--leaves", type=int, default=40,
                         help="array leaves to list (default 40; 0 for all)")
 
 
 def _info(opts: argparse.Namespace) -> int:
+    located = _locate("info", opts.path)
+    if isinstance(located, int):
+        return located
+    path, kind = located
+    return _info_root(path, opts) if kind == "root" else _info_checkpoint(path, opts)
+
+
+def _info_root(path: str, opts: argparse.Namespace) -> int:
+    """A root: how many checkpoints in which state, the latest valid one, where to look next
+    (sizes checked, not checksums: as ``ls``)."""
+    import json
+
+    from .store import CheckpointStore
+
+    store = CheckpointStore(path)
+    entries = store.entries()
+    counts = {status: sum(e.status == status for e in entries)
+              for status in ("committed", "partial", "corrupt")}
+    latest = next((e for e in reversed(entries) if e.status == "committed"), None)
+    info = {"path": path, "kind": "root", "checkpoints": len(entries), **counts,
+            "latest_valid": None if latest is None else {"step": latest.step, "path": latest.path},
+            "exports": len(store.export_entries()), "items": store.item_names()}
+    if opts.json:
+        print(json.dumps(info, indent=1))
+        return _bad_if(entries)
+    print(f"{'path':14} {path}")
+    print(f"{'kind':14} checkpoint root")
+    print(f"{'checkpoints':14} {len(entries)} ({counts['committed']} committed, "
+          f"{counts['partial']} partial, {counts['corrupt']} corrupt)")
+    print(f"{'latest valid':14} " + ("none" if latest is None
+                                     else f"step {latest.step} ({latest.path})"))
+    if info["exports"] or info["items"]:
+        print(f"{'exports':14} {info['exports']}; items: {', '.join(info['items']) or '-'}")
+    print(f"details: `jaxckpt ls {path}` lists every checkpoint, `jaxckpt info "
+          f"{latest.path if latest else store.step_path(0)}` shows one")
+    return _bad_if(entries)
+
+
+def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     """What a checkpoint holds, read from its JSON files only (never from array data, and
-    never from a backend's own binary metadata)."""
+    never from a backend's own binary metadata); file sizes are checked against the manifest."""
     import json
 
     from .errors import CheckpointCorruptError
-    from .store import COMMIT_MARKER, DRIVER_FILE, CheckpointStore
+    from .store import DRIVER_FILE, CheckpointStore
 
-    path = os.path.abspath(opts.path)
-    if not os.path.isdir(path):
-        print(f"jaxckpt info: no directory {opts.path!r}", file=sys.stderr)
-        return EXIT_USAGE
+    store = CheckpointStore(os.path.dirname(path))
     info: dict = {"path": path}
     try:
-        manifest = CheckpointStore(os.path.dirname(path)).read_manifest(path)
+        manifest = store.read_manifest(path)
+        problems = store.verify(path, checksums=False) if manifest else []
     except CheckpointCorruptError as exc:
-        manifest, info["manifest_error"] = None, str(exc)
-    info["status"] = "committed" if manifest else ("corrupt" if "manifest_error" in info else "partial")
+        manifest, problems = None, [str(exc)]
+    info["status"] = "corrupt" if problems else ("committed" if manifest else "partial")
+    if problems:
+        info["manifest_error"] = "; ".join(problems)
+    elif manifest is None:
+        info["manifest_error"] = ("no COMMITTED marker: this checkpoint never finished "
+                                  "committing; it is not restorable")
     if manifest:
         info["files"], info["bytes"] = len(manifest.files), manifest.total_bytes
     try:
@@ -223,17 +302,33 @@ def _info(opts: argparse.Namespace) -> int:
         local = driver.get("local") or {}
         info["stateful"] = sorted((local.get("stateful") or {}).keys())
         info["rng"] = sorted((local.get("rng") or {}).keys())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, AttributeError) as exc:
         info["driver_error"] = f"{DRIVER_FILE}: {exc}"
-    tree_file = os.path.join(path, "state", "tree.json")
-    if os.path.exists(tree_file):
-        with open(tree_file) as handle:
-            leaves = json.load(handle).get("leaves", [])
-        info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
-                           "dtype": leaf.get("dtype")} for leaf in leaves]
+    _add_leaves(info, path)
     if opts.json:
         print(json.dumps(info, indent=1, default=str))
-        return EXIT_OK
+    else:
+        _print_info(info, opts.leaves)
+    return EXIT_OK if info["status"] == "committed" else EXIT_BAD_CHECKPOINT
+
+
+def _add_leaves(info: dict, path: str) -> None:
+    import json
+
+    tree_file = os.path.join(path, "state", "tree.json")
+    if os.path.exists(tree_file):
+        try:
+            with open(tree_file) as handle:
+                leaves = json.load(handle).get("leaves", [])
+            info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
+                               "dtype": leaf.get("dtype")} for leaf in leaves]
+        except (OSError, ValueError, AttributeError) as exc:
+            info["tree_error"] = f"state/tree.json: {exc}"
+
+
+def _print_info(info: dict, max_leaves: int) -> None:
+    import json
+
     for key in ("path", "status", "kind", "reason", "backend", "process_count", "saved_at"):
         if key in info:
             print(f"{key:14} {info[key]}")
@@ -242,18 +337,17 @@ def _info(opts: argparse.Namespace) -> int:
     for key in ("step_info", "metrics", "stateful", "rng", "versions"):
         if info.get(key):
             print(f"{key:14} {json.dumps(info[key], default=str)}")
-    for key in ("manifest_error", "driver_error"):
+    for key in ("manifest_error", "driver_error", "tree_error"):
         if key in info:
             print(f"{'problem':14} {info[key]}")
     leaves = info.get("leaves") or []
     if leaves:
-        shown = leaves if opts.leaves == 0 else leaves[:opts.leaves]
+        shown = leaves if max_leaves == 0 else leaves[:max_leaves]
         print(f"arrays ({len(leaves)} leaves):")
         _print_table([[leaf["path"], str(tuple(leaf["shape"] or ())), str(leaf["dtype"])]
                       for leaf in shown], ["PATH", "SHAPE", "DTYPE"], print)
         if len(shown) < len(leaves):
             print(f"  ... {len(leaves) - len(shown)} more (--leaves 0 lists all)")
-    return EXIT_OK if info["status"] == "committed" else EXIT_BAD_CHECKPOINT
 
 
 # ----------------------------------------------------------------------- HF bridge
@@ -321,6 +415,44 @@ def _import_hf(opts: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:  # no HF dir, arch mismatch listing
         print(f"jaxckpt import-hf: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- import-orbax
+
+
+def _import_orbax_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="an Orbax checkpoint: a CheckpointManager directory (step "
+                                    "directories 0/, 100/, ...), one step directory, or one "
+                                    "PyTree/StandardCheckpointer directory; never changed")
+    parser.add_argument("root", help="jaxckpt checkpoint root to write recover/step_N into "
+                                     "(new, empty, or a jaxckpt root)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="Orbax step to import (default: the latest); it becomes the "
+                             "global step of the jaxckpt checkpoint")
+
+
+def _import_orbax(opts: argparse.Namespace) -> int:
+    from .errors import (CheckpointCorruptError, CheckpointNotFoundError, CheckpointRootError,
+                         ConfigError)
+
+    try:
+        from .orbax_import import import_orbax
+
+        path = import_orbax(opts.src, opts.root, step=opts.step)
+    except ImportError as exc:  # a missing extra
+        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:  # no such step in SRC, ROOT inside SRC
+        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (CheckpointNotFoundError, CheckpointRootError) as exc:  # SRC or ROOT refused
+        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+        return EXIT_NOT_JAXCKPT
+    except CheckpointCorruptError as exc:  # the written checkpoint failed verification
+        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+        return EXIT_BAD_CHECKPOINT
     print(f"wrote {path}")
     return EXIT_OK
 
@@ -422,8 +554,11 @@ COMMANDS: tuple[_Command, ...] = (
              add_arguments=_export_hf_arguments, handler=_export_hf),
     _Command(name="import-hf", help="turn a Hugging Face directory into a recovery checkpoint",
              add_arguments=_import_hf_arguments, handler=_import_hf),
+    _Command(name="import-orbax", help="turn an Orbax checkpoint into a verified recovery "
+                                       "checkpoint, leaving the Orbax one unchanged",
+             add_arguments=_import_orbax_arguments, handler=_import_orbax),
     _Command(name="info", help="show what one checkpoint holds: step, metrics, versions, "
-                               "stateful objects, array leaves",
+                               "stateful objects, array leaves (for a root: a summary)",
              add_arguments=_info_arguments, handler=_info),
     _Command(name="bench", help="measure save/restore cost on this machine against the "
                                 "disk, Orbax, torch and safetensors, in one run",

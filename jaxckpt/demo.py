@@ -244,7 +244,8 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
     See the module docstring for the lines passed to ``emit`` and the log format. At the end:
     a forced save, ``close()``, and the final params + optimizer state (PRNG keys as key
     data) written to ``final_path`` (default: next to the log as ``<log stem>.final.npz``, or
-    ``{root}/final_state.npz``). Returns a summary dict (also emitted as ``DONE``).
+    beside the root as ``{root}.final.npz``: never inside it, where jaxckpt writes alone).
+    Returns a summary dict (also emitted as ``DONE``).
     ``hold_save_at=S`` (a test hook) keeps the save of step S uncommitted ``hold_save_s``
     seconds longer.
     """
@@ -257,7 +258,7 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
     root = os.fspath(root)
     if final_path is None:
         final_path = (os.path.splitext(log_path)[0] + ".final.npz" if log_path
-                      else os.path.join(root, "final_state.npz"))
+                      else os.path.normpath(root) + ".final.npz")
 
     loader, model, optimizer, train_step = build_training(
         sizes, seed=seed, batch_size=batch_size, steps_per_epoch=steps_per_epoch,

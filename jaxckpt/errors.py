@@ -54,7 +54,8 @@ class RootLockedError(CheckpointError, BlockingIOError):
 
 
 class CheckpointRootError(CheckpointError, OSError):
-    """The checkpoint root cannot be used (not a directory, no permission)."""
+    """The checkpoint root cannot be used: it holds files jaxckpt did not write (nothing is
+    written into it then), is not a directory, or cannot be written."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):

@@ -75,6 +75,7 @@ from .store import (
     ReadClaims,
     RootLock,
     atomic_write,
+    check_root,
     export_dirname,
 )
 
@@ -280,6 +281,9 @@ class CheckpointManager:
                 f"jaxckpt.orbax_backend.OrbaxBackend(); for PyTorch use "
                 f"torch_bridge.DcpCheckpointManager.")
         check_item_cadences(items or {}, recover)
+        # Before anything is created or written (no backend, no lock, no recover/): a root
+        # holding another tool's files is refused whole, never written beside.
+        check_root(os.fspath(root))
         self.recover_config = recover
         self.export_config = export
         self._item_cadences: dict[str, Every] = dict(items or {})

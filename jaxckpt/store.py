@@ -47,6 +47,7 @@ from .checksum import ALGORITHMS, default_algorithm, file_checksum
 from .errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    CheckpointRootError,
     CheckpointWriteError,
     RootLockedError,
 )
@@ -64,6 +65,10 @@ __all__ = [
     "fsync_file",
     "atomic_write",
     "export_dirname",
+    "foreign_entries",
+    "check_root",
+    "classify_path",
+    "PathKind",
 ]
 
 COMMIT_MARKER = "COMMITTED"
@@ -80,6 +85,18 @@ _VERSION_RE = re.compile(r"^v(\d{6,})$")
 _ITEM_DIR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 _TMP_PREFIX = ".tmp-"
+LOCK_FILE = ".lock"
+# What jaxckpt itself writes directly under a root. Any other entry there (or under recover/
+# and export/, see foreign_entries) means another tool owns the directory: jaxckpt then
+# refuses the root rather than write beside, or clean up, files it does not understand. A
+# new file or directory the store writes into a root must be added here.
+_ROOT_NAMES = frozenset({RECOVER, EXPORT, LOCK_FILE})
+# Entries the filesystem or the OS put into any directory (a mount point's lost+found).
+_SYSTEM_NAMES = frozenset({"lost+found", ".DS_Store"})
+# Names by which another tool's checkpoint is recognised, for a hint in the error: Orbax's
+# step directories are plain numbers (or prefix_number) holding _CHECKPOINT_METADATA.
+_ORBAX_HINTS = frozenset({"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt",
+                          "commit_success.txt"})
 
 #: Files larger than this many bytes may have their checksum checked while a backend reads the
 #: checkpoint instead of before (``verify(defer_over=...)``, ``verify_deferred``).
@@ -100,6 +117,8 @@ _METADATA_SUFFIXES = (".json", ".txt", ".pbtxt", ".ocdbt")
 _METADATA_NAMES = frozenset({COMMIT_MARKER, "_METADATA", "_CHECKPOINT_METADATA", "_sharding"})
 
 Status = Literal["committed", "partial", "corrupt"]
+#: What a path given to a command is (see ``classify_path``).
+PathKind = Literal["missing", "unreadable", "file", "empty", "foreign", "root", "checkpoint"]
 
 
 def export_dirname(epoch: int, epoch_step: int, global_step: int) -> str:
@@ -375,7 +394,7 @@ class RootLock:
     """
 
     def __init__(self, root: str):
-        self.path = os.path.join(root, ".lock")
+        self.path = os.path.join(root, LOCK_FILE)
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -546,6 +565,16 @@ class CheckpointStore:
         problems = tuple(self.verify(path, checksums=checksums, defer_over=defer_over))
         return Entry(step=step, path=path, status="corrupt" if problems else "committed",
                      problems=problems, manifest=manifest)
+
+    def entry(self, path: str, *, checksums: bool = False) -> Entry:
+        """One checkpoint directory with its status, as :meth:`entries` reports it; its step
+        is the manifest's, else the one in its name (``step_N``, ``vN``), else 0."""
+        match = _STEP_RE.match(os.path.basename(path)) or _VERSION_RE.match(
+            os.path.basename(path))
+        entry = self._classify(int(match.group(1)) if match else 0, path, checksums=checksums)
+        if entry.manifest is not None and entry.manifest.step != entry.step:
+            entry = dataclasses.replace(entry, step=entry.manifest.step)
+        return entry
 
     def entries(self, *, checksums: bool = False) -> list[Entry]:
         """Every step directory, oldest first, with its status."""
@@ -761,3 +790,107 @@ def _rmtree_tolerant(path: str) -> None:
         if exc.errno != errno.ENOTEMPTY:
             raise
         shutil.rmtree(path, ignore_errors=True)  # a writer raced us; one more sweep
+
+
+# --- whose directory is this? ----------------------------------------------------------------
+def _listdir(path: str) -> list[str] | None:
+    """Names in ``path``; None when it is not a directory (missing, a file)."""
+    try:
+        return sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def foreign_entries(root: str) -> list[str]:
+    """Entries under ``root`` that jaxckpt never writes, as paths relative to it (sorted;
+    directories end in '/'). Empty for a missing or empty directory and for one that holds
+    only what jaxckpt writes: ``.lock``, ``recover/`` (step directories, ``items/``,
+    ``superseded/``, temporary ``.tmp-*`` entries) and ``export/`` (export directories,
+    temporary entries). Reads names only, never contents; writes nothing."""
+    names = _listdir(root)
+    if names is None:
+        return []
+    allowed = {RECOVER: (lambda n: bool(_STEP_RE.match(n)) or n in (ITEMS, SUPERSEDED)),
+               EXPORT: (lambda n: bool(_EXPORT_RE.match(n)))}
+    found = []
+    for name in names:
+        full = os.path.join(root, name)
+        is_dir = os.path.isdir(full) and not os.path.islink(full)
+        shown = name + "/" if is_dir else name
+        if name in _SYSTEM_NAMES or name.startswith(_TMP_PREFIX):
+            continue
+        if name not in _ROOT_NAMES or (name in allowed) != is_dir:
+            found.append(shown)
+            continue
+        if name in allowed:  # a directory of ours: check one level down too
+            for child in _listdir(full) or []:
+                if not (child.startswith(_TMP_PREFIX) or child in _SYSTEM_NAMES
+                        or allowed[name](child)):
+                    found.append(f"{name}/{child}")
+    return found
+
+
+def _describe_foreign(path: str, found: list[str]) -> str:
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    looks_orbax = any(entry.rstrip("/") in _ORBAX_HINTS for entry in found) or any(
+        re.fullmatch(r"(?:\w+_)?\d+/", entry)
+        and os.path.exists(os.path.join(path, entry, "_CHECKPOINT_METADATA"))
+        for entry in found)
+    hint = (f" It looks like an Orbax checkpoint: `jaxckpt import-orbax {path} NEW_ROOT` (or "
+            f"jaxckpt.import_orbax(src, new_root)) turns it into a jaxckpt checkpoint without "
+            f"changing it." if looks_orbax else "")
+    return f"{path!r} holds entries jaxckpt never writes: {shown}.{hint}"
+
+
+def check_root(root: str) -> None:
+    """Raise ``CheckpointRootError`` when ``root`` holds entries jaxckpt did not write (see
+    ``foreign_entries``), naming some and the fix, or cannot be listed (what it holds is
+    unknown, so nothing may be written there either). Reads names only; writes nothing."""
+    try:
+        found = foreign_entries(root)
+    except OSError as exc:
+        raise CheckpointRootError(
+            f"checkpoint root {root!r} cannot be used: listing it failed: {exc.strerror or exc} "
+            f"({exc.filename}). Fix: pass another root, or give this user read and write "
+            f"access to it (chmod/chown).") from exc
+    if found:
+        raise CheckpointRootError(
+            f"refusing checkpoint root: {_describe_foreign(root, found)} jaxckpt writes into "
+            f"and deletes under its root, so it never shares one with other files. Fix: pass "
+            f"a new or empty directory as the root (e.g. a subdirectory of this one).")
+
+
+def _looks_like_checkpoint(path: str, names: list[str]) -> bool:
+    """A jaxckpt checkpoint directory, committed or not: it has the marker or driver state,
+    or is named and placed like one (``recover/step_N``, ``items/NAME/vN``), even if empty
+    (a job killed right after creating it)."""
+    if COMMIT_MARKER in names or DRIVER_FILE in names:
+        return True
+    name, parent = os.path.basename(path), os.path.dirname(path)
+    return bool((_STEP_RE.match(name) and os.path.basename(parent) == RECOVER)
+                or (_VERSION_RE.match(name)
+                    and os.path.basename(os.path.dirname(parent)) == ITEMS))
+
+
+def classify_path(path: str) -> tuple[PathKind, str]:
+    """What ``path`` is, and a sentence saying so for the user: "missing", "unreadable"
+    (no permission), "file", "empty" (a directory with nothing in it), "foreign" (holds
+    entries jaxckpt never writes), "checkpoint" (one checkpoint directory, committed or
+    partial) or "root"."""
+    if not os.path.lexists(path):
+        return "missing", f"no such file or directory: {path!r}"
+    try:
+        names = _listdir(path)
+        found = foreign_entries(path)
+    except OSError as exc:
+        return "unreadable", f"cannot read {path!r}: {exc.strerror or exc} ({exc.filename})"
+    if names is None:
+        return "file", f"{path!r} is a file, not a jaxckpt checkpoint or root (a directory)"
+    if _looks_like_checkpoint(path, names):
+        return "checkpoint", f"{path!r} is a checkpoint directory"
+    if not [name for name in names if name not in _SYSTEM_NAMES]:
+        return "empty", (f"{path!r} is an empty directory: not a jaxckpt checkpoint or root "
+                         f"(nothing was ever saved here)")
+    if found:
+        return "foreign", f"not a jaxckpt checkpoint or root: {_describe_foreign(path, found)}"
+    return "root", f"{path!r} is a checkpoint root"

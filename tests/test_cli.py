@@ -49,7 +49,7 @@ def a_data_file(checkpoint: Path) -> Path:
 
 def test_ls_lists_every_step_with_status_size_and_age(root, capsys):
     code, out = run_cli(capsys, "ls", str(root))
-    assert code == 0
+    assert code == 1  # the partial step 2
     lines = out.splitlines()
     assert lines[0].split() == ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"]
     rows = {int(line.split()[0]): line.split() for line in lines[1:]}
@@ -66,14 +66,15 @@ def test_ls_shows_a_corrupt_checkpoint_and_why(root, capsys):
     victim = a_data_file(step_dir(root, 1))
     victim.write_bytes(victim.read_bytes()[:-1])  # truncated
     code, out = run_cli(capsys, "ls", str(root))
-    assert code == 0
+    assert code == 1
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:] if line[:1].isdigit()}
     assert rows == {"0": "committed", "1": "corrupt", "2": "partial"}
     assert victim.relative_to(step_dir(root, 1)).as_posix() in out
 
 
-def test_ls_of_an_empty_root_says_so(tmp_path, capsys):
-    code, out = run_cli(capsys, "ls", str(tmp_path))
+def test_ls_of_a_root_without_checkpoints_says_so(tmp_path, capsys):
+    jaxckpt.CheckpointManager(tmp_path / "run", mode="sync").close()  # opened, never saved
+    code, out = run_cli(capsys, "ls", str(tmp_path / "run"))
     assert code == 0 and "no checkpoints" in out
 
 
@@ -111,12 +112,12 @@ def test_verify_of_a_root_checks_every_checkpoint(root, capsys):
     code, out = run_cli(capsys, "verify", str(root))
     assert code == 1  # the partial step 2
     assert [line.split()[0] for line in out.splitlines() if not line.startswith(" ")] == [
-        "OK", "OK", "CORRUPT"]
+        "OK", "OK", "PARTIAL"]
 
 
-def test_verify_of_a_missing_path_is_a_usage_error(tmp_path, capsys):
+def test_verify_of_a_missing_path_exits_3(tmp_path, capsys):
     code, out = run_cli(capsys, "verify", str(tmp_path / "nope"))
-    assert code == 2 and "no directory" in out
+    assert code == 3 and "no such file or directory" in out
 
 
 def test_module_entry_point_runs_without_importing_jax(root):
@@ -128,7 +129,7 @@ def test_module_entry_point_runs_without_importing_jax(root):
              "sys.exit(code)\n")
     result = subprocess.run([sys.executable, "-c", probe, str(root)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # the fixture's partial step 2
     assert "committed" in result.stdout
     assert "IMPORTED []" in result.stdout
 
@@ -155,3 +156,114 @@ def test_info_json_and_partial_checkpoint(root, capsys):
     assert {leaf["path"] for leaf in body["leaves"]} == {"['w']", "['b']"}
     code, out = run_cli(capsys, "info", str(step_dir(root, 2)))
     assert code == 1 and "partial" in out
+
+
+# ------------------------------------------------------- what each kind of path exits with
+
+
+@pytest.fixture(scope="module")
+def clean_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two committed checkpoints, nothing else: copied by the cases that alter a root."""
+    root = tmp_path_factory.mktemp("clean") / "run"
+    state = {"w": np.arange(4096, dtype=np.float32), "b": np.ones((4, 4), np.int32)}
+    with jaxckpt.CheckpointManager(root, recover=jaxckpt.RecoverConfig(keep_last_n=None),
+                                   mode="sync") as mgr:
+        for step in (0, 1):
+            mgr.save(jaxckpt.StepInfo(0, step, step, 10), state)
+    return root
+
+
+def _missing(base: Path, clean: Path) -> Path:
+    return base / "nope"
+
+
+def _a_file(base: Path, clean: Path) -> Path:
+    (base / "notes.txt").write_text("hello")
+    return base / "notes.txt"
+
+
+def _empty(base: Path, clean: Path) -> Path:
+    (base / "empty").mkdir()
+    return base / "empty"
+
+
+def _random_files(base: Path, clean: Path) -> Path:
+    junk = base / "junk"
+    (junk / "sub").mkdir(parents=True)
+    (junk / "data.bin").write_bytes(os.urandom(100))
+    (junk / "sub" / "x").write_bytes(os.urandom(10))
+    return junk
+
+
+def _valid_root(base: Path, clean: Path) -> Path:
+    import shutil
+
+    shutil.copytree(clean, base / "run")
+    return base / "run"
+
+
+def _corrupt_root(base: Path, clean: Path) -> Path:
+    root = _valid_root(base, clean)
+    victim = a_data_file(step_dir(root, 1))
+    victim.write_bytes(victim.read_bytes()[:-1])
+    return root
+
+
+def _recover_dir_of_a_root(base: Path, clean: Path) -> Path:
+    return _valid_root(base, clean) / "recover"  # taken for its root
+
+
+def _valid_checkpoint(base: Path, clean: Path) -> Path:
+    return step_dir(_valid_root(base, clean), 1)
+
+
+def _partial_checkpoint(base: Path, clean: Path) -> Path:
+    partial = step_dir(_valid_root(base, clean), 2)
+    partial.mkdir()  # a job killed right after creating it
+    return partial
+
+
+def _partial_with_files(base: Path, clean: Path) -> Path:
+    path = _valid_checkpoint(base, clean)
+    (path / "COMMITTED").unlink()  # killed before the commit
+    return path
+
+
+# (case, exit codes of ls, verify and info, words (or one word for all three) that each
+# command's output must contain, case aside)
+EXIT_CASES = [
+    (_missing, (3, 3, 3), "no such file or directory"),
+    (_a_file, (3, 3, 3), "is a file"),
+    (_empty, (3, 3, 3), "empty directory"),
+    (_random_files, (3, 3, 3), "never writes: data.bin, sub/"),
+    (_valid_root, (0, 0, 0), ("committed", "ok", "2 committed")),
+    (_corrupt_root, (1, 1, 1), "corrupt"),
+    (_recover_dir_of_a_root, (0, 0, 0), ("committed", "ok", "2 committed")),
+    (_valid_checkpoint, (0, 0, 0), ("committed", "ok", "committed")),
+    (_partial_checkpoint, (1, 1, 1), "partial"),
+    (_partial_with_files, (1, 1, 1), "partial"),
+]
+
+
+@pytest.mark.parametrize("make, codes, words", EXIT_CASES, ids=lambda v: getattr(v, "__name__", ""))
+def test_ls_verify_info_exit_codes(make, codes, words, clean_root, tmp_path, capsys):
+    path = make(tmp_path, clean_root)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for command, expected in zip(("ls", "verify", "info"), codes):
+        code, out = run_cli(capsys, command, str(path))
+        assert code == expected, (command, out)
+        word = words if isinstance(words, str) else words[("ls", "verify", "info").index(command)]
+        assert word.lower() in out.lower(), (command, out)
+        if expected == 3:
+            assert "not a jaxckpt checkpoint or root" in out or "no such file" in out, out
+            assert "CORRUPT" not in out and "stopped while saving" not in out
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # read only
+
+
+def test_info_of_a_root_summarises_it_and_points_to_ls(clean_root, capsys):
+    code, out = run_cli(capsys, "info", str(clean_root))
+    assert code == 0, out
+    assert "checkpoint root" in out and "partial" not in out.split("checkpoints")[0]
+    assert "2 (2 committed, 0 partial, 0 corrupt)" in out
+    assert "latest valid   step 1" in out and f"jaxckpt ls {clean_root}" in out
+

@@ -24,6 +24,7 @@ def imported_after(statement: str) -> list[str]:
         "import jaxckpt.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, jaxckpt.codec",
         "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",
+        "from jaxckpt import import_orbax; import jaxckpt.orbax_import",
     ],
 )
 def test_pure_layer_imports_no_framework(statement):
