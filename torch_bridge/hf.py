@@ -3,7 +3,8 @@
 Owns: one declarative table per architecture (which Flax param becomes which HF tensor, with
 what layout change), the generic engine that reads those tables in both directions, the
 streaming sharded safetensors writer (``export_hf``, ``hf_exporter``) and the reader
-(``load_hf``).
+(``load_hf``). Picking the params out of a training state is ``_hf_params``'s; the text of
+config.json and generation_config.json is ``_hf_config``'s.
 
 A table (:class:`Architecture`) is a tuple of :class:`HFTensor` rows, one per HF tensor:
 
@@ -35,7 +36,9 @@ before it counts as written; ``export_hf`` writes into a temporary sibling direc
 complete-looking model (a SIGKILLed one leaves that hidden temp directory behind).
 
 Must not import jax or torch at import time: params may have jax or numpy leaves and are
-converted leaf by leaf with ``np.asarray``; ``load_hf`` returns numpy leaves.
+converted leaf by leaf with ``np.asarray``; ``load_hf`` returns numpy leaves. Writing an
+export's config files imports transformers (and with it torch, when installed); an
+``HFExporter`` does so when it is made, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -106,8 +109,10 @@ Progress = Callable[[int, int], Any]
 
 
 class HFMismatchError(TreeMismatchError):
-    """Params or an HF directory do not fit an architecture table; ``problems`` lists every
-    missing, unexpected and mis-shaped tensor."""
+    """Params or an HF directory do not fit an architecture table, or the directory's
+    config.json names another model type; ``problems`` lists every missing, unexpected and
+    mis-shaped tensor (and the model_type found). A ``jaxckpt.CheckpointError`` and a
+    ``ValueError``."""
 
 
 class ExportExistsError(CheckpointError, FileExistsError):
@@ -1094,9 +1099,12 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
     warning), ``config["tie_word_embeddings"]`` comes back False with a warning so the Flax
     model computes the same logits. ``dtype`` casts every tensor (default: as stored).
 
-    Raises ``HFMismatchError`` (a ``TreeMismatchError``) listing every missing, unexpected and
-    mis-shaped tensor with expected vs found shapes, and ``CheckpointNotFoundError`` when the
-    directory has no config.json or no safetensors.
+    Raises ``HFMismatchError`` (a ``TreeMismatchError``) when config.json's ``model_type`` is
+    not one ``arch`` reads (even when every tensor name fits: Mistral and Gemma directories
+    have Llama's tensor names but compute something else), naming both and the arch to pass;
+    and when tensors do not fit, listing every missing, unexpected and mis-shaped tensor
+    with expected vs found shapes. ``CheckpointNotFoundError`` when the directory has no
+    config.json or no safetensors.
     """
     table = _architecture(arch)
     path = os.fspath(path)
@@ -1114,15 +1122,9 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
                   for k, v in stored.items()}
 
     flags = {**table.defaults, **{k: v for k, v in config.items() if v is not None}}
-    problems: list[str] = []
     notes: list[str] = []
     model_type = config.get("model_type")
     wrong_type = model_type is not None and model_type not in table.model_types
-    if wrong_type:
-        other = _arch_for_model_type(model_type)
-        notes.append(f"config.json has model_type {model_type!r}"
-                     + (f", which is arch={other!r}" if other else ", which no table maps")
-                     + f", not {table.name!r}.")
     try:
         dims: dict[str, int] | None = _dims(table, flags)
         num_layers = dims[table.layers]
@@ -1132,7 +1134,7 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
         num_layers = _count_layers(table, config, stored)
         notes.append(f"config.json cannot size the {table.name!r} table's tensors: {exc}")
     entries, inactive = _expand(table, flags, dims, num_layers)
-    untie = _check_tied(inactive, stored)
+    untie = None if wrong_type else _check_tied(inactive, stored)
     if untie:
         heads = sorted({e.hf for e in inactive if e.row.tied_to and e.hf in stored})
         warnings.warn(
@@ -1146,6 +1148,25 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
     # A tied head saved anyway (equal to the embedding) is what transformers loads tied.
     ignored = {e.hf for e in inactive if e.row.tied_to is not None}
 
+    problems = _stored_problems(table, entries, stored, ignored)
+    if wrong_type:
+        raise _model_type_error(path, table, model_type, problems, len(entries))
+    if problems or dims is None:
+        raise _mismatch_error(
+            f"{path} does not match", table, problems,
+            "".join(f"{note}\n" for note in notes)
+            + f"Fix: pass the arch that wrote this directory (known: {sorted(ARCHITECTURES)}), "
+              f"or a config.json that matches its tensors.")
+
+    flat = _read_entries(entries, stored, stacked=stacked, num_layers=num_layers, dims=dims,
+                         cast=cast, progress=progress)
+    return _unflatten(flat), config
+
+
+def _stored_problems(table: Architecture, entries: list[_Entry],
+                     stored: Mapping[str, _Stored], ignored: set[str]) -> list[str]:
+    """Every missing, mis-shaped and unexpected tensor of a directory against the table."""
+    problems = []
     expected = {e.hf: e for e in entries}
     for name, entry in expected.items():
         found = stored.get(name)
@@ -1160,18 +1181,7 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
         if not any(p.search(name) for p in ignore):
             problems.append(f"unexpected {name}: found {_fmt_shape(stored[name].shape)} "
                             f"{stored[name].dtype}")
-    if wrong_type:
-        raise _model_type_error(path, table, model_type, problems, len(expected))
-    if problems or dims is None:
-        raise _mismatch_error(
-            f"{path} does not match", table, problems,
-            "".join(f"{note}\n" for note in notes)
-            + f"Fix: pass the arch that wrote this directory (known: {sorted(ARCHITECTURES)}), "
-              f"or a config.json that matches its tensors.")
-
-    flat = _read_entries(entries, stored, stacked=stacked, num_layers=num_layers, dims=dims,
-                         cast=cast, progress=progress)
-    return _unflatten(flat), config
+    return problems
 
 
 def _model_type_error(path: str, table: Architecture, model_type: Any, problems: list[str],
