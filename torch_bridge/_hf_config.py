@@ -7,7 +7,8 @@ model's save sets them, and the class serialises itself (only what differs from 
 defaults); generation_config.json is the generation config a generative model of that class
 derives from its config, unless the caller gives one. Without transformers, config.json is
 the given dict plus ``model_type``, ``architectures`` and ``dtype``, and generation_config.json
-is written only when given.
+is written only when given; the same for a ``model_type`` transformers has no class for (a
+custom ``Architecture``).
 
 Must not import jax; transformers (which loads torch when torch is installed) is imported
 only when a file is produced, never at import time.
@@ -42,12 +43,9 @@ def _transformers() -> Any:
 def _config_object(transformers: Any, body: Mapping[str, Any]) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    model_type = body["model_type"]
-    try:
-        config_class = CONFIG_MAPPING[model_type]
-    except KeyError:
-        raise ConfigError(f"transformers {transformers.__version__} has no config class for "
-                          f"model_type {model_type!r}.") from None
+    if body["model_type"] not in CONFIG_MAPPING:
+        return None  # a custom table for a model transformers does not know: written as given
+    config_class = CONFIG_MAPPING[body["model_type"]]
     try:
         return config_class.from_dict(dict(body))
     except (TypeError, ValueError) as exc:
@@ -78,11 +76,11 @@ def config_files(body: Mapping[str, Any], *, hf_class: str, dtype_name: str,
     ``model_type`` set."""
     transformers = _transformers()
     given = None if generation_config is None else _given_generation_config(generation_config)
-    if transformers is None:
+    config = None if transformers is None else _config_object(transformers, body)
+    if config is None:
         plain = {k: v for k, v in body.items() if k != "torch_dtype"}
         plain.update(architectures=[hf_class], dtype=dtype_name)
         return _dumps(plain), given
-    config = _config_object(transformers, body)
     generation = None
     if given is None:
         # A generative model derives its generation config from its config when it is built,
