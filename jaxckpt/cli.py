@@ -359,10 +359,14 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint root (latest valid step) or a recover/step_N directory")
     parser.add_argument("out_dir", help="Hugging Face model directory to write")
     parser.add_argument("--arch", choices=("llama", "qwen2", "gpt2"),
-                        help="architecture table (default: the one recorded by import-hf)")
-    parser.add_argument("--config", help="config.json or HF model directory (default: recorded by import-hf)")
+                        help="architecture table (default: the one the checkpoint records, "
+                             "written by hf_exporter or import-hf)")
+    parser.add_argument("--config", help="config.json or HF model directory (default: the one "
+                                         "the checkpoint records)")
     parser.add_argument("--step", type=int, help="global step to export (default: latest valid)")
-    parser.add_argument("--params-path", help="dotted path of the params in the saved state, e.g. 0")
+    parser.add_argument("--params-path", help="tree path of the params in the saved state, "
+                                              "e.g. model/params or 0 (default: recorded, "
+                                              "else found)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast every tensor")
     parser.add_argument("--max-shard-size", default="5GiB", help="e.g. 5GiB, 500MB (default 5GiB)")
     parser.add_argument("--tokenizer-dir", help="directory whose tokenizer files are copied")

@@ -286,6 +286,7 @@ class CheckpointManager:
         check_root(os.fspath(root))
         self.recover_config = recover
         self.export_config = export
+        self._export_record = _export_record(export)
         self._item_cadences: dict[str, Every] = dict(items or {})
         self._owns_backend = backend is None
         self._backend = backend if backend is not None else _default_backend()
@@ -559,6 +560,8 @@ class CheckpointManager:
                 backend_versions=self._backend.versions(), process_count=self._count,
                 metrics=metrics, local=local, saved_at=saved_at)
             body["items"] = {name: {"version": v} for name, (v, _) in item_versions.items()}
+            if self._export_record is not None:
+                body["export"] = self._export_record
             # Compact separators keep json on its C encoder (indent= switches to the Python
             # one: ~1.4 ms of a ~4 ms blocking time with RNG states inside).
             driver_file, driver_bytes = DRIVER_FILE, json.dumps(body, separators=(",", ":")).encode()
@@ -1322,6 +1325,20 @@ class CheckpointManager:
 
 _FAIL_CLOSED = -2
 """What ``_choose`` shares when committed checkpoints exist and none verifies (-1: none)."""
+
+
+def _export_record(export: ExportConfig | None) -> dict[str, Any] | None:
+    """What the exporter says about itself (``exporter.checkpoint_metadata``, e.g. the HF arch
+    and config), recorded in every recovery checkpoint's driver.json under "export" so a
+    checkpoint can be exported later without being told how (``jaxckpt export-hf``)."""
+    record = getattr(export.exporter, "checkpoint_metadata", None) if export else None
+    if record is None:
+        return None
+    try:
+        return json.loads(json.dumps(dict(record)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"ExportConfig.exporter.checkpoint_metadata must be a JSON-safe "
+                          f"dict, got {type(record).__name__}: {exc}") from None
 
 
 def _check_signals(signals: Any) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import jaxckpt  # noqa: E402
+import torch_bridge  # noqa: E402
 from jaxckpt import llm  # noqa: E402
 from torch_bridge import hf, hf_cli  # noqa: E402
 
@@ -146,7 +147,7 @@ def test_flax_logits_match_transformers_and_export_is_bit_exact(case, hf_dirs, t
         written_config = json.load(handle)
     assert written_config["architectures"] == [hf.ARCHITECTURES[ARCH[case]].hf_class]
     assert written_config["model_type"] == config["model_type"]
-    assert written_config["dtype"] == written_config["torch_dtype"] == "float32"
+    assert written_config["dtype"] == "float32" and "torch_dtype" not in written_config
     assert written_config["tie_word_embeddings"] == ("lm_head.weight" not in _tensors(source))
 
 
@@ -290,7 +291,7 @@ def test_wrong_arch_lists_every_missing_and_unexpected_tensor(hf_dirs):
     assert "missing model.embed_tokens.weight" in message
     assert "missing model.layers.1.self_attn.q_proj.weight" in message
     assert "unexpected transformer.wte.weight: found (128, 32)" in message
-    assert "model_type 'gpt2', which is arch='gpt2'" in message
+    assert "config.json says model_type 'gpt2'" in message and "pass arch='gpt2'" in message
 
 
 def test_mis_shaped_tensors_are_listed_with_expected_and_found(hf_dirs, tmp_path):
@@ -571,3 +572,193 @@ def test_tiled_transpose_matches_numpy_bit_for_bit(shape, target):
     hf._copy_in_tiles(out, view)
     expected = np.array(view, dtype=np.dtype(target), order="C")
     assert out.tobytes() == expected.tobytes()
+
+
+# ------------------------------------------------- issue 17: what an outside user meets
+
+
+def _llama_model(hf_dirs):
+    """A Flax Llama holding the weights of the tiny transformers one, and its config."""
+    params, config = hf.load_hf(hf_dirs["llama"], arch="llama")
+    model = llm.from_config(config, rngs=nnx.Rngs(0))
+    llm.load_params(model, params)
+    return model, config
+
+
+@pytest.mark.parametrize("kind", ["pure_dict", "nnx_state", "live_module"])
+def test_exporter_picks_the_params_out_of_a_training_state_by_tree_path(kind, hf_dirs, tmp_path):
+    model, config = _llama_model(hf_dirs)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    if kind == "pure_dict":  # params nested in a training state, moments beside them
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        state = {"model": {"params": params}, "opt": {"mu": params}, "step": np.int32(3)}
+        params_of = "model/params"
+    elif kind == "nnx_state":  # the tuple state of the Flax NNX tutorials
+        state, params_of = nnx.state((model, optimizer)), "0"
+    else:  # a live nnx.Module as a value of the state dict
+        state, params_of = {"model": model, "optimizer": optimizer}, "model"
+    exporter = torch_bridge.hf_exporter(arch="llama", config=config, params_of=params_of)
+    export = jaxckpt.ExportConfig(every=jaxckpt.Every(steps=1), exporter=exporter, mode="sync")
+    with jaxckpt.CheckpointManager(str(tmp_path / "run"), recover=jaxckpt.RecoverConfig(mode="off"),
+                                   export=export) as manager:
+        manager.export(jaxckpt.StepInfo(0, 3, 3), state)
+    out = str(tmp_path / "run" / "export" / "epoch0epochstep3globalstep3")
+    _assert_loads_cleanly(out)
+    _assert_bit_exact(_tensors(hf_dirs["llama"]), _tensors(out))
+    tokens = _tokens(3)
+    np.testing.assert_allclose(_torch_logits(out, tokens), np.asarray(model(jnp.asarray(tokens))),
+                               atol=1e-4, rtol=0)
+
+
+def test_exporter_given_a_whole_training_state_names_params_of_and_the_keys(hf_dirs, tmp_path):
+    model, config = _llama_model(hf_dirs)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = {"model": {"params": params}, "optimizer": {"mu": params}}
+    exporter = torch_bridge.hf_exporter(arch="llama", config=config)
+    export = jaxckpt.ExportConfig(every=jaxckpt.Every(steps=1), exporter=exporter, mode="sync")
+    with jaxckpt.CheckpointManager(str(tmp_path / "run"), recover=jaxckpt.RecoverConfig(mode="off"),
+                                   export=export) as manager:
+        with pytest.raises(jaxckpt.CheckpointWriteError) as caught:
+            manager.export(jaxckpt.StepInfo(0, 1, 1), state)
+    cause = caught.value.__cause__
+    assert isinstance(cause, jaxckpt.ConfigError), cause
+    message = str(cause)
+    assert "top-level keys ['model', 'optimizer']" in message
+    assert "params_of=" in message and "params_of='model/params'" in message
+    # A path that names nothing says where it stopped and what is there.
+    with pytest.raises(jaxckpt.ConfigError, match=r"no key 'weights' at model .*\['params'\]"):
+        torch_bridge.hf_exporter(arch="llama", config=config, params_of="model/weights")(
+            state, str(tmp_path / "x"))
+    with pytest.raises(jaxckpt.ConfigError, match="empty key"):
+        torch_bridge.hf_exporter(arch="llama", config=config, params_of="model//params")
+
+
+def _save_with_exporter(root: str, config, state, params_of) -> str:
+    """A recovery checkpoint and an export, written by one manager; returns the export."""
+    exporter = torch_bridge.hf_exporter(arch="llama", config=config, params_of=params_of)
+    export = jaxckpt.ExportConfig(every=jaxckpt.Every(steps=1000), exporter=exporter, mode="sync")
+    with jaxckpt.CheckpointManager(root, export=export, mode="sync") as manager:
+        step = jaxckpt.StepInfo(0, 4, 4)
+        manager.save(step, state)
+        manager.export(step, state)
+    return os.path.join(root, "export", "epoch0epochstep4globalstep4")
+
+
+def test_export_hf_needs_no_flags_for_a_checkpoint_written_with_hf_exporter(hf_dirs, tmp_path,
+                                                                             capsys):
+    from jaxckpt import cli
+
+    model, config = _llama_model(hf_dirs)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    root = str(tmp_path / "root")
+    # Two subtrees look like params: only the recorded params_of says which one is the model.
+    state = {"student": {"params": params},
+             "teacher": {"params": jax.tree_util.tree_map(lambda a: a * 0, params)}}
+    exported = _save_with_exporter(root, config, state, "student/params")
+    with open(os.path.join(root, "recover", "step_00000004", "driver.json")) as handle:
+        record = json.load(handle)["export"]
+    assert record["arch"] == "llama" and record["params_path"] == "student/params"
+    assert record["config"]["model_type"] == "llama"
+    out = str(tmp_path / "out")
+    assert cli.main(["export-hf", root, out, "--no-progress"]) == 0, capsys.readouterr().err
+    _assert_bit_exact(_tensors(exported), _tensors(out))
+    _assert_bit_exact(_tensors(hf_dirs["llama"]), _tensors(out))
+    _assert_loads_cleanly(out)
+
+
+def test_export_hf_after_a_callable_params_of_asks_for_params_path(hf_dirs, tmp_path, capsys):
+    from jaxckpt import cli
+
+    model, config = _llama_model(hf_dirs)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    root = str(tmp_path / "root")
+    state = {"student": params, "teacher": jax.tree_util.tree_map(lambda a: a * 0, params)}
+    _save_with_exporter(root, config, state, lambda s: s["student"])
+    out = str(tmp_path / "out")
+    assert cli.main(["export-hf", root, out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "callable" in err and "--params-path" in err
+    # arch and config still come from the checkpoint.
+    assert cli.main(["export-hf", root, out, "--params-path", "student", "--no-progress"]) == 0
+    _assert_bit_exact(_tensors(hf_dirs["llama"]), _tensors(out))
+
+
+def test_export_hf_without_a_record_says_exactly_which_flags_to_add(hf_dirs, tmp_path, capsys):
+    from jaxckpt import cli
+
+    model, _ = _llama_model(hf_dirs)
+    root = str(tmp_path / "root")
+    with jaxckpt.CheckpointManager(root, mode="sync") as manager:
+        manager.save(jaxckpt.StepInfo(0, 2, 2), {"params": llm.params_of(model)})
+    out = str(tmp_path / "out")
+    assert cli.main(["export-hf", root, out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "add --arch llama --config path/to/config.json" in err.lower()
+    assert "--params-path" in err and "hf_exporter" in err and "import-hf" in err
+    assert not os.path.exists(out)
+    # --config alone is enough: config.json's model_type names the arch.
+    assert cli.main(["export-hf", root, out, "--config", hf_dirs["llama"], "--no-progress"]) == 0
+    _assert_bit_exact(_tensors(hf_dirs["llama"]), _tensors(out))
+
+
+@pytest.mark.parametrize("case", ["llama", "llama_bias", "qwen2", "gpt2", "gpt2_untied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_writes_the_config_files_save_pretrained_writes(case, dtype, hf_dirs, tmp_path):
+    # The reference: the same tiny model built from its config and saved by transformers.
+    reference = str(tmp_path / "reference")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[case]())
+    model.to(getattr(torch, dtype)).save_pretrained(reference)
+    params, loaded_config = hf.load_hf(reference, arch=ARCH[case])
+    # Exported with the config object, and with the config dict load_hf returns.
+    for label, config in (("object", CONFIGS[case]()), ("dict", loaded_config)):
+        out = str(tmp_path / f"export_{label}")
+        hf.export_hf(params, out, arch=ARCH[case], config=config)
+        for name in ("config.json", "generation_config.json"):
+            with open(os.path.join(reference, name)) as handle:
+                expected = json.load(handle)
+            with open(os.path.join(out, name)) as handle:
+                written = json.load(handle)
+            # Nothing is ignored: transformers_version is the installed one on both sides.
+            assert written == expected, (label, name)
+        _assert_loads_cleanly(out)
+        _assert_bit_exact(_tensors(reference), _tensors(out))
+        tokens = _tokens(4)
+        np.testing.assert_allclose(_torch_logits(out, tokens), _torch_logits(reference, tokens),
+                                   atol=0, rtol=0)
+
+
+def _foreign_model(kind: str, directory: str) -> str:
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2)
+    config = {"mistral": lambda: transformers.MistralConfig(**common),
+              "gemma": lambda: transformers.GemmaConfig(head_dim=8, **common)}[kind]()
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma"])
+def test_load_hf_refuses_a_model_of_another_type_with_the_same_tensor_names(kind, tmp_path):
+    directory = _foreign_model(kind, str(tmp_path / kind))
+    with pytest.raises(torch_bridge.HFMismatchError) as caught:
+        hf.load_hf(directory, arch="llama")
+    error = caught.value
+    assert isinstance(error, jaxckpt.CheckpointError) and isinstance(error, ValueError)
+    message = str(error)
+    assert f"arch='llama' was asked for, but config.json says model_type '{kind}'" in message
+    assert "tensor names all fit the 'llama' table" in message  # why it is refused anyway
+    assert "unsupported" in message and "arch='qwen2'" in message  # the fix: what is known
+    assert error.problems[0] == f"model_type: expected 'llama', found '{kind}'"
+    # The same through import-hf: nothing is written.
+    root = str(tmp_path / "root")
+    with pytest.raises(torch_bridge.HFMismatchError):
+        hf_cli.import_hf_to_checkpoint(directory, root, arch="llama", progress=False)
+    assert not os.path.exists(os.path.join(root, "recover"))
+
+
+def test_load_hf_names_the_arch_to_pass_for_a_known_model_type(hf_dirs):
+    with pytest.raises(torch_bridge.HFMismatchError,
+                       match=r"arch='qwen2' was asked for, but config\.json says model_type "
+                             r"'llama'(.|\n)*Fix: pass arch='llama'"):
+        hf.load_hf(hf_dirs["llama"], arch="qwen2")

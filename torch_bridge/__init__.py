@@ -4,7 +4,8 @@
 ``DcpBackend``, which writes torch state with torch.distributed.checkpoint. See docs/torch.md.
 
 Importing torch_bridge imports neither jax nor torch: each name loads its module on first
-use (so a JAX user of the HF exporter never pays for torch, and a torch user never for jax).
+use (a torch user never pays for jax; the HF bridge needs neither, though writing an
+export's config files goes through transformers, which loads torch when it is installed).
 """
 
 from __future__ import annotations

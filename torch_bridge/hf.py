@@ -3,7 +3,8 @@
 Owns: one declarative table per architecture (which Flax param becomes which HF tensor, with
 what layout change), the generic engine that reads those tables in both directions, the
 streaming sharded safetensors writer (``export_hf``, ``hf_exporter``) and the reader
-(``load_hf``).
+(``load_hf``). Picking the params out of a training state is ``_hf_params``'s; the text of
+config.json and generation_config.json is ``_hf_config``'s.
 
 A table (:class:`Architecture`) is a tuple of :class:`HFTensor` rows, one per HF tensor:
 
@@ -35,7 +36,9 @@ before it counts as written; ``export_hf`` writes into a temporary sibling direc
 complete-looking model (a SIGKILLed one leaves that hidden temp directory behind).
 
 Must not import jax or torch at import time: params may have jax or numpy leaves and are
-converted leaf by leaf with ``np.asarray``; ``load_hf`` returns numpy leaves.
+converted leaf by leaf with ``np.asarray``; ``load_hf`` returns numpy leaves. Writing an
+export's config files imports transformers (and with it torch, when installed); an
+``HFExporter`` does so when it is made, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ from jaxckpt.errors import (
 )
 from jaxckpt.store import fsync_dir, fsync_file
 
+from ._hf_config import GENERATION_CONFIG_FILE, config_files
+from ._hf_params import check_is_params, parse_params_path, pick_params
+
 __all__ = [
     "HFTensor",
     "Architecture",
@@ -76,6 +82,7 @@ __all__ = [
     "HFMismatchError",
     "ExportExistsError",
     "HFExporter",
+    "EXPORTER_RECORD_FORMAT",
     "export_hf",
     "hf_exporter",
     "load_hf",
@@ -90,7 +97,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 # Files a tokenizer directory may hold (transformers and sentencepiece/tiktoken variants).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
@@ -103,8 +109,10 @@ Progress = Callable[[int, int], Any]
 
 
 class HFMismatchError(TreeMismatchError):
-    """Params or an HF directory do not fit an architecture table; ``problems`` lists every
-    missing, unexpected and mis-shaped tensor."""
+    """Params or an HF directory do not fit an architecture table, or the directory's
+    config.json names another model type; ``problems`` lists every missing, unexpected and
+    mis-shaped tensor (and the model_type found). A ``jaxckpt.CheckpointError`` and a
+    ``ValueError``."""
 
 
 class ExportExistsError(CheckpointError, FileExistsError):
@@ -547,7 +555,12 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def _write_json(path: str, body: Any) -> int:
-    data = (json.dumps(body, indent=2, sort_keys=True, default=_json_default) + "\n").encode()
+    return _write_text(path, json.dumps(body, indent=2, sort_keys=True, default=_json_default)
+                       + "\n")
+
+
+def _write_text(path: str, text: str) -> int:
+    data = text.encode()
     with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()
@@ -753,16 +766,14 @@ def _check_model_type(config: Mapping[str, Any], arch: Architecture) -> None:
             + (f" Pass arch={suggestion!r}." if suggestion else " Pass the matching config."))
 
 
-def _hf_config(config: Mapping[str, Any], arch: Architecture, flags: Mapping[str, Any],
-               dtype_name: str) -> dict[str, Any]:
+def _hf_config_body(config: Mapping[str, Any], arch: Architecture,
+                    flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The config dict to serialise: model_type set, every table flag explicit (so no
+    library default can flip a tied head)."""
     body = dict(config)
     _check_model_type(body, arch)
     body["model_type"] = body.get("model_type") or arch.model_types[0]
-    body["architectures"] = [arch.hf_class]
-    # transformers 5 reads "dtype"; 4.x reads "torch_dtype" (5 accepts it silently).
-    body["dtype"] = dtype_name
-    body["torch_dtype"] = dtype_name
-    for flag in arch.defaults:  # explicit, so no library default can flip a tied head
+    for flag in arch.defaults:
         body[flag] = flags[flag]
     return body
 
@@ -785,18 +796,6 @@ def _copy_tokenizer(tokenizer: Any, directory: str) -> list[str]:
         shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
         fsync_file(os.path.join(directory, name))
     return names
-
-
-def _generation_config(value: Any) -> dict[str, Any]:
-    if isinstance(value, (str, os.PathLike)):
-        path = os.fspath(value)
-        if os.path.isdir(path):
-            path = os.path.join(path, GENERATION_CONFIG_FILE)
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    if hasattr(value, "to_diff_dict"):
-        return value.to_diff_dict()
-    return _config_dict(value)
 
 
 def _step_of(directory: str) -> dict[str, int]:
@@ -825,7 +824,9 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
     for item in planned:
         by_dtype[item.dtype.name] = by_dtype.get(item.dtype.name, 0) + item.nbytes
     dtype_name = cast.name if cast is not None else max(by_dtype, key=by_dtype.get)
-    hf_config = _hf_config(config_body, table, flags, dtype_name)
+    config_text, generation_text = config_files(
+        _hf_config_body(config_body, table, flags), hf_class=table.hf_class,
+        dtype_name=dtype_name, generation_config=generation_config)
 
     shards = _shards(planned, max_shard_bytes)
     names = ([SINGLE_FILE] if len(shards) == 1 else
@@ -849,11 +850,10 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
         written += _write_json(os.path.join(directory, INDEX_FILE), {
             "metadata": {"total_size": total, "total_parameters": params_count},
             "weight_map": dict(sorted(weight_map.items()))})
-    written += _write_json(os.path.join(directory, CONFIG_FILE), hf_config)
+    written += _write_text(os.path.join(directory, CONFIG_FILE), config_text)
     extra_files = []
-    if generation_config is not None:
-        written += _write_json(os.path.join(directory, GENERATION_CONFIG_FILE),
-                               _generation_config(generation_config))
+    if generation_text is not None:
+        written += _write_text(os.path.join(directory, GENERATION_CONFIG_FILE), generation_text)
         extra_files.append(GENERATION_CONFIG_FILE)
     if tokenizer_dir is not None:
         copied = _copy_tokenizer(tokenizer_dir, directory)
@@ -941,6 +941,13 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *, arch: str | Archi
     return written
 
 
+#: ``HFExporter.checkpoint_metadata["format"]``: what export-hf reads from driver.json.
+EXPORTER_RECORD_FORMAT = "jaxckpt.hf_exporter/1"
+
+ParamsOf = Callable[[Any], Any] | str
+"""A callable ``state -> params`` or a '/'-separated tree path such as ``"model/params"``."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class HFExporter:
     """``ExportConfig(exporter=...)`` callable: ``exporter(state, out_dir) -> bytes``.
@@ -956,15 +963,19 @@ class HFExporter:
     """transformers config (object or dict) of the exported model."""
     dtype: Any = None
     """Cast tensors (e.g. "bfloat16"); None keeps the params' dtypes."""
-    params_of: Callable[[Any], Any] | None = None
-    """Extracts the param tree from the training state (e.g. ``lambda s: s[0]`` for
-    ``nnx.state((model, optimizer))``); None: the state is the params."""
+    params_of: ParamsOf | None = None
+    """Where the params are in the state given to ``maybe_save``/``export``: a tree path of
+    '/'-separated keys (``"model/params"``; ``"0"`` for ``nnx.state((model, optimizer))``;
+    ``"model"`` for a live nnx.Module under "model") or a callable ``state -> params``. The
+    value found may be a param pytree, an ``nnx.State`` or a live ``nnx.Module`` (its
+    ``nnx.Param`` variables). None: the state is the params (checked at each export)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Shard size limit."""
     tokenizer_dir: Any = None
     """Tokenizer files copied into every export."""
     generation_config: Any = None
-    """generation_config.json of every export."""
+    """generation_config.json of every export; None writes the one transformers derives from
+    ``config``."""
     provenance: Mapping[str, Any] | None = None
     """Extra provenance facts; the epoch and steps are read from the export's name."""
 
@@ -973,12 +984,38 @@ class HFExporter:
         _resolve_dtype(self.dtype)
         body = _config_dict(self.config)
         _check_model_type(body, table)
-        _dims(table, {**table.defaults, **{k: v for k, v in body.items() if v is not None}})
-        if self.params_of is not None and not callable(self.params_of):
-            raise ConfigError(f"params_of must be callable(state) -> params, got {self.params_of!r}.")
+        flags = {**table.defaults, **{k: v for k, v in body.items() if v is not None}}
+        _dims(table, flags)
+        if isinstance(self.params_of, str):
+            parse_params_path(self.params_of)
+        elif self.params_of is not None and not callable(self.params_of):
+            raise ConfigError(f"params_of must be a tree path such as 'model/params' or a "
+                              f"callable(state) -> params, got {self.params_of!r}.")
+        # Builds config.json once now, on the caller's thread: a config transformers
+        # refuses fails here, and transformers is imported before training starts.
+        config_files(_hf_config_body(body, table, flags), hf_class=table.hf_class,
+                     dtype_name="float32", generation_config=self.generation_config)
+
+    @property
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """What ``jaxckpt export-hf ROOT OUT_DIR`` needs, JSON-safe: the manager records it
+        in every recovery checkpoint's driver.json (under "export")."""
+        table = _architecture(self.arch)
+        path = self.params_of if isinstance(self.params_of, str) else None
+        return {"format": EXPORTER_RECORD_FORMAT, "arch": table.name,
+                "arch_known": ARCHITECTURES.get(table.name) is table,
+                "config": _config_dict(self.config), "params_path": path,
+                "params_of": ("path" if path is not None else
+                              "callable" if self.params_of is not None else "state")}
 
     def __call__(self, state: Any, out_dir: str) -> int:
-        params = self.params_of(state) if self.params_of is not None else state
+        if self.params_of is None:
+            table = _architecture(self.arch)
+            anchor = next(row.parts[0] for row in table.tensors if not row.per_layer)
+            check_is_params(state, arch_name=table.name,
+                            roots={p.split(".")[0] for row in table.tensors for p in row.parts},
+                            anchor=tuple(anchor.split(".")))
+        params = pick_params(state, self.params_of)
         return _write_export(params, os.fspath(out_dir), arch=self.arch, config=self.config,
                              dtype=self.dtype, max_shard_bytes=self.max_shard_bytes,
                              tokenizer_dir=self.tokenizer_dir,
@@ -987,12 +1024,14 @@ class HFExporter:
 
 
 def hf_exporter(*, arch: str | Architecture, config: Any, dtype: Any = None,
-                params_of: Callable[[Any], Any] | None = None,
+                params_of: ParamsOf | None = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_dir: Any = None,
                 generation_config: Any = None,
                 provenance: Mapping[str, Any] | None = None) -> HFExporter:
     """An exporter for ``jaxckpt.ExportConfig(exporter=...)`` writing HF directories; see
-    :class:`HFExporter`. Configuration errors raise now, not at the first export."""
+    :class:`HFExporter`. ``params_of`` picks the model params out of the training state
+    (``"model/params"`` or ``lambda state: ...``). Configuration errors raise now, not at
+    the first export."""
     return HFExporter(arch=arch, config=config, dtype=dtype, params_of=params_of,
                       max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
                       generation_config=generation_config, provenance=provenance)
@@ -1060,9 +1099,12 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
     warning), ``config["tie_word_embeddings"]`` comes back False with a warning so the Flax
     model computes the same logits. ``dtype`` casts every tensor (default: as stored).
 
-    Raises ``HFMismatchError`` (a ``TreeMismatchError``) listing every missing, unexpected and
-    mis-shaped tensor with expected vs found shapes, and ``CheckpointNotFoundError`` when the
-    directory has no config.json or no safetensors.
+    Raises ``HFMismatchError`` (a ``TreeMismatchError``) when config.json's ``model_type`` is
+    not one ``arch`` reads (even when every tensor name fits: Mistral and Gemma directories
+    have Llama's tensor names but compute something else), naming both and the arch to pass;
+    and when tensors do not fit, listing every missing, unexpected and mis-shaped tensor
+    with expected vs found shapes. ``CheckpointNotFoundError`` when the directory has no
+    config.json or no safetensors.
     """
     table = _architecture(arch)
     path = os.fspath(path)
@@ -1080,14 +1122,9 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
                   for k, v in stored.items()}
 
     flags = {**table.defaults, **{k: v for k, v in config.items() if v is not None}}
-    problems: list[str] = []
     notes: list[str] = []
     model_type = config.get("model_type")
-    if model_type is not None and model_type not in table.model_types:
-        other = _arch_for_model_type(model_type)
-        notes.append(f"config.json has model_type {model_type!r}"
-                     + (f", which is arch={other!r}" if other else ", which no table maps")
-                     + f", not {table.name!r}.")
+    wrong_type = model_type is not None and model_type not in table.model_types
     try:
         dims: dict[str, int] | None = _dims(table, flags)
         num_layers = dims[table.layers]
@@ -1097,7 +1134,7 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
         num_layers = _count_layers(table, config, stored)
         notes.append(f"config.json cannot size the {table.name!r} table's tensors: {exc}")
     entries, inactive = _expand(table, flags, dims, num_layers)
-    untie = _check_tied(inactive, stored)
+    untie = None if wrong_type else _check_tied(inactive, stored)
     if untie:
         heads = sorted({e.hf for e in inactive if e.row.tied_to and e.hf in stored})
         warnings.warn(
@@ -1111,6 +1148,25 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
     # A tied head saved anyway (equal to the embedding) is what transformers loads tied.
     ignored = {e.hf for e in inactive if e.row.tied_to is not None}
 
+    problems = _stored_problems(table, entries, stored, ignored)
+    if wrong_type:
+        raise _model_type_error(path, table, model_type, problems, len(entries))
+    if problems or dims is None:
+        raise _mismatch_error(
+            f"{path} does not match", table, problems,
+            "".join(f"{note}\n" for note in notes)
+            + f"Fix: pass the arch that wrote this directory (known: {sorted(ARCHITECTURES)}), "
+              f"or a config.json that matches its tensors.")
+
+    flat = _read_entries(entries, stored, stacked=stacked, num_layers=num_layers, dims=dims,
+                         cast=cast, progress=progress)
+    return _unflatten(flat), config
+
+
+def _stored_problems(table: Architecture, entries: list[_Entry],
+                     stored: Mapping[str, _Stored], ignored: set[str]) -> list[str]:
+    """Every missing, mis-shaped and unexpected tensor of a directory against the table."""
+    problems = []
     expected = {e.hf: e for e in entries}
     for name, entry in expected.items():
         found = stored.get(name)
@@ -1125,16 +1181,33 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
         if not any(p.search(name) for p in ignore):
             problems.append(f"unexpected {name}: found {_fmt_shape(stored[name].shape)} "
                             f"{stored[name].dtype}")
-    if problems or dims is None:
-        raise _mismatch_error(
-            f"{path} does not match", table, problems,
-            "".join(f"{note}\n" for note in notes)
-            + f"Fix: pass the arch that wrote this directory (known: {sorted(ARCHITECTURES)}), "
-              f"or a config.json that matches its tensors.")
+    return problems
 
-    flat = _read_entries(entries, stored, stacked=stacked, num_layers=num_layers, dims=dims,
-                         cast=cast, progress=progress)
-    return _unflatten(flat), config
+
+def _model_type_error(path: str, table: Architecture, model_type: Any, problems: list[str],
+                      expected: int) -> HFMismatchError:
+    """config.json names another model: refused even when every tensor name fits, since
+    models that share Llama's tensor names (Mistral, Gemma) compute different functions."""
+    other = _arch_for_model_type(model_type)
+    if other is not None:
+        fix = f"Fix: pass arch={other!r}."
+    else:
+        fix = (f"Fix: none of the known tables reads model_type {model_type!r} (known: "
+               + ", ".join(f"arch={name!r} for model_type {t.model_types[0]!r}"
+                           for name, t in sorted(ARCHITECTURES.items()))
+               + "); it is unsupported, or pass an Architecture table written for it as arch=.")
+    if problems:
+        tensors = (f"Its tensors do not fit the {table.name!r} table either:\n"
+                   + "\n".join(f"  {line}" for line in sorted(problems)) + "\n")
+    else:
+        tensors = (f"Its tensor names all fit the {table.name!r} table ({expected} expected), "
+                   f"but the weights belong to another model: reading them as {table.name!r} "
+                   f"would give wrong parameters.\n")
+    return HFMismatchError(
+        f"{path}: arch={table.name!r} was asked for, but config.json says model_type "
+        f"{model_type!r} ({table.name!r} reads model_type "
+        f"{' or '.join(repr(t) for t in table.model_types)}).\n{tensors}{fix}",
+        [f"model_type: expected {table.model_types[0]!r}, found {model_type!r}", *problems])
 
 
 def _count_layers(table: Architecture, config: Mapping[str, Any],

@@ -29,7 +29,9 @@ from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, Conf
 from .hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
+    EXPORTER_RECORD_FORMAT,
     Architecture,
+    _arch_for_model_type,
     _architecture,
     export_hf,
     load_hf,
@@ -278,12 +280,16 @@ def _dotted(path: str) -> str:
 
 
 def _select_params(leaves: Mapping[str, Any], entries: Mapping[str, Mapping[str, Any]],
-                   table: Architecture, params_path: str | None) -> tuple[dict[str, Any], str]:
-    """The param subtree of a training state: under ``params_path``, or found by looking
-    for the table's first param (e.g. ``embed.embedding``) at the shallowest depth (optimizer
-    moments repeat the param tree deeper down)."""
+                   table: Architecture, params_path: str | None,
+                   hint: str = "") -> tuple[dict[str, Any], str]:
+    """The param subtree of a training state: under ``params_path`` ('/'-separated keys as
+    hf_exporter's params_of, or dotted), or found by looking for the table's first param
+    (e.g. ``embed.embedding``) at the shallowest depth (optimizer moments repeat the param
+    tree deeper down). Returns the params and their path, '/'-separated."""
     dotted = {path: _dotted(path) for path in leaves}
-    if params_path is None:
+    if params_path is not None:
+        params_path = params_path.strip("/").replace("/", ".")
+    else:
         anchor = next(p for row in table.tensors for p in row.parts if not row.per_layer)
         candidates = sorted({d[: -len(anchor)].rstrip(".") for d in dotted.values()
                              if d == anchor or d.endswith("." + anchor)},
@@ -293,12 +299,13 @@ def _select_params(leaves: Mapping[str, Any], entries: Mapping[str, Mapping[str,
             raise ConfigError(
                 f"no {anchor!r} param found in the checkpoint for arch={table.name!r} (paths "
                 f"look like {sample}). Pass params_path= (--params-path) naming the subtree "
-                f"that holds the model params, dotted (e.g. '0' or 'params').")
+                f"that holds the model params, e.g. 'model/params' or '0'.{hint}")
         depth = lambda p: p.count(".") + (p != "")  # noqa: E731
         best = [c for c in candidates if depth(c) == depth(candidates[0])]
         if len(best) > 1:
-            raise ConfigError(f"several subtrees look like model params: {best}; pass "
-                              f"params_path= (--params-path) to pick one.")
+            raise ConfigError(f"several subtrees look like model params: "
+                              f"{[b.replace('.', '/') for b in best]}; pass params_path= "
+                              f"(--params-path) to pick one.{hint}")
         params_path = best[0]
     prefix = f"{params_path}." if params_path else ""
     flat = {}
@@ -310,8 +317,9 @@ def _select_params(leaves: Mapping[str, Any], entries: Mapping[str, Mapping[str,
                 continue
             flat[name[len(prefix):]] = leaves[path]
     if not flat:
-        raise ConfigError(f"params_path {params_path!r} holds no float arrays in the checkpoint.")
-    return flat, params_path
+        raise ConfigError(f"params_path {params_path.replace('.', '/')!r} holds no float "
+                          f"arrays in the checkpoint.{hint}")
+    return flat, params_path.replace(".", "/")
 
 
 def _locate(checkpoint: str, step: int | None,
@@ -350,29 +358,90 @@ def _driver(step_dir: str) -> dict[str, Any]:
         return parse_driver(handle.read(), step_dir)
 
 
-def _config_from(config: Any, driver: Mapping[str, Any], step_dir: str) -> tuple[Any, str | None]:
-    """(config, arch recorded with it) from an argument or the checkpoint's hf_config."""
-    if config is None:
-        saved = ((driver.get("local") or {}).get("stateful") or {}).get(HF_CONFIG_STATEFUL)
-        if saved is None:
-            raise ConfigError(
-                f"{step_dir} records no Hugging Face config; pass config= (--config) with the "
-                f"model's config.json or the HF directory it came from.")
-        from jaxckpt.driver import restore_stateful
-
-        holder = HFConfigState()
-        restore_stateful({HF_CONFIG_STATEFUL: holder}, {HF_CONFIG_STATEFUL: saved}, step_dir)
-        return holder.config, holder.arch
+def _read_config(config: Any) -> Any:
+    """A config given as an argument: a config.json path, an HF directory, or an object."""
     if isinstance(config, (str, os.PathLike)):
         file = os.fspath(config)
         if os.path.isdir(file):
             file = os.path.join(file, CONFIG_FILE)
         try:
             with open(file, encoding="utf-8") as handle:
-                return json.load(handle), None
+                return json.load(handle)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no config file at {file!r}") from None
-    return config, None
+    return config
+
+
+def _recorded(driver: Mapping[str, Any], step_dir: str) -> dict[str, Any]:
+    """What the checkpoint says about its model: from the HF exporter of the manager that
+    wrote it (driver.json "export"), else from import-hf (the "hf_config" stateful entry).
+    Keys: arch, config, params_path (each may be missing), source (for messages)."""
+    export = driver.get("export")
+    if isinstance(export, Mapping) and export.get("format") == EXPORTER_RECORD_FORMAT:
+        recorded = {"source": "hf_exporter", "config": export.get("config"),
+                    "params_of": export.get("params_of")}
+        if export.get("arch_known", True):
+            recorded["arch"] = export.get("arch")
+        else:
+            recorded["custom_arch"] = export.get("arch")
+        if export.get("params_path"):
+            recorded["params_path"] = export["params_path"]
+        return recorded
+    saved = ((driver.get("local") or {}).get("stateful") or {}).get(HF_CONFIG_STATEFUL)
+    if saved is not None:
+        from jaxckpt.driver import restore_stateful
+
+        holder = HFConfigState()
+        restore_stateful({HF_CONFIG_STATEFUL: holder}, {HF_CONFIG_STATEFUL: saved}, step_dir)
+        return {"source": "import-hf", "config": holder.config, "arch": holder.arch}
+    return {"source": None}
+
+
+def _missing_flags_error(step_dir: str, recorded: Mapping[str, Any], *, need_arch: bool,
+                         need_config: bool) -> ConfigError:
+    flags = []
+    if need_arch:
+        flags.append("--arch llama")
+    if need_config:
+        flags.append("--config path/to/config.json")
+    if recorded.get("custom_arch"):
+        why = (f"its exporter used a custom Architecture table {recorded['custom_arch']!r}, "
+               f"which the command line cannot name (call export_checkpoint_to_hf(..., "
+               f"arch=<the table>) from Python)")
+    elif recorded["source"] is None:
+        why = ("it was written neither by a CheckpointManager whose ExportConfig exporter is "
+               "torch_bridge.hf_exporter(...) nor by `jaxckpt import-hf`, so it records no "
+               "architecture or config")
+    else:
+        why = f"what {recorded['source']} recorded lacks the " + (
+            "architecture" if need_arch else "config")
+    return ConfigError(
+        f"{step_dir}: cannot tell which Hugging Face model this is: {why}. Add "
+        f"{' '.join(flags)} (--arch one of llama, qwen2, gpt2; --config the model's "
+        f"config.json or its HF directory), and --params-path model/params if the params are "
+        f"not found on their own (the tree path of the model params in the saved state).")
+
+
+def _export_spec(driver: Mapping[str, Any], step_dir: str, *, arch: Any, config: Any,
+                 params_path: str | None) -> tuple[Architecture, Any, str | None, str]:
+    """(table, config, params path, hint for a failed params search): the arguments win,
+    then what the checkpoint recorded; a config's model_type names the arch when known."""
+    recorded = _recorded(driver, step_dir)
+    config = _read_config(config) if config is not None else recorded.get("config")
+    if arch is None:
+        arch = recorded.get("arch")
+    if arch is None and isinstance(config, Mapping):
+        arch = _arch_for_model_type(config.get("model_type"))
+    if arch is None or config is None:
+        raise _missing_flags_error(step_dir, recorded, need_arch=arch is None,
+                                   need_config=config is None)
+    if params_path is None:
+        params_path = recorded.get("params_path")
+    hint = ("" if recorded.get("params_of") != "callable" else
+            " The exporter that wrote this checkpoint picked the params with a callable "
+            "params_of=, which cannot be recorded: pass --params-path (params_path=), or give "
+            "hf_exporter a tree path such as params_of='model/params' so it is recorded.")
+    return _architecture(arch), config, params_path, hint
 
 
 # ------------------------------------------------------------------------ the commands
@@ -392,11 +461,15 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
       checkpoint: a checkpoint root (the latest valid step is used unless ``step``) or one
         ``recover/step_N`` directory.
       out_dir: the HF directory to write (atomically, see ``export_hf``).
-      arch: table name; None uses the arch recorded by ``import-hf``.
+      arch: table name; None uses the arch the checkpoint records (written by a manager
+        whose exporter is ``hf_exporter``, or by ``import-hf``), else the config's
+        ``model_type``.
       config: config.json path, HF directory, dict or transformers config; None uses the
-        config recorded in the checkpoint by ``import-hf``.
-      params_path: dotted path of the param subtree in the saved state (e.g. "0" for
-        ``nnx.state((model, optimizer))``); None finds it.
+        config the checkpoint records. With neither, ``ConfigError`` says which to pass.
+      params_path: tree path of the param subtree in the saved state, '/'-separated as
+        ``hf_exporter``'s ``params_of`` (e.g. "model/params"; "0" for
+        ``nnx.state((model, optimizer))``); None uses the one recorded by ``hf_exporter``,
+        else finds it.
       verify: check the checkpoint against its manifest with checksums or sizes first.
       dtype, max_shard_bytes, tokenizer_dir, generation_config, overwrite: as ``export_hf``.
       progress: show a progress bar on stderr.
@@ -407,14 +480,10 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
     step_dir, store = _locate(os.fspath(checkpoint), step, verify)
     with store.reading(step_dir):
         driver = _driver(step_dir)
-        config, recorded_arch = _config_from(config, driver, step_dir)
-        arch = arch if arch is not None else recorded_arch
-        if arch is None:
-            raise ConfigError("arch is required (--arch llama|qwen2|gpt2): the checkpoint "
-                              "records none.")
-        table = _architecture(arch)
+        table, config, params_path, hint = _export_spec(driver, step_dir, arch=arch,
+                                                        config=config, params_path=params_path)
         leaves, entries = _read_checkpoint(step_dir)
-    flat, chosen = _select_params(leaves, entries, table, params_path)
+    flat, chosen = _select_params(leaves, entries, table, params_path, hint)
     step_info = driver.get("step_info") or {}
     bar = make_progress(f"export {os.path.basename(os.fspath(out_dir))}", progress)
     try:
