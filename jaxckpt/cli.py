@@ -380,6 +380,9 @@ def _export_hf(opts: argparse.Namespace) -> int:
     from .errors import CheckpointError
     from torch_bridge.hf_cli import export_checkpoint_to_hf, parse_size
 
+    located = _locate("export-hf", opts.checkpoint)
+    if isinstance(located, int):
+        return located  # missing, empty or another tool's directory: 3 (unreadable: 2)
     try:
         written = export_checkpoint_to_hf(
             opts.checkpoint, opts.out_dir, arch=opts.arch, config=opts.config, step=opts.step,

@@ -267,3 +267,13 @@ def test_info_of_a_root_summarises_it_and_points_to_ls(clean_root, capsys):
     assert "2 (2 committed, 0 partial, 0 corrupt)" in out
     assert "latest valid   step 1" in out and f"jaxckpt ls {clean_root}" in out
 
+
+
+def test_export_hf_of_a_path_that_is_not_a_jaxckpt_root_exits_3(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model.bin").write_bytes(b"\0" * 8)
+    for name in ("missing", "empty", "other"):
+        code, out = run_cli(capsys, "export-hf", str(tmp_path / name), str(tmp_path / "out"))
+        assert code == 3, (name, out)
+        assert not (tmp_path / "out").exists()
