@@ -71,7 +71,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import zarr_io
+from jaxckpt import nnx_live, zarr_io
 from jaxckpt.checksum import default_algorithm
 from jaxckpt.errors import (
     CheckpointCorruptError,
@@ -803,6 +803,10 @@ class OrbaxBackend:
         """
         with _gc_paused(self._pause_gc):
             leaves, treedef = jax.tree_util.tree_flatten(state)
+            if nnx_live.holds_live(treedef):
+                # Live NNX objects are written as their nnx.State (jaxckpt.nnx_live).
+                state = nnx_live.to_state_tree(state)
+                leaves, treedef = jax.tree_util.tree_flatten(state)
             # A single process holds every array entirely: it hands Orbax host arrays and
             # runs async writes on the backend's own thread (see _write_local). Several
             # processes write one sharded array together, which Orbax's AsyncCheckpointer
@@ -1096,6 +1100,35 @@ class OrbaxBackend:
 
     def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
         """Read ``directory`` into the structure, shapes, dtypes and shardings of ``like``.
+
+        A ``like`` holding live NNX objects (``jaxckpt.nnx_live``) is read into their
+        current arrays' shapes, dtypes and shardings, and the result is a
+        ``nnx_live.PendingUpdate``: :meth:`finish_read` puts the values into the objects,
+        in place. The manager calls it once the checkpoint is judged valid, so a read it
+        throws away never changes the caller's objects.
+        """
+        if nnx_live.holds_live(jax.tree_util.tree_structure(like)):
+            return nnx_live.read_into(
+                like, lambda pure: self._read(directory, pure, claims=claims))
+        return self._read(directory, like, claims=claims)
+
+    @staticmethod
+    def finish_read(value: Any) -> Any:
+        """What :meth:`read` returned, with values read for live NNX objects put into them
+        (in place); anything else as it is."""
+        if isinstance(value, nnx_live.PendingUpdate):
+            return value.apply()
+        return value
+
+    @staticmethod
+    def left_out(saved: Any, scope: dict[str, Any]) -> str | None:
+        """A warning naming the NNX objects of ``scope`` (the local variables of the code
+        that called save) that ``saved`` leaves out, or None (``nnx_live.left_out``)."""
+        return nnx_live.left_out(saved, scope)
+
+    def _read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
+        """Read ``directory`` into the structure, shapes, dtypes and shardings of ``like``
+        (a tree without live NNX objects).
 
         Leaves are matched by tree path. Every mismatch (missing, extra, shape, dtype, key
         impl) is collected first and raised as one TreeMismatchError; no array is read
