@@ -75,6 +75,7 @@ from jaxckpt import nnx_live, zarr_io
 from jaxckpt.checksum import default_algorithm
 from jaxckpt.errors import (
     CheckpointCorruptError,
+    CodecError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -244,6 +245,38 @@ class _Layout(NamedTuple):
     python_type: str | None = None
 
 
+#: Array dtypes Orbax's tensorstore stores (zarr3), by numpy name; tests/test_dtypes.py
+#: round-trips each bit for bit and checks that every other numpy / ml_dtypes dtype is
+#: refused. Left out because tensorstore has no such type: uint2, uint4, float8_e4m3,
+#: float6_*, int1/uint1, complex32/bcomplex32, float128/complex256 (numpy's longdouble).
+_STORABLE_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
+    "int2", "int4", "float4_e2m1fn", "float8_e3m4", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+})
+
+
+def _check_storable(path: str, dtype: np.dtype, what: str) -> None:
+    """Refuse, before any I/O, a dtype that Orbax cannot write (it would fail in the
+    background with tensorstore's "Unsupported data type")."""
+    if dtype.name not in _STORABLE_DTYPES:
+        raise CodecError(
+            f"leaf {path} is {what} of dtype {dtype.name}, which Orbax (tensorstore) cannot "
+            f"store. Fix: convert it before saving (e.g. to "
+            f"{_storable_alternative(dtype)}, or view its bytes as uint8) and back after "
+            "restoring.")
+
+
+def _storable_alternative(dtype: np.dtype) -> str:
+    name = dtype.name
+    if name.startswith(("uint", "int")):
+        return name.split("int")[0] + "int8"
+    if "complex" in name:
+        return "complex128" if dtype.itemsize > 8 else "complex64"
+    return "float64" if dtype.itemsize > 8 else "float32"
+
+
 def _check_int64(path: str, value: int) -> None:
     """Python ints are stored as int64; one outside its range raises, naming its path."""
     if not -(2**63) <= value < 2**63:
@@ -263,6 +296,7 @@ def _stage_leaf(path: str, leaf: Any) -> tuple[_Layout, Any]:
             return _Layout(kind="key", shape=tuple(leaf.shape), dtype=_dtype_name(leaf.dtype),
                            impl=str(jax.random.key_impl(leaf)), data_shape=tuple(data.shape),
                            data_dtype=np.dtype(data.dtype).name), data
+        _check_storable(path, np.dtype(leaf.dtype), "a jax.Array")
         return _Layout(kind="array", shape=tuple(leaf.shape),
                        dtype=_dtype_name(leaf.dtype)), leaf
     if isinstance(leaf, (np.ndarray, np.generic)):
@@ -273,6 +307,7 @@ def _stage_leaf(path: str, leaf: Any) -> tuple[_Layout, Any]:
                 "store as an array. Fix: convert it to a numeric array, or keep it out of the "
                 "array state (e.g. in a stateful object's JSON state).")
         array = np.asarray(leaf)
+        _check_storable(path, array.dtype, "a numpy array")
         return _Layout(kind="array", shape=tuple(array.shape),
                        dtype=_dtype_name(array.dtype)), array
     for type_name, py_type in _PY_SCALAR_TYPES.items():
@@ -339,6 +374,12 @@ def _host_arrays(arrays: list[jax.Array]) -> list[np.ndarray]:
     return jax.device_get(arrays)
 
 
+def _pack_length(size: int) -> int:
+    """Elements of the array that holds a pack of ``size`` elements: a pack of zero-size
+    leaves only holds one element of padding, as Orbax refuses to store an empty array."""
+    return max(size, 1)
+
+
 def _fill_pack(buffer: np.ndarray, sources: list[np.ndarray]) -> None:
     """Copy ``sources`` (host numpy arrays, in pack order) into ``buffer``."""
     np.concatenate(sources, axis=None, out=buffer)  # axis=None: flattened, in C order
@@ -370,6 +411,9 @@ class _WritePlan:
     """numpy array and numpy scalar leaves: their data is ``np.asarray`` of them."""
     scalars: list[tuple[int, np.dtype, str | None]]
     """Python scalar leaves: ``(leaf index, stored dtype, path if an int else None)``."""
+    empty: list[tuple[int, tuple[int, ...], np.dtype]]
+    """Zero-size leaves: ``(leaf index, stored shape, stored dtype)``; always packed, their
+    data an empty host array."""
 
     def sources(self, leaves: list[Any]) -> list[Any]:
         """The array that holds each leaf's data for this save (the caller's own numpy
@@ -384,6 +428,8 @@ class _WritePlan:
             if int_path is not None:
                 _check_int64(int_path, leaves[index])
             sources[index] = np.asarray(leaves[index], dtype)
+        for index, shape, dtype in self.empty:
+            sources[index] = np.empty(shape, dtype)
         return sources
 
 
@@ -401,6 +447,7 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
     keys: list[int] = []
     numpy_leaves: list[int] = []
     scalars: list[tuple[int, np.dtype, str | None]] = []
+    empty: list[tuple[int, tuple[int, ...], np.dtype]] = []
     seen: set[str] = set()
     for index, (key_path, leaf) in enumerate(path_leaves):
         path = jax.tree_util.keystr(key_path)
@@ -424,6 +471,14 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
         count = prod(stored_shape)
         nbytes = count * dtype.itemsize
         stored_bytes += nbytes
+        if count == 0:
+            # Orbax refuses zero-size arrays ("Cannot save arrays with zero size") and
+            # there is nothing to store: tree.json's shape and dtype say it all. Such a
+            # leaf goes into a pack at any offset, from an empty host array (no transfer,
+            # whichever process holds it).
+            empty.append((index, tuple(stored_shape), dtype))
+            candidates.append((index, dtype, 0))
+            continue
         on_host = isinstance(data, np.ndarray)
         # Small leaves this process holds entirely go into packs. An array sharded across
         # processes is written shard by shard by Orbax instead; with a single process every
@@ -447,11 +502,12 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
         else:
             name, offset = placed
         entries.append(_SavedLeaf(path=path, name=name, offset=offset, **layout._asdict()))
-    tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name, "size": size}
+    tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name,
+                                      "size": _pack_length(size)}
                                      for name, (dtype, _, size) in packs.items()])
     return _WritePlan(tree_json=tree_json, nbytes=len(tree_json) + stored_bytes, packs=packs,
                       unpacked=unpacked, on_device=on_device, keys=keys, numpy=numpy_leaves,
-                      scalars=scalars)
+                      scalars=scalars, empty=empty)
 
 
 def _layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
@@ -1021,8 +1077,10 @@ class OrbaxBackend:
             host[index] = array
         arrays: dict[str, Any] = {}
         for name, (dtype, members, size) in plan.packs.items():
-            pack = buffer(name, (size,), dtype)
-            _fill_pack(pack, [host[index] for index in members])
+            pack = buffer(name, (_pack_length(size),), dtype)
+            if size == 0:
+                pack[...] = 0  # the padding of a pack of zero-size leaves only
+            _fill_pack(pack[:size], [host[index] for index in members])
             arrays[name] = pack
         for index, name in plan.unpacked:
             source = sources[index]

@@ -1,0 +1,176 @@
+"""Every dtype and shape numpy / jax can hold, through CheckpointManager save -> restore.
+
+One table: each dtype numpy and ml_dtypes define, at shapes (), (0,), (3, 0) and a 1-D
+array of awkward bit patterns (every pattern of a one-byte type; NaNs with payloads, -0.0
+and infinities of wider floats), as numpy leaves and, where jax holds the dtype, as
+jax.Array leaves (64-bit types under ``jax.enable_x64``). Restores must be bit-exact, through
+the native single-process writer (``jaxckpt.zarr_io``, packed and unpacked leaves) and
+through plain Orbax (``native_io=False``). Dtypes Orbax cannot store are refused at save
+time with a CodecError naming the tree path and the dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt.orbax_backend import OrbaxBackend
+
+STORABLE = [
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
+    "int2", "int4", "float4_e2m1fn", "float8_e3m4", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+]
+NOT_STORABLE = ["uint2", "uint4", "float8_e4m3", "float6_e2m3fn", "float6_e3m2fn",
+                "int1", "uint1", "complex32", "bcomplex32", "longdouble", "clongdouble"]
+SUB_BYTE = {"int1", "uint1", "int2", "uint2", "int4", "uint4", "float4_e2m1fn",
+            "float6_e2m3fn", "float6_e3m2fn"}
+SHAPES = {"scalar": (), "empty": (0,), "empty_2d": (3, 0), "empty_3d": (2, 0, 4)}
+
+BACKENDS = {
+    "native-packed": dict(),
+    "native-unpacked": dict(pack_leaf_bytes=0),
+    "orbax": dict(native_io=False, pack_leaf_bytes=0),
+    "orbax-packed": dict(native_io=False),
+}
+
+
+def numpy_dtype(name):
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def test_the_table_covers_every_ml_dtypes_type():
+    ml_types = {name for name in dir(ml_dtypes) if isinstance(getattr(ml_dtypes, name), type)
+                and issubclass(getattr(ml_dtypes, name), np.generic)}
+    assert ml_types <= set(STORABLE) | set(NOT_STORABLE)
+
+
+def patterns(name, seed=0):
+    """A 1-D array of ``name`` with the bit patterns that a lossy path would change."""
+    dtype = numpy_dtype(name)
+    rng = np.random.default_rng(seed)
+    if name == "bool":
+        return rng.random(37) < 0.5
+    if name in SUB_BYTE:
+        # numpy holds one element per byte; only the canonical bytes are values.
+        every = np.arange(256, dtype=np.uint8).view(dtype)
+        return every.astype(np.float32).astype(dtype)
+    if dtype.itemsize == 1:
+        return np.arange(256, dtype=np.uint8).view(dtype)  # every bit pattern
+    values = np.frombuffer(rng.bytes(64 * dtype.itemsize), dtype=dtype).copy()
+    if dtype.kind in "fcV":  # floats (ml_dtypes floats are kind V)
+        specials = np.array([np.nan, -0.0, np.inf, -np.inf, 0.0]).astype(dtype)
+        payload = specials[:1].copy()
+        payload.view(np.uint8)[0] ^= 1  # the NaN with another payload
+        assert payload.tobytes() != specials[:1].tobytes()
+        values = np.concatenate([specials, payload, values])
+    return values
+
+
+def leaves(name):
+    """{"values": 1-D patterns, "scalar": 0-d, "empty...": zero-size, "np_scalar": numpy
+    scalar} of dtype ``name``."""
+    values = patterns(name)
+    out = {"values": values, "np_scalar": values[1]}
+    for label, shape in SHAPES.items():
+        out[label] = values[:int(np.prod(shape))].reshape(shape)
+    return out
+
+
+def jax_holds(dtype):
+    try:
+        return jnp.asarray(np.zeros((3,), dtype)).dtype == dtype
+    except Exception:  # noqa: BLE001 - jax has no such type
+        return False
+
+
+def assert_bit_exact(got, want, where):
+    assert isinstance(got, type(want)) or (isinstance(want, jax.Array)
+                                           and isinstance(got, jax.Array)), where
+    got_np, want_np = np.asarray(got), np.asarray(want)
+    assert got_np.dtype == want_np.dtype, where
+    assert got_np.shape == want_np.shape, where
+    assert got_np.tobytes() == want_np.tobytes(), where
+
+
+@pytest.fixture(params=list(BACKENDS), scope="module")
+def backend(request):
+    created = OrbaxBackend(**BACKENDS[request.param])
+    yield created
+    created.close()
+
+
+def save_and_restore(root, backend, state):
+    config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1))
+    step = jaxckpt.StepInfo(0, 0, 0, None)
+    with jaxckpt.CheckpointManager(str(root), recover=config, backend=backend,
+                                   preemption_signals=()) as mgr:
+        mgr.save(step, state, mode="sync")
+    with jaxckpt.CheckpointManager(str(root), recover=config, backend=backend,
+                                   preemption_signals=()) as mgr:
+        like = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                            if isinstance(leaf, jax.Array) else np.zeros_like(leaf)
+                            if isinstance(leaf, np.ndarray) else leaf, state)
+        return mgr.recover(like).state
+
+
+@pytest.mark.parametrize("name", STORABLE)
+def test_every_storable_dtype_and_shape_round_trips_bit_exact(tmp_path, backend, name):
+    dtype = numpy_dtype(name)
+    x64 = jax.enable_x64(True) if dtype.itemsize == 8 or name == "complex128" \
+        else contextlib.nullcontext()
+    with x64:
+        host = leaves(name)
+        state = {"numpy": host}
+        if jax_holds(dtype):
+            state["jax"] = {label: jnp.asarray(value) for label, value in host.items()
+                            if label != "np_scalar"}
+            assert state["jax"]["empty_2d"].shape == (3, 0)
+        restored = save_and_restore(tmp_path, backend, state)
+        assert sorted(restored) == sorted(state)
+        for kind, tree in state.items():
+            for label, want in tree.items():
+                assert_bit_exact(restored[kind][label], want, f"{kind}/{label}")
+    assert type(restored["numpy"]["np_scalar"]) is type(host["np_scalar"])
+
+
+@pytest.mark.parametrize("name", NOT_STORABLE)
+def test_a_dtype_orbax_cannot_store_is_refused_at_save_naming_path_and_dtype(tmp_path, name):
+    dtype = numpy_dtype(name)
+    values = np.zeros((3,), dtype)
+    config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1))
+    trees = [{"ok": np.ones(2, np.float32), "odd": {"leaf": values}}]
+    if jax_holds(dtype):
+        trees.append({"ok": np.ones(2, np.float32), "odd": {"leaf": jnp.asarray(values)}})
+    for tree in trees:
+        with jaxckpt.CheckpointManager(str(tmp_path), recover=config,
+                                       preemption_signals=()) as mgr:
+            with pytest.raises(jaxckpt.CodecError) as raised:
+                mgr.save(jaxckpt.StepInfo(0, 0, 0, None), tree)
+            assert mgr.committed_steps() == []
+        message = str(raised.value)
+        assert "['odd']['leaf']" in message and dtype.name in message
+        assert "Fix:" in message
+
+
+def test_zero_size_leaves_beside_others_of_their_dtype_and_alone(tmp_path):
+    """Zero-size leaves share a pack with data of their dtype, or make a pack of their
+    own; a typed key array of zero keys keeps its impl."""
+    state = {"w": np.arange(4, dtype=np.float32), "none": np.zeros((0, 5), np.float32),
+             "only": jnp.zeros((0,), jnp.int8), "keys": jax.random.split(jax.random.key(0), 0)}
+    backend = OrbaxBackend()
+    try:
+        restored = save_and_restore(tmp_path, backend, state)
+    finally:
+        backend.close()
+    assert restored["none"].shape == (0, 5) and restored["only"].shape == (0,)
+    assert restored["keys"].shape == (0,)
+    assert str(jax.random.key_impl(restored["keys"])) == str(jax.random.key_impl(state["keys"]))
+    np.testing.assert_array_equal(restored["w"], state["w"])
