@@ -90,8 +90,11 @@ TREE_FORMAT = "jaxckpt.orbax.tree"
 #: bumped on any incompatible change of tree.json; readers refuse newer versions. Version 2
 #: adds packed leaves (an "offset" on the leaf, whose "name" is then its pack's, and a
 #: "packs" list); a checkpoint without packed leaves is still written as version 1,
-#: readable by every release.
-TREE_FORMAT_VERSION = 2
+#: readable by every release. Version 3 adds arrays stored as their bytes (a "data_dtype"
+#: of uint8 and a "data_shape" on a leaf of kind "array": dtypes Orbax has no type for);
+#: only a checkpoint holding such a leaf is written as version 3.
+TREE_FORMAT_VERSION = 3
+_PACKED_TREE_VERSION = 2
 _UNPACKED_TREE_VERSION = 1
 
 _TREE_FILE = "tree.json"
@@ -177,9 +180,11 @@ class _SavedLeaf:
     impl: str | None = None
     """Key implementation name ("threefry2x32", "rbg", ...) for kind "key"."""
     data_shape: tuple[int, ...] | None = None
-    """Shape of the stored ``key_data`` for kind "key" (key shape + impl's trailing dims)."""
+    """Shape of the stored ``key_data`` for kind "key" (key shape + impl's trailing dims);
+    for an array stored as its bytes, its shape + (itemsize,)."""
     data_dtype: str | None = None
-    """Dtype of the stored ``key_data`` for kind "key" (uint32 for the built-in impls)."""
+    """Dtype of the stored ``key_data`` for kind "key" (uint32 for the built-in impls);
+    "uint8" for an array stored as its bytes (a dtype Orbax cannot store, ``as_bytes``)."""
     python_type: str | None = None
     """"bool", "int" or "float" for kind "scalar"."""
     offset: int | None = None
@@ -191,14 +196,23 @@ class _SavedLeaf:
         return self.offset is not None
 
     @property
+    def as_bytes(self) -> bool:
+        """An array stored as its bytes (uint8, one more axis of the itemsize)."""
+        return self.kind == "array" and self.data_dtype is not None
+
+    @property
     def stored_shape(self) -> tuple[int, ...]:
-        """Shape of the data as stored (a key's ``key_data``; the leaf's shape otherwise)."""
-        return tuple(self.data_shape or ()) if self.kind == "key" else self.shape
+        """Shape of the data as stored (a key's ``key_data``, an array's bytes; the leaf's
+        shape otherwise)."""
+        return (tuple(self.data_shape or ()) if self.kind == "key" or self.as_bytes
+                else self.shape)
 
     @property
     def stored_dtype(self) -> np.dtype:
-        """Dtype of the data as stored (a key's ``key_data`` dtype; the leaf's otherwise)."""
-        return np.dtype(self.data_dtype if self.kind == "key" else self.dtype)
+        """Dtype of the data as stored (a key's ``key_data`` dtype, uint8 for an array's
+        bytes; the leaf's otherwise)."""
+        return np.dtype(self.data_dtype if self.kind == "key" or self.as_bytes
+                        else self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"path": self.path, "name": self.name, "kind": self.kind,
@@ -206,6 +220,8 @@ class _SavedLeaf:
         if self.kind == "key":
             entry.update(impl=self.impl, data_shape=list(self.data_shape or ()),
                          data_dtype=self.data_dtype)
+        if self.as_bytes:
+            entry.update(data_shape=list(self.data_shape or ()), data_dtype=self.data_dtype)
         if self.kind == "scalar":
             entry["python_type"] = self.python_type
         if self.offset is not None:
@@ -245,10 +261,10 @@ class _Layout(NamedTuple):
     python_type: str | None = None
 
 
-#: Array dtypes Orbax's tensorstore stores (zarr3), by numpy name; tests/test_dtypes.py
-#: round-trips each bit for bit and checks that every other numpy / ml_dtypes dtype is
-#: refused. Left out because tensorstore has no such type: uint2, uint4, float8_e4m3,
-#: float6_*, int1/uint1, complex32/bcomplex32, float128/complex256 (numpy's longdouble).
+#: Array dtypes Orbax's tensorstore stores (zarr3), by numpy name. Arrays of any other
+#: dtype numpy holds (uint2, uint4, float8_e4m3, float6_*, int1/uint1, complex32, numpy's
+#: longdouble...) are stored as their bytes: uint8 with one more axis of the itemsize
+#: (``_as_bytes``); tests/test_dtypes.py round-trips every one bit for bit.
 _STORABLE_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
@@ -257,24 +273,39 @@ _STORABLE_DTYPES = frozenset({
 })
 
 
-def _check_storable(path: str, dtype: np.dtype, what: str) -> None:
-    """Refuse, before any I/O, a dtype that Orbax cannot write (it would fail in the
-    background with tensorstore's "Unsupported data type")."""
-    if dtype.name not in _STORABLE_DTYPES:
-        raise CodecError(
-            f"leaf {path} is {what} of dtype {dtype.name}, which Orbax (tensorstore) cannot "
-            f"store. Fix: convert it before saving (e.g. to "
-            f"{_storable_alternative(dtype)}, or view its bytes as uint8) and back after "
-            "restoring.")
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes of ``array`` (C order) as uint8 of shape ``array.shape + (itemsize,)``: how
+    an array of a dtype Orbax has no type for is stored (a view where it can be)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return flat.view(np.uint8).reshape(array.shape + (array.dtype.itemsize,))
 
 
-def _storable_alternative(dtype: np.dtype) -> str:
-    name = dtype.name
-    if name.startswith(("uint", "int")):
-        return name.split("int")[0] + "int8"
-    if "complex" in name:
-        return "complex128" if dtype.itemsize > 8 else "complex64"
-    return "float64" if dtype.itemsize > 8 else "float32"
+def _from_bytes(data: np.ndarray, entry: _SavedLeaf) -> np.ndarray:
+    """The array ``_as_bytes`` stored, from its bytes as read (host memory)."""
+    dtype = np.dtype(_numpy_dtype(entry.dtype))
+    flat = np.ascontiguousarray(data).reshape(-1)
+    return flat.view(dtype).reshape(entry.shape)
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """A dtype by the name tree.json records (ml_dtypes' names included)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        found = getattr(ml_dtypes, name, None)
+        if found is None:
+            raise
+        return np.dtype(found)
+
+
+def _bytes_layout(path: str, array: np.ndarray) -> tuple[_Layout, np.ndarray]:
+    """A leaf of a dtype Orbax cannot store, kept as its bytes (refused where its bytes
+    cannot be had: an object, string or structured dtype)."""
+    data = _as_bytes(array)
+    return _Layout(kind="array", shape=tuple(array.shape), dtype=array.dtype.name,
+                   data_shape=tuple(data.shape), data_dtype="uint8"), data
 
 
 def _check_int64(path: str, value: int) -> None:
@@ -296,7 +327,14 @@ def _stage_leaf(path: str, leaf: Any) -> tuple[_Layout, Any]:
             return _Layout(kind="key", shape=tuple(leaf.shape), dtype=_dtype_name(leaf.dtype),
                            impl=str(jax.random.key_impl(leaf)), data_shape=tuple(data.shape),
                            data_dtype=np.dtype(data.dtype).name), data
-        _check_storable(path, np.dtype(leaf.dtype), "a jax.Array")
+        if np.dtype(leaf.dtype).name not in _STORABLE_DTYPES:
+            if not leaf.is_fully_addressable:
+                raise CodecError(
+                    f"leaf {path} is a jax.Array of dtype {np.dtype(leaf.dtype).name} sharded "
+                    "across processes; Orbax has no type for that dtype, and jaxckpt stores "
+                    "such arrays as their bytes only from one process. Fix: convert it to a "
+                    "dtype Orbax stores (e.g. uint8, float32) before saving.")
+            return _bytes_layout(path, np.asarray(leaf))
         return _Layout(kind="array", shape=tuple(leaf.shape),
                        dtype=_dtype_name(leaf.dtype)), leaf
     if isinstance(leaf, (np.ndarray, np.generic)):
@@ -307,7 +345,8 @@ def _stage_leaf(path: str, leaf: Any) -> tuple[_Layout, Any]:
                 "store as an array. Fix: convert it to a numeric array, or keep it out of the "
                 "array state (e.g. in a stateful object's JSON state).")
         array = np.asarray(leaf)
-        _check_storable(path, array.dtype, "a numpy array")
+        if array.dtype.name not in _STORABLE_DTYPES:
+            return _bytes_layout(path, array)
         return _Layout(kind="array", shape=tuple(array.shape),
                        dtype=_dtype_name(array.dtype)), array
     for type_name, py_type in _PY_SCALAR_TYPES.items():
@@ -414,6 +453,8 @@ class _WritePlan:
     empty: list[tuple[int, tuple[int, ...], np.dtype]]
     """Zero-size leaves: ``(leaf index, stored shape, stored dtype)``; always packed, their
     data an empty host array."""
+    as_bytes: list[int]
+    """Leaves of a dtype Orbax has no type for: their data is their bytes, on the host."""
 
     def sources(self, leaves: list[Any]) -> list[Any]:
         """The array that holds each leaf's data for this save (the caller's own numpy
@@ -428,6 +469,8 @@ class _WritePlan:
             if int_path is not None:
                 _check_int64(int_path, leaves[index])
             sources[index] = np.asarray(leaves[index], dtype)
+        for index in self.as_bytes:
+            sources[index] = _as_bytes(np.asarray(leaves[index]))
         for index, shape, dtype in self.empty:
             sources[index] = np.empty(shape, dtype)
         return sources
@@ -448,6 +491,7 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
     numpy_leaves: list[int] = []
     scalars: list[tuple[int, np.dtype, str | None]] = []
     empty: list[tuple[int, tuple[int, ...], np.dtype]] = []
+    as_bytes: list[int] = []
     seen: set[str] = set()
     for index, (key_path, leaf) in enumerate(path_leaves):
         path = jax.tree_util.keystr(key_path)
@@ -460,6 +504,9 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
         layouts.append(layout)
         if layout.kind == "key":
             keys.append(index)
+            stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
+        elif layout.data_dtype is not None:  # stored as its bytes
+            as_bytes.append(index)
             stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
         else:
             stored_shape, dtype = layout.shape, np.dtype(data.dtype)
@@ -507,7 +554,7 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
                                      for name, (dtype, _, size) in packs.items()])
     return _WritePlan(tree_json=tree_json, nbytes=len(tree_json) + stored_bytes, packs=packs,
                       unpacked=unpacked, on_device=on_device, keys=keys, numpy=numpy_leaves,
-                      scalars=scalars, empty=empty)
+                      scalars=scalars, empty=empty, as_bytes=as_bytes)
 
 
 def _layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
@@ -1246,7 +1293,9 @@ class OrbaxBackend:
         move_after: dict[str, jax.sharding.Sharding] = {}
         for path, target in targets:
             entry = saved[path]
-            if entry.packed:
+            # Packs and arrays stored as bytes come to the host first; each leaf is cut
+            # out (or viewed as its dtype) there, then placed.
+            if entry.packed or entry.as_bytes:
                 restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
             if target.target != "jax":
                 if not entry.packed:
@@ -1267,7 +1316,7 @@ class OrbaxBackend:
                     data_sharding = default_sharding
                 sharding = data_sharding
             placements[path] = sharding
-            if not entry.packed:
+            if not (entry.packed or entry.as_bytes):
                 restore_args[entry.name] = ocp.ArrayRestoreArgs(
                     sharding=sharding, global_shape=entry.stored_shape,
                     dtype=entry.stored_dtype)
@@ -1375,7 +1424,8 @@ class OrbaxBackend:
                 saved: dict[str, _SavedLeaf], restored: dict[str, Any],
                 placements: dict[str, jax.sharding.Sharding]) -> list[Any]:
         """The stored data of every target, in order: unpacked leaves as Orbax restored them;
-        packed ones cut out of their pack and, for jax targets, placed on their sharding."""
+        packed ones cut out of their pack, arrays stored as bytes viewed as their dtype, and
+        those two, for jax targets, placed on their sharding."""
         for name, pack in restored.items():
             if name.startswith(_PACK_PREFIX) and np.ndim(pack) != 1:
                 raise CheckpointCorruptError(
@@ -1387,17 +1437,20 @@ class OrbaxBackend:
         batch_shardings: list[jax.sharding.Sharding] = []
         for slot, (path, target) in enumerate(targets):
             entry = saved[path]
-            if not entry.packed:
+            if entry.packed:
+                data = OrbaxBackend._cut(directory, path, entry, restored[entry.name])
+            elif entry.as_bytes:
+                data = np.asarray(restored[entry.name])
+                if data.shape != entry.stored_shape or data.dtype != entry.stored_dtype:
+                    raise CheckpointCorruptError(
+                        f"{directory}/{_ARRAYS_DIR}/{entry.name} holds {data.shape} "
+                        f"{data.dtype}, not the bytes of leaf {path} ({entry.stored_shape} "
+                        "uint8). Fix: restore an older checkpoint.")
+            else:
                 values.append(restored[entry.name])
                 continue
-            pack = restored[entry.name]
-            count = int(np.prod(entry.stored_shape, dtype=np.int64))
-            if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
-                raise CheckpointCorruptError(
-                    f"{directory}: leaf {path} lies outside its pack {entry.name} (elements "
-                    f"{entry.offset}..{entry.offset + count} of {pack.shape[0]}, dtype "
-                    f"{entry.stored_dtype} vs {pack.dtype}). Fix: restore an older checkpoint.")
-            data = pack[entry.offset:entry.offset + count].reshape(entry.stored_shape)
+            if entry.as_bytes:
+                data = _from_bytes(data, entry)
             if target.target != "jax":
                 # A copy: a view would keep the whole pack alive as long as this leaf.
                 values.append(data.copy() if target.target == "numpy" else data)
@@ -1410,11 +1463,22 @@ class OrbaxBackend:
                 values.append(None)
             else:  # spans processes: every process holds the pack, each places its shards
                 values.append(jax.make_array_from_callback(
-                    entry.stored_shape, sharding, lambda index, data=data: data[index]))
+                    data.shape, sharding, lambda index, data=data: data[index]))
         # One batched transfer for all packed leaves instead of one call per leaf.
         for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings)):
             values[slot] = value
         return values
+
+    @staticmethod
+    def _cut(directory: str, path: str, entry: _SavedLeaf, pack: np.ndarray) -> np.ndarray:
+        """The stored data of the packed leaf ``entry`` (a view into its pack)."""
+        count = int(np.prod(entry.stored_shape, dtype=np.int64))
+        if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
+            raise CheckpointCorruptError(
+                f"{directory}: leaf {path} lies outside its pack {entry.name} (elements "
+                f"{entry.offset}..{entry.offset + count} of {pack.shape[0]}, dtype "
+                f"{entry.stored_dtype} vs {pack.dtype}). Fix: restore an older checkpoint.")
+        return pack[entry.offset:entry.offset + count].reshape(entry.stored_shape)
 
     # ---------------------------------------------------------------------- the rest
 
@@ -1495,7 +1559,8 @@ def _tree_json(entries: list[_SavedLeaf], packs: list[dict[str, Any]]) -> str:
     Built from per-line ``json.dumps`` calls, which use the C encoder: ``indent=`` switches
     the whole document to the pure-Python encoder, 0.4 s for 10,000 leaves.
     """
-    version = TREE_FORMAT_VERSION if packs else _UNPACKED_TREE_VERSION
+    version = (TREE_FORMAT_VERSION if any(entry.as_bytes for entry in entries) else
+               _PACKED_TREE_VERSION if packs else _UNPACKED_TREE_VERSION)
     lines = [f'{{"format": {json.dumps(TREE_FORMAT)}, "version": {version},']
     if packs:
         lines.append(' "packs": [' + ",\n  ".join(json.dumps(p) for p in packs) + "],")
