@@ -31,12 +31,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = ["holds_live", "to_state_tree", "read_into", "PendingUpdate", "left_out"]
 
-# Layouts (treedefs) already looked at -> whether they hold an NNX object. A treedef hashes
-# and compares in well under a millisecond, while walking one of 10,000 leaves takes ~7 ms:
-# a run saves the same layout again and again.
+# Layouts (treedefs) already looked at -> whether they hold an NNX object. A treedef of
+# 10,000 leaves hashes and compares in well under a millisecond, while walking it takes
+# ~7 ms: a run saves the same layout again and again.
 _SEEN: dict[Any, bool] = {}
 _MAX_SEEN = 16
 
@@ -53,19 +54,53 @@ def _live_types(nnx: Any) -> tuple[type, ...]:
                  if isinstance(t, type))
 
 
-def holds_live(treedef: Any) -> bool:
-    """Whether the tree flattened into ``treedef`` holds an NNX object (flax registers them
-    as pytree nodes, so they show as node types of the treedef)."""
+#: Containers looked into, and the nodes of ``holds_live``'s quick walk, before it asks
+#: the treedef instead.
+_QUICK_NODES = 256
+
+
+def holds_live(tree: Any, treedef: Any = None) -> bool:
+    """Whether ``tree`` holds an NNX object (``treedef``: its treedef, when the caller has
+    it). Cheap for the usual shapes: a quick walk through dicts, lists and tuples answers
+    for a dict of objects and arrays, an nnx.State or a dict of States at once; anything
+    larger or of other node types is answered by the treedef, in which flax's objects
+    show as node types."""
     nnx = _nnx()
     if nnx is None:
         return False
+    types = _live_types(nnx)
+    opaque = (nnx.State, nnx.Variable, jax.Array, np.ndarray, np.generic, bool, int, float,
+              complex, str, bytes)
+    stack, budget = [tree], _QUICK_NODES
+    while stack:
+        node = stack.pop()
+        if isinstance(node, types):
+            return True
+        if node is None or isinstance(node, opaque):
+            pass  # a State holds Variables, never live objects
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        else:
+            budget = 0  # a pytree node type of its own: only jax knows its children
+        budget -= 1
+        if budget <= 0:
+            break
+    else:
+        return False
+    if treedef is None:
+        treedef = jax.tree_util.tree_structure(tree)
+    return _treedef_holds_live(treedef, types)
+
+
+def _treedef_holds_live(treedef: Any, types: tuple[type, ...]) -> bool:
     try:
         found = _SEEN.get(treedef)
     except TypeError:  # an unhashable node's auxiliary data: look every time
         found = None
     if found is not None:
         return found
-    types = _live_types(nnx)
     found, stack = False, [treedef]
     while stack:
         node = stack.pop()
@@ -109,7 +144,7 @@ class _Split:
 
 def to_state_tree(tree: Any) -> Any:
     """The tree to write in place of ``tree``: each NNX object replaced by its state. The
-    caller checked ``holds_live`` of the tree's treedef."""
+    caller checked ``holds_live(tree)``."""
     return _Split(tree).pure()
 
 

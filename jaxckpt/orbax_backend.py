@@ -906,7 +906,7 @@ class OrbaxBackend:
         """
         with _gc_paused(self._pause_gc):
             leaves, treedef = jax.tree_util.tree_flatten(state)
-            if nnx_live.holds_live(treedef):
+            if nnx_live.holds_live(state, treedef):
                 # Live NNX objects are written as their nnx.State (jaxckpt.nnx_live).
                 state = nnx_live.to_state_tree(state)
                 leaves, treedef = jax.tree_util.tree_flatten(state)
@@ -1212,7 +1212,7 @@ class OrbaxBackend:
         in place. The manager calls it once the checkpoint is judged valid, so a read it
         throws away never changes the caller's objects.
         """
-        if nnx_live.holds_live(jax.tree_util.tree_structure(like)):
+        if nnx_live.holds_live(like):
             return nnx_live.read_into(
                 like, lambda pure: self._read(directory, pure, claims=claims))
         return self._read(directory, like, claims=claims)

@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -385,3 +386,30 @@ def test_sigkilled_nnx_tutorial_loop_resumes_bit_identical(tmp_path):
         for name in want.files:
             assert have[name].dtype == want[name].dtype, name
             assert have[name].tobytes() == want[name].tobytes(), name
+
+
+def test_live_objects_inside_other_pytree_nodes_and_many_leaves_are_found(tmp_path):
+    """Objects inside pytree nodes other than dicts, lists and tuples (which the quick
+    walk does not open), beside many leaves, are found through the treedef."""
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Bundle:
+        model: Any
+        scale: jax.Array
+
+    def make(seed):
+        return {"bundle": Bundle(Net(nnx.Rngs(seed)), jnp.float32(seed)),
+                "many": [np.full(2, float(i + seed)) for i in range(300)]}
+
+    live = make(0)
+    with manager(tmp_path) as mgr:
+        mgr.save(STEP, live)
+    fresh = make(4)
+    with manager(tmp_path) as mgr:
+        restored = mgr.recover(fresh).state
+    assert restored["bundle"].model is fresh["bundle"].model
+    assert nnx_bits({"a": fresh["bundle"].model}) == nnx_bits({"a": live["bundle"].model})
+    assert float(restored["bundle"].scale) == 0.0
+    np.testing.assert_array_equal(restored["many"][299], live["many"][299])
