@@ -413,3 +413,18 @@ def test_live_objects_inside_other_pytree_nodes_and_many_leaves_are_found(tmp_pa
     assert nnx_bits({"a": fresh["bundle"].model}) == nnx_bits({"a": live["bundle"].model})
     assert float(restored["bundle"].scale) == 0.0
     np.testing.assert_array_equal(restored["many"][299], live["many"][299])
+
+
+def test_a_live_model_as_an_auxiliary_item_is_restored_in_place(tmp_path):
+    live, ref = build(0), Net(nnx.Rngs(11))
+    config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1), keep_last_n=None)
+    with jaxckpt.CheckpointManager(str(tmp_path), recover=config, preemption_signals=(),
+                                   items={"ref": jaxckpt.Every(steps=2)}) as mgr:
+        mgr.save(STEP, live, items={"ref": ref})
+    fresh, fresh_ref = build(1), Net(nnx.Rngs(12))
+    with jaxckpt.CheckpointManager(str(tmp_path), recover=config, preemption_signals=(),
+                                   items={"ref": jaxckpt.Every(steps=2)}) as mgr:
+        restored = mgr.recover(fresh, items={"ref": fresh_ref})
+    assert restored.items["ref"] is fresh_ref
+    assert nnx_bits({"ref": fresh_ref}) == nnx_bits({"ref": ref})
+    assert nnx_bits(fresh) == nnx_bits(live)
