@@ -289,6 +289,8 @@ def _from_bytes(data: np.ndarray, entry: _SavedLeaf) -> np.ndarray:
 
 def _numpy_dtype(name: str) -> np.dtype:
     """A dtype by the name tree.json records (ml_dtypes' names included)."""
+    if re.fullmatch(r"void\d+", name):  # raw bytes: numpy names V4 "void32", in bits
+        return np.dtype(f"V{int(name[4:]) // 8}")
     try:
         return np.dtype(name)
     except TypeError:

@@ -30,7 +30,8 @@ STORABLE = [
     "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
 ]
 AS_BYTES = ["uint2", "uint4", "float8_e4m3", "float6_e2m3fn", "float6_e3m2fn",
-                "int1", "uint1", "complex32", "bcomplex32", "longdouble", "clongdouble"]
+                "int1", "uint1", "complex32", "bcomplex32", "longdouble", "clongdouble",
+                "V4"]  # numpy's raw bytes
 SUB_BYTE = {"int1", "uint1", "int2", "uint2", "int4", "uint4", "float4_e2m1fn",
             "float6_e2m3fn", "float6_e3m2fn"}
 SHAPES = {"scalar": (), "empty": (0,), "empty_2d": (3, 0), "empty_3d": (2, 0, 4)}
@@ -60,7 +61,7 @@ def patterns(name, seed=0):
     if dtype.itemsize == 1:
         return np.arange(256, dtype=np.uint8).view(dtype)  # every bit pattern
     values = np.frombuffer(rng.bytes(64 * dtype.itemsize), dtype=dtype).copy()
-    if dtype.kind in "fcV":  # floats (ml_dtypes floats are kind V)
+    if dtype.kind in "fcV" and dtype.type is not np.void:  # ml_dtypes floats are kind V
         specials = np.array([np.nan, -0.0, np.inf, -np.inf, 0.0]).astype(dtype)
         payload = specials[:1].copy()
         payload.view(np.uint8)[0] ^= 1  # the NaN with another payload
