@@ -1253,21 +1253,7 @@ class OrbaxBackend:
                                           "not exist")
         saved = _read_tree_json(root, directory)
 
-        like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
-        targets: list[tuple[str, _Target]] = []
-        bad_like: list[str] = []
-        for key_path, leaf in like_leaves:
-            path = jax.tree_util.keystr(key_path)
-            target = _target_of(leaf)
-            if target is None:
-                bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
-            else:
-                targets.append((path, target))
-        if bad_like:
-            raise TypeError(
-                "like has leaves that describe no array:\n" + "\n".join(bad_like) + "\nFix: "
-                "give like leaves that are jax.Array, jax.ShapeDtypeStruct, numpy arrays or "
-                "Python bool/int/float (e.g. from nnx.eval_shape or jax.eval_shape).")
+        targets, like_treedef = _like_targets(like)
 
         problems = _compare(targets, saved)
         if problems:
@@ -1287,41 +1273,7 @@ class OrbaxBackend:
                 f"checkpoint {directory} has {_TREE_FILE} but no {_ARRAYS_DIR}/ directory: "
                 "its write did not finish. Fix: restore an older, committed checkpoint.")
 
-        default_sharding = None
-        restore_args: dict[str, Any] = {}
-        # Where each jax leaf's stored data goes (for keys: the key_data's sharding).
-        placements: dict[str, jax.sharding.Sharding] = {}
-        # Keys whose key_data sharding we cannot derive: restored, then moved onto it.
-        move_after: dict[str, jax.sharding.Sharding] = {}
-        for path, target in targets:
-            entry = saved[path]
-            # Packs and arrays stored as bytes come to the host first; each leaf is cut
-            # out (or viewed as its dtype) there, then placed.
-            if entry.packed or entry.as_bytes:
-                restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
-            if target.target != "jax":
-                if not entry.packed:
-                    restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
-                continue
-            sharding = target.sharding
-            if sharding is None:
-                if default_sharding is None:
-                    default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
-                sharding = default_sharding
-            if entry.kind == "key":
-                data_sharding = _key_data_sharding(sharding, len(target.shape),
-                                                   len(entry.stored_shape) - len(target.shape))
-                if data_sharding is None:
-                    move_after[path] = sharding
-                    if default_sharding is None:
-                        default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
-                    data_sharding = default_sharding
-                sharding = data_sharding
-            placements[path] = sharding
-            if not (entry.packed or entry.as_bytes):
-                restore_args[entry.name] = ocp.ArrayRestoreArgs(
-                    sharding=sharding, global_shape=entry.stored_shape,
-                    dtype=entry.stored_dtype)
+        restore_args, placements, move_after = _restore_args(targets, saved)
 
         with _gc_paused(self._pause_gc):
             try:
@@ -1534,6 +1486,71 @@ class OrbaxBackend:
     def set_rng_state(self, state: Any) -> None:
         """Nothing to restore (see :meth:`rng_state`)."""
         return None
+
+
+def _restore_args(targets: list[tuple[str, _Target]], saved: dict[str, _SavedLeaf],
+                  ) -> tuple[dict[str, Any], dict[str, jax.sharding.Sharding],
+                             dict[str, jax.sharding.Sharding]]:
+    """What to ask Orbax (or zarr_io) for: restore args by storage name; where each jax
+    leaf's stored data goes (for keys: the key_data's sharding); and the keys whose
+    key_data sharding cannot be derived (restored, then moved onto their sharding)."""
+    default_sharding = None
+    restore_args: dict[str, Any] = {}
+    # Where each jax leaf's stored data goes (for keys: the key_data's sharding).
+    placements: dict[str, jax.sharding.Sharding] = {}
+    # Keys whose key_data sharding we cannot derive: restored, then moved onto it.
+    move_after: dict[str, jax.sharding.Sharding] = {}
+    for path, target in targets:
+        entry = saved[path]
+        # Packs and arrays stored as bytes come to the host first; each leaf is cut
+        # out (or viewed as its dtype) there, then placed.
+        if entry.packed or entry.as_bytes:
+            restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
+        if target.target != "jax":
+            if not entry.packed:
+                restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
+            continue
+        sharding = target.sharding
+        if sharding is None:
+            if default_sharding is None:
+                default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
+            sharding = default_sharding
+        if entry.kind == "key":
+            data_sharding = _key_data_sharding(sharding, len(target.shape),
+                                               len(entry.stored_shape) - len(target.shape))
+            if data_sharding is None:
+                move_after[path] = sharding
+                if default_sharding is None:
+                    default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
+                data_sharding = default_sharding
+            sharding = data_sharding
+        placements[path] = sharding
+        if not (entry.packed or entry.as_bytes):
+            restore_args[entry.name] = ocp.ArrayRestoreArgs(
+                sharding=sharding, global_shape=entry.stored_shape,
+                dtype=entry.stored_dtype)
+    return restore_args, placements, move_after
+
+
+def _like_targets(like: Any) -> tuple[list[tuple[str, _Target]], Any]:
+    """``(tree path, what the leaf asks for)`` of every leaf of ``like``, and its treedef;
+    TypeError listing every leaf that describes no array."""
+    like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
+    targets: list[tuple[str, _Target]] = []
+    bad_like: list[str] = []
+    for key_path, leaf in like_leaves:
+        path = jax.tree_util.keystr(key_path)
+        target = _target_of(leaf)
+        if target is None:
+            bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
+        else:
+            targets.append((path, target))
+    if bad_like:
+        raise TypeError(
+            "like has leaves that describe no array:\n" + "\n".join(bad_like) + "\nFix: "
+            "give like leaves that are jax.Array, jax.ShapeDtypeStruct, numpy arrays or "
+            "Python bool/int/float (e.g. from nnx.eval_shape or jax.eval_shape).")
+    return targets, like_treedef
 
 
 def _compare(targets: list[tuple[str, _Target]], saved: dict[str, _SavedLeaf]) -> list[str]:
