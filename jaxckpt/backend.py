@@ -54,7 +54,13 @@ class Backend(Protocol):
     ``verifies_reads = True`` says that ``read`` takes ``claims=`` (a ``store.ReadClaims``)
     and checks the deferred checksums of the files it reads whole as it reads them, so that
     the manager's verifier skips those; ``close()`` is called by a manager that created its
-    backend itself.
+    backend itself; ``finish_read(value)`` is called by the manager on what ``read``
+    returned (the state and each item) once the checkpoint is judged valid, and returns the
+    final value: a backend that fills the caller's live objects (OrbaxBackend with live NNX
+    objects) does it there, so that a read the manager throws away (its checksums failed
+    alongside it) never changes them; ``left_out(saved, scope)`` returns a warning naming
+    objects of ``scope`` (the local variables of the code that called the first save) whose
+    state ``saved`` leaves out, or None.
     """
 
     #: short name recorded in driver.json, e.g. "orbax" or "dcp".

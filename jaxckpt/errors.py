@@ -63,7 +63,8 @@ class CheckpointWriteError(CheckpointError, OSError):
 
 
 class CodecError(CheckpointError, TypeError):
-    """A value cannot be stored in (or read from) the JSON driver state safely."""
+    """A value cannot be stored safely: in (or from) the JSON driver state, or as an array
+    of a dtype the array backend cannot write; the message names the value's path."""
 
 
 class CheckpointWarning(UserWarning):

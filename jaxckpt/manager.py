@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import types
@@ -329,6 +330,7 @@ class CheckpointManager:
         self._last_completed: StepInfo | None = None
         self._preempt_signal: int | None = None
         self._preempted = False
+        self._scope_checked = False  # see _warn_left_out
         self._previous_handlers: dict[int, Any] = {}
         self._install_signal_handlers(signals)
 
@@ -425,6 +427,8 @@ class CheckpointManager:
         reports = []
         if recover_reason or export_reason:
             state = _resolve_state(state)
+        if recover_reason and not self._scope_checked:
+            self._warn_left_out(state, items, sys._getframe(1))
         if recover_reason:
             reports.append(self._save_recover(step_info, state, stateful, metrics, recover_reason,
                                               items=items, epoch_end=epoch_end))
@@ -459,6 +463,9 @@ class CheckpointManager:
             mode, supports_async=self._backend.supports_async, field="save(mode=...)")
         if epoch_end is None:
             epoch_end = step_info.is_epoch_end
+        if not self._scope_checked:
+            state = _resolve_state(state)
+            self._warn_left_out(state, items, sys._getframe(1))
         return self._save_recover(step_info, state, stateful, metrics, "forced", override,
                                   items=items, epoch_end=epoch_end)
 
@@ -528,6 +535,26 @@ class CheckpointManager:
             log.error("jaxckpt: error while closing after %s: %s", exc_type.__name__, close_exc)
 
     # --- saving ---------------------------------------------------------------------------
+    def _warn_left_out(self, state: Any, items: Mapping[str, Any] | None, caller: Any) -> None:
+        """Once per manager, at its first recovery save: warn when the calling code's local
+        variables hold framework objects whose state this save leaves out (e.g. an
+        ``nnx.Rngs`` or metrics beside a saved model). The backend judges (optional
+        ``left_out(saved, scope)``); a diagnostic never fails a save."""
+        self._scope_checked = True
+        judge = getattr(self._backend, "left_out", None)
+        if judge is None:
+            return
+        try:
+            trees = [v.tree if isinstance(v, Versioned) else v for v in (items or {}).values()]
+            message = judge([state, *trees] if trees else state, dict(caller.f_locals))
+        except Exception:  # noqa: BLE001 - only a hint; the save goes on regardless
+            log.debug("jaxckpt: left-out check failed", exc_info=True)
+            return
+        finally:
+            del caller
+        if message:
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
+
     def _save_recover(self, step: StepInfo, state: Any, stateful: Mapping[str, Any] | None,
                       metrics: Mapping[str, Any] | None, reason: str,
                       mode: str | None = None, *, items: Mapping[str, Any] | None = None,
@@ -1058,10 +1085,20 @@ class CheckpointManager:
                 if error is not None:
                     raise error
                 assert result is not None
-                return result
+                return self._finish_read(result)
         finally:
             with self._state_lock:
                 self._reading.discard(step)
+
+    def _finish_read(self, result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]],
+                     ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
+        """A read judged valid: a backend with ``finish_read`` (values for live objects,
+        put into them in place only now) gets the state and every item."""
+        finish = getattr(self._backend, "finish_read", None)
+        if finish is None:
+            return result
+        body, state, versions, items = result
+        return body, finish(state), versions, {name: finish(tree) for name, tree in items.items()}
 
     def _start_deferred_checks(self, path: str, items: Mapping[str, Any] | None,
                                checks: _Verification, claims: ReadClaims | None = None,

@@ -71,10 +71,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import zarr_io
+from jaxckpt import nnx_live, zarr_io
 from jaxckpt.checksum import default_algorithm
 from jaxckpt.errors import (
     CheckpointCorruptError,
+    CodecError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -89,8 +90,11 @@ TREE_FORMAT = "jaxckpt.orbax.tree"
 #: bumped on any incompatible change of tree.json; readers refuse newer versions. Version 2
 #: adds packed leaves (an "offset" on the leaf, whose "name" is then its pack's, and a
 #: "packs" list); a checkpoint without packed leaves is still written as version 1,
-#: readable by every release.
-TREE_FORMAT_VERSION = 2
+#: readable by every release. Version 3 adds arrays stored as their bytes (a "data_dtype"
+#: of uint8 and a "data_shape" on a leaf of kind "array": dtypes Orbax has no type for);
+#: only a checkpoint holding such a leaf is written as version 3.
+TREE_FORMAT_VERSION = 3
+_PACKED_TREE_VERSION = 2
 _UNPACKED_TREE_VERSION = 1
 
 _TREE_FILE = "tree.json"
@@ -176,9 +180,11 @@ class _SavedLeaf:
     impl: str | None = None
     """Key implementation name ("threefry2x32", "rbg", ...) for kind "key"."""
     data_shape: tuple[int, ...] | None = None
-    """Shape of the stored ``key_data`` for kind "key" (key shape + impl's trailing dims)."""
+    """Shape of the stored ``key_data`` for kind "key" (key shape + impl's trailing dims);
+    for an array stored as its bytes, its shape + (itemsize,)."""
     data_dtype: str | None = None
-    """Dtype of the stored ``key_data`` for kind "key" (uint32 for the built-in impls)."""
+    """Dtype of the stored ``key_data`` for kind "key" (uint32 for the built-in impls);
+    "uint8" for an array stored as its bytes (a dtype Orbax cannot store, ``as_bytes``)."""
     python_type: str | None = None
     """"bool", "int" or "float" for kind "scalar"."""
     offset: int | None = None
@@ -190,14 +196,23 @@ class _SavedLeaf:
         return self.offset is not None
 
     @property
+    def as_bytes(self) -> bool:
+        """An array stored as its bytes (uint8, one more axis of the itemsize)."""
+        return self.kind == "array" and self.data_dtype is not None
+
+    @property
     def stored_shape(self) -> tuple[int, ...]:
-        """Shape of the data as stored (a key's ``key_data``; the leaf's shape otherwise)."""
-        return tuple(self.data_shape or ()) if self.kind == "key" else self.shape
+        """Shape of the data as stored (a key's ``key_data``, an array's bytes; the leaf's
+        shape otherwise)."""
+        return (tuple(self.data_shape or ()) if self.kind == "key" or self.as_bytes
+                else self.shape)
 
     @property
     def stored_dtype(self) -> np.dtype:
-        """Dtype of the data as stored (a key's ``key_data`` dtype; the leaf's otherwise)."""
-        return np.dtype(self.data_dtype if self.kind == "key" else self.dtype)
+        """Dtype of the data as stored (a key's ``key_data`` dtype, uint8 for an array's
+        bytes; the leaf's otherwise)."""
+        return np.dtype(self.data_dtype if self.kind == "key" or self.as_bytes
+                        else self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"path": self.path, "name": self.name, "kind": self.kind,
@@ -205,6 +220,8 @@ class _SavedLeaf:
         if self.kind == "key":
             entry.update(impl=self.impl, data_shape=list(self.data_shape or ()),
                          data_dtype=self.data_dtype)
+        if self.as_bytes:
+            entry.update(data_shape=list(self.data_shape or ()), data_dtype=self.data_dtype)
         if self.kind == "scalar":
             entry["python_type"] = self.python_type
         if self.offset is not None:
@@ -244,6 +261,55 @@ class _Layout(NamedTuple):
     python_type: str | None = None
 
 
+#: Array dtypes Orbax's tensorstore stores (zarr3), by numpy name. Arrays of any other
+#: dtype numpy holds (uint2, uint4, float8_e4m3, float6_*, int1/uint1, complex32, numpy's
+#: longdouble...) are stored as their bytes: uint8 with one more axis of the itemsize
+#: (``_as_bytes``); tests/test_dtypes.py round-trips every one bit for bit.
+_STORABLE_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
+    "int2", "int4", "float4_e2m1fn", "float8_e3m4", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+})
+
+
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes of ``array`` (C order) as uint8 of shape ``array.shape + (itemsize,)``: how
+    an array of a dtype Orbax has no type for is stored (a view where it can be)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return flat.view(np.uint8).reshape(array.shape + (array.dtype.itemsize,))
+
+
+def _from_bytes(data: np.ndarray, entry: _SavedLeaf) -> np.ndarray:
+    """The array ``_as_bytes`` stored, from its bytes as read (host memory)."""
+    dtype = np.dtype(_numpy_dtype(entry.dtype))
+    flat = np.ascontiguousarray(data).reshape(-1)
+    return flat.view(dtype).reshape(entry.shape)
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """A dtype by the name tree.json records (ml_dtypes' names included)."""
+    if re.fullmatch(r"void\d+", name):  # raw bytes: numpy names V4 "void32", in bits
+        return np.dtype(f"V{int(name[4:]) // 8}")
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        found = getattr(ml_dtypes, name, None)
+        if found is None:
+            raise
+        return np.dtype(found)
+
+
+def _bytes_layout(path: str, array: np.ndarray) -> tuple[_Layout, np.ndarray]:
+    """A leaf of a dtype Orbax cannot store, kept as its bytes (refused where its bytes
+    cannot be had: an object, string or structured dtype)."""
+    data = _as_bytes(array)
+    return _Layout(kind="array", shape=tuple(array.shape), dtype=array.dtype.name,
+                   data_shape=tuple(data.shape), data_dtype="uint8"), data
+
+
 def _check_int64(path: str, value: int) -> None:
     """Python ints are stored as int64; one outside its range raises, naming its path."""
     if not -(2**63) <= value < 2**63:
@@ -263,6 +329,14 @@ def _stage_leaf(path: str, leaf: Any) -> tuple[_Layout, Any]:
             return _Layout(kind="key", shape=tuple(leaf.shape), dtype=_dtype_name(leaf.dtype),
                            impl=str(jax.random.key_impl(leaf)), data_shape=tuple(data.shape),
                            data_dtype=np.dtype(data.dtype).name), data
+        if np.dtype(leaf.dtype).name not in _STORABLE_DTYPES:
+            if not leaf.is_fully_addressable:
+                raise CodecError(
+                    f"leaf {path} is a jax.Array of dtype {np.dtype(leaf.dtype).name} sharded "
+                    "across processes; Orbax has no type for that dtype, and jaxckpt stores "
+                    "such arrays as their bytes only from one process. Fix: convert it to a "
+                    "dtype Orbax stores (e.g. uint8, float32) before saving.")
+            return _bytes_layout(path, np.asarray(leaf))
         return _Layout(kind="array", shape=tuple(leaf.shape),
                        dtype=_dtype_name(leaf.dtype)), leaf
     if isinstance(leaf, (np.ndarray, np.generic)):
@@ -273,6 +347,8 @@ def _stage_leaf(path: str, leaf: Any) -> tuple[_Layout, Any]:
                 "store as an array. Fix: convert it to a numeric array, or keep it out of the "
                 "array state (e.g. in a stateful object's JSON state).")
         array = np.asarray(leaf)
+        if array.dtype.name not in _STORABLE_DTYPES:
+            return _bytes_layout(path, array)
         return _Layout(kind="array", shape=tuple(array.shape),
                        dtype=_dtype_name(array.dtype)), array
     for type_name, py_type in _PY_SCALAR_TYPES.items():
@@ -339,6 +415,12 @@ def _host_arrays(arrays: list[jax.Array]) -> list[np.ndarray]:
     return jax.device_get(arrays)
 
 
+def _pack_length(size: int) -> int:
+    """Elements of the array that holds a pack of ``size`` elements: a pack of zero-size
+    leaves only holds one element of padding, as Orbax refuses to store an empty array."""
+    return max(size, 1)
+
+
 def _fill_pack(buffer: np.ndarray, sources: list[np.ndarray]) -> None:
     """Copy ``sources`` (host numpy arrays, in pack order) into ``buffer``."""
     np.concatenate(sources, axis=None, out=buffer)  # axis=None: flattened, in C order
@@ -370,6 +452,11 @@ class _WritePlan:
     """numpy array and numpy scalar leaves: their data is ``np.asarray`` of them."""
     scalars: list[tuple[int, np.dtype, str | None]]
     """Python scalar leaves: ``(leaf index, stored dtype, path if an int else None)``."""
+    empty: list[tuple[int, tuple[int, ...], np.dtype]]
+    """Zero-size leaves: ``(leaf index, stored shape, stored dtype)``; always packed, their
+    data an empty host array."""
+    as_bytes: list[int]
+    """Leaves of a dtype Orbax has no type for: their data is their bytes, on the host."""
 
     def sources(self, leaves: list[Any]) -> list[Any]:
         """The array that holds each leaf's data for this save (the caller's own numpy
@@ -384,6 +471,10 @@ class _WritePlan:
             if int_path is not None:
                 _check_int64(int_path, leaves[index])
             sources[index] = np.asarray(leaves[index], dtype)
+        for index in self.as_bytes:
+            sources[index] = _as_bytes(np.asarray(leaves[index]))
+        for index, shape, dtype in self.empty:
+            sources[index] = np.empty(shape, dtype)
         return sources
 
 
@@ -401,6 +492,8 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
     keys: list[int] = []
     numpy_leaves: list[int] = []
     scalars: list[tuple[int, np.dtype, str | None]] = []
+    empty: list[tuple[int, tuple[int, ...], np.dtype]] = []
+    as_bytes: list[int] = []
     seen: set[str] = set()
     for index, (key_path, leaf) in enumerate(path_leaves):
         path = jax.tree_util.keystr(key_path)
@@ -414,6 +507,9 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
         if layout.kind == "key":
             keys.append(index)
             stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
+        elif layout.data_dtype is not None:  # stored as its bytes
+            as_bytes.append(index)
+            stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
         else:
             stored_shape, dtype = layout.shape, np.dtype(data.dtype)
             if layout.kind == "scalar":
@@ -424,6 +520,14 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
         count = prod(stored_shape)
         nbytes = count * dtype.itemsize
         stored_bytes += nbytes
+        if count == 0:
+            # Orbax refuses zero-size arrays ("Cannot save arrays with zero size") and
+            # there is nothing to store: tree.json's shape and dtype say it all. Such a
+            # leaf goes into a pack at any offset, from an empty host array (no transfer,
+            # whichever process holds it).
+            empty.append((index, tuple(stored_shape), dtype))
+            candidates.append((index, dtype, 0))
+            continue
         on_host = isinstance(data, np.ndarray)
         # Small leaves this process holds entirely go into packs. An array sharded across
         # processes is written shard by shard by Orbax instead; with a single process every
@@ -447,11 +551,12 @@ def _build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) ->
         else:
             name, offset = placed
         entries.append(_SavedLeaf(path=path, name=name, offset=offset, **layout._asdict()))
-    tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name, "size": size}
+    tree_json = _tree_json(entries, [{"name": name, "dtype": dtype.name,
+                                      "size": _pack_length(size)}
                                      for name, (dtype, _, size) in packs.items()])
     return _WritePlan(tree_json=tree_json, nbytes=len(tree_json) + stored_bytes, packs=packs,
                       unpacked=unpacked, on_device=on_device, keys=keys, numpy=numpy_leaves,
-                      scalars=scalars)
+                      scalars=scalars, empty=empty, as_bytes=as_bytes)
 
 
 def _layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
@@ -803,6 +908,10 @@ class OrbaxBackend:
         """
         with _gc_paused(self._pause_gc):
             leaves, treedef = jax.tree_util.tree_flatten(state)
+            if nnx_live.holds_live(state, treedef):
+                # Live NNX objects are written as their nnx.State (jaxckpt.nnx_live).
+                state = nnx_live.to_state_tree(state)
+                leaves, treedef = jax.tree_util.tree_flatten(state)
             # A single process holds every array entirely: it hands Orbax host arrays and
             # runs async writes on the backend's own thread (see _write_local). Several
             # processes write one sharded array together, which Orbax's AsyncCheckpointer
@@ -1017,8 +1126,10 @@ class OrbaxBackend:
             host[index] = array
         arrays: dict[str, Any] = {}
         for name, (dtype, members, size) in plan.packs.items():
-            pack = buffer(name, (size,), dtype)
-            _fill_pack(pack, [host[index] for index in members])
+            pack = buffer(name, (_pack_length(size),), dtype)
+            if size == 0:
+                pack[...] = 0  # the padding of a pack of zero-size leaves only
+            _fill_pack(pack[:size], [host[index] for index in members])
             arrays[name] = pack
         for index, name in plan.unpacked:
             source = sources[index]
@@ -1097,6 +1208,35 @@ class OrbaxBackend:
     def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
         """Read ``directory`` into the structure, shapes, dtypes and shardings of ``like``.
 
+        A ``like`` holding live NNX objects (``jaxckpt.nnx_live``) is read into their
+        current arrays' shapes, dtypes and shardings, and the result is a
+        ``nnx_live.PendingUpdate``: :meth:`finish_read` puts the values into the objects,
+        in place. The manager calls it once the checkpoint is judged valid, so a read it
+        throws away never changes the caller's objects.
+        """
+        if nnx_live.holds_live(like):
+            return nnx_live.read_into(
+                like, lambda pure: self._read(directory, pure, claims=claims))
+        return self._read(directory, like, claims=claims)
+
+    @staticmethod
+    def finish_read(value: Any) -> Any:
+        """What :meth:`read` returned, with values read for live NNX objects put into them
+        (in place); anything else as it is."""
+        if isinstance(value, nnx_live.PendingUpdate):
+            return value.apply()
+        return value
+
+    @staticmethod
+    def left_out(saved: Any, scope: dict[str, Any]) -> str | None:
+        """A warning naming the NNX objects of ``scope`` (the local variables of the code
+        that called save) that ``saved`` leaves out, or None (``nnx_live.left_out``)."""
+        return nnx_live.left_out(saved, scope)
+
+    def _read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
+        """Read ``directory`` into the structure, shapes, dtypes and shardings of ``like``
+        (a tree without live NNX objects).
+
         Leaves are matched by tree path. Every mismatch (missing, extra, shape, dtype, key
         impl) is collected first and raised as one TreeMismatchError; no array is read
         then. jax.Array / ShapeDtypeStruct leaves come back as jax.Array on the like leaf's
@@ -1113,21 +1253,7 @@ class OrbaxBackend:
                                           "not exist")
         saved = _read_tree_json(root, directory)
 
-        like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
-        targets: list[tuple[str, _Target]] = []
-        bad_like: list[str] = []
-        for key_path, leaf in like_leaves:
-            path = jax.tree_util.keystr(key_path)
-            target = _target_of(leaf)
-            if target is None:
-                bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
-            else:
-                targets.append((path, target))
-        if bad_like:
-            raise TypeError(
-                "like has leaves that describe no array:\n" + "\n".join(bad_like) + "\nFix: "
-                "give like leaves that are jax.Array, jax.ShapeDtypeStruct, numpy arrays or "
-                "Python bool/int/float (e.g. from nnx.eval_shape or jax.eval_shape).")
+        targets, like_treedef = _like_targets(like)
 
         problems = _compare(targets, saved)
         if problems:
@@ -1147,39 +1273,7 @@ class OrbaxBackend:
                 f"checkpoint {directory} has {_TREE_FILE} but no {_ARRAYS_DIR}/ directory: "
                 "its write did not finish. Fix: restore an older, committed checkpoint.")
 
-        default_sharding = None
-        restore_args: dict[str, Any] = {}
-        # Where each jax leaf's stored data goes (for keys: the key_data's sharding).
-        placements: dict[str, jax.sharding.Sharding] = {}
-        # Keys whose key_data sharding we cannot derive: restored, then moved onto it.
-        move_after: dict[str, jax.sharding.Sharding] = {}
-        for path, target in targets:
-            entry = saved[path]
-            if entry.packed:
-                restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
-            if target.target != "jax":
-                if not entry.packed:
-                    restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
-                continue
-            sharding = target.sharding
-            if sharding is None:
-                if default_sharding is None:
-                    default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
-                sharding = default_sharding
-            if entry.kind == "key":
-                data_sharding = _key_data_sharding(sharding, len(target.shape),
-                                                   len(entry.stored_shape) - len(target.shape))
-                if data_sharding is None:
-                    move_after[path] = sharding
-                    if default_sharding is None:
-                        default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
-                    data_sharding = default_sharding
-                sharding = data_sharding
-            placements[path] = sharding
-            if not entry.packed:
-                restore_args[entry.name] = ocp.ArrayRestoreArgs(
-                    sharding=sharding, global_shape=entry.stored_shape,
-                    dtype=entry.stored_dtype)
+        restore_args, placements, move_after = _restore_args(targets, saved)
 
         with _gc_paused(self._pause_gc):
             try:
@@ -1284,7 +1378,8 @@ class OrbaxBackend:
                 saved: dict[str, _SavedLeaf], restored: dict[str, Any],
                 placements: dict[str, jax.sharding.Sharding]) -> list[Any]:
         """The stored data of every target, in order: unpacked leaves as Orbax restored them;
-        packed ones cut out of their pack and, for jax targets, placed on their sharding."""
+        packed ones cut out of their pack, arrays stored as bytes viewed as their dtype, and
+        those two, for jax targets, placed on their sharding."""
         for name, pack in restored.items():
             if name.startswith(_PACK_PREFIX) and np.ndim(pack) != 1:
                 raise CheckpointCorruptError(
@@ -1296,17 +1391,20 @@ class OrbaxBackend:
         batch_shardings: list[jax.sharding.Sharding] = []
         for slot, (path, target) in enumerate(targets):
             entry = saved[path]
-            if not entry.packed:
+            if entry.packed:
+                data = OrbaxBackend._cut(directory, path, entry, restored[entry.name])
+            elif entry.as_bytes:
+                data = np.asarray(restored[entry.name])
+                if data.shape != entry.stored_shape or data.dtype != entry.stored_dtype:
+                    raise CheckpointCorruptError(
+                        f"{directory}/{_ARRAYS_DIR}/{entry.name} holds {data.shape} "
+                        f"{data.dtype}, not the bytes of leaf {path} ({entry.stored_shape} "
+                        "uint8). Fix: restore an older checkpoint.")
+            else:
                 values.append(restored[entry.name])
                 continue
-            pack = restored[entry.name]
-            count = int(np.prod(entry.stored_shape, dtype=np.int64))
-            if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
-                raise CheckpointCorruptError(
-                    f"{directory}: leaf {path} lies outside its pack {entry.name} (elements "
-                    f"{entry.offset}..{entry.offset + count} of {pack.shape[0]}, dtype "
-                    f"{entry.stored_dtype} vs {pack.dtype}). Fix: restore an older checkpoint.")
-            data = pack[entry.offset:entry.offset + count].reshape(entry.stored_shape)
+            if entry.as_bytes:
+                data = _from_bytes(data, entry)
             if target.target != "jax":
                 # A copy: a view would keep the whole pack alive as long as this leaf.
                 values.append(data.copy() if target.target == "numpy" else data)
@@ -1319,11 +1417,22 @@ class OrbaxBackend:
                 values.append(None)
             else:  # spans processes: every process holds the pack, each places its shards
                 values.append(jax.make_array_from_callback(
-                    entry.stored_shape, sharding, lambda index, data=data: data[index]))
+                    data.shape, sharding, lambda index, data=data: data[index]))
         # One batched transfer for all packed leaves instead of one call per leaf.
         for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings)):
             values[slot] = value
         return values
+
+    @staticmethod
+    def _cut(directory: str, path: str, entry: _SavedLeaf, pack: np.ndarray) -> np.ndarray:
+        """The stored data of the packed leaf ``entry`` (a view into its pack)."""
+        count = int(np.prod(entry.stored_shape, dtype=np.int64))
+        if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
+            raise CheckpointCorruptError(
+                f"{directory}: leaf {path} lies outside its pack {entry.name} (elements "
+                f"{entry.offset}..{entry.offset + count} of {pack.shape[0]}, dtype "
+                f"{entry.stored_dtype} vs {pack.dtype}). Fix: restore an older checkpoint.")
+        return pack[entry.offset:entry.offset + count].reshape(entry.stored_shape)
 
     # ---------------------------------------------------------------------- the rest
 
@@ -1379,6 +1488,71 @@ class OrbaxBackend:
         return None
 
 
+def _restore_args(targets: list[tuple[str, _Target]], saved: dict[str, _SavedLeaf],
+                  ) -> tuple[dict[str, Any], dict[str, jax.sharding.Sharding],
+                             dict[str, jax.sharding.Sharding]]:
+    """What to ask Orbax (or zarr_io) for: restore args by storage name; where each jax
+    leaf's stored data goes (for keys: the key_data's sharding); and the keys whose
+    key_data sharding cannot be derived (restored, then moved onto their sharding)."""
+    default_sharding = None
+    restore_args: dict[str, Any] = {}
+    # Where each jax leaf's stored data goes (for keys: the key_data's sharding).
+    placements: dict[str, jax.sharding.Sharding] = {}
+    # Keys whose key_data sharding we cannot derive: restored, then moved onto it.
+    move_after: dict[str, jax.sharding.Sharding] = {}
+    for path, target in targets:
+        entry = saved[path]
+        # Packs and arrays stored as bytes come to the host first; each leaf is cut
+        # out (or viewed as its dtype) there, then placed.
+        if entry.packed or entry.as_bytes:
+            restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
+        if target.target != "jax":
+            if not entry.packed:
+                restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
+            continue
+        sharding = target.sharding
+        if sharding is None:
+            if default_sharding is None:
+                default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
+            sharding = default_sharding
+        if entry.kind == "key":
+            data_sharding = _key_data_sharding(sharding, len(target.shape),
+                                               len(entry.stored_shape) - len(target.shape))
+            if data_sharding is None:
+                move_after[path] = sharding
+                if default_sharding is None:
+                    default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
+                data_sharding = default_sharding
+            sharding = data_sharding
+        placements[path] = sharding
+        if not (entry.packed or entry.as_bytes):
+            restore_args[entry.name] = ocp.ArrayRestoreArgs(
+                sharding=sharding, global_shape=entry.stored_shape,
+                dtype=entry.stored_dtype)
+    return restore_args, placements, move_after
+
+
+def _like_targets(like: Any) -> tuple[list[tuple[str, _Target]], Any]:
+    """``(tree path, what the leaf asks for)`` of every leaf of ``like``, and its treedef;
+    TypeError listing every leaf that describes no array."""
+    like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
+    targets: list[tuple[str, _Target]] = []
+    bad_like: list[str] = []
+    for key_path, leaf in like_leaves:
+        path = jax.tree_util.keystr(key_path)
+        target = _target_of(leaf)
+        if target is None:
+            bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
+        else:
+            targets.append((path, target))
+    if bad_like:
+        raise TypeError(
+            "like has leaves that describe no array:\n" + "\n".join(bad_like) + "\nFix: "
+            "give like leaves that are jax.Array, jax.ShapeDtypeStruct, numpy arrays or "
+            "Python bool/int/float (e.g. from nnx.eval_shape or jax.eval_shape).")
+    return targets, like_treedef
+
+
 def _compare(targets: list[tuple[str, _Target]], saved: dict[str, _SavedLeaf]) -> list[str]:
     """Every difference between like and the checkpoint, one line per tree path."""
     problems = []
@@ -1404,7 +1578,8 @@ def _tree_json(entries: list[_SavedLeaf], packs: list[dict[str, Any]]) -> str:
     Built from per-line ``json.dumps`` calls, which use the C encoder: ``indent=`` switches
     the whole document to the pure-Python encoder, 0.4 s for 10,000 leaves.
     """
-    version = TREE_FORMAT_VERSION if packs else _UNPACKED_TREE_VERSION
+    version = (TREE_FORMAT_VERSION if any(entry.as_bytes for entry in entries) else
+               _PACKED_TREE_VERSION if packs else _UNPACKED_TREE_VERSION)
     lines = [f'{{"format": {json.dumps(TREE_FORMAT)}, "version": {version},']
     if packs:
         lines.append(' "packs": [' + ",\n  ".join(json.dumps(p) for p in packs) + "],")
