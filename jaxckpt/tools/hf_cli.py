@@ -3,7 +3,7 @@
 Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Face model
 directory, and a Hugging Face directory into a recovery checkpoint that
 ``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
-else one updating stderr line). Argument parsing lives in ``jaxckpt.cli``.
+else one updating stderr line). Argument parsing lives in ``jaxckpt.tools.cli``.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
-from .hf import (
+from torch_bridge.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
     EXPORTER_RECORD_FORMAT,

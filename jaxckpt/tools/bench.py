@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .store import fsync_file
+from jaxckpt.store import fsync_file
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
@@ -76,7 +76,7 @@ class BenchConfig:
     train_steps: int = 200
     """Steps of each training-loop run (with and without checkpoints)."""
     train_sizes: tuple[int, ...] = (512, 2048, 2048, 512)
-    """Layer widths of the training loop's MLP (jaxckpt.demo.train)."""
+    """Layer widths of the training loop's MLP (jaxckpt.tools.demo.train)."""
     train_batch: int = 256
     """Batch size of the training loop."""
     save_every: int = 20
@@ -461,7 +461,7 @@ def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
     so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from .zarr_io import PIECE, _pwrite_all
+    from jaxckpt.zarr_io import PIECE, _pwrite_all
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
@@ -475,7 +475,7 @@ def _raw_write_direct(path: str, block: np.ndarray) -> None:
 
 def _raw_read_direct(path: str, nbytes: int) -> np.ndarray:
     """Read a file with O_DIRECT into one new aligned buffer, in 8 MiB reads."""
-    from .zarr_io import PIECE, aligned_blocks
+    from jaxckpt.zarr_io import PIECE, aligned_blocks
 
     out = aligned_blocks(nbytes)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -528,7 +528,7 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
 
 def _direct_refused(directory: str) -> str:
     """"" when ``directory`` takes O_DIRECT writes of aligned blocks, else why not."""
-    from .zarr_io import ALIGN, aligned_blocks
+    from jaxckpt.zarr_io import ALIGN, aligned_blocks
 
     if not hasattr(os, "O_DIRECT"):
         return "no O_DIRECT on this platform"
@@ -656,7 +656,7 @@ class _Bench:
             self.many_state = _jax_state(_leaf_arrays(data, config.many_leaves))
         del data
         # Reused buffers are aligned whole blocks, so the O_DIRECT floor writes from them.
-        from .zarr_io import aligned_blocks
+        from jaxckpt.zarr_io import aligned_blocks
 
         self.blocks = [aligned_blocks(a.nbytes) for a in self.arrays]
         self.reused = [block[:a.nbytes].view(a.dtype).reshape(a.shape)
@@ -733,7 +733,7 @@ class _Bench:
 
         manager = getattr(self, f"_manager_{name}", None)
         if manager is None:
-            from .orbax_backend import OrbaxBackend
+            from jaxckpt.orbax_backend import OrbaxBackend
 
             backend = _TimedBackend(OrbaxBackend())
             self._closers.append(backend.close)
@@ -1021,8 +1021,8 @@ class _Bench:
 
 
 def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
-    """jaxckpt.demo's training loop (the reference MLP with Adam on SyntheticLoader batches,
-    the loss fetched every step) with a choice of checkpointing:
+    """jaxckpt.tools.demo's training loop (the reference MLP with Adam on SyntheticLoader
+    batches, the loss fetched every step) with a choice of checkpointing:
 
     - "none": no checkpoints;
     - "jaxckpt": ``CheckpointManager.maybe_save`` after every step with the state as a
@@ -1059,7 +1059,7 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
     last_report = None
     os.makedirs(root, exist_ok=True)
     if saver in ("jaxckpt", "jaxckpt-orbax-io"):
-        from .orbax_backend import OrbaxBackend
+        from jaxckpt.orbax_backend import OrbaxBackend
 
         backend = OrbaxBackend(native_io=saver == "jaxckpt")
         manager = jaxckpt.CheckpointManager(
@@ -1126,7 +1126,7 @@ def _train_in_process(config: BenchConfig, saver: str, root: str) -> dict[str, A
     env = dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + inherited
                                                          if inherited else ""))
     done = subprocess.run(
-        [sys.executable, "-c", "from jaxckpt.bench import _train_worker; _train_worker()"],
+        [sys.executable, "-c", "from jaxckpt.tools.bench import _train_worker; _train_worker()"],
         input=json.dumps(job), capture_output=True, text=True, check=False, env=env)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -1169,7 +1169,7 @@ def _llama_params(nbytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
     import jax
     from flax import nnx
 
-    from .llm import from_config, params_of
+    from jaxckpt.llm import from_config, params_of
 
     # Per layer about 12 hidden^2 params (attention 4, gated MLP 3 x 8/3), plus 16 hidden^2
     # for embedding and LM head with vocab = 8 hidden: four layers make 64 hidden^2.

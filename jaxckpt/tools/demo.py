@@ -2,8 +2,8 @@
 
 Owns: a deterministic, stateful synthetic data loader (``SyntheticLoader``), a small Flax NNX
 training loop wired to ``jaxckpt.CheckpointManager`` (``train``), the ``worker`` command line
-that runs that loop in a subprocess (``python -m jaxckpt.demo worker --root R --steps N``),
-and ``run_demo``: train once uninterrupted, then train on another root while SIGKILLing the
+that runs that loop in a subprocess (``python -m jaxckpt.tools.demo worker --root R --steps
+N``), and ``run_demo``: train once uninterrupted, then train on another root while SIGKILLing the
 worker twice (once at a random step, once right after it started an async save) and resuming
 it, and show that both runs produced bit-identical losses and final state.
 
@@ -343,7 +343,7 @@ class _Worker:
         self._stderr = open(stderr_path, "wb")  # noqa: SIM115 - closed in finish()
         self.stderr_path = stderr_path
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt.demo", "worker", *args], stdout=subprocess.PIPE,
+            [sys.executable, "-m", "jaxckpt.tools.demo", "worker", *args], stdout=subprocess.PIPE,
             stderr=self._stderr, env=_child_env(), start_new_session=True, text=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
@@ -562,7 +562,8 @@ def _demo_command(opts: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxckpt.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxckpt.tools.demo",
+                                     description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command")
 
     worker = commands.add_parser("worker", help="run the training worker (used by the demo "
