@@ -458,10 +458,17 @@ def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
         os.close(fd)
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """``os.pwrite`` until all of ``view`` is written (a write may take only part of it)."""
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
     so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from jaxckpt.zarr_io import PIECE, _pwrite_all
+    from jaxckpt.zarr_io import PIECE
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
