@@ -128,35 +128,6 @@ def _emit(line: str) -> None:
     sys.stdout.flush()
 
 
-class _HeldBackend:
-    """Test hook: delegates to a real backend but keeps the write of step ``at_step``
-    "in flight" for ``hold_s`` more seconds before its commit may proceed, so a parent can
-    SIGKILL the worker with certainty while that async save is uncommitted. Only that one
-    save is held (holding all would make the next save wait). Numerics are untouched."""
-
-    def __init__(self, inner: Any, hold_s: float, at_step: int):
-        self._inner = inner
-        self._hold_s = hold_s
-        self._at_step = at_step
-        self.current_step = -1  # set by the training loop before each save call
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
-        handle = self._inner.write(directory, state, asynchronous=asynchronous)
-        if self.current_step != self._at_step:
-            return handle
-        hold_s = self._hold_s
-
-        class Held:
-            def wait(self) -> None:
-                time.sleep(hold_s)
-                handle.wait()
-
-        return Held()
-
-
 def _state_arrays(state: Any) -> dict[str, np.ndarray]:
     """Flatten an NNX state into ``{tree path: numpy array}``; typed PRNG keys become their
     raw key data (a uint32 array) under ``"<path>|key_data"``."""
@@ -266,9 +237,9 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
 
     backend = None
     if hold_save_at is not None:
-        from jaxckpt.orbax_backend import OrbaxBackend
+        from .backend_hooks import HeldBackend
 
-        backend = _HeldBackend(OrbaxBackend(), hold_save_s, hold_save_at)
+        backend = HeldBackend(hold_s=hold_save_s, at_step=hold_save_at)
     mgr = jaxckpt.CheckpointManager(
         root, recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=save_every),
                                             keep_last_n=keep_last_n),
