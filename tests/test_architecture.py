@@ -124,6 +124,20 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _imported_by_call(call: ast.Call) -> str:
+    """The module an ``importlib.import_module("x")`` or ``__import__("x")`` call names
+    literally ("" for any other call, or a name computed at run time)."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if name not in ("import_module", "__import__") or not call.args:
+        return ""
+    first = call.args[0]
+    if isinstance(first, ast.Constant) and isinstance(first.value, str) \
+            and not first.value.startswith("."):
+        return first.value
+    return ""
+
+
 def imports_of(module: Module) -> list[Import]:
     package_parts = module.name.split(".") if module.is_init else module.name.split(".")[:-1]
     found: list[Import] = []
@@ -140,6 +154,9 @@ def imports_of(module: Module) -> list[Import]:
                 target = node.module or ""
             found.append(Import(target, tuple(a.name for a in node.names), node.lineno,
                                 in_function, type_checking))
+        elif isinstance(node, ast.Call) and _imported_by_call(node):
+            found.append(Import(_imported_by_call(node), (), node.lineno, in_function,
+                                type_checking))
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.body:
                 visit(child, in_function, True)
@@ -192,7 +209,8 @@ def is_pure(module: Module) -> bool:
     if not module.is_library or module.package != "jaxckpt":
         return False
     short = module.name.split(".")[-1]
-    return short in PURE_BY_NAME or "pure layer" in module.docstring.lower()
+    return short in PURE_BY_NAME or re.search(r"\bpure (layer|decisions?|functions?)\b",
+                                              module.docstring, re.IGNORECASE) is not None
 
 
 def pure_layer_problems(module: Module) -> list[str]:
@@ -468,6 +486,11 @@ def test_self_pure_layer_flags_frameworks_anywhere_but_type_checking():
     assert is_pure(parse("jaxckpt.policy", source))
     assert is_pure(parse("jaxckpt.parts.x", '"""Part of the pure layer."""'))
     assert not is_pure(parse("jaxckpt.orbax_backend", '"""Imports orbax."""'))
+    assert pure_layer_problems(parse("jaxckpt.store", "import importlib\n"
+                                                      "importlib.import_module('orbax')\n"))
+    assert pure_layer_problems(parse("jaxckpt.store", "def f():\n    __import__('jax')\n"))
+    assert is_pure(parse("jaxckpt.x", '"""Retention as pure functions of the list."""'))
+    assert not is_pure(parse("jaxckpt.x", '"""Falls back to its pure Python code."""'))
     assert pure_layer_problems(parse("jaxckpt.codec", "def f():\n    import torch\n")) == []
     assert pure_layer_problems(parse("jaxckpt.codec", "import torch\n"))
     assert pure_layer_problems(parse("jaxckpt.store", "import torch_bridge\nimport jaxckpt\n")) \
