@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from jaxckpt import cli
-from jaxckpt.bench import BenchConfig, BenchResult, _Target, format_table
+from jaxckpt.tools import cli
+from jaxckpt.tools.bench import BenchConfig, BenchResult, _Target, format_table
 
 
 def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):

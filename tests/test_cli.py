@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import cli
+from jaxckpt.tools import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,7 +123,7 @@ def test_verify_of_a_missing_path_exits_3(tmp_path, capsys):
 def test_module_entry_point_runs_without_importing_jax(root):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     probe = ("import sys, runpy; sys.argv = ['jaxckpt', 'ls', sys.argv[1]]\n"
-             "try:\n    runpy.run_module('jaxckpt.cli', run_name='__main__')\n"
+             "try:\n    runpy.run_module('jaxckpt.tools.cli', run_name='__main__')\n"
              "except SystemExit as exit:\n    code = exit.code\n"
              "print('IMPORTED', sorted(m for m in ('jax', 'orbax', 'torch') if m in sys.modules))\n"
              "sys.exit(code)\n")

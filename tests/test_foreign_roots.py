@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import cli
+from jaxckpt.tools import cli
 from jaxckpt.store import CheckpointStore, foreign_entries
 
 

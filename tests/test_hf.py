@@ -33,7 +33,8 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 import jaxckpt  # noqa: E402
 import torch_bridge  # noqa: E402
 from jaxckpt import llm  # noqa: E402
-from torch_bridge import hf, hf_cli  # noqa: E402
+from jaxckpt.tools import hf_cli  # noqa: E402
+from torch_bridge import hf  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
@@ -489,7 +490,7 @@ def test_import_hf_then_restore_then_export_hf_round_trips(hf_dirs, tmp_path):
 
 
 def test_jaxckpt_import_hf_and_export_hf_commands(hf_dirs, tmp_path, capsys):
-    from jaxckpt import cli
+    from jaxckpt.tools import cli
 
     root, out = str(tmp_path / "root"), str(tmp_path / "out")
     assert cli.main(["import-hf", hf_dirs["gpt2"], root, "--arch", "gpt2", "--step", "7"]) == 0
@@ -554,7 +555,7 @@ def test_parse_size():
 
 
 def test_hf_modules_do_not_import_jax():
-    code = ("import sys; sys.path.insert(0, %r); import torch_bridge.hf, torch_bridge.hf_cli; "
+    code = ("import sys; sys.path.insert(0, %r); import torch_bridge.hf, jaxckpt.tools.hf_cli; "
             "print(sorted(m for m in ('jax', 'flax', 'orbax') if m in sys.modules))" % REPO)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, check=True)
@@ -646,7 +647,7 @@ def _save_with_exporter(root: str, config, state, params_of) -> str:
 
 def test_export_hf_needs_no_flags_for_a_checkpoint_written_with_hf_exporter(hf_dirs, tmp_path,
                                                                              capsys):
-    from jaxckpt import cli
+    from jaxckpt.tools import cli
 
     model, config = _llama_model(hf_dirs)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -667,7 +668,7 @@ def test_export_hf_needs_no_flags_for_a_checkpoint_written_with_hf_exporter(hf_d
 
 
 def test_export_hf_after_a_callable_params_of_asks_for_params_path(hf_dirs, tmp_path, capsys):
-    from jaxckpt import cli
+    from jaxckpt.tools import cli
 
     model, config = _llama_model(hf_dirs)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -684,7 +685,7 @@ def test_export_hf_after_a_callable_params_of_asks_for_params_path(hf_dirs, tmp_
 
 
 def test_export_hf_without_a_record_says_exactly_which_flags_to_add(hf_dirs, tmp_path, capsys):
-    from jaxckpt import cli
+    from jaxckpt.tools import cli
 
     model, _ = _llama_model(hf_dirs)
     root = str(tmp_path / "root")

@@ -32,4 +32,4 @@ def test_pure_layer_imports_no_framework(statement):
 
 
 def test_cli_module_imports_no_framework():
-    assert imported_after("import jaxckpt.cli") == []
+    assert imported_after("import jaxckpt.tools.cli") == []

@@ -35,7 +35,7 @@ from jaxckpt import (
     StepInfo,
     Versioned,
 )
-from jaxckpt.cli import main as cli
+from jaxckpt.tools.cli import main as cli
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER
 
@@ -326,7 +326,7 @@ def test_the_installed_jaxckpt_command_reports_the_damage(root):
     damage(ckpt / rel, "bitflip")
     damage(ckpt / "driver.json", "delete")
     command = Path(sys.executable).with_name("jaxckpt")
-    argv = [str(command)] if command.exists() else [sys.executable, "-m", "jaxckpt.cli"]
+    argv = [str(command)] if command.exists() else [sys.executable, "-m", "jaxckpt.tools.cli"]
     done = subprocess.run([*argv, "verify", str(ckpt)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxckpt
-from jaxckpt import cli
+from jaxckpt.tools import cli
 
 
 def make_tree(seed: int) -> dict:

@@ -212,7 +212,7 @@ def test_repeated_sigterms_save_once_and_still_exit_cleanly(tmp_path):
 def test_sigterm_to_the_run_supervisor_is_forwarded_and_not_retried(tmp_path, reraise, expected):
     root = tmp_path / "root"
     attempts = tmp_path / "attempts.log"
-    argv = [sys.executable, "-m", "jaxckpt.cli", "run", "--retries", "3", "--backoff", "0",
+    argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "0",
             "--", *loop(root, every=1000, attempts=str(attempts), reraise=reraise)]
     supervisor = Proc(argv)
     try:
@@ -235,7 +235,7 @@ def test_sigterm_to_the_run_supervisor_is_forwarded_and_not_retried(tmp_path, re
 def test_sigterm_to_the_child_alone_ends_the_supervised_run_cleanly(tmp_path):
     root = tmp_path / "root"
     attempts = tmp_path / "attempts.log"
-    argv = [sys.executable, "-m", "jaxckpt.cli", "run", "--retries", "3", "--backoff", "0",
+    argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "0",
             "--", *loop(root, every=1000, attempts=str(attempts))]
     supervisor = Proc(argv)
     try:
@@ -280,7 +280,7 @@ FAILING_CHILD = textwrap.dedent("""
 
 def test_sigterm_to_the_supervisor_during_backoff_starts_no_new_attempt(tmp_path):
     attempts = tmp_path / "attempts.log"
-    argv = [sys.executable, "-m", "jaxckpt.cli", "run", "--retries", "3", "--backoff", "3",
+    argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "3",
             "--", sys.executable, "-c", FAILING_CHILD, str(attempts)]
     supervisor = Proc(argv, timeout=60)
     try:

@@ -1,7 +1,7 @@
 """The user story: a training run SIGKILLed at any moment and resumed ends bit-identical to a
 run that was never interrupted.
 
-Each case runs the real training worker (``python -m jaxckpt.demo worker``) in its own
+Each case runs the real training worker (``python -m jaxckpt.tools.demo worker``) in its own
 process session, SIGKILLs its process group at a chosen line of its stdout, then starts a
 fresh worker on the same root. Losses are compared as ``float.hex`` strings and the final
 params, optimizer state and dropout PRNG key data byte for byte against one uninterrupted
@@ -39,7 +39,7 @@ class Worker:
         self.stderr_path = log.with_suffix(".err")
         self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt.demo", "worker", "--root", str(root),
+            [sys.executable, "-m", "jaxckpt.tools.demo", "worker", "--root", str(root),
              "--log", str(log), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
              "--steps-per-epoch", str(STEPS_PER_EPOCH), "--mode", mode,
              *([] if hold_save_at is None else ["--hold-save-at", str(hold_save_at)])],

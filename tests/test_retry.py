@@ -64,7 +64,7 @@ def test_cli_run_passes_the_command_through(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     log = tmp_path / "attempts.log"
-    out = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "run", "--retries", "2",
+    out = subprocess.run([sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "2",
                           "--backoff", "0", "--", sys.executable, str(script), str(log), "1,ok"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -140,7 +140,7 @@ PLANT = textwrap.dedent(r"""
     import numpy as np
     import jax, jax.numpy as jnp
     from jaxckpt import CheckpointError, CheckpointManager, RecoverConfig, StepInfo
-    from jaxckpt.cli import main as cli
+    from jaxckpt.tools.cli import main as cli
     from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
     base = sys.argv[1]

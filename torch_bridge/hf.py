@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from jaxckpt._version import __version__
+from jaxckpt import __version__
 from jaxckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -88,6 +88,8 @@ __all__ = [
     "load_hf",
     "PROVENANCE_FILE",
     "DEFAULT_MAX_SHARD_BYTES",
+    "resolve_architecture",
+    "arch_for_model_type",
 ]
 
 #: written next to the model: where it came from and how it was written.
@@ -323,7 +325,9 @@ GPT2 = Architecture(
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, GPT2)}
 
 
-def _architecture(arch: str | Architecture) -> Architecture:
+def resolve_architecture(arch: str | Architecture) -> Architecture:
+    """The table ``arch`` names (a key of ``ARCHITECTURES``), or ``arch`` itself when it is
+    already an ``Architecture``; a ``ConfigError`` listing the known names otherwise."""
     if isinstance(arch, Architecture):
         return arch
     try:
@@ -333,7 +337,8 @@ def _architecture(arch: str | Architecture) -> Architecture:
                           f"torch_bridge.hf.Architecture, got {arch!r}.") from None
 
 
-def _arch_for_model_type(model_type: Any) -> str | None:
+def arch_for_model_type(model_type: Any) -> str | None:
+    """The ``arch`` whose table reads a config.json of this ``model_type``, or None."""
     for name, table in ARCHITECTURES.items():
         if model_type in table.model_types:
             return name
@@ -759,7 +764,7 @@ def _shards(planned: list[_Planned], max_shard_bytes: int) -> list[list[_Planned
 def _check_model_type(config: Mapping[str, Any], arch: Architecture) -> None:
     model_type = config.get("model_type")
     if model_type is not None and model_type not in arch.model_types:
-        suggestion = _arch_for_model_type(model_type)
+        suggestion = arch_for_model_type(model_type)
         raise ConfigError(
             f"the config's model_type is {model_type!r} but arch={arch.name!r} writes "
             f"{arch.model_types[0]!r}."
@@ -810,7 +815,7 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
                   dtype: Any, max_shard_bytes: int, tokenizer_dir: Any, generation_config: Any,
                   provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
     """Write an HF model into the existing, empty ``directory``; return the bytes written."""
-    table = _architecture(arch)
+    table = resolve_architecture(arch)
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ConfigError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}.")
     cast = _resolve_dtype(dtype)
@@ -980,7 +985,7 @@ class HFExporter:
     """Extra provenance facts; the epoch and steps are read from the export's name."""
 
     def __post_init__(self) -> None:
-        table = _architecture(self.arch)
+        table = resolve_architecture(self.arch)
         _resolve_dtype(self.dtype)
         body = _config_dict(self.config)
         _check_model_type(body, table)
@@ -1000,7 +1005,7 @@ class HFExporter:
     def checkpoint_metadata(self) -> dict[str, Any]:
         """What ``jaxckpt export-hf ROOT OUT_DIR`` needs, JSON-safe: the manager records it
         in every recovery checkpoint's driver.json (under "export")."""
-        table = _architecture(self.arch)
+        table = resolve_architecture(self.arch)
         path = self.params_of if isinstance(self.params_of, str) else None
         return {"format": EXPORTER_RECORD_FORMAT, "arch": table.name,
                 "arch_known": ARCHITECTURES.get(table.name) is table,
@@ -1010,7 +1015,7 @@ class HFExporter:
 
     def __call__(self, state: Any, out_dir: str) -> int:
         if self.params_of is None:
-            table = _architecture(self.arch)
+            table = resolve_architecture(self.arch)
             anchor = next(row.parts[0] for row in table.tensors if not row.per_layer)
             check_is_params(state, arch_name=table.name,
                             roots={p.split(".")[0] for row in table.tensors for p in row.parts},
@@ -1106,7 +1111,7 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
     with expected vs found shapes. ``CheckpointNotFoundError`` when the directory has no
     config.json or no safetensors.
     """
-    table = _architecture(arch)
+    table = resolve_architecture(arch)
     path = os.fspath(path)
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path) or not os.path.exists(config_path):
@@ -1188,7 +1193,7 @@ def _model_type_error(path: str, table: Architecture, model_type: Any, problems:
                       expected: int) -> HFMismatchError:
     """config.json names another model: refused even when every tensor name fits, since
     models that share Llama's tensor names (Mistral, Gemma) compute different functions."""
-    other = _arch_for_model_type(model_type)
+    other = arch_for_model_type(model_type)
     if other is not None:
         fix = f"Fix: pass arch={other!r}."
     else:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .store import fsync_file
+from jaxckpt.store import fsync_file
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
@@ -76,7 +76,7 @@ class BenchConfig:
     train_steps: int = 200
     """Steps of each training-loop run (with and without checkpoints)."""
     train_sizes: tuple[int, ...] = (512, 2048, 2048, 512)
-    """Layer widths of the training loop's MLP (jaxckpt.demo.train)."""
+    """Layer widths of the training loop's MLP (jaxckpt.tools.demo.train)."""
     train_batch: int = 256
     """Batch size of the training loop."""
     save_every: int = 20
@@ -458,10 +458,17 @@ def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
         os.close(fd)
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """``os.pwrite`` until all of ``view`` is written (a write may take only part of it)."""
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
     so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from .zarr_io import PIECE, _pwrite_all
+    from jaxckpt.zarr_io import PIECE
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
@@ -475,7 +482,7 @@ def _raw_write_direct(path: str, block: np.ndarray) -> None:
 
 def _raw_read_direct(path: str, nbytes: int) -> np.ndarray:
     """Read a file with O_DIRECT into one new aligned buffer, in 8 MiB reads."""
-    from .zarr_io import PIECE, aligned_blocks
+    from jaxckpt.zarr_io import PIECE, aligned_blocks
 
     out = aligned_blocks(nbytes)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -528,7 +535,7 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
 
 def _direct_refused(directory: str) -> str:
     """"" when ``directory`` takes O_DIRECT writes of aligned blocks, else why not."""
-    from .zarr_io import ALIGN, aligned_blocks
+    from jaxckpt.zarr_io import ALIGN, aligned_blocks
 
     if not hasattr(os, "O_DIRECT"):
         return "no O_DIRECT on this platform"
@@ -597,26 +604,9 @@ def _quiet() -> Iterator[None]:
             logging.getLogger("absl").setLevel(previous)
 
 
-class _TimedBackend:
-    """A backend that records how long each ``write`` call took, so that a manager's sync
-    save (write, then commit, on the caller's thread) splits into its two parts."""
-
-    def __init__(self, inner: Any):
-        self._inner = inner
-        self.write_s: list[float] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
-        start = time.perf_counter()
-        handle = self._inner.write(directory, state, asynchronous=asynchronous)
-        self.write_s.append(time.perf_counter() - start)
-        return handle
-
-
 class _Bench:
-    """One run: the states, the long-lived managers, one method per group of rows."""
+    """One run: the states, the long-lived managers, one method per group of rows that uses
+    them (the auxiliary-item rows need only the state: ``_aux_rows``)."""
 
     def __init__(self, config: BenchConfig, workdir: str, result: BenchResult,
                  log: Callable[[str], None]):
@@ -656,7 +646,7 @@ class _Bench:
             self.many_state = _jax_state(_leaf_arrays(data, config.many_leaves))
         del data
         # Reused buffers are aligned whole blocks, so the O_DIRECT floor writes from them.
-        from .zarr_io import aligned_blocks
+        from jaxckpt.zarr_io import aligned_blocks
 
         self.blocks = [aligned_blocks(a.nbytes) for a in self.arrays]
         self.reused = [block[:a.nbytes].view(a.dtype).reshape(a.shape)
@@ -733,9 +723,9 @@ class _Bench:
 
         manager = getattr(self, f"_manager_{name}", None)
         if manager is None:
-            from .orbax_backend import OrbaxBackend
+            from .backend_hooks import TimedBackend
 
-            backend = _TimedBackend(OrbaxBackend())
+            backend = TimedBackend()
             self._closers.append(backend.close)
             manager = jaxckpt.CheckpointManager(
                 os.path.join(self.workdir, f"jaxckpt-{name}"),
@@ -974,55 +964,85 @@ class _Bench:
             "note": f"from save {settle + 1} to save {len(rss)}; limit max(16 MiB, 2% of "
                     f"the state)"})
 
-    # --- auxiliary items -----------------------------------------------------------------
-    def aux_rows(self) -> None:
-        """A GRPO-style reference policy as a versioned item (``items=``), updated every
-        ``every`` steps: bytes written and blocking time on saves where it did not change,
-        against saves where it did. Half the state is the policy, half the reference."""
-        import jaxckpt
 
-        every = 4
-        keys = list(self.state)
-        half = max(1, len(keys) // 2)
-        policy = {k: self.state[k] for k in keys[:half]}
-        reference = {k: self.state[k] for k in keys[half:]}
-        policy_bytes, reference_bytes = _tree_bytes(policy), _tree_bytes(reference)
-        manager = jaxckpt.CheckpointManager(
-            os.path.join(self.workdir, "jaxckpt-aux"),
-            recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1), keep_last_n=1),
-            mode="async", items={"ref": jaxckpt.Every(steps=every)}, preemption_signals=())
-        changed: list[tuple[int, float]] = []
-        unchanged: list[tuple[int, float]] = []
-        try:
-            for index in range(2 * every):
-                step = jaxckpt.StepInfo(0, index, index)
-                report = manager.save(step, policy, items={"ref": reference})
-                report.wait()
-                manager.wait()
-                # Version v = (step + 1) // every is new at step 0 and when (step+1) % every == 0.
-                fresh = index == 0 or (index + 1) % every == 0
-                (changed if fresh else unchanged).append((report.bytes, report.blocking_s))
-        finally:
-            manager.close()
-        rewritten = statistics.median(b for b, _ in unchanged) - policy_bytes
-        self.result.facts["aux"] = {
-            "policy_mib": round(policy_bytes / _MiB, 1),
-            "reference_mib": round(reference_bytes / _MiB, 1), "reference_every": every,
-            "mib_written_when_reference_changed": [round(b / _MiB, 1) for b, _ in changed],
-            "mib_written_when_unchanged": [round(b / _MiB, 1) for b, _ in unchanged],
-            "blocking_s_changed": [round(t, 4) for _, t in changed],
-            "blocking_s_unchanged": [round(t, 4) for _, t in unchanged]}
-        share = max(0.0, rewritten) / reference_bytes
-        self.result.checks.append({
-            "target": "unchanged reference item: bytes rewritten / its size", "op": "<=",
-            "value": share, "limit": 0.01, "met": share <= 0.01,
-            "note": f"{rewritten / 1024:.0f} KiB a save beyond the policy's bytes: driver, "
-                    "tree and manifest metadata"})
+# ------------------------------------------------------------------- auxiliary items
+
+
+def _aux_rows(state: dict[str, Any], workdir: str, result: BenchResult) -> None:
+    """A GRPO-style reference policy as a versioned item (``items=``), updated every
+    ``every`` steps: bytes written and blocking time on saves where it did not change,
+    against saves where it did. Half the state is the policy, half the reference."""
+    import jaxckpt
+
+    every = 4
+    keys = list(state)
+    half = max(1, len(keys) // 2)
+    policy = {k: state[k] for k in keys[:half]}
+    reference = {k: state[k] for k in keys[half:]}
+    policy_bytes, reference_bytes = _tree_bytes(policy), _tree_bytes(reference)
+    manager = jaxckpt.CheckpointManager(
+        os.path.join(workdir, "jaxckpt-aux"),
+        recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1), keep_last_n=1),
+        mode="async", items={"ref": jaxckpt.Every(steps=every)}, preemption_signals=())
+    changed: list[tuple[int, float]] = []
+    unchanged: list[tuple[int, float]] = []
+    try:
+        for index in range(2 * every):
+            step = jaxckpt.StepInfo(0, index, index)
+            report = manager.save(step, policy, items={"ref": reference})
+            report.wait()
+            manager.wait()
+            # Version v = (step + 1) // every is new at step 0 and when (step+1) % every == 0.
+            fresh = index == 0 or (index + 1) % every == 0
+            (changed if fresh else unchanged).append((report.bytes, report.blocking_s))
+    finally:
+        manager.close()
+    rewritten = statistics.median(b for b, _ in unchanged) - policy_bytes
+    result.facts["aux"] = {
+        "policy_mib": round(policy_bytes / _MiB, 1),
+        "reference_mib": round(reference_bytes / _MiB, 1), "reference_every": every,
+        "mib_written_when_reference_changed": [round(b / _MiB, 1) for b, _ in changed],
+        "mib_written_when_unchanged": [round(b / _MiB, 1) for b, _ in unchanged],
+        "blocking_s_changed": [round(t, 4) for _, t in changed],
+        "blocking_s_unchanged": [round(t, 4) for _, t in unchanged]}
+    share = max(0.0, rewritten) / reference_bytes
+    result.checks.append({
+        "target": "unchanged reference item: bytes rewritten / its size", "op": "<=",
+        "value": share, "limit": 0.01, "met": share <= 0.01,
+        "note": f"{rewritten / 1024:.0f} KiB a save beyond the policy's bytes: driver, "
+                "tree and manifest metadata"})
+
+
+def _train_manager(saver: str, root: str, every: int) -> tuple[Any, Any]:
+    """The manager and backend of a "jaxckpt" / "jaxckpt-orbax-io" training run, async saves
+    every ``every`` steps; (None, None) for the other savers."""
+    if saver not in ("jaxckpt", "jaxckpt-orbax-io"):
+        return None, None
+    import jaxckpt
+    from jaxckpt.orbax_backend import OrbaxBackend
+
+    os.makedirs(root, exist_ok=True)
+    backend = OrbaxBackend(native_io=saver == "jaxckpt")
+    manager = jaxckpt.CheckpointManager(
+        root, recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=every), keep_last_n=1),
+        mode="async", preemption_signals=(), backend=backend)
+    return manager, backend
+
+
+def _host_arrays(state: Any) -> list[np.ndarray]:
+    """The leaves of a jax state as host arrays, typed PRNG keys as their key data. jax.Arrays
+    are immutable: their host views need no copy on CPU."""
+    import jax
+
+    leaves = [jax.random.key_data(leaf)
+              if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+              for leaf in jax.tree.leaves(state)]
+    return [np.asarray(leaf) for leaf in leaves]
 
 
 def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
-    """jaxckpt.demo's training loop (the reference MLP with Adam on SyntheticLoader batches,
-    the loss fetched every step) with a choice of checkpointing:
+    """jaxckpt.tools.demo's training loop (the reference MLP with Adam on SyntheticLoader
+    batches, the loss fetched every step) with a choice of checkpointing:
 
     - "none": no checkpoints;
     - "jaxckpt": ``CheckpointManager.maybe_save`` after every step with the state as a
@@ -1038,7 +1058,6 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
     """
     import concurrent.futures
 
-    import jax
     from flax import nnx
 
     import jaxckpt
@@ -1050,23 +1069,14 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
         config.train_sizes, seed=0, batch_size=config.train_batch, steps_per_epoch=steps,
         learning_rate=1e-3)
 
-    manager = None
-    backend = None
+    manager, backend = _train_manager(saver, root, every)
     writer = None
     pending: concurrent.futures.Future[None] | None = None
     blocking: list[float] = []
     state_bytes = 0
     last_report = None
     os.makedirs(root, exist_ok=True)
-    if saver in ("jaxckpt", "jaxckpt-orbax-io"):
-        from .orbax_backend import OrbaxBackend
-
-        backend = OrbaxBackend(native_io=saver == "jaxckpt")
-        manager = jaxckpt.CheckpointManager(
-            root, recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=every),
-                                                keep_last_n=1),
-            mode="async", preemption_signals=(), backend=backend)
-    elif saver == "raw":
+    if saver == "raw":
         writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     def raw_save(arrays: list[np.ndarray], index: int) -> None:
@@ -1087,11 +1097,7 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
                 began = time.perf_counter()
                 if pending is not None:
                     pending.result()  # one save in flight, as the manager does
-                leaves = [jax.random.key_data(leaf)
-                          if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
-                          for leaf in jax.tree.leaves(nnx.state((model, optimizer)))]
-                # jax.Arrays are immutable: their host views need no copy on CPU.
-                arrays = [np.asarray(leaf) for leaf in leaves]
+                arrays = _host_arrays(nnx.state((model, optimizer)))
                 state_bytes = sum(a.nbytes for a in arrays)
                 pending = writer.submit(raw_save, arrays, index)
                 blocking.append(time.perf_counter() - began)
@@ -1126,7 +1132,7 @@ def _train_in_process(config: BenchConfig, saver: str, root: str) -> dict[str, A
     env = dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + inherited
                                                          if inherited else ""))
     done = subprocess.run(
-        [sys.executable, "-c", "from jaxckpt.bench import _train_worker; _train_worker()"],
+        [sys.executable, "-c", "from jaxckpt.tools.bench import _train_worker; _train_worker()"],
         input=json.dumps(job), capture_output=True, text=True, check=False, env=env)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -1169,7 +1175,7 @@ def _llama_params(nbytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
     import jax
     from flax import nnx
 
-    from .llm import from_config, params_of
+    from jaxckpt.llm import from_config, params_of
 
     # Per layer about 12 hidden^2 params (attention 4, gated MLP 3 x 8/3), plus 16 hidden^2
     # for embedding and LM head with vocab = 8 hidden: four layers make 64 hidden^2.
@@ -1238,7 +1244,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                 log(f"jaxckpt bench: host memory over {config.memory_saves} saves")
                 bench.memory_rows()
             if "aux" in sections:
-                bench.aux_rows()
+                _aux_rows(bench.state, workdir, result)
     finally:
         bench.close()
         shutil.rmtree(workdir, ignore_errors=True)

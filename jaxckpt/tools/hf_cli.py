@@ -3,7 +3,7 @@
 Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Face model
 directory, and a Hugging Face directory into a recovery checkpoint that
 ``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
-else one updating stderr line). Argument parsing lives in ``jaxckpt.cli``.
+else one updating stderr line). Argument parsing lives in ``jaxckpt.tools.cli``.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the
@@ -26,15 +26,15 @@ from typing import Any, Literal
 
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
 
-from .hf import (
+from torch_bridge.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
     EXPORTER_RECORD_FORMAT,
     Architecture,
-    _arch_for_model_type,
-    _architecture,
+    arch_for_model_type,
     export_hf,
     load_hf,
+    resolve_architecture,
 )
 
 __all__ = [
@@ -431,7 +431,7 @@ def _export_spec(driver: Mapping[str, Any], step_dir: str, *, arch: Any, config:
     if arch is None:
         arch = recorded.get("arch")
     if arch is None and isinstance(config, Mapping):
-        arch = _arch_for_model_type(config.get("model_type"))
+        arch = arch_for_model_type(config.get("model_type"))
     if arch is None or config is None:
         raise _missing_flags_error(step_dir, recorded, need_arch=arch is None,
                                    need_config=config is None)
@@ -441,7 +441,7 @@ def _export_spec(driver: Mapping[str, Any], step_dir: str, *, arch: Any, config:
             " The exporter that wrote this checkpoint picked the params with a callable "
             "params_of=, which cannot be recorded: pass --params-path (params_path=), or give "
             "hf_exporter a tree path such as params_of='model/params' so it is recorded.")
-    return _architecture(arch), config, params_path, hint
+    return resolve_architecture(arch), config, params_path, hint
 
 
 # ------------------------------------------------------------------------ the commands
@@ -515,7 +515,7 @@ def import_hf_to_checkpoint(hf_dir: str | os.PathLike[str], root: str | os.PathL
     """
     from jaxckpt import CheckpointManager, RecoverConfig, StepInfo
 
-    table = _architecture(arch)
+    table = resolve_architecture(arch)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be an int >= 0, got {step!r}.")
     bar = make_progress(f"import {os.path.basename(os.path.abspath(os.fspath(hf_dir)))}",

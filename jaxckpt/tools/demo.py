@@ -2,8 +2,8 @@
 
 Owns: a deterministic, stateful synthetic data loader (``SyntheticLoader``), a small Flax NNX
 training loop wired to ``jaxckpt.CheckpointManager`` (``train``), the ``worker`` command line
-that runs that loop in a subprocess (``python -m jaxckpt.demo worker --root R --steps N``),
-and ``run_demo``: train once uninterrupted, then train on another root while SIGKILLing the
+that runs that loop in a subprocess (``python -m jaxckpt.tools.demo worker --root R --steps
+N``), and ``run_demo``: train once uninterrupted, then train on another root while SIGKILLing the
 worker twice (once at a random step, once right after it started an async save) and resuming
 it, and show that both runs produced bit-identical losses and final state.
 
@@ -128,35 +128,6 @@ def _emit(line: str) -> None:
     sys.stdout.flush()
 
 
-class _HeldBackend:
-    """Test hook: delegates to a real backend but keeps the write of step ``at_step``
-    "in flight" for ``hold_s`` more seconds before its commit may proceed, so a parent can
-    SIGKILL the worker with certainty while that async save is uncommitted. Only that one
-    save is held (holding all would make the next save wait). Numerics are untouched."""
-
-    def __init__(self, inner: Any, hold_s: float, at_step: int):
-        self._inner = inner
-        self._hold_s = hold_s
-        self._at_step = at_step
-        self.current_step = -1  # set by the training loop before each save call
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
-        handle = self._inner.write(directory, state, asynchronous=asynchronous)
-        if self.current_step != self._at_step:
-            return handle
-        hold_s = self._hold_s
-
-        class Held:
-            def wait(self) -> None:
-                time.sleep(hold_s)
-                handle.wait()
-
-        return Held()
-
-
 def _state_arrays(state: Any) -> dict[str, np.ndarray]:
     """Flatten an NNX state into ``{tree path: numpy array}``; typed PRNG keys become their
     raw key data (a uint32 array) under ``"<path>|key_data"``."""
@@ -232,6 +203,30 @@ def build_training(sizes: Sequence[int], *, seed: int, batch_size: int, steps_pe
     return loader, model, optimizer, train_step
 
 
+def _resume(mgr: Any, model: Any, optimizer: Any, loader: SyntheticLoader, *, batch_size: int,
+            steps_per_epoch: int, emit: Callable[[str], None]) -> tuple[Any, Any, Any]:
+    """Restore model, optimizer and loader from the latest valid checkpoint, if any, and say
+    so. Returns (the ``Recovered`` or None, the last step done or None, the next step)."""
+    from flax import nnx
+
+    import jaxckpt
+
+    recovered = mgr.recover(nnx.state((model, optimizer)), stateful={"loader": loader})
+    if recovered is None:
+        emit("FRESH")
+        return None, None, jaxckpt.StepInfo(0, 0, 0, steps_per_epoch)
+    nnx.update((model, optimizer), recovered.state)
+    last = recovered.step_info
+    emit("RESUMED " + json.dumps({"step": last.global_step, "path": recovered.path}))
+    return recovered, last, last.next(tokens=batch_size)
+
+
+def _report_fields(report: Any) -> dict[str, Any]:
+    """What a ``REPORT`` line carries of a save report."""
+    return {"step": report.step, "reason": report.reason, "mode": report.mode,
+            "blocking_s": report.blocking_s, "total_s": report.total_s, "bytes": report.bytes}
+
+
 def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
           steps_per_epoch: int, mode: str = "async", log_path: str | None = None,
           final_path: str | None = None, seed: int = 0, batch_size: int = 16,
@@ -266,9 +261,9 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
 
     backend = None
     if hold_save_at is not None:
-        from jaxckpt.orbax_backend import OrbaxBackend
+        from .backend_hooks import HeldBackend
 
-        backend = _HeldBackend(OrbaxBackend(), hold_save_s, hold_save_at)
+        backend = HeldBackend(hold_s=hold_save_s, at_step=hold_save_at)
     mgr = jaxckpt.CheckpointManager(
         root, recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=save_every),
                                             keep_last_n=keep_last_n),
@@ -278,16 +273,8 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
     # The manager's context closes it (finishing in-flight saves) on the way out; on an
     # error it does not mask the error that is propagating.
     with mgr, log_cm as log_file:
-        recovered = mgr.recover(nnx.state((model, optimizer)), stateful={"loader": loader})
-        if recovered is not None:
-            nnx.update((model, optimizer), recovered.state)
-            last = recovered.step_info
-            step = last.next(tokens=batch_size)
-            emit("RESUMED " + json.dumps({"step": last.global_step, "path": recovered.path}))
-        else:
-            last = None
-            step = jaxckpt.StepInfo(0, 0, 0, steps_per_epoch)
-            emit("FRESH")
+        recovered, last, step = _resume(mgr, model, optimizer, loader, batch_size=batch_size,
+                                        steps_per_epoch=steps_per_epoch, emit=emit)
         loss_value = None
         while step.global_step < total_steps:
             x, y = loader.next_batch()
@@ -314,9 +301,7 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
             if all(final_report is not r for r in reports):
                 reports.append(final_report)
     for report in reports:
-        emit("REPORT " + json.dumps({"step": report.step, "reason": report.reason,
-                                     "mode": report.mode, "blocking_s": report.blocking_s,
-                                     "total_s": report.total_s, "bytes": report.bytes}))
+        emit("REPORT " + json.dumps(_report_fields(report)))
     save_final_npz(nnx.state((model, optimizer)), final_path)
     summary = {"last_step": last.global_step, "final": final_path,
                "resumed_from": None if recovered is None else recovered.step_info.global_step}
@@ -343,7 +328,7 @@ class _Worker:
         self._stderr = open(stderr_path, "wb")  # noqa: SIM115 - closed in finish()
         self.stderr_path = stderr_path
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt.demo", "worker", *args], stdout=subprocess.PIPE,
+            [sys.executable, "-m", "jaxckpt.tools.demo", "worker", *args], stdout=subprocess.PIPE,
             stderr=self._stderr, env=_child_env(), start_new_session=True, text=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
@@ -431,6 +416,104 @@ def _tagged(lines: list[str], tag: str) -> list[str]:
     return [line[len(tag) + 1:] for line in lines if line.startswith(tag + " ") or line == tag]
 
 
+def _crash_segments(tmp: str, args: Callable[[str, str], list[str]], rng: random.Random, *,
+                    steps: int, save_every: int, first_kill: int,
+                    out: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The interrupted run on root "crash": SIGKILLed after step ``first_kill``, resumed and
+    SIGKILLed right after a SAVING line, resumed and run to the end. One dict per segment."""
+    segments: list[dict[str, Any]] = []
+    out(f"2) crash run: SIGKILL after step {first_kill} ...")
+    lines, killed = _run_segment(args("crash", "crash-1.jsonl"), os.path.join(tmp, "c1.err"),
+                                 kill_when=lambda line: line == f"STEP {first_kill}")
+    segments.append({"lines": lines, "killed": killed, "log": "crash-1.jsonl",
+                     "why": f"after STEP {first_kill}"})
+
+    # The second kill lands right after the worker announced a save: the async write of
+    # that checkpoint is still in flight (uncommitted) when the process dies.
+    state: dict[str, int | None] = {"target": None}
+
+    def kill_after_save(line: str) -> bool:
+        if line.startswith("RESUMED ") or line == "FRESH":
+            resumed = json.loads(line[8:])["step"] if line.startswith("RESUMED ") else -1
+            candidates = [s for s in range(resumed + 1, steps - 1)
+                          if (s + 1) % save_every == 0]
+            state["target"] = rng.choice(candidates) if candidates else None
+        return state["target"] is not None and line == f"SAVING {state['target']}"
+
+    out("3) resume; SIGKILL right after a SAVING line (async save in flight) ...")
+    lines, killed = _run_segment(args("crash", "crash-2.jsonl"), os.path.join(tmp, "c2.err"),
+                                 kill_when=kill_after_save)
+    segments.append({"lines": lines, "killed": killed, "log": "crash-2.jsonl",
+                     "why": f"right after SAVING {state['target']}"})
+    out("4) resume and run to the end ...")
+    lines, _ = _run_segment(args("crash", "crash-3.jsonl"), os.path.join(tmp, "c3.err"),
+                            kill_when=None)
+    segments.append({"lines": lines, "killed": False, "log": "crash-3.jsonl", "why": ""})
+    return segments
+
+
+def _compare_segments(tmp: str, segments: list[dict[str, Any]], reference: dict[int, str],
+                      steps: int, out: Callable[[str], None]) -> list[str]:
+    """Say what each segment did; return every step whose loss differs from the reference
+    run's (or that no segment logged)."""
+    mismatches: list[str] = []
+    covered: set[int] = set()
+    for index, segment in enumerate(segments, start=1):
+        log = _read_log(os.path.join(tmp, segment["log"]))
+        resumed = _tagged(segment["lines"], "RESUMED")
+        origin = (f"resumed from checkpoint step {json.loads(resumed[0])['step']}"
+                  if resumed else "started from scratch (no valid checkpoint)")
+        span = f"steps {min(log)}..{max(log)}" if log else "no steps"
+        end = f"SIGKILLed {segment['why']}" if segment["killed"] else "ran to the end"
+        saving = _tagged(segment["lines"], "SAVING")
+        if segment["killed"] and saving and index < len(segments):
+            after = _tagged(segments[index]["lines"], "RESUMED")
+            next_from = json.loads(after[0])["step"] if after else -1
+            if next_from < int(saving[-1]):
+                end += f" (its save of step {saving[-1]} was in flight: never committed)"
+        out(f"  segment {index}: {origin}; logged {span}; {end}")
+        for step, loss in sorted(log.items()):
+            covered.add(step)
+            if reference.get(step) != loss:
+                mismatches.append(f"step {step}: loss {loss} (segment {index}) vs "
+                                  f"{reference.get(step)} (reference)")
+    missing = sorted(set(range(steps)) - covered)
+    if missing:
+        mismatches.append(f"steps never logged by the interrupted run: {missing}")
+    if set(reference) != set(range(steps)):
+        mismatches.append("the reference run did not log every step")
+    return mismatches
+
+
+def _print_verdict(tmp: str, ref_lines: list[str], steps: int, mismatches: list[str],
+                   state_problems: list[str], out: Callable[[str], None]) -> bool:
+    """Print the reference run's save costs and whether losses and final state match;
+    return whether they all do."""
+    with np.load(os.path.join(tmp, "ref.final.npz")) as final:
+        n_arrays, n_values = len(final.files), sum(final[k].size for k in final.files)
+    blocking = [json.loads(r)["blocking_s"] for r in _tagged(ref_lines, "REPORT")]
+    totals = [json.loads(r)["total_s"] or 0.0 for r in _tagged(ref_lines, "REPORT")]
+    if blocking:
+        out(f"  saves in the reference run: {len(blocking)}, training loop blocked "
+            f"{1e3 * sum(blocking) / len(blocking):.1f} ms on average (max "
+            f"{1e3 * max(blocking):.1f} ms), total per save {1e3 * sum(totals) / len(totals):.1f} ms")
+    if mismatches:
+        out(f"  LOSSES DIFFER at {len(mismatches)} place(s):")
+        for line in mismatches[:20]:
+            out(f"    {line}")
+    else:
+        out(f"  losses: all {steps} steps bit-identical to the reference "
+            f"(float.hex compare; steps redone after a resume included)")
+    if state_problems:
+        out(f"  FINAL STATE DIFFERS in {len(state_problems)} array(s):")
+        for line in state_problems[:20]:
+            out(f"    {line}")
+    else:
+        out(f"  final params + optimizer state + dropout PRNG key: {n_arrays} arrays, "
+            f"{n_values} values, bit-identical")
+    return not mismatches and not state_problems
+
+
 def run_demo(*, steps: int = 80, save_every: int = 10, steps_per_epoch: int = 16,
              seed: int | None = None, mode: str = "async",
              out: Callable[[str], None] = print) -> int:
@@ -456,90 +539,13 @@ def run_demo(*, steps: int = 80, save_every: int = 10, steps_per_epoch: int = 16
         ref_lines, _ = _run_segment(args("ref", "ref.jsonl"), os.path.join(tmp, "ref.err"),
                                     kill_when=None)
         reference = _read_log(os.path.join(tmp, "ref.jsonl"))
-
-        segments: list[dict[str, Any]] = []
-        out(f"2) crash run: SIGKILL after step {first_kill} ...")
-        lines, killed = _run_segment(args("crash", "crash-1.jsonl"), os.path.join(tmp, "c1.err"),
-                                     kill_when=lambda line: line == f"STEP {first_kill}")
-        segments.append({"lines": lines, "killed": killed, "log": "crash-1.jsonl",
-                         "why": f"after STEP {first_kill}"})
-
-        # The second kill lands right after the worker announced a save: the async write of
-        # that checkpoint is still in flight (uncommitted) when the process dies.
-        state: dict[str, int | None] = {"target": None}
-
-        def kill_after_save(line: str) -> bool:
-            if line.startswith("RESUMED ") or line == "FRESH":
-                resumed = json.loads(line[8:])["step"] if line.startswith("RESUMED ") else -1
-                candidates = [s for s in range(resumed + 1, steps - 1)
-                              if (s + 1) % save_every == 0]
-                state["target"] = rng.choice(candidates) if candidates else None
-            return state["target"] is not None and line == f"SAVING {state['target']}"
-
-        out("3) resume; SIGKILL right after a SAVING line (async save in flight) ...")
-        lines, killed = _run_segment(args("crash", "crash-2.jsonl"), os.path.join(tmp, "c2.err"),
-                                     kill_when=kill_after_save)
-        segments.append({"lines": lines, "killed": killed, "log": "crash-2.jsonl",
-                         "why": f"right after SAVING {state['target']}"})
-        out("4) resume and run to the end ...")
-        lines, _ = _run_segment(args("crash", "crash-3.jsonl"), os.path.join(tmp, "c3.err"),
-                                kill_when=None)
-        segments.append({"lines": lines, "killed": False, "log": "crash-3.jsonl", "why": ""})
-
-        # ----------------------------------------------------------- the comparison
+        segments = _crash_segments(tmp, args, rng, steps=steps, save_every=save_every,
+                                   first_kill=first_kill, out=out)
         out("")
-        mismatches: list[str] = []
-        covered: set[int] = set()
-        for index, segment in enumerate(segments, start=1):
-            log = _read_log(os.path.join(tmp, segment["log"]))
-            resumed = _tagged(segment["lines"], "RESUMED")
-            origin = (f"resumed from checkpoint step {json.loads(resumed[0])['step']}"
-                      if resumed else "started from scratch (no valid checkpoint)")
-            span = f"steps {min(log)}..{max(log)}" if log else "no steps"
-            end = f"SIGKILLed {segment['why']}" if segment["killed"] else "ran to the end"
-            saving = _tagged(segment["lines"], "SAVING")
-            if segment["killed"] and saving and index < len(segments):
-                after = _tagged(segments[index]["lines"], "RESUMED")
-                next_from = json.loads(after[0])["step"] if after else -1
-                if next_from < int(saving[-1]):
-                    end += f" (its save of step {saving[-1]} was in flight: never committed)"
-            out(f"  segment {index}: {origin}; logged {span}; {end}")
-            for step, loss in sorted(log.items()):
-                covered.add(step)
-                if reference.get(step) != loss:
-                    mismatches.append(f"step {step}: loss {loss} (segment {index}) vs "
-                                      f"{reference.get(step)} (reference)")
-        missing = sorted(set(range(steps)) - covered)
-        if missing:
-            mismatches.append(f"steps never logged by the interrupted run: {missing}")
-        if set(reference) != set(range(steps)):
-            mismatches.append("the reference run did not log every step")
+        mismatches = _compare_segments(tmp, segments, reference, steps, out)
         state_problems = compare_npz(os.path.join(tmp, "ref.final.npz"),
                                      os.path.join(tmp, "crash-3.final.npz"))
-        with np.load(os.path.join(tmp, "ref.final.npz")) as final:
-            n_arrays, n_values = len(final.files), sum(final[k].size for k in final.files)
-
-        blocking = [json.loads(r)["blocking_s"] for r in _tagged(ref_lines, "REPORT")]
-        totals = [json.loads(r)["total_s"] or 0.0 for r in _tagged(ref_lines, "REPORT")]
-        if blocking:
-            out(f"  saves in the reference run: {len(blocking)}, training loop blocked "
-                f"{1e3 * sum(blocking) / len(blocking):.1f} ms on average (max "
-                f"{1e3 * max(blocking):.1f} ms), total per save {1e3 * sum(totals) / len(totals):.1f} ms")
-        if mismatches:
-            out(f"  LOSSES DIFFER at {len(mismatches)} place(s):")
-            for line in mismatches[:20]:
-                out(f"    {line}")
-        else:
-            out(f"  losses: all {steps} steps bit-identical to the reference "
-                f"(float.hex compare; steps redone after a resume included)")
-        if state_problems:
-            out(f"  FINAL STATE DIFFERS in {len(state_problems)} array(s):")
-            for line in state_problems[:20]:
-                out(f"    {line}")
-        else:
-            out(f"  final params + optimizer state + dropout PRNG key: {n_arrays} arrays, "
-                f"{n_values} values, bit-identical")
-        ok = not mismatches and not state_problems
+        ok = _print_verdict(tmp, ref_lines, steps, mismatches, state_problems, out)
         out(f"{'OK' if ok else 'FAILED'}: resume is {'exact' if ok else 'NOT exact'} "
             f"({time.perf_counter() - started:.1f} s)")
         return 0 if ok else 1
@@ -562,7 +568,8 @@ def _demo_command(opts: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxckpt.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxckpt.tools.demo",
+                                     description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command")
 
     worker = commands.add_parser("worker", help="run the training worker (used by the demo "

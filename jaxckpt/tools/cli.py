@@ -90,7 +90,7 @@ def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], 
 def _locate(command: str, path: str) -> tuple[str, str] | int:
     """(absolute path, "root" or "checkpoint"), or, for anything else (missing, a file, an
     empty directory, another tool's directory), the exit code after saying what it is."""
-    from .store import classify_path
+    from jaxckpt.store import classify_path
 
     full = os.path.abspath(path)
     if os.path.basename(full) == "recover" and classify_path(os.path.dirname(full))[0] == "root":
@@ -110,7 +110,7 @@ def _ls_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ls(opts: argparse.Namespace) -> int:
-    from .store import CheckpointStore
+    from jaxckpt.store import CheckpointStore
 
     located = _locate("ls", opts.root)
     if isinstance(located, int):
@@ -163,8 +163,8 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(opts: argparse.Namespace) -> int:
-    from .errors import CheckpointCorruptError, CheckpointNotFoundError
-    from .store import COMMIT_MARKER, CheckpointStore
+    from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+    from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
     located = _locate("verify", opts.path)
     if isinstance(located, int):
@@ -244,7 +244,7 @@ def _info_root(path: str, opts: argparse.Namespace) -> int:
     (sizes checked, not checksums: as ``ls``)."""
     import json
 
-    from .store import CheckpointStore
+    from jaxckpt.store import CheckpointStore
 
     store = CheckpointStore(path)
     entries = store.entries()
@@ -275,8 +275,8 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     never from a backend's own binary metadata); file sizes are checked against the manifest."""
     import json
 
-    from .errors import CheckpointCorruptError
-    from .store import DRIVER_FILE, CheckpointStore
+    from jaxckpt.errors import CheckpointCorruptError
+    from jaxckpt.store import DRIVER_FILE, CheckpointStore
 
     store = CheckpointStore(os.path.dirname(path))
     info: dict = {"path": path}
@@ -377,8 +377,8 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _export_hf(opts: argparse.Namespace) -> int:
-    from .errors import CheckpointError
-    from torch_bridge.hf_cli import export_checkpoint_to_hf, parse_size
+    from jaxckpt.errors import CheckpointError
+    from .hf_cli import export_checkpoint_to_hf, parse_size
 
     located = _locate("export-hf", opts.checkpoint)
     if isinstance(located, int):
@@ -413,7 +413,7 @@ def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _import_hf(opts: argparse.Namespace) -> int:
-    from torch_bridge.hf_cli import import_hf_to_checkpoint
+    from .hf_cli import import_hf_to_checkpoint
 
     try:
         path = import_hf_to_checkpoint(opts.hf_dir, opts.root, arch=opts.arch, step=opts.step,
@@ -441,11 +441,11 @@ def _import_orbax_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _import_orbax(opts: argparse.Namespace) -> int:
-    from .errors import (CheckpointCorruptError, CheckpointNotFoundError, CheckpointRootError,
-                         ConfigError)
+    from jaxckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError,
+                                CheckpointRootError, ConfigError)
 
     try:
-        from .orbax_import import import_orbax
+        from jaxckpt.orbax_import import import_orbax
 
         path = import_orbax(opts.src, opts.root, step=opts.step)
     except ImportError as exc:  # a missing extra
@@ -484,8 +484,8 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 def _run(opts: argparse.Namespace) -> int:
     import logging
 
-    from .errors import ConfigError
-    from .retry import RetryPolicy, run_command
+    from jaxckpt.errors import ConfigError
+    from jaxckpt.retry import RetryPolicy, run_command
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     command = list(opts.command)
@@ -577,7 +577,7 @@ COMMANDS: tuple[_Command, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ._version import __version__
+    from jaxckpt import __version__
 
     parser = argparse.ArgumentParser(
         prog="jaxckpt", description="Inspect jaxckpt checkpoints and run the demo.")
