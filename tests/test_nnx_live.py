@@ -123,7 +123,8 @@ def test_live_objects_are_written_as_their_nnx_state(tmp_path):
     fresh = build(3)
     with manager(tmp_path) as mgr:
         mgr.recover(fresh)
-        mgr.save(STEP.next(), fresh)
+        mgr.maybe_save(STEP.next(), fresh)  # one more step "trained" (none: same values)
+        mgr.save(state=fresh)
     assert nnx_bits(fresh) == nnx_bits(live)
 
     other = build(5)
@@ -243,7 +244,8 @@ def test_a_save_that_leaves_out_rngs_and_metrics_warns_once_naming_them(tmp_path
     with manager(tmp_path) as mgr, warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         mgr.maybe_save(STEP, lambda: nnx.state((model, optimizer)))
-        mgr.save(STEP.next(), nnx.state((model, optimizer)))
+        mgr.maybe_save(STEP.next(), lambda: nnx.state((model, optimizer)))
+        mgr.save(state=nnx.state((model, optimizer)))
     found = left_out_warnings(record)
     assert len(found) == 1, found
     assert "'rngs' (flax.nnx.rnglib.Rngs)" in found[0]
