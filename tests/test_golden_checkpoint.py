@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxckpt.store import COMMIT_MARKER, CheckpointStore, Manifest
+from jaxckpt.layout import COMMIT_MARKER
+from jaxckpt.manifest import Manifest
+from jaxckpt.store import CheckpointStore
 
 GOLDEN = Path(__file__).parent / "data" / "golden_root"
 STEP_DIR = GOLDEN / "recover" / "step_00000003"
