@@ -176,20 +176,23 @@ class CheckpointStore:
                 f"(the job stopped while saving); it is not restorable")
         return manifest
 
-    def _check_file(self, path: str, rel: str, info: dict[str, Any], *,
-                    checksums: bool) -> str | None:
+    def _check_file(self, path: str, rel: str, info: dict[str, Any], *, checksums: bool,
+                    listed: dict[str, int] | None = None) -> str | None:
         """What is wrong with one manifest entry in storage (None: nothing): a path that
         leaves the checkpoint, a missing or unreadable file, a size or (when asked) checksum
-        mismatch."""
+        mismatch. ``listed``: sizes from a listing of ``path`` just taken (saves asking the
+        storage for each file's size)."""
         full = os.path.join(path, *rel.split("/"))
         if not self.storage.resolves_inside(full, path):
             return outside_problem(rel)
-        try:
-            size = self.storage.size(full)
-        except FileNotFoundError:
-            return missing_problem(rel)
-        except OSError as exc:
-            return unreadable_problem(rel, exc)
+        size = None if listed is None else listed.get(rel)
+        if size is None:
+            try:
+                size = self.storage.size(full)
+            except FileNotFoundError:
+                return missing_problem(rel)
+            except OSError as exc:
+                return unreadable_problem(rel, exc)
         problem = size_problem(rel, info, size)
         if problem or not checksums:
             return problem
@@ -214,14 +217,15 @@ class CheckpointStore:
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
         """
         manifest = self._committed_manifest(path)
+        listed = self.storage.list_files(path)
 
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
             crc = checksums and (defer_over is None or not deferrable(rel, info, defer_over))
-            return self._check_file(path, rel, info, checksums=crc)
+            return self._check_file(path, rel, info, checksums=crc, listed=listed)
 
         problems = _run_checks(check, sorted(manifest.files.items()))
-        present = {rel for rel in self.storage.list_files(path) if _committable(rel)}
+        present = {rel for rel in listed if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
             problems.append(unlisted_problem(rel))
