@@ -45,6 +45,7 @@ from .layout import (
     ITEMS,
     RECOVER,
     SUPERSEDED,
+    done_marker_name,
     is_item_dirname,
     is_tmp_name,
     parse_export_dirname,
@@ -69,7 +70,7 @@ from .manifest import (
 )
 from .read_claims import ReadClaims
 from .roots import foreign_entries
-from .storage import PosixStorage, RootLock, Storage
+from .storage import PosixStorage, RootLease, RootLock, Storage
 
 __all__ = ["CheckpointStore", "Entry", "Status"]
 
@@ -145,6 +146,39 @@ class CheckpointStore:
     def ensure_dirs(self) -> None:
         for path in (self.root, self.recover_dir, self.export_dir):
             self.storage.make_prefix(path)
+
+    def lock(self) -> RootLease:
+        """Take the root lock for this job's lifetime (``Storage.lock_root``); raises
+        ``RootLockedError`` naming the holder when another live job has it."""
+        return self.storage.lock_root(self.root)
+
+    # --- files of one checkpoint ----------------------------------------------------------
+    def is_committed(self, path: str) -> bool:
+        """Whether ``path`` has a commit marker (not verified; cheap)."""
+        return self.storage.exists(os.path.join(path, COMMIT_MARKER))
+
+    def write_file(self, path: str, name: str, data: bytes) -> None:
+        """Write one file of a checkpoint being saved (``driver.json``, a process's local
+        driver state), atomically and durably (``Storage.write``)."""
+        self.storage.write(os.path.join(path, name), data)
+
+    def read_file(self, path: str, name: str) -> bytes:
+        """The bytes of one file of a checkpoint; ``FileNotFoundError`` when it has none."""
+        return self.storage.read(os.path.join(path, name))
+
+    def mark_done(self, path: str, process_index: int) -> None:
+        """Say that process ``process_index``'s writes of the save in ``path`` are durable
+        (multi-process commit: the primary waits for every other process's marker)."""
+        self.storage.write(os.path.join(path, done_marker_name(process_index)), b"")
+
+    def all_done(self, path: str, process_count: int) -> bool:
+        """Whether every process but the primary (index 0) has marked ``path`` done."""
+        return all(self.storage.exists(os.path.join(path, done_marker_name(index)))
+                   for index in range(1, process_count))
+
+    def size_of(self, path: str) -> int:
+        """Bytes of every file below ``path`` (an export, whose writer did not say)."""
+        return sum(self.storage.list_files(path).values())
 
     # --- listing and verification ---------------------------------------------------------
     def _step_dirs(self) -> list[tuple[int, str]]:
@@ -426,6 +460,15 @@ class CheckpointStore:
 
     def export_tmp_path(self, name: str) -> str:
         return os.path.join(self.export_dir, tmp_name(name, uuid.uuid4().hex[:8]))
+
+    def publish_export(self, tmp: str, final: str) -> None:
+        """Give the export written in ``tmp`` (``export_tmp_path``) its name ``final``,
+        replacing an export already there (from a discarded attempt at the step). POSIX only
+        (a rename)."""
+        posix = self._posix("publish_export")
+        if os.path.lexists(final):  # POSIX only anyway: a link counts as an entry too
+            self.delete_export(final)
+        posix.rename_posix(tmp, final)
 
     def delete_export(self, path: str) -> None:
         """Delete an export: renamed to a temp name first (so a crash midway leaves debris
