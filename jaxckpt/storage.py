@@ -58,7 +58,8 @@ class Storage(abc.ABC):
     # --- whole objects -------------------------------------------------------------------
     @abc.abstractmethod
     def write(self, path: str, data: bytes) -> None:
-        """Store ``data`` at ``path``, replacing what was there.
+        """Store ``data`` at ``path``, replacing what was there (``path``'s prefix prepared
+        with ``make_prefix``).
 
         Atomic: a reader sees the old object or the whole new one, never a part. Durable when
         this returns (a crash afterwards keeps it). Two concurrent writers: one of them wins.
