@@ -35,6 +35,7 @@ from .errors import (
     CodecError,
     ConfigError,
 )
+from .layout import local_driver_filename
 
 __all__ = [
     "DRIVER_FORMAT",
@@ -60,7 +61,8 @@ _PROTOCOL_HELP = (
 
 
 def local_filename(process_index: int) -> str:
-    return f"driver.p{process_index:05d}.json"
+    """The file of process ``process_index``'s local state (named in jaxckpt.layout)."""
+    return local_driver_filename(process_index)
 
 
 def _get_state(name: str, obj: Any) -> Any:

@@ -67,24 +67,17 @@ from .errors import (
     ConfigError,
 )
 from .policy import SaveTrigger, resolve_mode, steps_to_delete, writes_periodic
-from .store import (
-    COMMIT_MARKER,
-    DEFER_CHECKSUMS_OVER,
-    DRIVER_FILE,
-    CheckpointStore,
-    Entry,
-    ReadClaims,
-    RootLock,
-    atomic_write,
-    check_root,
-    export_dirname,
-)
+from .layout import COMMIT_MARKER, DRIVER_FILE, STATE_DIR, export_dirname
+from .manifest import DEFER_CHECKSUMS_OVER
+from .read_claims import ReadClaims
+from .roots import check_root
+from .storage import RootLock, atomic_write
+from .store import CheckpointStore, Entry
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
 log = logging.getLogger("jaxckpt")
 
-STATE_DIR = "state"
 _POLL_S = 0.01
 
 

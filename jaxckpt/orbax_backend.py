@@ -81,7 +81,8 @@ from jaxckpt.errors import (
     CheckpointWriteError,
     TreeMismatchError,
 )
-from jaxckpt.store import ReadClaims
+from jaxckpt.layout import TREE_FILE
+from jaxckpt.read_claims import ReadClaims
 
 __all__ = ["OrbaxBackend", "OrbaxWriteHandle", "TREE_FORMAT", "TREE_FORMAT_VERSION"]
 
@@ -97,7 +98,7 @@ TREE_FORMAT_VERSION = 3
 _PACKED_TREE_VERSION = 2
 _UNPACKED_TREE_VERSION = 1
 
-_TREE_FILE = "tree.json"
+_TREE_FILE = TREE_FILE
 _ARRAYS_DIR = "arrays"
 _ZARR_JSON = "zarr.json"
 _PACK_PREFIX = "pack_"

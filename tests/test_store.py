@@ -302,12 +302,11 @@ def test_delete_tolerates_files_already_gone(store):
 
 def test_delete_uncommits_before_removing_files(store, monkeypatch):
     path = make_step(store, 1)
-    import jaxckpt.store as store_mod
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-delete")
 
-    monkeypatch.setattr(store_mod, "_rmtree_tolerant", crash)
+    monkeypatch.setattr(store.storage, "delete_prefix", crash)
     with pytest.raises(KeyboardInterrupt):
         store.delete(path)
     # The files are still there, but the directory is no longer a committed checkpoint.

@@ -52,7 +52,8 @@ from jaxckpt.errors import (
     ConfigError,
     TreeMismatchError,
 )
-from jaxckpt.store import fsync_dir
+from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
+from jaxckpt.storage import fsync_dir
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
 
@@ -61,9 +62,9 @@ OBJECTS_FORMAT = "jaxckpt.dcp.objects"
 #: bumped on any incompatible change of objects.json; readers refuse newer versions.
 OBJECTS_FORMAT_VERSION = 1
 
-_OBJECTS_FILE = "objects.json"
+_OBJECTS_FILE = OBJECTS_FILE
 _DCP_METADATA = ".metadata"
-_TMP_PREFIX = ".tmp-"  # the store's prefix for temporary entries (cleaned up at start-up)
+_TMP_PREFIX = TMP_PREFIX  # temporary entries are cleaned up at start-up
 
 AsyncCheckpointer = Literal["auto", "thread", "process"]
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.store import fsync_file
+from jaxckpt.storage import fsync_file
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
@@ -748,7 +748,7 @@ class _Bench:
         return report
 
     def jaxckpt_rows(self, state: Any, prefix: str) -> None:
-        from jaxckpt.manager import STATE_DIR
+        from jaxckpt.layout import STATE_DIR
 
         name = prefix or "main"
         manager = self.jaxckpt_manager(name)

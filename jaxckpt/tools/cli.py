@@ -90,7 +90,7 @@ def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], 
 def _locate(command: str, path: str) -> tuple[str, str] | int:
     """(absolute path, "root" or "checkpoint"), or, for anything else (missing, a file, an
     empty directory, another tool's directory), the exit code after saying what it is."""
-    from jaxckpt.store import classify_path
+    from jaxckpt.roots import classify_path
 
     full = os.path.abspath(path)
     if os.path.basename(full) == "recover" and classify_path(os.path.dirname(full))[0] == "root":
@@ -164,7 +164,8 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _verify(opts: argparse.Namespace) -> int:
     from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-    from jaxckpt.store import COMMIT_MARKER, CheckpointStore
+    from jaxckpt.layout import COMMIT_MARKER
+    from jaxckpt.store import CheckpointStore
 
     located = _locate("verify", opts.path)
     if isinstance(located, int):
@@ -276,7 +277,8 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     import json
 
     from jaxckpt.errors import CheckpointCorruptError
-    from jaxckpt.store import DRIVER_FILE, CheckpointStore
+    from jaxckpt.layout import DRIVER_FILE
+    from jaxckpt.store import CheckpointStore
 
     store = CheckpointStore(os.path.dirname(path))
     info: dict = {"path": path}
@@ -315,7 +317,9 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
 def _add_leaves(info: dict, path: str) -> None:
     import json
 
-    tree_file = os.path.join(path, "state", "tree.json")
+    from .layout import STATE_DIR, TREE_FILE
+
+    tree_file = os.path.join(path, STATE_DIR, TREE_FILE)
     if os.path.exists(tree_file):
         try:
             with open(tree_file) as handle:

@@ -204,9 +204,10 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
     import jax
     import jax.numpy as jnp
 
+    from jaxckpt.layout import TREE_FILE
     from jaxckpt.orbax_backend import TREE_FORMAT
 
-    tree_file = os.path.join(state_dir, "tree.json")
+    tree_file = os.path.join(state_dir, TREE_FILE)
     try:
         with open(tree_file, encoding="utf-8") as handle:
             document = json.load(handle)
@@ -256,7 +257,7 @@ def _read_checkpoint(step_dir: str) -> tuple[dict[str, Any], dict[str, dict[str,
     """Every leaf of a recovery checkpoint's array state, by saved tree path."""
     import jax
 
-    from jaxckpt.manager import STATE_DIR
+    from jaxckpt.layout import STATE_DIR
     from jaxckpt.orbax_backend import OrbaxBackend
 
     state_dir = os.path.join(step_dir, STATE_DIR)
@@ -325,7 +326,8 @@ def _select_params(leaves: Mapping[str, Any], entries: Mapping[str, Mapping[str,
 def _locate(checkpoint: str, step: int | None,
             verify: Literal["checksums", "sizes"]) -> tuple[str, Any]:
     """The committed step directory to read, and the store that owns it."""
-    from jaxckpt.store import COMMIT_MARKER, CheckpointStore
+    from jaxckpt.layout import COMMIT_MARKER
+    from jaxckpt.store import CheckpointStore
 
     path = os.path.abspath(os.fspath(checkpoint))
     if not os.path.isdir(path):
@@ -352,7 +354,7 @@ def _locate(checkpoint: str, step: int | None,
 
 def _driver(step_dir: str) -> dict[str, Any]:
     from jaxckpt.driver import parse_driver
-    from jaxckpt.store import DRIVER_FILE
+    from jaxckpt.layout import DRIVER_FILE
 
     with open(os.path.join(step_dir, DRIVER_FILE), "rb") as handle:
         return parse_driver(handle.read(), step_dir)

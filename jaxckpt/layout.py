@@ -1,0 +1,155 @@
+"""Names on disk: every file and directory name jaxckpt writes under a root, and their parsing.
+
+Owns the layout of a root, and nothing but strings::
+
+    {root}/
+      .lock                                     the root lock (storage.RootLock)
+      recover/
+        step_{global_step:08d}/                 one recovery checkpoint
+          COMMITTED                             the manifest (jaxckpt.manifest), written last
+          driver.json                           counters, RNG, stateful objects (jaxckpt.driver)
+          driver.p{index:05d}.json              another process's local driver state
+          done.p{index:05d}                     "my writes are durable", before the commit
+          state/                                the backend's directory
+            tree.json                           the Orbax backend's description of the tree
+            objects.json                        the DCP backend's description of the state
+        items/{name}/v{version:06d}/            one version of an auxiliary item
+          state/ ... COMMITTED
+        superseded/{dirname}.{reason}.{time}.{tag}   a checkpoint moved aside, kept to inspect
+        .tmp-*                                  temporary entries, removed at start-up
+      export/
+        epoch{E}epochstep{S}globalstep{G}/      one model export
+        .tmp-*
+
+Format functions and their parsers are inverse of each other (``parse_*`` returns None for a
+name that is not of the kind); tests/test_layout.py holds the table.
+
+Pure: no I/O. Must not import: jax, orbax, torch, or any jaxckpt module.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "RECOVER", "EXPORT", "ITEMS", "SUPERSEDED", "STATE_DIR", "TMP_PREFIX", "LOCK_FILE",
+    "COMMIT_MARKER", "DRIVER_FILE", "TREE_FILE", "OBJECTS_FILE", "ROOT_NAMES", "SYSTEM_NAMES",
+    "step_dirname", "parse_step_dirname", "version_dirname", "parse_version_dirname",
+    "is_item_dirname", "export_dirname", "parse_export_dirname", "local_driver_filename",
+    "parse_local_driver_filename", "done_marker_name", "parse_done_marker_name",
+    "superseded_name", "tmp_name", "is_tmp_name", "allowed_in_recover", "allowed_in_export",
+]
+
+RECOVER = "recover"
+EXPORT = "export"
+ITEMS = "items"
+SUPERSEDED = "superseded"
+#: The backend's directory inside a checkpoint (and inside each item version).
+STATE_DIR = "state"
+#: Entries named so are being written or deleted; start-up cleanup removes them.
+TMP_PREFIX = ".tmp-"
+LOCK_FILE = ".lock"
+COMMIT_MARKER = "COMMITTED"
+DRIVER_FILE = "driver.json"
+#: Written by the Orbax backend into its directory (jaxckpt/orbax_backend.py).
+TREE_FILE = "tree.json"
+#: Written by the DCP backend into its directory (torch_bridge/dcp_backend.py).
+OBJECTS_FILE = "objects.json"
+
+#: What jaxckpt itself writes directly under a root. Any other entry there (or under recover/
+#: and export/, see ``allowed_in_recover``/``allowed_in_export``) means another tool owns the
+#: directory: jaxckpt then refuses the root rather than write beside, or clean up, files it
+#: does not understand. A new file or directory written into a root must be added here.
+ROOT_NAMES = frozenset({RECOVER, EXPORT, LOCK_FILE})
+#: Entries the filesystem or the OS put into any directory (a mount point's lost+found).
+SYSTEM_NAMES = frozenset({"lost+found", ".DS_Store"})
+
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_VERSION_RE = re.compile(r"^v(\d{6,})$")
+_ITEM_DIR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+_LOCAL_DRIVER_RE = re.compile(r"^driver\.p(\d{5,})\.json$")
+_DONE_RE = re.compile(r"^done\.p(\d{5,})$")
+
+
+def step_dirname(step: int) -> str:
+    """``recover/``'s name for the checkpoint of global step ``step``."""
+    return f"step_{step:08d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def version_dirname(version: int) -> str:
+    """``items/{name}/``'s name for one version of an item."""
+    return f"v{version:06d}"
+
+
+def parse_version_dirname(name: str) -> int | None:
+    match = _VERSION_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_item_dirname(name: str) -> bool:
+    """Whether ``name`` may be an item's directory under ``recover/items/``."""
+    return bool(_ITEM_DIR_RE.match(name))
+
+
+def export_dirname(epoch: int, epoch_step: int, global_step: int) -> str:
+    return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+
+def parse_export_dirname(name: str) -> tuple[int, int, int] | None:
+    """(epoch, epoch_step, global_step) of an export directory's name."""
+    match = _EXPORT_RE.match(name)
+    return (int(match.group(1)), int(match.group(2)), int(match.group(3))) if match else None
+
+
+def local_driver_filename(process_index: int) -> str:
+    """The file holding process ``process_index``'s local driver state (not the primary's:
+    that is in ``driver.json``)."""
+    return f"driver.p{process_index:05d}.json"
+
+
+def parse_local_driver_filename(name: str) -> int | None:
+    match = _LOCAL_DRIVER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def done_marker_name(process_index: int) -> str:
+    """The empty file by which a non-primary process says its writes of a save are durable."""
+    return f"done.p{process_index:05d}"
+
+
+def parse_done_marker_name(name: str) -> int | None:
+    match = _DONE_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def superseded_name(dirname: str, reason: str, when: int, tag: str) -> str:
+    """The name under ``recover/superseded/`` of checkpoint ``dirname`` moved aside at unix
+    time ``when`` for ``reason`` (``tag`` keeps two moves in one second apart)."""
+    return f"{dirname}.{reason}.{when}.{tag}"
+
+
+def tmp_name(name: str, tag: str) -> str:
+    """A temporary name for ``name`` (``tag`` keeps concurrent writers apart)."""
+    return f"{TMP_PREFIX}{name}.{tag}"
+
+
+def is_tmp_name(name: str) -> bool:
+    return name.startswith(TMP_PREFIX)
+
+
+def allowed_in_recover(name: str) -> bool:
+    """Whether jaxckpt may have written an entry of this name directly under ``recover/``
+    (temporary entries aside)."""
+    return parse_step_dirname(name) is not None or name in (ITEMS, SUPERSEDED)
+
+
+def allowed_in_export(name: str) -> bool:
+    """Whether jaxckpt may have written an entry of this name directly under ``export/``
+    (temporary entries aside)."""
+    return parse_export_dirname(name) is not None
