@@ -317,7 +317,7 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
 def _add_leaves(info: dict, path: str) -> None:
     import json
 
-    from .layout import STATE_DIR, TREE_FILE
+    from jaxckpt.layout import STATE_DIR, TREE_FILE
 
     tree_file = os.path.join(path, STATE_DIR, TREE_FILE)
     if os.path.exists(tree_file):
