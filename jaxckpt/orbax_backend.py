@@ -40,8 +40,9 @@ packs and every leaf's place in them, the text of tree.json. That is a write pla
 layouts, so a save of a known layout only flattens the tree, compares the layout, checks
 the values that need checking (Python ints within int64) and copies the data.
 
-The ``orbax_backend`` modules are the only ones of jaxckpt that import orbax. They must not
-import torch (nor torch_bridge): a JAX run must never pay for, or depend on, PyTorch.
+This module and its ``_orbax_*`` parts are the only ones of jaxckpt that write or read with
+orbax (``orbax_import`` only converts plain Orbax checkpoints). They must not import torch
+(nor torch_bridge): a JAX run must never pay for, or depend on, PyTorch.
 """
 
 from __future__ import annotations
