@@ -1,8 +1,16 @@
 """The seam between the framework-agnostic manager and an array-writing backend.
 
-Owns: the small protocol a backend implements (write a state into a directory, read it back
-into a ``like`` tree, and the process facts the manager needs), plus the single-process
-default for those facts.
+Owns: the one protocol a backend implements (write a state into a directory, read it back
+into a ``like`` tree, the process facts the manager needs, and the declared
+:class:`BackendFeatures` that change how the manager drives it), the protocol of the handle
+a write returns, :func:`check_backend` (the manager's check of a ``backend=`` argument), and
+:class:`SingleProcess`, the trivial members of a single-process backend without optional
+capabilities.
+
+Every member the manager uses is stated here and required: the manager never probes a
+backend with ``getattr``/``hasattr``. A backend with nothing to do for a member implements it
+trivially (``close`` returns, ``finish_read`` returns its argument, ``left_out`` returns
+None, a handle's ``checksums`` is None).
 
 Must not import: jax, orbax, torch. Backends live in their own modules (``orbax_backend``,
 ``torch_bridge.dcp_backend``) and are imported lazily.
@@ -10,31 +18,65 @@ Must not import: jax, orbax, torch. Backends live in their own modules (``orbax_
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
-__all__ = ["Backend", "WriteHandle", "SingleProcess"]
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .read_claims import ReadClaims
+
+__all__ = ["Backend", "BackendFeatures", "WriteHandle", "SingleProcess", "check_backend"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendFeatures:
+    """What a backend can do beyond the required members, declared once by the backend.
+
+    Each field changes how the manager drives the backend; the defaults describe a backend
+    that writes synchronously and reads into new values, with nothing optional.
+    """
+
+    supports_async: bool = False
+    """``write(..., asynchronous=True)`` returns once the state is staged, before the data is
+    written; the manager's save mode "auto" then means "async". False: the manager refuses
+    mode "async" and "auto" means "sync"."""
+    reads_in_place: bool = False
+    """``read`` loads into the objects of ``like`` (e.g. live torch modules), so what it read
+    cannot be thrown away: the manager verifies every checksum before reading instead of
+    checking those of large data files while ``read`` runs."""
+    verifies_reads: bool = False
+    """``read`` uses its ``claims`` (a ``store.ReadClaims``): it checks the deferred
+    checksums of the files it reads whole as it reads them, so the manager's verifier skips
+    those. False: the manager passes ``claims=None``."""
+    export_needs_copy: bool = False
+    """Exporters always receive ``host_copy(state)`` (e.g. torch state dicts rather than live
+    modules), whatever the export mode. False: a sync single-process export gets ``state``."""
 
 
 @runtime_checkable
 class WriteHandle(Protocol):
     """A write started by :meth:`Backend.write`.
 
-    Concurrency contract: ``wait`` is called exactly once, from the manager's background
-    commit thread; it must be safe to call from a thread other than the one that started the
-    write.
-
-    Optional attribute ``checksums``, read after ``wait``: manifest entries
-    (``{"size": n, "crc32c": hex}``, the commit's algorithm) of files the backend computed
-    from the bytes it wrote and made durable itself, by path relative to the directory it
-    wrote. The commit takes those instead of reading the files back (it still checks their
-    sizes). None or absent: the commit checksums every file.
+    Concurrency contract: ``wait`` is called from the manager's background commit thread (at
+    least once; a handle allows any number of calls), which need not be the thread that
+    started the write. ``checksums`` is read on that thread after ``wait`` returned.
     """
 
     def wait(self) -> None:
         """Block until this process's part of the write is finished and its data durable.
 
-        Raises whatever made the write fail (the manager chains it with the step and path).
+        May block for as long as the write takes. Raises whatever made the write fail (the
+        manager chains it with the step and path); later calls raise the same error.
         """
+
+    @property
+    def checksums(self) -> Mapping[str, Mapping[str, Any]] | None:
+        """Manifest entries (``{"size": n, "crc32c": hex}``, the commit's algorithm) of the
+        files the backend computed from the bytes it wrote and made durable itself, by path
+        relative to the directory it wrote; the commit takes those instead of reading the
+        files back (it still checks their sizes). None: not computed, the commit checksums
+        every file. Read after ``wait`` returned; never blocks."""
 
 
 @runtime_checkable
@@ -46,53 +88,72 @@ class Backend(Protocol):
     temp name + rename) and reads it back. Everything else (when to save, the commit marker,
     driver state, retention) is the manager's job.
 
-    Optional attributes: ``export_needs_copy = True`` makes exporters always receive
-    ``host_copy(state)`` (e.g. torch state dicts rather than live modules), whatever the export
-    mode; ``reads_in_place = True`` says that ``read`` loads into the objects of ``like``
-    (so what it read cannot be discarded): the manager then verifies every checksum before
-    reading, instead of checking those of large data files while ``read`` runs;
-    ``verifies_reads = True`` says that ``read`` takes ``claims=`` (a ``store.ReadClaims``)
-    and checks the deferred checksums of the files it reads whole as it reads them, so that
-    the manager's verifier skips those; ``close()`` is called by a manager that created its
-    backend itself; ``finish_read(value)`` is called by the manager on what ``read``
-    returned (the state and each item) once the checkpoint is judged valid, and returns the
-    final value: a backend that fills the caller's live objects (OrbaxBackend with live NNX
-    objects) does it there, so that a read the manager throws away (its checksums failed
-    alongside it) never changes them; ``left_out(saved, scope)`` returns a warning naming
-    objects of ``scope`` (the local variables of the code that called the first save) whose
-    state ``saved`` leaves out, or None.
+    Threads: every method is called from one thread, the training loop's (the manager's
+    caller); only a write handle's ``wait`` and ``checksums`` run on the manager's commit
+    thread, possibly while the training thread calls ``write`` or ``barrier`` again.
+    Processes: in a run of several processes every process calls ``write``, ``read``,
+    ``host_copy``, ``barrier`` and ``broadcast_int`` in the same order with the same
+    arguments (they may be collectives); ``rng_state``/``set_rng_state`` are per process.
     """
 
-    #: short name recorded in driver.json, e.g. "orbax" or "dcp".
+    #: short name recorded in driver.json, e.g. "orbax" or "dcp"; a checkpoint is read only
+    #: by a backend of the same name.
     name: str
-    #: whether ``write(..., asynchronous=True)`` returns before the data is written.
-    supports_async: bool
 
     @property
-    def process_index(self) -> int: ...
+    def features(self) -> BackendFeatures:
+        """What this backend can do beyond the required members; constant for its life."""
 
     @property
-    def process_count(self) -> int: ...
+    def process_index(self) -> int:
+        """This process's index in the run, 0 on the primary. Never blocks."""
+
+    @property
+    def process_count(self) -> int:
+        """The number of processes in the run (1 for a single process). Never blocks."""
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Block until every process reached the barrier ``name`` (unique per run), at most
+        ``timeout_s`` seconds (then raise). Returns at once in a single process."""
+
+    def broadcast_int(self, value: int) -> int:
+        """Return the primary process's ``value`` on every process. A collective: blocks
+        until every process called it; returns ``value`` at once in a single process."""
 
     def write(self, directory: str, state: Any, *, asynchronous: bool) -> WriteHandle:
         """Start writing ``state`` into ``directory``.
 
-        Returns once the state is staged: from then on the caller may mutate, donate or free
+        Blocks until the state is staged: from then on the caller may mutate, donate or free
         the arrays it passed. With ``asynchronous=False`` the write is finished on return.
-        Called on every process with the same directory.
+        Called on every process with the same directory. Raises, before any I/O, naming the
+        tree path of a value that cannot be written.
         """
 
-    def read(self, directory: str, like: Any) -> Any:
+    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
         """Read the state in ``directory`` into the structure, shapes, dtypes and placement of
         ``like`` (concrete or abstract leaves). Raises ``TreeMismatchError`` listing every
-        mismatching tree path."""
+        mismatching tree path. Blocks until the data is read.
+
+        ``claims``: given only to a backend with ``features.verifies_reads`` (None
+        otherwise); the backend claims the files it checks itself and must ``close`` the
+        claims before its bulk read (a backend that claims nothing closes them at once).
+        The value returned goes through :meth:`finish_read` before the caller sees it.
+        """
+
+    def finish_read(self, value: Any) -> Any:
+        """The final value of what :meth:`read` returned (the state, or one item), called once
+        the checkpoint is judged valid. A backend that fills the caller's live objects
+        without ``reads_in_place`` (OrbaxBackend with live NNX objects) does it here, so that
+        a read the manager throws away (its checksums failed alongside it) never changes
+        them; others return ``value``."""
 
     def host_copy(self, state: Any) -> Any:
         """A copy of ``state`` in host memory that stays valid while training goes on (used
-        by background exports)."""
+        by exports). May gather shards across processes: then a collective."""
 
     def versions(self) -> dict[str, str]:
-        """Versions of the libraries this backend writes with (recorded in driver.json)."""
+        """Versions of the libraries this backend writes with (recorded in driver.json).
+        Called at every save on the training thread: cheap."""
 
     def rng_state(self) -> Any:
         """JSON-safe (codec) state of framework-global RNGs of this process, or None."""
@@ -100,16 +161,47 @@ class Backend(Protocol):
     def set_rng_state(self, state: Any) -> None:
         """Restore what :meth:`rng_state` returned (missing entries warn, not raise)."""
 
-    def barrier(self, name: str, timeout_s: float) -> None:
-        """Block until every process reached the barrier ``name``."""
+    def left_out(self, saved: Any, scope: dict[str, Any]) -> str | None:
+        """A warning naming objects of ``scope`` (the local variables of the code that called
+        the first save) whose state ``saved`` leaves out, or None. A diagnostic: the manager
+        ignores what it raises."""
 
-    def broadcast_int(self, value: int) -> int:
-        """Return the primary process's ``value`` on every process."""
+    def close(self) -> None:
+        """Wait for writes in flight (their errors stay on their handles) and release the
+        backend's resources. Called by a manager that created its backend itself; a backend
+        a caller passed in is closed by that caller. Idempotent."""
+
+
+#: What :func:`check_backend` requires: the members a manager uses while it opens and
+#: closes, before any save or restore (test stubs implement just these).
+_CHECKED = ("name", "features", "process_index", "process_count", "barrier", "broadcast_int",
+            "close")
+
+
+def check_backend(backend: Any) -> None:
+    """Raise ConfigError unless ``backend`` has the members of :class:`Backend` a manager
+    needs from the start (``_CHECKED``): a typo such as ``backend="orbax"`` fails at
+    construction, naming the fix, rather than deep inside the first save."""
+    missing = [name for name in _CHECKED if not hasattr(backend, name)]
+    if missing:
+        raise ConfigError(
+            f"backend must be a jaxckpt.backend.Backend object, got {backend!r}. Leave "
+            f"backend=None for Orbax (JAX) or pass an instance such as "
+            f"jaxckpt.orbax_backend.OrbaxBackend(); for PyTorch use "
+            f"torch_bridge.DcpCheckpointManager. (Missing: {', '.join(missing)}.)")
 
 
 class SingleProcess:
-    """Process facts for a single-process run: every collective is the identity."""
+    """The trivial members of a single-process backend with no optional capability.
 
+    Process facts of a single process (every collective is the identity), no features
+    (synchronous writes only), nothing to close, finish or warn about, no global RNG. A
+    backend subclasses this and adds ``name``, ``write``, ``read``, ``host_copy`` and
+    ``versions``, overriding what it does differently (``features`` among them).
+    Stateless: safe from any thread.
+    """
+
+    features = BackendFeatures()
     process_index = 0
     process_count = 1
 
@@ -118,3 +210,18 @@ class SingleProcess:
 
     def broadcast_int(self, value: int) -> int:
         return value
+
+    def finish_read(self, value: Any) -> Any:
+        return value
+
+    def left_out(self, saved: Any, scope: dict[str, Any]) -> str | None:
+        return None
+
+    def rng_state(self) -> Any:
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

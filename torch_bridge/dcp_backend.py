@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from jaxckpt import codec
+from jaxckpt.backend import BackendFeatures
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -53,6 +54,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
+from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import fsync_dir
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
@@ -370,6 +372,11 @@ class DcpWriteHandle:
         self._finished = future is None
         self._error: BaseException | None = None
 
+    @property
+    def checksums(self) -> None:
+        """None: DCP computes no checksums, so the commit checksums every file."""
+        return None
+
     def done(self) -> bool:
         """Whether the write is known to have finished (successfully or not)."""
         return self._finished
@@ -407,12 +414,11 @@ class DcpBackend:
     """
 
     name = "dcp"
-    supports_async = True
-    #: Exporters get state dicts (host copies), never live modules, in every mode.
-    export_needs_copy = True
-    #: read() loads into the caller's live modules and tensors, which cannot be taken back:
-    #: the manager verifies every checksum before reading rather than alongside.
-    reads_in_place = True
+    #: Async writes. Exporters get state dicts (host copies), never live modules, in every
+    #: mode. read() loads into the caller's live modules and tensors, which cannot be taken
+    #: back: the manager verifies every checksum before reading rather than alongside.
+    features = BackendFeatures(supports_async=True, export_needs_copy=True,
+                               reads_in_place=True)
 
     def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
                  reuse_staging_memory: bool = True, sync_files: bool = False,
@@ -467,7 +473,22 @@ class DcpBackend:
         self._pending: DcpWriteHandle | None = None
         self._closed = False
 
-    # ------------------------------------------------------------------ process facts
+    # ------------------------------------------------------------- features and facts
+
+    @property
+    def supports_async(self) -> bool:
+        """``features.supports_async``, for code that reads the attribute."""
+        return self.features.supports_async
+
+    @property
+    def export_needs_copy(self) -> bool:
+        """``features.export_needs_copy``, for code that reads the attribute."""
+        return self.features.export_needs_copy
+
+    @property
+    def reads_in_place(self) -> bool:
+        """``features.reads_in_place``, for code that reads the attribute."""
+        return self.features.reads_in_place
 
     @property
     def process_index(self) -> int:
@@ -623,7 +644,7 @@ class DcpBackend:
 
     # --------------------------------------------------------------------------- read
 
-    def read(self, directory: str, like: Any) -> Any:
+    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
         """Load ``directory`` into the live objects of ``like`` and return ``like``.
 
         Modules, optimizers, schedulers/Stateful objects and tensor entries are loaded in
@@ -632,7 +653,12 @@ class DcpBackend:
         values. Entries and tensors are matched by name and tree path; every mismatch
         (missing, extra, kind, shape, dtype) is collected first and raised as one
         ``TreeMismatchError`` before any tensor is read.
+
+        ``claims``: this backend checks no checksum itself (``features.verifies_reads`` is
+        False), so it claims nothing and closes any claims it is given at once.
         """
+        if claims is not None:
+            claims.close()
         self._check_open()
         with self._lock:
             self._drain_locked()
@@ -683,6 +709,16 @@ class DcpBackend:
                 like[entry.name] = value
             # "tensor": loaded in place above
         return like
+
+    @staticmethod
+    def finish_read(value: Any) -> Any:
+        """``value``: read() already loaded everything in place."""
+        return value
+
+    @staticmethod
+    def left_out(saved: Any, scope: dict[str, Any]) -> str | None:
+        """None: no check of torch objects left out of a save."""
+        return None
 
     # ---------------------------------------------------------------------- the rest
 

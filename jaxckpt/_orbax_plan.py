@@ -1,0 +1,240 @@
+"""Write plans: where each leaf of a state goes, and the packing of small leaves.
+
+Owns: everything a write derives from the state's layout (tree structure, leaf types,
+shapes, dtypes) rather than from its values: the tree.json text, which leaf is an Orbax
+array of its own and which goes into a pack at which offset, and how each leaf's data is
+fetched (:class:`WritePlan`, built by :func:`build_plan`); and the key that tells two
+layouts apart (:func:`layout_key`), by which the backend reuses plans.
+
+Why packs: Orbax spends about 2 ms of Python per leaf whatever its size (FIELD_NOTES.md),
+so a state of thousands of small leaves (optimizer states, biases, norms) would cost
+seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes that this
+process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays, typed
+keys' data) are copied into a few 1-D arrays per dtype (``pack_float32_000``, each at most
+``pack_bytes`` bytes) and written as ordinary Orbax arrays. tree.json records, for every
+packed leaf, the pack and the element offset; a read cuts the leaves out by tree path
+(``_orbax_read``), so matching, mismatch errors and types are exactly those of unpacked
+leaves. Large leaves and leaves sharded across processes are written as they are, one
+Orbax array each, on their own shardings.
+
+Must not import: orbax, torch. No I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt._orbax_tree import (
+    PACK_PREFIX,
+    PY_SCALAR_CLASSES,
+    Layout,
+    SavedLeaf,
+    bytes_of,
+    check_int64,
+    classify_leaf,
+    tree_json_text,
+)
+
+#: The packs of a write: {pack name: (dtype, leaf indices in pack order, size in elements)}.
+Packs = dict[str, tuple[np.dtype, list[int], int]]
+
+
+def plan_packs(candidates: list[tuple[int, np.dtype, int]],
+               pack_limit: int) -> tuple[Packs, dict[int, tuple[str, int]]]:
+    """Assign the leaves that go into packs to packs.
+
+    ``candidates`` are ``(leaf index, stored dtype, element count)`` in tree order. Returns
+    the packs and, per packed leaf index, its ``(pack name, element offset)``. Leaves are
+    grouped by stored dtype, in tree order, and a pack is closed before it would exceed
+    ``pack_limit`` bytes (a single leaf larger than that still gets a pack of its own).
+    """
+    by_dtype: dict[str, list[tuple[int, np.dtype, int]]] = {}
+    for candidate in candidates:
+        by_dtype.setdefault(candidate[1].name, []).append(candidate)
+    packs: Packs = {}
+    placements: dict[int, tuple[str, int]] = {}
+    for dtype_name, members in by_dtype.items():
+        dtype = np.dtype(dtype_name)
+        number = 0
+        name = f"{PACK_PREFIX}{dtype_name}_{number:03d}"
+        indices: list[int] = []
+        size = 0
+        for index, _, count in members:
+            if indices and (size + count) * dtype.itemsize > pack_limit:
+                packs[name] = (dtype, indices, size)
+                number += 1
+                name = f"{PACK_PREFIX}{dtype_name}_{number:03d}"
+                indices, size = [], 0
+            placements[index] = (name, size)
+            indices.append(index)
+            size += count
+        packs[name] = (dtype, indices, size)
+    return packs, placements
+
+
+def pack_length(size: int) -> int:
+    """Elements of the array that holds a pack of ``size`` elements: a pack of zero-size
+    leaves only holds one element of padding, as Orbax refuses to store an empty array."""
+    return max(size, 1)
+
+
+def fill_pack(buffer: np.ndarray, sources: list[np.ndarray]) -> None:
+    """Copy ``sources`` (host numpy arrays, in pack order) into ``buffer``."""
+    np.concatenate(sources, axis=None, out=buffer)  # axis=None: flattened, in C order
+
+
+# ---------------------------------------------------------------------------- write plans
+
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WritePlan:
+    """Everything a write derives from the state's layout rather than from its values:
+    the tree.json text, which leaf is stored where (its own Orbax array, or a pack and an
+    offset), and how each leaf's data is fetched. Built by :func:`build_plan`, which
+    validates every leaf; a plan therefore only exists for a layout that can be written."""
+
+    tree_json: str
+    """tree.json's full text."""
+    nbytes: int
+    """Bytes of array data (stored sizes) plus tree.json's length: the handle's ``nbytes``."""
+    packs: Packs
+    """``{pack name: (dtype, leaf indices in pack order, size in elements)}``."""
+    unpacked: list[tuple[int, str]]
+    """``(leaf index, storage name)`` of the leaves written as Orbax arrays of their own."""
+    on_device: list[int]
+    """Leaves whose data is a jax.Array that comes to the host before the write."""
+    keys: list[int]
+    """Typed PRNG key leaves: their data is ``jax.random.key_data``."""
+    numpy: list[int]
+    """numpy array and numpy scalar leaves: their data is ``np.asarray`` of them."""
+    scalars: list[tuple[int, np.dtype, str | None]]
+    """Python scalar leaves: ``(leaf index, stored dtype, path if an int else None)``."""
+    empty: list[tuple[int, tuple[int, ...], np.dtype]]
+    """Zero-size leaves: ``(leaf index, stored shape, stored dtype)``; always packed, their
+    data an empty host array."""
+    as_bytes: list[int]
+    """Leaves of a dtype Orbax has no type for: their data is their bytes, on the host."""
+
+    def sources(self, leaves: list[Any]) -> list[Any]:
+        """The array that holds each leaf's data for this save (the caller's own numpy
+        arrays; jax.Arrays as they are). Runs the checks that depend on values, not layout:
+        a Python int outside int64 raises TypeError naming its path."""
+        sources = list(leaves)  # a jax.Array leaf is its own data
+        for index in self.keys:
+            sources[index] = jax.random.key_data(leaves[index])
+        for index in self.numpy:
+            sources[index] = np.asarray(leaves[index])
+        for index, dtype, int_path in self.scalars:
+            if int_path is not None:
+                check_int64(int_path, leaves[index])
+            sources[index] = np.asarray(leaves[index], dtype)
+        for index in self.as_bytes:
+            sources[index] = bytes_of(np.asarray(leaves[index]))
+        for index, shape, dtype in self.empty:
+            sources[index] = np.empty(shape, dtype)
+        return sources
+
+
+def build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) -> WritePlan:
+    """The write plan of ``state``, from scratch: flattens it with tree paths, classifies
+    and validates every leaf (TypeError / ValueError naming the path, before any I/O) and
+    plans the packs. ``local``: a single process, which holds every array entirely and
+    hands Orbax host arrays only."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    paths: list[str] = []
+    layouts: list[Layout] = []
+    candidates: list[tuple[int, np.dtype, int]] = []  # leaves that may go into a pack
+    stored_bytes = 0
+    on_device: list[int] = []
+    keys: list[int] = []
+    numpy_leaves: list[int] = []
+    scalars: list[tuple[int, np.dtype, str | None]] = []
+    empty: list[tuple[int, tuple[int, ...], np.dtype]] = []
+    as_bytes: list[int] = []
+    seen: set[str] = set()
+    for index, (key_path, leaf) in enumerate(path_leaves):
+        path = jax.tree_util.keystr(key_path)
+        if path in seen:
+            raise ValueError(f"two leaves of the state share the tree path {path}; "
+                             "paths must be unique to be matched on restore")
+        seen.add(path)
+        layout, data = classify_leaf(path, leaf)
+        paths.append(path)
+        layouts.append(layout)
+        if layout.kind == "key":
+            keys.append(index)
+            stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
+        elif layout.data_dtype is not None:  # stored as its bytes
+            as_bytes.append(index)
+            stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
+        else:
+            stored_shape, dtype = layout.shape, np.dtype(data.dtype)
+            if layout.kind == "scalar":
+                scalars.append((index, dtype, path if layout.python_type == "int" else None))
+            elif isinstance(data, np.ndarray):
+                numpy_leaves.append(index)
+        # Sizes from the shape: jax.Array's size and nbytes properties cost microseconds.
+        count = prod(stored_shape)
+        nbytes = count * dtype.itemsize
+        stored_bytes += nbytes
+        if count == 0:
+            # Orbax refuses zero-size arrays ("Cannot save arrays with zero size") and
+            # there is nothing to store: tree.json's shape and dtype say it all. Such a
+            # leaf goes into a pack at any offset, from an empty host array (no transfer,
+            # whichever process holds it).
+            empty.append((index, tuple(stored_shape), dtype))
+            candidates.append((index, dtype, 0))
+            continue
+        on_host = isinstance(data, np.ndarray)
+        # Small leaves this process holds entirely go into packs. An array sharded across
+        # processes is written shard by shard by Orbax instead; with a single process every
+        # array is held entirely, and asking would cost microseconds per leaf.
+        packable = 0 < leaf_limit and nbytes <= leaf_limit and (
+            local or on_host or data.is_fully_addressable)
+        if packable:
+            candidates.append((index, dtype, count))
+        # jax data comes to the host to be packed, and in a single process to be written.
+        if not on_host and (packable or local):
+            on_device.append(index)
+    packs, placements = plan_packs(candidates, pack_limit)
+
+    entries: list[SavedLeaf] = []
+    unpacked: list[tuple[int, str]] = []
+    for index, (path, layout) in enumerate(zip(paths, layouts)):
+        placed = placements.get(index)
+        if placed is None:
+            name, offset = f"leaf_{index:06d}", None
+            unpacked.append((index, name))
+        else:
+            name, offset = placed
+        entries.append(SavedLeaf(path=path, name=name, offset=offset, **layout._asdict()))
+    tree_json = tree_json_text(entries, [{"name": name, "dtype": dtype.name,
+                                          "size": pack_length(size)}
+                                         for name, (dtype, _, size) in packs.items()])
+    return WritePlan(tree_json=tree_json, nbytes=len(tree_json) + stored_bytes, packs=packs,
+                     unpacked=unpacked, on_device=on_device, keys=keys, numpy=numpy_leaves,
+                     scalars=scalars, empty=empty, as_bytes=as_bytes)
+
+
+def layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
+    """What a write plan depends on besides the backend's pack settings: the tree structure
+    and, per leaf, its type, shape and dtype (a typed key's dtype names its impl; a Python
+    scalar's type alone fixes its layout). Cheap next to building a plan: no tree paths, no
+    classification. Raises (AttributeError) for a leaf without shape or dtype; no plan
+    exists for such a leaf.
+
+    The structure is both the treedef and its text. Treedefs tell node types apart by
+    identity, which the text (type names) does not; but they compare dict keys with ``==``:
+    ``{1: x}``, ``{True: x}`` and ``{np.int64(1): x}`` have equal treedefs and the tree paths
+    ``[1]``, ``[True]`` and ``[np.int64(1)]``, which only the text tells apart."""
+    signature = tuple([cls if (cls := type(leaf)) in PY_SCALAR_CLASSES
+                       else (cls, leaf.shape, leaf.dtype) for leaf in leaves])
+    # Cheapest comparisons first: a key that differs mostly differs early.
+    return signature, str(treedef), treedef
+

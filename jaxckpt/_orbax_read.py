@@ -1,0 +1,375 @@
+"""The Orbax backend's read path: matching a ``like`` tree to tree.json, and the way back.
+
+Owns: what each ``like`` leaf asks for (:class:`Target`), the comparison of ``like`` with
+the saved leaves by tree path (every mismatch at once), the restore arguments handed to
+Orbax (shardings, typed keys' data), the native reader (``jaxckpt.zarr_io``, checking the
+deferred checksums of the files it reads as it reads them: ``store.ReadClaims``), and
+turning what was read into ``like``'s leaves (packed leaves cut out of their packs, arrays
+stored as bytes viewed as their dtype, keys wrapped, numpy and Python scalars converted).
+
+Which reader runs is the backend's decision (``orbax_backend``). Must not import: torch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from dataclasses import dataclass
+from math import prod
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxckpt import zarr_io
+from jaxckpt._orbax_tree import (
+    ARRAYS_DIR,
+    PACK_PREFIX,
+    PY_SCALAR_DTYPE_KINDS,
+    PY_SCALAR_TYPES,
+    STORAGE_NAME,
+    TREE_FILE,
+    ZARR_JSON,
+    SavedLeaf,
+    dtype_name,
+    from_bytes,
+    read_tree_json,
+)
+from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, TreeMismatchError
+
+if TYPE_CHECKING:
+    from jaxckpt.read_claims import ReadClaims
+
+__all__ = ["Target", "match_like", "arrays_dir", "restore_args_for", "read_native", "unpack",
+           "to_like_leaves"]
+
+
+# ---------------------------------------------------------------------------- like leaves
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a ``like`` leaf asks for."""
+
+    target: str
+    """"jax" (jax.Array, also for ShapeDtypeStruct), "numpy", "numpy_scalar" or "python"."""
+    shape: tuple[int, ...]
+    dtype: Any
+    """numpy or key dtype; the Python type for target "python"."""
+    sharding: jax.sharding.Sharding | None = None
+    """Where a "jax" leaf goes; None means the default device."""
+
+    def describe(self) -> str:
+        if self.target == "python":
+            return f"python {self.dtype.__name__}"
+        return f"shape {self.shape} {dtype_name(self.dtype)}"
+
+
+def target_of(leaf: Any) -> Target | None:
+    if isinstance(leaf, jax.Array):
+        return Target("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return Target("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding)
+    if isinstance(leaf, np.ndarray):
+        return Target("numpy", tuple(leaf.shape), leaf.dtype)
+    if isinstance(leaf, np.generic):
+        return Target("numpy_scalar", (), leaf.dtype)
+    for py_type in PY_SCALAR_TYPES.values():
+        if type(leaf) is py_type:
+            return Target("python", (), py_type)
+    return None
+
+
+def mismatch(target: Target, saved: SavedLeaf) -> bool:
+    if target.target == "python":
+        # A Python scalar like accepts any 0-d, non-key saved leaf of a matching kind (a
+        # step counter saved as a jnp.int32 restores into a Python int).
+        type_name = target.dtype.__name__
+        return (saved.kind == "key" or saved.shape != ()
+                or np.dtype(saved.dtype).kind not in PY_SCALAR_DTYPE_KINDS[type_name])
+    return saved.shape != target.shape or saved.dtype != dtype_name(target.dtype)
+
+
+def key_data_sharding(sharding: jax.sharding.Sharding, key_ndim: int,
+                      extra_ndim: int) -> jax.sharding.Sharding | None:
+    """The sharding of ``key_data`` for keys placed with ``sharding``: the key's layout plus
+    unsharded trailing dims. None where we cannot derive it (then we restore and move)."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (key_ndim - len(sharding.spec) + extra_ndim)
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec),
+                                          memory_kind=sharding.memory_kind)
+    return None
+
+
+def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
+                  ) -> tuple[dict[str, Any], dict[str, jax.sharding.Sharding],
+                             dict[str, jax.sharding.Sharding]]:
+    """What to ask Orbax (or zarr_io) for: restore args by storage name; where each jax
+    leaf's stored data goes (for keys: the key_data's sharding); and the keys whose
+    key_data sharding cannot be derived (restored, then moved onto their sharding)."""
+    default_sharding = None
+    restore_args: dict[str, Any] = {}
+    # Where each jax leaf's stored data goes (for keys: the key_data's sharding).
+    placements: dict[str, jax.sharding.Sharding] = {}
+    # Keys whose key_data sharding we cannot derive: restored, then moved onto it.
+    move_after: dict[str, jax.sharding.Sharding] = {}
+    for path, target in targets:
+        entry = saved[path]
+        # Packs and arrays stored as bytes come to the host first; each leaf is cut
+        # out (or viewed as its dtype) there, then placed.
+        if entry.packed or entry.as_bytes:
+            restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
+        if target.target != "jax":
+            if not entry.packed:
+                restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
+            continue
+        sharding = target.sharding
+        if sharding is None:
+            if default_sharding is None:
+                default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
+            sharding = default_sharding
+        if entry.kind == "key":
+            data_sharding = key_data_sharding(sharding, len(target.shape),
+                                              len(entry.stored_shape) - len(target.shape))
+            if data_sharding is None:
+                move_after[path] = sharding
+                if default_sharding is None:
+                    default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
+                data_sharding = default_sharding
+            sharding = data_sharding
+        placements[path] = sharding
+        if not (entry.packed or entry.as_bytes):
+            restore_args[entry.name] = ocp.ArrayRestoreArgs(
+                sharding=sharding, global_shape=entry.stored_shape,
+                dtype=entry.stored_dtype)
+    return restore_args, placements, move_after
+
+
+def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:
+    """``(tree path, what the leaf asks for)`` of every leaf of ``like``, and its treedef;
+    TypeError listing every leaf that describes no array."""
+    like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
+    targets: list[tuple[str, Target]] = []
+    bad_like: list[str] = []
+    for key_path, leaf in like_leaves:
+        path = jax.tree_util.keystr(key_path)
+        target = target_of(leaf)
+        if target is None:
+            bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
+        else:
+            targets.append((path, target))
+    if bad_like:
+        raise TypeError(
+            "like has leaves that describe no array:\n" + "\n".join(bad_like) + "\nFix: "
+            "give like leaves that are jax.Array, jax.ShapeDtypeStruct, numpy arrays or "
+            "Python bool/int/float (e.g. from nnx.eval_shape or jax.eval_shape).")
+    return targets, like_treedef
+
+
+def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf]) -> list[str]:
+    """Every difference between like and the checkpoint, one line per tree path."""
+    problems = []
+    like_paths = set()
+    for path, target in targets:
+        like_paths.add(path)
+        entry = saved.get(path)
+        if entry is None:
+            problems.append(f"{path}: missing from checkpoint (like has {target.describe()})")
+        elif mismatch(target, entry):
+            problems.append(f"{path}: expected {target.describe()}, checkpoint has "
+                            f"{entry.describe()}")
+    for path, entry in saved.items():
+        if path not in like_paths:
+            problems.append(f"{path}: not in like (checkpoint has {entry.describe()})")
+    # Sorted by path so that related problems (a renamed subtree) read side by side.
+    return sorted(problems)
+
+
+
+# --------------------------------------------------------------------------- the read
+
+
+def match_like(root: epath.Path, directory: str,
+               like: Any) -> tuple[dict[str, SavedLeaf], list[tuple[str, Target]], Any]:
+    """The saved leaves of ``directory`` by tree path, the targets of ``like`` and its
+    treedef, once ``like`` matches the checkpoint. Raises CheckpointNotFoundError for a
+    missing directory, CheckpointCorruptError for an unreadable tree.json, TypeError for
+    like leaves that describe no array, and one TreeMismatchError listing every mismatch
+    (missing, extra, shape, dtype, key impl); nothing has been read from ``arrays/`` then."""
+    if not root.exists():
+        raise CheckpointNotFoundError(f"no checkpoint at {directory}: the directory does "
+                                      "not exist")
+    saved = read_tree_json(root, directory)
+    targets, like_treedef = like_targets(like)
+    problems = compare(targets, saved)
+    if problems:
+        raise TreeMismatchError(
+            f"cannot restore {directory} into like: {len(problems)} tree path(s) do not "
+            "match:\n" + "\n".join(f"  {line}" for line in problems) + "\nFix: build "
+            "like with the same code and configuration that produced the checkpoint "
+            "(e.g. nnx.eval_shape of the same model and optimizer), or read with a like "
+            f"that matches {directory}/{TREE_FILE} and convert the result yourself.",
+            problems)
+    return saved, targets, like_treedef
+
+
+def arrays_dir(root: epath.Path, directory: str) -> epath.Path:
+    """The checkpoint's ``arrays/`` directory; CheckpointCorruptError when it is missing."""
+    found = root / ARRAYS_DIR
+    if not found.exists():
+        raise CheckpointCorruptError(
+            f"checkpoint {directory} has {TREE_FILE} but no {ARRAYS_DIR}/ directory: "
+            "its write did not finish. Fix: restore an older, committed checkpoint.")
+    return found
+
+
+def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,
+                pool: concurrent.futures.ThreadPoolExecutor,
+                direct: bool) -> dict[str, Any] | None:
+    """What Orbax's restore returns for ``restore_args``, read with zarr_io on ``pool``'s
+    threads (O_DIRECT where ``direct`` and the filesystem allow); None (before any bulk
+    read) when some array is not stored in zarr_io's layout or not as tree.json says
+    (Orbax then reads everything and reports what is wrong).
+
+    Claims the deferred checks of the files it reads (``claims``: a restore's deferred
+    checksums) and closes the claims, then reads the files on the I/O threads into
+    aligned buffers, checksumming the claimed ones as they are read: jax adopts those
+    buffers without a copy on CPU.
+    """
+    plans: list[tuple[str, tuple[int, ...], np.dtype, int, Any, str]] = []
+    for name, args in restore_args.items():
+        if not STORAGE_NAME.match(name):
+            return None
+        try:
+            with open(os.path.join(base, name, ZARR_JSON), "rb") as stream:
+                parsed = zarr_io.parse_metadata(stream.read(1 << 16))
+        except OSError:
+            return None
+        if parsed is None:
+            return None
+        shape, dtype, offset = parsed
+        if isinstance(args, ocp.ArrayRestoreArgs) and (
+                tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
+            return None
+        plans.append((name, shape, dtype, offset, args,
+                      os.path.join(base, name, *zarr_io.chunk_relpath(len(shape)).split("/"))))
+    expected: dict[str, str] = {}
+    if claims is not None:
+        for *_, file in plans:
+            claimed = claims.claim(file)
+            if claimed is not None:
+                expected[file] = claimed[0]
+        claims.close()
+
+    def read(plan: tuple[str, tuple[int, ...], np.dtype, int, Any, str]) -> np.ndarray:
+        _, shape, dtype, offset, _, file = plan
+        nbytes = prod(shape) * dtype.itemsize
+        algorithm = expected.get(file)
+        content, checksum = zarr_io.read_chunk(file, nbytes, algorithm=algorithm,
+                                               direct=direct, offset=offset)
+        if claims is not None and algorithm is not None:
+            claims.settle(file, checksum)
+        return zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
+
+    plans.sort(key=lambda plan: -prod(plan[1]) * plan[2].itemsize)  # largest first
+    arrays = list(pool.map(read, plans))
+    restored: dict[str, Any] = {}
+    placed: list[tuple[str, np.ndarray, Any]] = []
+    for (name, _, _, _, args, _), array in zip(plans, arrays):
+        if isinstance(args, ocp.ArrayRestoreArgs):
+            placed.append((name, array, args.sharding))
+        else:
+            restored[name] = array
+    if placed:
+        # One batched transfer; on CPU jax adopts the aligned buffers as they are.
+        values = jax.device_put([array for _, array, _ in placed],
+                                [sharding for _, _, sharding in placed])
+        restored.update((name, value) for (name, _, _), value in zip(placed, values))
+    return restored
+
+
+def unpack(directory: str, targets: list[tuple[str, Target]],
+           saved: dict[str, SavedLeaf], restored: dict[str, Any],
+           placements: dict[str, jax.sharding.Sharding]) -> list[Any]:
+    """The stored data of every target, in order: unpacked leaves as Orbax restored them;
+    packed ones cut out of their pack, arrays stored as bytes viewed as their dtype, and
+    those two, for jax targets, placed on their sharding."""
+    for name, pack in restored.items():
+        if name.startswith(PACK_PREFIX) and np.ndim(pack) != 1:
+            raise CheckpointCorruptError(
+                f"{directory}/{ARRAYS_DIR}/{name} has shape {np.shape(pack)}, not the "
+                "1-D pack tree.json describes. Fix: restore an older checkpoint.")
+    values: list[Any] = []
+    batch_slots: list[int] = []
+    batch_data: list[np.ndarray] = []
+    batch_shardings: list[jax.sharding.Sharding] = []
+    for slot, (path, target) in enumerate(targets):
+        entry = saved[path]
+        if entry.packed:
+            data = _cut(directory, path, entry, restored[entry.name])
+        elif entry.as_bytes:
+            data = np.asarray(restored[entry.name])
+            if data.shape != entry.stored_shape or data.dtype != entry.stored_dtype:
+                raise CheckpointCorruptError(
+                    f"{directory}/{ARRAYS_DIR}/{entry.name} holds {data.shape} "
+                    f"{data.dtype}, not the bytes of leaf {path} ({entry.stored_shape} "
+                    "uint8). Fix: restore an older checkpoint.")
+        else:
+            values.append(restored[entry.name])
+            continue
+        if entry.as_bytes:
+            data = from_bytes(data, entry)
+        if target.target != "jax":
+            # A copy: a view would keep the whole pack alive as long as this leaf.
+            values.append(data.copy() if target.target == "numpy" else data)
+            continue
+        sharding = placements[path]
+        if sharding.is_fully_addressable:
+            batch_slots.append(slot)
+            batch_data.append(data)
+            batch_shardings.append(sharding)
+            values.append(None)
+        else:  # spans processes: every process holds the pack, each places its shards
+            values.append(jax.make_array_from_callback(
+                data.shape, sharding, lambda index, data=data: data[index]))
+    # One batched transfer for all packed leaves instead of one call per leaf.
+    for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings)):
+        values[slot] = value
+    return values
+
+
+def _cut(directory: str, path: str, entry: SavedLeaf, pack: np.ndarray) -> np.ndarray:
+    """The stored data of the packed leaf ``entry`` (a view into its pack)."""
+    count = int(np.prod(entry.stored_shape, dtype=np.int64))
+    if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
+        raise CheckpointCorruptError(
+            f"{directory}: leaf {path} lies outside its pack {entry.name} (elements "
+            f"{entry.offset}..{entry.offset + count} of {pack.shape[0]}, dtype "
+            f"{entry.stored_dtype} vs {pack.dtype}). Fix: restore an older checkpoint.")
+    return pack[entry.offset:entry.offset + count].reshape(entry.stored_shape)
+
+
+def to_like_leaves(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
+                   values: list[Any], move_after: dict[str, jax.sharding.Sharding]) -> list[Any]:
+    """The leaves of ``like``, in order, from the stored data of each target (``unpack``):
+    keys wrapped (and moved where their data's sharding could not be derived), numpy and
+    Python targets converted to their types."""
+    leaves = []
+    for (path, target), value in zip(targets, values):
+        entry = saved[path]
+        if entry.kind == "key":
+            value = jax.random.wrap_key_data(value, impl=entry.impl)
+            if path in move_after:
+                value = jax.device_put(value, move_after[path])
+        elif target.target == "numpy":
+            value = np.asarray(value)
+        elif target.target == "numpy_scalar":
+            value = np.asarray(value, dtype=target.dtype)[()]
+        elif target.target == "python":
+            value = target.dtype(np.asarray(value).item())
+        leaves.append(value)
+    return leaves

@@ -1,0 +1,346 @@
+"""tree.json: the record of every saved leaf of an Orbax-backend checkpoint, and the leaves.
+
+Owns: the names of the files and directories the Orbax backend writes inside a checkpoint's
+state directory (``tree.json``, ``arrays/``, storage names), the format of ``tree.json``
+(its text, its parsing and checks), what it records of one leaf (:class:`SavedLeaf`), and
+how a state leaf is classified into that record (:func:`classify_leaf`): array, typed PRNG
+key or Python scalar, and arrays of dtypes Orbax has no type for kept as their bytes.
+
+Must not import: orbax, torch. Writes nothing; reads only ``tree.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from etils import epath
+
+from jaxckpt.errors import CheckpointCorruptError, CheckpointFormatError, CodecError
+from jaxckpt.layout import TREE_FILE
+
+#: value of the "format" field of tree.json; identifies the file's owner.
+TREE_FORMAT = "jaxckpt.orbax.tree"
+#: bumped on any incompatible change of tree.json; readers refuse newer versions. Version 2
+#: adds packed leaves (an "offset" on the leaf, whose "name" is then its pack's, and a
+#: "packs" list); a checkpoint without packed leaves is still written as version 1,
+#: readable by every release. Version 3 adds arrays stored as their bytes (a "data_dtype"
+#: of uint8 and a "data_shape" on a leaf of kind "array": dtypes Orbax has no type for);
+#: only a checkpoint holding such a leaf is written as version 3.
+TREE_FORMAT_VERSION = 3
+PACKED_TREE_VERSION = 2
+UNPACKED_TREE_VERSION = 1
+
+ARRAYS_DIR = "arrays"
+ZARR_JSON = "zarr.json"
+PACK_PREFIX = "pack_"
+#: The only storage names written: leaf_000017, pack_float32_000 (never a path).
+# numpy dtype names have underscores of their own (float8_e4m3fn), never '/' or '.'.
+STORAGE_NAME = re.compile(r"^(leaf_\d{1,12}|pack_[a-z0-9_]{1,32}_\d{1,9})$")
+
+# Python scalar types we store, by the name recorded in tree.json. bool comes first in
+# the lookups below because bool is a subclass of int.
+PY_SCALAR_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float}
+PY_SCALAR_DTYPES = {"bool": np.dtype(np.bool_), "int": np.dtype(np.int64),
+                    "float": np.dtype(np.float64)}
+PY_SCALAR_CLASSES = frozenset(PY_SCALAR_TYPES.values())
+# Which numpy dtype kinds a 0-d saved leaf may have to restore into a Python scalar like.
+PY_SCALAR_DTYPE_KINDS = {"bool": "b", "int": "iu", "float": "f"}
+
+
+# Both are asked once per leaf and cost ~10 us each uncached (numpy's dtype.name and
+# issubdtype are Python code): with 10,000 leaves that was 0.2 s of every save's blocking
+# time. A state has a handful of distinct dtypes.
+@functools.lru_cache(maxsize=256)
+def is_key_dtype(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_name(dtype: Any) -> str:
+    # Key dtypes are not numpy dtypes; their str is e.g. "key<fry>" and differs per impl.
+    return str(dtype) if is_key_dtype(dtype) else np.dtype(dtype).name
+
+
+
+# --------------------------------------------------------------------------- saved leaves
+
+
+@dataclass(frozen=True, slots=True)
+class SavedLeaf:
+    """One entry of tree.json."""
+
+    path: str
+    """``jax.tree_util.keystr`` of the leaf's tree path: the key leaves are matched by."""
+    name: str
+    """Storage name of the leaf inside the Orbax checkpoint (``leaf_000017``)."""
+    kind: str
+    """"array", "key" (typed PRNG key) or "scalar" (Python bool/int/float)."""
+    shape: tuple[int, ...]
+    """Shape of the leaf as the user sees it (for keys: the key array's shape)."""
+    dtype: str
+    """Dtype name as the user sees it ("float32", "bfloat16", "key<fry>", "int64")."""
+    impl: str | None = None
+    """Key implementation name ("threefry2x32", "rbg", ...) for kind "key"."""
+    data_shape: tuple[int, ...] | None = None
+    """Shape of the stored ``key_data`` for kind "key" (key shape + impl's trailing dims);
+    for an array stored as its bytes, its shape + (itemsize,)."""
+    data_dtype: str | None = None
+    """Dtype of the stored ``key_data`` for kind "key" (uint32 for the built-in impls);
+    "uint8" for an array stored as its bytes (a dtype Orbax cannot store, ``as_bytes``)."""
+    python_type: str | None = None
+    """"bool", "int" or "float" for kind "scalar"."""
+    offset: int | None = None
+    """For a packed leaf: its first element in the pack array ``name``; None when the leaf
+    is an Orbax array of its own."""
+
+    @property
+    def packed(self) -> bool:
+        return self.offset is not None
+
+    @property
+    def as_bytes(self) -> bool:
+        """An array stored as its bytes (uint8, one more axis of the itemsize)."""
+        return self.kind == "array" and self.data_dtype is not None
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Shape of the data as stored (a key's ``key_data``, an array's bytes; the leaf's
+        shape otherwise)."""
+        return (tuple(self.data_shape or ()) if self.kind == "key" or self.as_bytes
+                else self.shape)
+
+    @property
+    def stored_dtype(self) -> np.dtype:
+        """Dtype of the data as stored (a key's ``key_data`` dtype, uint8 for an array's
+        bytes; the leaf's otherwise)."""
+        return np.dtype(self.data_dtype if self.kind == "key" or self.as_bytes
+                        else self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"path": self.path, "name": self.name, "kind": self.kind,
+                                 "shape": list(self.shape), "dtype": self.dtype}
+        if self.kind == "key":
+            entry.update(impl=self.impl, data_shape=list(self.data_shape or ()),
+                         data_dtype=self.data_dtype)
+        if self.as_bytes:
+            entry.update(data_shape=list(self.data_shape or ()), data_dtype=self.data_dtype)
+        if self.kind == "scalar":
+            entry["python_type"] = self.python_type
+        if self.offset is not None:
+            entry["offset"] = self.offset
+        return entry
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> SavedLeaf:
+        data_shape = entry.get("data_shape")
+        offset = entry.get("offset")
+        if offset is not None and (type(offset) is not int or offset < 0):
+            raise ValueError(f"leaf {entry.get('path')!r} has offset {offset!r}, not an "
+                             "integer >= 0")
+        return cls(path=entry["path"], name=entry["name"], kind=entry["kind"],
+                   shape=tuple(entry["shape"]), dtype=entry["dtype"], impl=entry.get("impl"),
+                   data_shape=None if data_shape is None else tuple(data_shape),
+                   data_dtype=entry.get("data_dtype"), python_type=entry.get("python_type"),
+                   offset=offset)
+
+    def describe(self) -> str:
+        if self.kind == "scalar":
+            return f"python {self.python_type}"
+        text = f"shape {self.shape} {self.dtype}"
+        return f"{text} (impl {self.impl})" if self.kind == "key" else text
+
+
+class Layout(NamedTuple):
+    """What tree.json records of one leaf apart from its path and where it is stored: the
+    fields of SavedLeaf but path, name and offset, with the same meanings."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    impl: str | None = None
+    data_shape: tuple[int, ...] | None = None
+    data_dtype: str | None = None
+    python_type: str | None = None
+
+
+#: Array dtypes Orbax's tensorstore stores (zarr3), by numpy name. Arrays of any other
+#: dtype numpy holds (uint2, uint4, float8_e4m3, float6_*, int1/uint1, complex32, numpy's
+#: longdouble...) are stored as their bytes: uint8 with one more axis of the itemsize
+#: (``bytes_of``); tests/test_dtypes.py round-trips every one bit for bit.
+STORABLE_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
+    "int2", "int4", "float4_e2m1fn", "float8_e3m4", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+})
+
+
+def bytes_of(array: np.ndarray) -> np.ndarray:
+    """The bytes of ``array`` (C order) as uint8 of shape ``array.shape + (itemsize,)``: how
+    an array of a dtype Orbax has no type for is stored (a view where it can be)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return flat.view(np.uint8).reshape(array.shape + (array.dtype.itemsize,))
+
+
+def from_bytes(data: np.ndarray, entry: SavedLeaf) -> np.ndarray:
+    """The array ``bytes_of`` stored, from its bytes as read (host memory)."""
+    dtype = np.dtype(numpy_dtype(entry.dtype))
+    flat = np.ascontiguousarray(data).reshape(-1)
+    return flat.view(dtype).reshape(entry.shape)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """A dtype by the name tree.json records (ml_dtypes' names included)."""
+    if re.fullmatch(r"void\d+", name):  # raw bytes: numpy names V4 "void32", in bits
+        return np.dtype(f"V{int(name[4:]) // 8}")
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        found = getattr(ml_dtypes, name, None)
+        if found is None:
+            raise
+        return np.dtype(found)
+
+
+def bytes_layout(path: str, array: np.ndarray) -> tuple[Layout, np.ndarray]:
+    """A leaf of a dtype Orbax cannot store, kept as its bytes (refused where its bytes
+    cannot be had: an object, string or structured dtype)."""
+    data = bytes_of(array)
+    return Layout(kind="array", shape=tuple(array.shape), dtype=array.dtype.name,
+                  data_shape=tuple(data.shape), data_dtype="uint8"), data
+
+
+def check_int64(path: str, value: int) -> None:
+    """Python ints are stored as int64; one outside its range raises, naming its path."""
+    if not -(2**63) <= value < 2**63:
+        raise TypeError(
+            f"leaf {path} is the Python int {value}, which does not fit in int64. "
+            "Fix: store it as a string in a stateful object's JSON state.")
+
+
+def classify_leaf(path: str, leaf: Any) -> tuple[Layout, Any]:
+    """Classify one state leaf; return what tree.json records of it and the array that
+    holds its data (the caller's own numpy array, not a copy: ``HostBuffers.stage`` in
+    ``_orbax_write`` copies what must be copied). Raises TypeError, naming ``path``, for a
+    leaf that cannot be stored."""
+    if isinstance(leaf, jax.Array):
+        if is_key_dtype(leaf.dtype):
+            data = jax.random.key_data(leaf)
+            return Layout(kind="key", shape=tuple(leaf.shape), dtype=dtype_name(leaf.dtype),
+                          impl=str(jax.random.key_impl(leaf)), data_shape=tuple(data.shape),
+                          data_dtype=np.dtype(data.dtype).name), data
+        if np.dtype(leaf.dtype).name not in STORABLE_DTYPES:
+            if not leaf.is_fully_addressable:
+                raise CodecError(
+                    f"leaf {path} is a jax.Array of dtype {np.dtype(leaf.dtype).name} sharded "
+                    "across processes; Orbax has no type for that dtype, and jaxckpt stores "
+                    "such arrays as their bytes only from one process. Fix: convert it to a "
+                    "dtype Orbax stores (e.g. uint8, float32) before saving.")
+            return bytes_layout(path, np.asarray(leaf))
+        return Layout(kind="array", shape=tuple(leaf.shape),
+                      dtype=dtype_name(leaf.dtype)), leaf
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        # Objects, strings, dates and records have no array encoding in Orbax.
+        if leaf.dtype.kind in "OUSMm" or leaf.dtype.fields is not None:
+            raise TypeError(
+                f"leaf {path} is a numpy array of dtype {leaf.dtype}, which Orbax cannot "
+                "store as an array. Fix: convert it to a numeric array, or keep it out of the "
+                "array state (e.g. in a stateful object's JSON state).")
+        array = np.asarray(leaf)
+        if array.dtype.name not in STORABLE_DTYPES:
+            return bytes_layout(path, array)
+        return Layout(kind="array", shape=tuple(array.shape),
+                      dtype=dtype_name(array.dtype)), array
+    for type_name, py_type in PY_SCALAR_TYPES.items():
+        if type(leaf) is py_type:
+            dtype = PY_SCALAR_DTYPES[type_name]
+            if py_type is int:
+                check_int64(path, leaf)
+            return Layout(kind="scalar", shape=(), dtype=dtype.name,
+                          python_type=type_name), np.asarray(leaf, dtype)
+    raise TypeError(
+        f"leaf {path} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which cannot be "
+        "checkpointed as an array. Leaves must be jax.Array (typed PRNG keys included), numpy "
+        "arrays or Python bool/int/float. Fix: remove it from the array state (e.g. with "
+        "nnx.state(model, nnx.Param) or a filtered dict) and keep strings and objects in a "
+        "stateful object's JSON state, or convert it to an array.")
+
+# ------------------------------------------------------------------------------ tree.json
+
+
+def tree_json_text(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> str:
+    """tree.json's text: one leaf per line, so that it stays readable and diffable.
+
+    Built from per-line ``json.dumps`` calls, which use the C encoder: ``indent=`` switches
+    the whole document to the pure-Python encoder, 0.4 s for 10,000 leaves.
+    """
+    version = (TREE_FORMAT_VERSION if any(entry.as_bytes for entry in entries) else
+               PACKED_TREE_VERSION if packs else UNPACKED_TREE_VERSION)
+    lines = [f'{{"format": {json.dumps(TREE_FORMAT)}, "version": {version},']
+    if packs:
+        lines.append(' "packs": [' + ",\n  ".join(json.dumps(p) for p in packs) + "],")
+    lines.append(' "leaves": [')
+    lines.append(",\n".join("  " + json.dumps(entry.to_json()) for entry in entries))
+    lines.append(" ]}")
+    return "\n".join(lines) + "\n"
+
+
+def read_tree_json(root: epath.Path, directory: str) -> dict[str, SavedLeaf]:
+    tree_file = root / TREE_FILE
+    if not tree_file.exists():
+        raise CheckpointCorruptError(
+            f"{directory} has no {TREE_FILE}: it was not written by jaxckpt's Orbax backend, "
+            "or its write did not finish. Fix: point at a checkpoint directory that the "
+            "Orbax backend wrote completely.")
+    try:
+        document = json.loads(tree_file.read_text())
+        if document.get("format") != TREE_FORMAT:
+            raise ValueError(f"format is {document.get('format')!r}, not {TREE_FORMAT!r}")
+        if document.get("version", 0) > TREE_FORMAT_VERSION:
+            raise CheckpointFormatError(
+                f"{directory}/{TREE_FILE} is unreadable: version {document['version']} is newer "
+                f"than this jaxckpt reads ({TREE_FORMAT_VERSION}); upgrade jaxckpt")
+        entries = [SavedLeaf.from_json(entry) for entry in document["leaves"]]
+        for entry in entries:
+            # A storage name becomes a path under arrays/: only names this backend makes.
+            if not isinstance(entry.name, str) or not STORAGE_NAME.match(entry.name):
+                raise ValueError(f"leaf {entry.path!r} has storage name {entry.name!r}, which is "
+                                 "not one this backend writes (leaf_N or pack_DTYPE_N); "
+                                 "refusing a name that could point outside the checkpoint")
+        check_packs(entries, document.get("packs") or [])
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointCorruptError(f"{directory}/{TREE_FILE} is unreadable: {error}") \
+            from error
+    return {entry.path: entry for entry in entries}
+
+
+def check_packs(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> None:
+    """Every packed leaf names a listed pack of its stored dtype and lies inside it."""
+    listed: dict[str, tuple[np.dtype, int]] = {}
+    for pack in packs:
+        name, size = pack["name"], pack["size"]
+        if not isinstance(name, str) or not name.startswith(PACK_PREFIX) or not STORAGE_NAME.match(name):
+            raise ValueError(f"pack name {name!r} is not a pack name this backend writes")
+        if type(size) is not int or size < 0:
+            raise ValueError(f"pack {name} has size {size!r}, not an integer >= 0")
+        listed[name] = (np.dtype(pack["dtype"]), size)
+    for entry in entries:
+        if not entry.packed:
+            continue
+        if entry.name not in listed:
+            raise ValueError(f"leaf {entry.path} is packed into {entry.name}, which is not in "
+                             "the list of packs")
+        dtype, size = listed[entry.name]
+        count = int(np.prod(entry.stored_shape, dtype=np.int64))
+        if dtype != entry.stored_dtype or entry.offset + count > size:
+            raise ValueError(f"leaf {entry.path} ({count} x {entry.stored_dtype} at element "
+                             f"{entry.offset}) does not fit pack {entry.name} ({size} x {dtype})")
+
