@@ -36,7 +36,7 @@ from . import driver as drv
 from .arguments import check_arguments, check_step_info
 from .backend import Backend
 from .config import Every, ExportConfig, RecoverConfig, StepInfo, check_item_cadences
-from .context import STATE_DIR, ManagerContext
+from .context import STATE_DIR, ManagerContext  # noqa: F401 - STATE_DIR: tools import it from here
 from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
 from .pipeline import SavePipeline
@@ -48,7 +48,7 @@ from .root import prepare_root
 from .saving import RecoverySaver, resolve_state
 from .store import CheckpointStore, RootLock, check_root
 
-__all__ = ["CheckpointManager", "SaveReport", "Recovered", "STATE_DIR"]
+__all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
 log = logging.getLogger("jaxckpt")
 
