@@ -1,0 +1,113 @@
+"""Exports: model-only copies of the state written by the user's exporter, and their retention.
+
+Owns: one export (a host copy of the state where the write runs in the background or the
+arrays are sharded across processes, then ``exporter(state, tmp_dir)`` and a rename to
+``export/epoch{E}epochstep{S}globalstep{G}``), the retention of exports (``keep_last_n`` of
+``ExportConfig``), and ``export_record``, what the exporter says about itself for every
+recovery checkpoint's driver.json.
+
+Must not import: jax, orbax, torch, or the recovery and saving parts; the thread and the
+error propagation are the ``SavePipeline``'s.
+
+Concurrency contract: ``save`` runs on the training thread (every process joins the host
+copy, a collective in multi-process runs); the exporter, the rename and ``apply_retention``
+run on the pipeline's background thread (the exporter inline in sync mode), on the primary
+only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from typing import Any
+
+from .config import ExportConfig, StepInfo
+from .context import ManagerContext
+from .errors import CheckpointWarning, ConfigError
+from .pipeline import SavePipeline
+from .policy import steps_to_delete
+from .layout import export_dirname
+from .reports import SaveReport
+
+__all__ = ["Exporter", "export_record"]
+
+
+class Exporter:
+    """Writes and retains the exports of one manager (one with an ``ExportConfig``)."""
+
+    def __init__(self, ctx: ManagerContext, pipeline: SavePipeline, *, mode: str):
+        assert ctx.export_config is not None and ctx.export_trigger is not None
+        self._ctx = ctx
+        self._pipeline = pipeline
+        self._mode = mode  # ExportConfig.mode, resolved: "sync" or "async"
+
+    def save(self, step: StepInfo, state: Any, reason: str) -> SaveReport:
+        """Export ``state`` at ``step``; returns once the state may change again."""
+        ctx = self._ctx
+        start = time.perf_counter()
+        last = ctx.last.get("export")
+        if last is not None and last.step == step.global_step and last.error is None:
+            return last
+        self._pipeline.drain()
+        self._pipeline.raise_unraised(stacklevel=4)  # the user's call, past the manager
+        config = ctx.export_config
+        assert config is not None and ctx.export_trigger is not None
+        name = export_dirname(step.epoch, step.epoch_step, step.global_step)
+        final = os.path.join(ctx.store.export_dir, name)
+        report = SaveReport(kind="export", step=step.global_step, path=final,
+                            mode=self._mode, reason=reason)
+        ctx.export_trigger.mark_saved()
+        # Async exports run from a host copy so training may update the arrays meanwhile; in
+        # multi-process runs the copy also gathers the shards (a collective every process
+        # joins), since only the primary writes the export.
+        needs_copy = (report.mode == "async" or ctx.process_count > 1
+                      or ctx.backend.features.export_needs_copy)
+        source = ctx.backend.host_copy(state) if needs_copy else state
+        report.blocking_s = time.perf_counter() - start
+        ctx.last["export"] = report
+
+        def finish() -> None:
+            if not ctx.primary:
+                return
+            tmp = ctx.store.export_tmp_path(name)
+            ctx.store.storage.make_prefix(tmp)
+            written = config.exporter(source, tmp)
+            # Replaces an export of this step from a discarded attempt, if there is one.
+            ctx.store.publish_export(tmp, final)
+            report.bytes = written if isinstance(written, int) else ctx.store.size_of(final)
+
+        self._pipeline.run(report, finish, start,
+                           after=self.apply_retention if ctx.primary else None)
+        return report
+
+    def apply_retention(self) -> None:
+        """Primary, background: delete the exports ``ExportConfig.keep_last_n`` no longer
+        keeps; a failed delete is a warning, never an error."""
+        config = self._ctx.export_config
+        assert config is not None
+        entries = self._ctx.store.export_entries()
+        victims = set(steps_to_delete([s for s, _ in entries], config.keep_last_n))
+        for step, path in entries:
+            if step in victims:
+                try:
+                    self._ctx.store.delete_export(path)
+                except OSError as exc:
+                    warnings.warn(f"retention could not delete export {path}: {exc}",
+                                  CheckpointWarning, stacklevel=2)
+
+
+def export_record(export: ExportConfig | None) -> dict[str, Any] | None:
+    """What the exporter says about itself (``exporter.checkpoint_metadata``, e.g. the HF arch
+    and config), recorded in every recovery checkpoint's driver.json under "export" so a
+    checkpoint can be exported later without being told how (``jaxckpt export-hf``)."""
+    record = getattr(export.exporter, "checkpoint_metadata", None) if export else None
+    if record is None:
+        return None
+    try:
+        return json.loads(json.dumps(dict(record)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"ExportConfig.exporter.checkpoint_metadata must be a JSON-safe "
+                          f"dict, got {type(record).__name__}: {exc}") from None
+

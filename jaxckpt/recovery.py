@@ -1,0 +1,325 @@
+"""Recovery: find the checkpoint to resume from, verify it, fall back past damaged ones, and
+read it.
+
+Owns: choosing the step (the primary walks the committed checkpoints newest first, checks
+each and the item versions it refers to, and shares its choice), failing closed when
+checkpoints exist and none verifies (``RecoverConfig.on_corrupt``), reading the driver state,
+the arrays and the requested items under a reader lock (retention keeps off), judging the
+read once the deferred checksums are in (``verification``), falling back when they fail,
+setting unusable checkpoints aside, and restoring each process's local state (stateful
+objects, RNGs) only once the arrays are in.
+
+Must not import: jax, orbax, torch, or the saving, export and pipeline parts: the manager
+waits for in-flight saves before it calls ``restore``.
+
+Concurrency contract: ``restore`` runs on the training thread with no save in flight. The
+step being read is in the context's ``reading`` set (under ``state_lock``) for as long as it is
+read, so that the background thread's retention leaves it alone. Across processes: the primary
+decides which step and whether its deferred checksums passed; every process takes the shared
+verdict, so that all of them fall back or raise together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import driver as drv
+from . import verification
+from .config import StepInfo
+from .context import ManagerContext
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+)
+from .reports import Recovered
+from .layout import DRIVER_FILE, STATE_DIR
+from .read_claims import ReadClaims
+from .store import Entry
+from .verification import DeferredChecksumsFailed, Verification, Verifier
+
+__all__ = ["Recovery"]
+
+_FAIL_CLOSED = -2
+"""What ``_choose`` shares when committed checkpoints exist and none verifies (-1: none)."""
+
+
+class Recovery:
+    """Restores the recovery checkpoints of one manager."""
+
+    def __init__(self, ctx: ManagerContext):
+        self._ctx = ctx
+        self._verifier = Verifier(ctx.store, primary=ctx.primary)
+
+    def restore(self, like: Any, *, stateful: Mapping[str, Any] | None, step: int | None,
+                required: bool, items: Mapping[str, Any] | None = None) -> Recovered | None:
+        """Restore ``step`` (None: the latest valid checkpoint, falling back past unusable
+        ones), or return None when there is none and it is not ``required``. Call it from
+        the manager's public method, with no save in flight (warnings point two frames up)."""
+        ctx = self._ctx
+        checks = verification.plan(ctx.recover_config, ctx.backend, items)
+        bad: list[Entry] = []
+        limit: int | None = None
+        while True:
+            chosen = self._choose(step, checks, limit, bad)
+            skipped = [f"{item.path}: {item.status}: "
+                       + ("; ".join(item.problems) or "no commit marker (interrupted save)")
+                       for item in bad]
+            if chosen == _FAIL_CLOSED:
+                raise self._no_valid_checkpoint(skipped)
+            if chosen < 0:
+                if skipped:
+                    warnings.warn("no valid checkpoint to resume from; unusable ones: "
+                                  + " | ".join(skipped), CheckpointWarning, stacklevel=3)
+                if ctx.primary and not required:
+                    self._set_aside(bad)
+                if required:
+                    raise CheckpointNotFoundError(
+                        f"no valid recovery checkpoint under {ctx.store.recover_dir}"
+                        + (f" (unusable: {' | '.join(skipped)})" if skipped else "")
+                        + ". Train from scratch, or point the manager at the root that holds "
+                          "the checkpoints.")
+                return None
+            path = ctx.store.step_path(chosen)
+            try:
+                body, state, versions, restored_items = self._read_checkpoint(path, like, items,
+                                                                              chosen, checks)
+            except DeferredChecksumsFailed as failed:
+                # What was read went with the exception; nothing else was touched yet. The
+                # same outcome as when these checksums fail up front: an explicit step is an
+                # error, a resume falls back (the primary quarantines this one below).
+                if step is not None:
+                    raise failed.corrupt_error() from None
+                if ctx.primary:
+                    bad.append(Entry(step=chosen, path=path, status="corrupt",
+                                     problems=failed.problems))
+                limit = chosen - 1
+                continue
+            except CheckpointFormatError:
+                raise  # newer, not damaged: skipping it would silently drop progress
+            except CheckpointCorruptError as exc:
+                # Verified files can still fail to decode (altered yet consistent metadata):
+                # when resuming, fall back like for any other corrupt checkpoint.
+                if step is not None or ctx.process_count > 1:
+                    raise
+                bad.append(Entry(step=chosen, path=path, status="corrupt", problems=(str(exc),)))
+                limit = chosen - 1
+                continue
+            break
+        if skipped:
+            warnings.warn(f"resuming from step {chosen}, skipping newer unusable checkpoints: "
+                          + " | ".join(skipped), CheckpointWarning, stacklevel=3)
+        # Local state only once the arrays are in: never a half-restored loader or RNG.
+        local = body.get("local") if ctx.primary else self._read_local(path)
+        self._restore_local(local, stateful, path)
+        self._set_aside(bad)
+        step_info = StepInfo.from_json(body["step_info"])
+        # Training goes on from the restored step: saves made before it are history, and a
+        # later save of an equal step number is new work, not a duplicate.
+        ctx.last.clear()
+        ctx.restored_step = chosen
+        ctx.recover_trigger.mark_saved()
+        if ctx.export_trigger is not None:
+            ctx.export_trigger.mark_saved()
+        return Recovered(state=state, step_info=step_info, path=path,
+                         metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped),
+                         items=restored_items, item_versions=versions,
+                         saved_process_count=int(body.get("process_count", 1)))
+
+    def _set_aside(self, bad: Sequence[Entry]) -> None:
+        """Unusable checkpoints would collide with the steps about to be (re)done, and
+        retention, which counts commit markers, could keep them over new valid ones: move
+        them aside (kept for inspection; partial ones are just debris)."""
+        for item in bad:
+            with contextlib.suppress(OSError):
+                if item.status == "partial":
+                    self._ctx.store.delete(item.path)
+                else:
+                    self._ctx.store.quarantine(item.path, item.status)
+
+    def _no_valid_checkpoint(self, skipped: Sequence[str]) -> CheckpointCorruptError:
+        """Fail closed: committed checkpoints exist and none can be restored."""
+        where = self._ctx.store.recover_dir
+        if not self._ctx.primary:
+            return CheckpointCorruptError(
+                f"no checkpoint under {where} verifies (the primary process lists them); "
+                f"nothing was restored.")
+        listing = "\n".join(f"  - {line}" for line in skipped)
+        return CheckpointCorruptError(
+            f"the checkpoint root holds checkpoints but none verifies, so there is nothing "
+            f"safe to resume from; nothing was restored, moved or deleted:\n{listing}\n"
+            f"Starting from scratch here would silently drop that progress. Fix: repair or "
+            f"restore the files (e.g. from a backup), point the manager at another root, or "
+            f"opt in to starting over with RecoverConfig(on_corrupt=\"start_fresh\") (the "
+            f"damaged checkpoints are then moved to {where}/superseded/).")
+
+    def _choose(self, step: int | None, checks: Verification, limit: int | None,
+                bad: list[Entry]) -> int:
+        """The step to restore (-1: none), decided by the primary and shared. Unusable newer
+        checkpoints found on the way are appended to ``bad``. Checksums that
+        ``checks.defer_over`` leaves out are checked later, by ``_read_checkpoint``."""
+        ctx = self._ctx
+        chosen = -1
+        if ctx.primary:
+            if step is None:
+                while True:
+                    entry, newly_bad = ctx.store.latest_valid(
+                        checksums=checks.checksums, at_or_before=limit,
+                        defer_over=checks.defer_over)
+                    bad += newly_bad
+                    if entry is None:
+                        break
+                    problems = self._verifier.item_problems(entry.path, checks)
+                    if not problems:
+                        chosen = entry.step
+                        break
+                    # A checkpoint whose items are gone or damaged cannot be restored whole.
+                    bad.append(dataclasses.replace(entry, status="corrupt",
+                                                   problems=tuple(problems)))
+                    limit = entry.step - 1
+                if (chosen < 0 and ctx.recover_config.on_corrupt == "raise"
+                        and any(entry.status != "partial" for entry in bad)):
+                    chosen = _FAIL_CLOSED
+            else:
+                chosen = self._verifier.check_requested(step, checks)
+                problems = self._verifier.item_problems(ctx.store.step_path(step), checks)
+                if problems:
+                    raise CheckpointCorruptError(
+                        f"checkpoint {ctx.store.step_path(step)} refers to unusable items: "
+                        + "; ".join(problems) + ". Restore another step.")
+        return ctx.backend.broadcast_int(chosen) if ctx.process_count > 1 else chosen
+
+    def _read_checkpoint(self, path: str, like: Any, items: Mapping[str, Any] | None,
+                         step: int, checks: Verification,
+                         ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
+        """Driver, arrays and requested items of one checkpoint, under a reader lock that
+        keeps retention away from it.
+
+        With deferred checksums the primary checks them in a thread while this reads, and
+        the read is judged only once they are in: when they fail, what was read is dropped
+        and ``DeferredChecksumsFailed`` raised, on every process (the primary shares its
+        verdict), also when the read itself failed (damaged bytes explain that failure)."""
+        with self._ctx.state_lock:
+            self._ctx.reading.add(step)
+        try:
+            with self._ctx.store.reading(path):
+                claims = (ReadClaims() if checks.defer_over is not None and self._ctx.primary
+                          and self._ctx.backend.features.verifies_reads else None)
+                checking = self._verifier.start_deferred_checks(path, checks, claims)
+                result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]] | None = None
+                error: Exception | None = None
+                try:
+                    body = self._read_driver(path)
+                    if claims is not None:
+                        state = self._ctx.backend.read(os.path.join(path, STATE_DIR), like,
+                                                       claims=claims)
+                    else:
+                        state = self._ctx.backend.read(os.path.join(path, STATE_DIR), like)
+                    versions = {name: int(ref["version"])
+                                for name, ref in (body.get("items") or {}).items()}
+                    result = body, state, versions, self._read_items(items, versions, path)
+                except Exception as exc:  # noqa: BLE001 - judged once the checksums are in
+                    if checks.defer_over is None:
+                        raise
+                    error = exc
+                finally:
+                    if claims is not None:
+                        claims.close()
+                    own, item_problems = (checking.result() if checking is not None
+                                          else ([], []))
+                    if claims is not None:
+                        own = own + claims.problems(path)
+                failed = bool(own or item_problems)
+                if checks.defer_over is not None and self._ctx.process_count > 1:
+                    # Only the primary checked: its verdict is every process's, so that
+                    # all of them fall back (or raise) together.
+                    failed = self._ctx.backend.broadcast_int(int(failed)) != 0
+                if failed:
+                    # Let go of every array read (error tracebacks hold some too) before the
+                    # next checkpoint is read: two models may not fit in memory.
+                    result = error = state = None
+                    raise DeferredChecksumsFailed(path, own, item_problems)
+                if error is not None:
+                    raise error
+                assert result is not None
+                return self._finish_read(result)
+        finally:
+            with self._ctx.state_lock:
+                self._ctx.reading.discard(step)
+
+    def _finish_read(self, result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]],
+                     ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
+        """A read judged valid: the backend's ``finish_read`` gets the state and every item
+        (values for live objects are put into them in place only now)."""
+        finish = self._ctx.backend.finish_read
+        body, state, versions, items = result
+        return body, finish(state), versions, {name: finish(tree) for name, tree in items.items()}
+
+    def _read_items(self, items: Mapping[str, Any] | None, versions: Mapping[str, int],
+                    path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, like in (items or {}).items():
+            if name not in versions:
+                warnings.warn(f"{path} refers to no version of item {name!r} (saved without it); "
+                              f"it is not restored.", CheckpointWarning,
+                              stacklevel=5)  # the user's call: past the read and the manager
+                continue
+            item_dir = self._ctx.store.item_path(name, versions[name])
+            with self._ctx.store.reading(item_dir):
+                out[name] = self._ctx.backend.read(os.path.join(item_dir, STATE_DIR), like)
+        return out
+
+    def _read_driver(self, path: str) -> dict[str, Any]:
+        try:
+            body = drv.parse_driver(self._ctx.store.read_file(path, DRIVER_FILE), path)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{path}: driver.json is missing") from None
+        saved_backend = body.get("backend")
+        if saved_backend is not None and saved_backend != self._ctx.backend.name:
+            raise CheckpointError(
+                f"{path} was written by the {saved_backend!r} backend but this manager uses "
+                f"{self._ctx.backend.name!r}. Use the matching manager "
+                f"(jaxckpt.CheckpointManager for 'orbax', torch_bridge.DcpCheckpointManager for "
+                f"'dcp').")
+        saved_count = body.get("process_count", 1)
+        if saved_count != self._ctx.process_count:
+            warnings.warn(
+                f"{path} was saved by {saved_count} process(es) and is restored by "
+                f"{self._ctx.process_count}: "
+                f"arrays are resharded; each process restores the local state (data-loader "
+                f"position, RNG) saved by the process of the same index, and processes with no "
+                f"saved counterpart keep their fresh local state. Check your data sharding.",
+                CheckpointWarning, stacklevel=5)  # the user's call: past the read and the manager
+        return body
+
+    def _read_local(self, path: str) -> dict[str, Any] | None:
+        try:
+            name = drv.local_filename(self._ctx.process_index)
+            return json.loads(self._ctx.store.read_file(path, name))
+        except FileNotFoundError:
+            return None
+
+    def _restore_local(self, local: Mapping[str, Any] | None,
+                       stateful: Mapping[str, Any] | None, path: str) -> None:
+        if local is None:
+            if stateful:
+                warnings.warn(f"{path} has no local state for process {self._ctx.process_index}; "
+                              f"stateful objects keep their fresh state.", CheckpointWarning,
+                              stacklevel=4)
+            return
+        drv.restore_stateful(stateful, local.get("stateful") or {}, path)
+        if self._ctx.recover_config.restore_global_rng:
+            drv.restore_global_rng(local.get("rng") or {}, path)
+        backend_rng = local.get("backend_rng")
+        if backend_rng is not None:
+            from . import codec
+
+            self._ctx.backend.set_rng_state(codec.decode(backend_rng, "backend_rng"))

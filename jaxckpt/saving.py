@@ -1,0 +1,347 @@
+"""One recovery save, from the snapshot on the training thread to the committed marker and
+retention on the background thread.
+
+The steps of a save of step S into D = recover/step_S:
+
+1. training thread (``RecoverySaver.save``, this is ``report.blocking_s``): wait for the
+   previous save (only one is ever in flight), snapshot the driver state to JSON bytes, let
+   the backend stage the arrays of the checkpoint and of every item version not on disk yet
+   (``backend.write`` returns once the caller may touch its arrays again);
+2. background thread, or inline in sync mode (the ``finish`` job handed to the
+   ``SavePipeline``): write the driver JSON, wait for the backend's writes, commit each new
+   item version and then the checkpoint: in multi-process runs every process drops
+   ``done.p{i}`` and the primary waits for all of them; the primary checksums and fsyncs every
+   file and writes ``COMMITTED`` atomically (``store.commit``);
+3. background thread, only after a commit: retention (checkpoints ``keep_last_n`` no longer
+   keeps, then item versions no committed checkpoint refers to), or the partial directory's
+   removal after a failure.
+
+Owns: those steps, the item versions of a save, making room for a step already on disk, the
+``done.p{i}`` handshake, retention of recovery checkpoints and items, and the once-per-manager
+warning about framework objects a save leaves out.
+
+Must not import: jax, orbax, torch, or the recovery and export parts; the thread and the
+error propagation are the ``SavePipeline``'s.
+
+Concurrency contract: ``save`` and ``warn_left_out`` run on the training thread; the commit,
+``apply_retention`` and the partial cleanup run on the pipeline's background thread (inline
+in sync mode). The shared fields of the context they touch (``written_items``, ``reading``)
+are guarded by its ``state_lock``. Across processes: every process writes its share and drops
+its ``done.p{i}``; only the primary writes the driver, commits and deletes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import time
+import types
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from . import driver as drv
+from .config import Every, StepInfo, Versioned, check_item_name, item_version
+from .context import ManagerContext
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
+from .pipeline import SavePipeline
+from .policy import steps_to_delete
+from .reports import SaveReport, mark_done
+from .layout import DRIVER_FILE, STATE_DIR
+
+__all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
+
+log = logging.getLogger("jaxckpt")
+
+
+class RecoverySaver:
+    """Writes, commits and retains the recovery checkpoints of one manager."""
+
+    def __init__(self, ctx: ManagerContext, pipeline: SavePipeline, *, mode: str,
+                 item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None):
+        self._ctx = ctx
+        self._pipeline = pipeline
+        self._mode = mode  # the manager's save mode ("sync" or "async")
+        self._item_cadences = dict(item_cadences)
+        self._export_record = export_record  # recorded in every driver.json (see exports)
+        self.scope_checked = False  # see warn_left_out
+
+    def warn_left_out(self, state: Any, items: Mapping[str, Any] | None, caller: Any) -> None:
+        """Once per manager, at its first recovery save: warn when the calling code's local
+        variables hold framework objects whose state this save leaves out (e.g. an
+        ``nnx.Rngs`` or metrics beside a saved model). The backend judges
+        (``Backend.left_out(saved, scope)``; None when it has nothing to say); a diagnostic
+        never fails a save. Call it from the
+        public method the user called: the warning points at the caller's caller."""
+        self.scope_checked = True
+        judge = self._ctx.backend.left_out
+        try:
+            trees = [v.tree if isinstance(v, Versioned) else v for v in (items or {}).values()]
+            message = judge([state, *trees] if trees else state, dict(caller.f_locals))
+        except Exception:  # noqa: BLE001 - only a hint; the save goes on regardless
+            log.debug("jaxckpt: left-out check failed", exc_info=True)
+            return
+        finally:
+            del caller
+        if message:
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+    def save(self, step: StepInfo, state: Any, stateful: Mapping[str, Any] | None,
+             metrics: Mapping[str, Any] | None, reason: str,
+             mode: str | None = None, *, items: Mapping[str, Any] | None = None,
+             epoch_end: bool = False) -> SaveReport:
+        """Save a recovery checkpoint of ``step``; returns once the arrays are staged (sync:
+        once committed). Call it from the manager's public method (warnings point two
+        frames up)."""
+        ctx = self._ctx
+        start = time.perf_counter()
+        mode = mode or self._mode
+        last = ctx.last.get("recover")
+        if last is not None and last.step == step.global_step and last.error is None:
+            return last
+        if ctx.restored_step == step.global_step:
+            existing = self._already_committed(step.global_step, mode, reason)
+            if existing is not None:
+                return existing
+        state = resolve_state(state)  # a function: only now that this save happens
+        self._pipeline.drain()
+        self._pipeline.raise_unraised(stacklevel=4)  # the user's call, past the manager
+        path = ctx.store.step_path(step.global_step)
+        item_versions = self._item_versions(items, step, epoch_end)
+        stateful = ctx.default_stateful if stateful is None else stateful
+        driver_file, driver_bytes = self._snapshot(step, stateful, metrics, reason,
+                                                   item_versions)
+        if ctx.primary:
+            self._make_room(path)
+        ctx.barrier(f"jaxckpt.save.{step.global_step}", 600.0)
+        report = SaveReport(kind="recover", step=step.global_step, path=path, mode=mode,
+                            reason=reason)
+        ctx.recover_trigger.mark_saved()
+        try:
+            handle, item_writes = self._start_writes(path, state, item_versions, mode)
+        except (CheckpointError, TypeError):
+            raise  # bad input (a tree the backend refuses): the caller's to fix, not a write failure
+        except Exception as exc:  # the filesystem failed under the training thread
+            return self._pipeline.failed_to_start(
+                report, exc, start, functools.partial(self._discard_partial, path))
+        report.blocking_s = time.perf_counter() - start
+        ctx.last["recover"] = report
+
+        def finish() -> None:
+            ctx.store.write_file(path, driver_file, driver_bytes)
+            item_bytes = 0
+            for name, version, item_dir, item_handle in item_writes:
+                item_handle.wait()
+                item_bytes += self._commit_dir(item_dir, version, known_checksums(item_handle))
+                with ctx.state_lock:
+                    ctx.written_items.setdefault(name, set()).add(version)
+            handle.wait()
+            self._commit(path, step.global_step, report, known_checksums(handle))
+            if report.bytes is not None:
+                report.bytes += item_bytes
+
+        self._pipeline.run(report, finish, start,
+                           after=self.apply_retention if ctx.primary else None,
+                           on_failure=lambda: self._discard_partial(path))
+        return report
+
+    def _snapshot(self, step: StepInfo, stateful: Mapping[str, Any] | None,
+                  metrics: Mapping[str, Any] | None, reason: str,
+                  item_versions: dict[str, tuple[int, Any]]) -> tuple[str, bytes]:
+        """Training thread: everything mutable of the driver state, as the name and bytes of
+        this process's driver file (the primary's driver.json, another's local file)."""
+        ctx = self._ctx
+        # Snapshot everything mutable now, on the training thread: the loop moves on at once.
+        local = drv.build_local(
+            process_index=ctx.process_index,
+            stateful_state=drv.capture_stateful(stateful),
+            rng=drv.capture_global_rng() if ctx.recover_config.restore_global_rng else None,
+            backend_rng=ctx.backend.rng_state())
+        saved_at = time.time()
+        if not ctx.primary:
+            return drv.local_filename(ctx.process_index), json.dumps(local).encode()
+        body = drv.build_driver(
+            kind="recover", reason=reason, step=step, backend_name=ctx.backend.name,
+            backend_versions=ctx.backend.versions(), process_count=ctx.process_count,
+            metrics=metrics, local=local, saved_at=saved_at)
+        body["items"] = {name: {"version": v} for name, (v, _) in item_versions.items()}
+        if self._export_record is not None:
+            body["export"] = self._export_record
+        # Compact separators keep json on its C encoder (indent= switches to the Python
+        # one: ~1.4 ms of a ~4 ms blocking time with RNG states inside).
+        return DRIVER_FILE, json.dumps(body, separators=(",", ":")).encode()
+
+    def _start_writes(self, path: str, state: Any, item_versions: dict[str, tuple[int, Any]],
+                      mode: str) -> tuple[Any, list[tuple[str, int, str, Any]]]:
+        """Training thread: create the directories and stage every write of one save."""
+        ctx = self._ctx
+        ctx.store.storage.make_prefix(path)
+        # Item versions no checkpoint has written yet go first; the backend serialises writes,
+        # so this costs time only on saves where an item changed.
+        item_writes: list[tuple[str, int, str, Any]] = []
+        with ctx.state_lock:
+            written = {name: set(v) for name, v in ctx.written_items.items()}
+        for name, (version, tree) in item_versions.items():
+            if version in written.get(name, set()):
+                continue
+            item_dir = ctx.store.item_path(name, version)
+            if ctx.primary and ctx.store.storage.is_prefix(item_dir):
+                ctx.store.delete(item_dir)  # an uncommitted attempt at this version
+            ctx.barrier(f"jaxckpt.item.{name}.{version}", 600.0)
+            ctx.store.storage.make_prefix(item_dir)
+            item_writes.append((name, version, item_dir, ctx.backend.write(
+                os.path.join(item_dir, STATE_DIR), tree, asynchronous=mode == "async")))
+        handle = ctx.backend.write(os.path.join(path, STATE_DIR), state,
+                                   asynchronous=mode == "async")
+        return handle, item_writes
+
+    def _discard_partial(self, path: str) -> None:
+        """Primary, background: remove what a failed save left (frees a full disk)."""
+        if not self._ctx.primary or self._ctx.store.is_committed(path):
+            return
+        with contextlib.suppress(OSError):
+            self._ctx.store.delete(path)
+
+    def _item_versions(self, items: Mapping[str, Any] | None, step: StepInfo,
+                       epoch_end: bool) -> dict[str, tuple[int, Any]]:
+        """name -> (version, tree) for the items of one save, validated."""
+        out: dict[str, tuple[int, Any]] = {}
+        if items is None:
+            return out
+        if not isinstance(items, Mapping):
+            raise ConfigError(f"items must be a dict of name -> tree, got {type(items).__name__}.")
+        for name, value in items.items():
+            if isinstance(value, Versioned):
+                check_item_name(name)
+                out[name] = (value.version, value.tree)
+            elif name in self._item_cadences:
+                out[name] = (item_version(self._item_cadences[name], step, epoch_end=epoch_end),
+                             value)
+            else:
+                raise ConfigError(
+                    f"items[{name!r}] has no version: declare its cadence with "
+                    f"CheckpointManager(items={{{name!r}: Every(steps=K)}}) or pass "
+                    f"jaxckpt.Versioned(version, tree).")
+        return out
+
+    def _already_committed(self, step: int, mode: str, reason: str) -> SaveReport | None:
+        """A done report for the checkpoint just restored, which a save of the same step
+        (e.g. the final save of a run that resumed with nothing left to do) must not redo."""
+        path = self._ctx.store.step_path(step)
+        try:
+            manifest = self._ctx.store.read_manifest(path)
+        except CheckpointCorruptError:
+            return None
+        if manifest is None:
+            return None
+        report = SaveReport(kind="recover", step=step, path=path, mode=mode, reason=reason)
+        report.total_s, report.bytes = 0.0, manifest.total_bytes
+        mark_done(report)
+        self._ctx.last["recover"] = report
+        return report
+
+    def _make_room(self, path: str) -> None:
+        """Primary: a directory already at this step's name is moved aside (committed: it
+        belongs to a discarded future, e.g. after restoring an older step) or removed.
+        Called from ``save`` only (its warning points at the user's call)."""
+        if not self._ctx.store.storage.is_prefix(path):
+            return
+        if self._ctx.store.is_committed(path):
+            moved = self._ctx.store.quarantine(path, "superseded")
+            warnings.warn(f"{path} already held a committed checkpoint from an earlier attempt "
+                          f"at this step; it was moved to {moved} and is being replaced.",
+                          CheckpointWarning, stacklevel=4)
+        else:
+            self._ctx.store.delete(path)
+
+    def _commit(self, path: str, step: int, report: SaveReport,
+                known: dict[str, dict[str, Any]] | None = None) -> None:
+        """Background: every process's writes are done -> marker (sizes on the report)."""
+        written = self._commit_dir(path, step, known)
+        report.bytes = written if self._ctx.primary else None
+
+    def _commit_dir(self, path: str, step: int,
+                    known: dict[str, dict[str, Any]] | None = None) -> int:
+        """Once every process finished writing ``path``, the primary commits it. Returns the
+        bytes committed (0 on other processes, which wait until the marker exists).
+        ``known``: checksums the backend computed while writing (``known_checksums``)."""
+        ctx = self._ctx
+        if ctx.process_count > 1:
+            ctx.store.mark_done(path, ctx.process_index)
+        if not ctx.primary:
+            self._pipeline.wait_for(lambda: ctx.store.is_committed(path),
+                                    f"the primary process to commit {path}")
+            return 0
+        if ctx.process_count > 1:
+            self._pipeline.wait_for(
+                lambda: ctx.store.all_done(path, ctx.process_count),
+                f"all {ctx.process_count} processes to finish writing {path}")
+        return ctx.store.commit(path, step, known=known).total_bytes
+
+    def apply_retention(self) -> None:
+        """Primary, background: delete the checkpoints ``keep_last_n`` no longer keeps (never
+        one being restored), then the item versions nothing refers to."""
+        ctx = self._ctx
+        keep = ctx.recover_config.keep_last_n
+        with ctx.state_lock:
+            protected = set(ctx.reading)
+        victims = steps_to_delete(ctx.store.committed_steps(), keep, protected=protected)
+        for victim in victims:
+            self._delete_quietly(ctx.store.step_path(victim))
+        self._prune_items()
+
+    def _prune_items(self) -> None:
+        """Delete item versions that no committed checkpoint refers to any more (the newest
+        version of each item is always kept: the next checkpoint may refer to it)."""
+        ctx = self._ctx
+        names = ctx.store.item_names()
+        if not names:
+            return
+        referenced: dict[str, set[int]] = {name: set() for name in names}
+        for step in ctx.store.committed_steps():
+            try:
+                driver = ctx.store.read_file(ctx.store.step_path(step), DRIVER_FILE)
+                refs = json.loads(driver).get("items") or {}
+            except (OSError, ValueError):
+                return  # cannot tell what is referenced: keep everything this time
+            for name, ref in refs.items():
+                referenced.setdefault(name, set()).add(int(ref.get("version", -1)))
+        for name in names:
+            versions = ctx.store.item_versions(name)
+            for version in versions[:-1]:
+                if version not in referenced.get(name, set()):
+                    if self._delete_quietly(ctx.store.item_path(name, version)):
+                        with ctx.state_lock:
+                            ctx.written_items.get(name, set()).discard(version)
+
+    def _delete_quietly(self, path: str) -> bool:
+        try:
+            if self._ctx.store.delete(path):
+                return True
+            log.info("jaxckpt: %s is being read; deleting it later", path)
+        except OSError as exc:  # never let housekeeping stop training
+            warnings.warn(f"retention could not delete {path}: {exc}; it will be retried "
+                          f"after the next save.", CheckpointWarning, stacklevel=3)
+        return False
+
+
+def resolve_state(state: Any) -> Any:
+    """``state``, or what it returns when it is a plain function (lambda, def, bound
+    method, functools.partial). Only those: a function is never an array state itself,
+    while pytree containers and modules with ``__call__`` are."""
+    if isinstance(state, (types.FunctionType, types.MethodType, functools.partial)):
+        return state()
+    return state
+
+
+def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
+    """Manifest entries a backend's write handle offers for the files it wrote (its
+    ``checksums``, None when it computed none: by path relative to the directory it wrote, ``STATE_DIR``), as paths
+    relative to the checkpoint; the commit then does not read those files back."""
+    entries = handle.checksums
+    if not entries:
+        return None
+    return {f"{STATE_DIR}/{rel}": info for rel, info in entries.items()}
