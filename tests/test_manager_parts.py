@@ -14,7 +14,7 @@ import pytest
 
 from jaxckpt import CheckpointWarning, CheckpointWriteError, Every, ExportConfig, RecoverConfig
 from jaxckpt import StepInfo
-from jaxckpt.backend import SingleProcess
+from jaxckpt.backend import BackendFeatures, SingleProcess
 from jaxckpt.context import ManagerContext
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
 from jaxckpt.exports import Exporter
@@ -22,9 +22,10 @@ from jaxckpt.pipeline import SavePipeline
 from jaxckpt.policy import SaveTrigger
 from jaxckpt.preemption import Preemption
 from jaxckpt.reports import SaveReport
+from jaxckpt.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.root import prepare_root
 from jaxckpt.saving import RecoverySaver
-from jaxckpt.store import COMMIT_MARKER, CheckpointStore, export_dirname
+from jaxckpt.store import CheckpointStore
 from jaxckpt.verification import Verifier, plan
 
 
@@ -272,7 +273,7 @@ def test_recovery_retention_keeps_the_newest_and_any_checkpoint_being_read(tmp_p
 
 def test_checksums_of_bulk_files_are_deferred_unless_the_backend_reads_in_place(tmp_path):
     class InPlace(SingleProcess):
-        reads_in_place = True
+        features = BackendFeatures(reads_in_place=True)
 
     checks = RecoverConfig(verify="checksums")
     deferred = plan(checks, SingleProcess(), {"ref": None})
