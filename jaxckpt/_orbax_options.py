@@ -30,7 +30,7 @@ class OrbaxOptions:
 
     use_ocdbt: bool = False
     """Orbax's OCDBT container format. Off: one zarr array per leaf was the fastest on CPU
-    (FIELD_NOTES.md, docs/performance.md)."""
+    (docs/design.md "Measured facts", docs/performance.md)."""
     use_zarr3: bool = True
     """zarr v3 array format."""
     use_compression: bool = False
@@ -42,7 +42,7 @@ class OrbaxOptions:
     """Timeout of ``broadcast_int`` in multi-process runs."""
     pause_gc: bool = True
     """Pause Python's cyclic GC during the blocking parts of write and read (10-20% with
-    thousands of leaves: FIELD_NOTES.md)."""
+    thousands of leaves: docs/design.md, "Measured facts")."""
     pack_leaf_bytes: int = DEFAULT_PACK_LEAF_BYTES
     """Leaves of at most this many bytes are packed into a few arrays per dtype (see
     ``_orbax_plan``); 0 writes every leaf as its own Orbax array."""

@@ -20,7 +20,7 @@ A table (:class:`Architecture`) is a tuple of :class:`HFTensor` rows, one per HF
 - ``when``: the row exists only when a config flag holds (``"attention_bias"``,
   ``"not tie_word_embeddings"``), or always/never (True/False).
 - ``tied_to``: the HF tensor this one equals when the embeddings are tied. transformers loads a
-  present-but-different LM head UNTIED with only a warning (FIELD_NOTES.md), so ``load_hf``
+  present-but-different LM head UNTIED with only a warning (docs/design.md, "Measured facts"), so ``load_hf``
   compares the two, and export refuses a tree whose tied/untied state contradicts the config.
 
 Adding an architecture means adding one table to ``ARCHITECTURES`` (or passing an
@@ -642,7 +642,7 @@ _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bf
                        "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
                        "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
                        "float8_e5m2": "F8_E5M2"}
-_WRITE_CHUNK = 64 * 2**20  # FIELD_NOTES: 64 MiB pieces stream at about raw disk speed
+_WRITE_CHUNK = 64 * 2**20  # measured: 64 MiB pieces stream at about raw disk speed
 
 
 def _write_safetensors(path: str, items: list[_Planned],
