@@ -94,10 +94,10 @@ def test_fixed_names_are_the_on_disk_format():
 
 
 def test_other_modules_use_the_layout_names():
-    from jaxckpt import driver, manager, store
+    from jaxckpt import driver, recovery, saving, store
 
     assert driver.local_filename(2) == layout.local_driver_filename(2)
-    assert manager.STATE_DIR == layout.STATE_DIR
+    assert saving.STATE_DIR is recovery.STATE_DIR is layout.STATE_DIR
     s = store.CheckpointStore("/r")
     assert s.step_path(5) == "/r/recover/step_00000005"
     assert s.item_path("ref", 3) == "/r/recover/items/ref/v000003"

@@ -53,6 +53,7 @@ LOOP = textwrap.dedent("""
             if hold is None:
                 return handle
             class Slow:
+                checksums = property(lambda self: handle.checksums)
                 def wait(self):
                     time.sleep(hold)
                     handle.wait()
