@@ -341,7 +341,13 @@ def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
     """Manifest entries a backend's write handle offers for the files it wrote (its
     ``checksums``, None when it computed none: by path relative to the directory it wrote, ``STATE_DIR``), as paths
     relative to the checkpoint; the commit then does not read those files back."""
-    entries = handle.checksums
+    try:
+        entries = handle.checksums
+    except AttributeError:
+        raise TypeError(
+            f"the backend's write handle {type(handle).__name__} has no `checksums` member; "
+            f"jaxckpt.backend.WriteHandle requires one (None when the backend computed no "
+            f"checksums, so the commit computes them).") from None
     if not entries:
         return None
     return {f"{STATE_DIR}/{rel}": info for rel, info in entries.items()}
