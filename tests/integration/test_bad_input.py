@@ -40,6 +40,8 @@ from jaxckpt import (
 from jaxckpt.backend import SingleProcess
 from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
+from support.paths import REPO
+
 TREE_FIX = ("Fix: build like with the same code",)
 
 
@@ -523,7 +525,7 @@ def run_without_permissions(root: Path) -> dict:
     if os.geteuid() == 0:
         caps = "-dac_override,-dac_read_search"
         argv = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *argv]
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(REPO)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (repo, os.environ.get("PYTHONPATH")) if p))
     try:

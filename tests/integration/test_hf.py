@@ -36,7 +36,9 @@ from jaxckpt import llm  # noqa: E402
 from jaxckpt.tools import hf_cli  # noqa: E402
 from torch_bridge import hf  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import paths  # noqa: E402
+
+REPO = str(paths.REPO)
 VOCAB = 128
 SEQ = 12
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,10 +20,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
 
+from support.paths import NNX_WORKER, REPO
+
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
-HERE = Path(__file__).resolve().parent
 
 
 class Net(nnx.Module):
@@ -311,18 +311,18 @@ WORKER_TIMEOUT_S = 120.0
 
 
 def run_worker(tmp, root, tag, *, kill_after_reported=None):
-    """Run tests/nnx_worker.py; with ``kill_after_reported``, SIGKILL its process group at
+    """Run tests/support/nnx_worker.py; with ``kill_after_reported``, SIGKILL its process group at
     the first ``STEP`` line after ``REPORTED <n>`` with n >= that step. Returns the lines."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
                XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     err_path = tmp / f"{tag}.err"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "nnx_worker.py"), "--root", str(root),
+            [sys.executable, str(NNX_WORKER), "--root", str(root),
              "--log", str(tmp / f"{root.name}.log"), "--final", str(tmp / f"{root.name}.npz"),
              "--steps", str(STEPS)],
             stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)

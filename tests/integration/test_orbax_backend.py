@@ -22,7 +22,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 from jaxckpt.orbax_backend import OrbaxBackend
-from two_processes import jax_worker, run_two_workers
+from support.two_processes import jax_worker, run_two_workers
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 
 import jaxckpt
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 # Runs in a fresh interpreter without jaxckpt on the path: only numpy, jax, orbax and json.
 READER = r'''
@@ -151,5 +151,5 @@ def test_plain_orbax_reads_every_byte_and_tree_json_rebuilds_the_tree(native_io,
     text = (REPO / "docs" / "guarantees.md").read_text()
     section = text.split("## Reading a checkpoint without jaxckpt", 1)[1].split("\n## ", 1)[0]
     for fact in ("tree.json", "pack_", "wrap_key_data", "python_type", "tuple",
-                 "tests/test_plain_orbax.py"):
+                 "tests/integration/test_plain_orbax.py"):
         assert fact in section, fact

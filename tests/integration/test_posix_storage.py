@@ -1,10 +1,10 @@
-"""PosixStorage keeps the Storage contract (tests/storage_contract.py), plus what only a
+"""PosixStorage keeps the Storage contract (tests/support/storage_contract.py), plus what only a
 filesystem has: links that must never be followed, temporary names, directory moves."""
 
 import os
 
 import pytest
-import storage_contract
+from support import storage_contract
 
 from jaxckpt.layout import TMP_PREFIX
 from jaxckpt.storage import PosixStorage, RootLock, Storage

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 SCANNED = [p for pkg in ("jaxckpt", "torch_bridge") for p in sorted((REPO / pkg).glob("**/*.py"))]
 
 

@@ -32,7 +32,9 @@ from jaxckpt.backend import Backend, WriteHandle
 from jaxckpt.store import DEFER_CHECKSUMS_OVER
 from torch_bridge import DcpBackend, DcpCheckpointManager, dcp_backend
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import paths
+
+REPO = str(paths.REPO)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
           torch.int32, torch.int8, torch.uint8, torch.bool]
 

@@ -15,7 +15,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = str(Path(__file__).resolve().parent.parent)
+from support import paths
+
+REPO = str(paths.REPO)
 
 
 _JAX_WORKER = """\

@@ -13,7 +13,7 @@ import pytest
 import jaxckpt
 from jaxckpt.tools import cli
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 @pytest.fixture

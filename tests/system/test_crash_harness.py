@@ -1,6 +1,6 @@
 """Crash consistency: SIGKILL a training process at random moments, recover, check everything.
 
-The worker (tests/crash_worker.py) trains a tiny pure-JAX model and announces on stdout each
+The worker (tests/support/crash_worker.py) trains a tiny pure-JAX model and announces on stdout each
 seam of the save pipeline: ``STEP n`` (a step finished), ``SAVING n`` (a save was staged and
 its background write started), ``WRITTEN n`` (the write finished: the commit starts),
 ``REPORTED n`` (the commit finished: retention deletion follows). Each trial starts (or
@@ -23,7 +23,7 @@ Checked after every kill and resume:
   data, ballast leaves) is byte-identical to the reference.
 
 Reproduce a failure with the printed seed: ``JAXCKPT_CRASH_SEED=<seed> pytest ...``. Soak:
-``JAXCKPT_SOAK_TRIALS=500 pytest tests/test_crash_harness.py -k soak`` (or JAXCKPT_SOAK=1).
+``JAXCKPT_SOAK_TRIALS=500 pytest tests/system/test_crash_harness.py -k soak`` (or JAXCKPT_SOAK=1).
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ from jaxckpt import CheckpointManager
 from jaxckpt.backend import SingleProcess
 from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "crash_worker.py"
+from support.paths import CRASH_WORKER as WORKER
 STEPS = 30
 SAVE_EVERY = 3
 SAVE_STEPS = [s for s in range(STEPS) if (s + 1) % SAVE_EVERY == 0]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
+
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FRAGMENT = "# fragment"
 HANG_GUARD_S = 600  # a guard against hangs, not a speed target (that is `jaxckpt bench`)

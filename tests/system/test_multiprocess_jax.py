@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig
-from two_processes import jax_worker, run_two_workers
+from support.two_processes import jax_worker, run_two_workers
 
 WORKER = jax_worker('''
         import jax.numpy as jnp

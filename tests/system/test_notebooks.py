@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import paths
+
+REPO = str(paths.REPO)
 NOTEBOOK_DIR = os.path.join(REPO, "notebooks")
 EXPECTED = ["01_quickstart.ipynb", "02_export_to_hf.ipynb", "03_pytorch_dcp.ipynb",
             "04_rl_reference_policy.ipynb"]

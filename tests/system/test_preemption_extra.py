@@ -1,4 +1,4 @@
-"""Preemption beyond tests/test_preemption.py, with real processes and real signals:
+"""Preemption beyond tests/system/test_preemption.py, with real processes and real signals:
 SIGTERM while an async save is still being written, a second (and third) SIGTERM, SIGTERM to
 the ``jaxckpt run`` supervisor (forwarded; the child saves and exits; no retry), and SIGINT
 (not a preemption signal) while a save is in flight.
@@ -28,7 +28,7 @@ import pytest
 from jaxckpt import CheckpointManager
 from jaxckpt.store import COMMIT_MARKER
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 LOOP = textwrap.dedent("""
     import json, os, signal, sys, time

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 STEPS = 40
 SAVE_EVERY = 10
 STEPS_PER_EPOCH = 16  # epochs roll over at steps 16 and 32: the loader reshuffles mid-run

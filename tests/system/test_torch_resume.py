@@ -7,7 +7,7 @@ a sharded DTensor. With 2 gloo ranks the same holds, and the 2-rank checkpoint r
 process (tensors reshard; the world-size change warns; the data position follows the rule in
 docs/torch.md, so no sample of the epoch is seen twice or skipped).
 
-Workers (tests/torch_worker.py) run in their own sessions with bounded waits; a hung or
+Workers (tests/support/torch_worker.py) run in their own sessions with bounded waits; a hung or
 failed worker has its whole process group killed.
 """
 
@@ -19,10 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from two_processes import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("torch_worker.py")
+from support.paths import REPO, TORCH_WORKER as WORKER
+from support.two_processes import free_port
 TIMEOUT_S = 120
 STEPS_1, STEPS_2 = 16, 14  # single process: 12 steps/epoch; 2 ranks: 6 steps/epoch
 KILL_AT = 7  # right after the async save of step 7 started (saves every 4 steps: 3, 7, ...)

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import pathlib
 import re
 from collections.abc import Iterable, Iterator
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from support.paths import REPO
 PACKAGES = ("jaxckpt", "torch_bridge")
 TOOLS = "jaxckpt.tools"
 

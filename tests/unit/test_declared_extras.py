@@ -13,8 +13,11 @@ import sys
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-LOCAL = {"jaxckpt", "torch_bridge"} | {p.stem for p in (REPO / "tests").glob("*.py")}
+from support.paths import REPO
+
+# Test modules and the shared helpers import each other by these names.
+LOCAL = ({"jaxckpt", "torch_bridge", "support"}
+         | {p.stem for p in (REPO / "tests").rglob("*.py")})
 
 
 def _normalise(name: str) -> str:

@@ -1,6 +1,6 @@
 """The commit manifest on its own: serialise -> parse round trip, the exact bytes of the
 format, every refusal of a manifest that cannot be trusted, and the per-file checks. Pure: no
-filesystem (the golden checkpoint on disk is tests/test_golden_checkpoint.py)."""
+filesystem (the golden checkpoint on disk is tests/integration/test_golden_checkpoint.py)."""
 
 import json
 
