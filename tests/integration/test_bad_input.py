@@ -40,6 +40,7 @@ from jaxckpt import (
 from jaxckpt.backend import SingleProcess
 from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
+from support.loaders import Loader
 from support.paths import REPO
 
 TREE_FIX = ("Fix: build like with the same code",)
@@ -52,17 +53,6 @@ def state(value: float = 1.0) -> dict:
 
 def like() -> dict:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state())
-
-
-class Loader:
-    def __init__(self, position: int = 0):
-        self.position = position
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, saved: dict) -> None:
-        self.position = saved["position"]
 
 
 class NoProtocol:

@@ -19,7 +19,8 @@ N = 7  # not a multiple of the save cadence nor of the epoch: the final save mat
 
 
 class Loader:
-    """A shuffling loader over a tiny synthetic data set; its position is its state."""
+    """A shuffling loader over a tiny synthetic data set; its position is its state.
+    (Not support.loaders.Loader: the final-save tests need the batches it yields.)"""
 
     def __init__(self, seed: int = 0):
         data = np.random.default_rng(123)

@@ -44,6 +44,8 @@ def test_golden_manifest_parses_and_serialises_to_the_same_bytes():
 
 
 class _Loader:
+    # Not support.loaders.Loader: the golden checkpoint on disk stores this loader's state
+    # under the key "pos", and that file must not change.
     def __init__(self):
         self.pos = 0
 

@@ -39,6 +39,8 @@ from jaxckpt.tools.cli import main as cli
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER
 
+from support.loaders import Loader
+
 
 def state(value: float) -> dict:
     return {"w": jnp.full((64, 64), value, jnp.float32),
@@ -47,17 +49,6 @@ def state(value: float) -> dict:
 
 
 LIKE = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state(0.0))
-
-
-class Loader:
-    def __init__(self):
-        self.position = 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, saved):
-        self.position = saved["position"]
 
 
 @pytest.fixture

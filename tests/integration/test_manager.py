@@ -27,6 +27,8 @@ from jaxckpt import (
 )
 from jaxckpt.store import COMMIT_MARKER
 
+from support.loaders import Loader
+
 
 def tree(value=0.0):
     return {"w": jnp.full((8, 4), value, jnp.float32), "b": jnp.arange(4, dtype=jnp.int32),
@@ -35,17 +37,6 @@ def tree(value=0.0):
 
 def like():
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree())
-
-
-class Loader:
-    def __init__(self):
-        self.position = 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 def run_steps(mgr, steps, spe=None, loader=None, every_value=True):

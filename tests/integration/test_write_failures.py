@@ -34,6 +34,8 @@ from jaxckpt import (
 )
 from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
+from support.loaders import Loader
+
 CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys, warnings
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
@@ -46,7 +48,7 @@ CHILD = textwrap.dedent("""
     def state(v):
         return {"w": jnp.full((256, 256), v, jnp.float32), "b": jnp.arange(8, dtype=jnp.int32) + int(v)}
 
-    class Loader:
+    class Loader:  # this script runs in a child process, which cannot import support
         position = 0
         def state_dict(self): return {"position": self.position}
         def load_state_dict(self, d): self.position = d["position"]
@@ -87,16 +89,6 @@ def state(value: float) -> dict:
 
 
 LIKE = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state(0.0))
-
-
-class Loader:
-    position = 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, saved):
-        self.position = saved["position"]
 
 
 def assert_restores(root: Path, step: int, value: float, position: int) -> None:

@@ -15,6 +15,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig
+
+from support.loaders import Loader
 from support.two_processes import jax_worker, run_two_workers
 
 WORKER = jax_worker('''
@@ -31,7 +33,7 @@ WORKER = jax_worker('''
             base = np.arange(32, dtype=np.float32).reshape(8, 4) + 1000 * step
             return jax.make_array_from_callback((8, 4), sharding, lambda idx: base[idx])
 
-        class Loader:  # each process reads its own shard of the data
+        class Loader:  # each process reads its own shard (worker source: no support import)
             def __init__(self):
                 self.position = 0
             def state_dict(self):
@@ -104,15 +106,6 @@ def test_one_process_restores_on_another_mesh(two_process_root):
     sharding = NamedSharding(mesh, P("b", "a"))
     like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding), "n": 0}
 
-    class Loader:
-        position = None
-
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, state):
-            self.position = state["position"]
-
     loader = Loader()
     with CheckpointManager(root, recover=RecoverConfig(keep_last_n=None)) as mgr:
         with pytest.warns(CheckpointWarning, match="saved by 2 process"):
@@ -169,7 +162,7 @@ DAMAGE_WORKER = jax_worker('''
             data = values(step)
             return jax.make_array_from_callback(shape, sharding, lambda idx: data[idx])
 
-        class Loader:
+        class Loader:  # remembers what it was given (worker source: no support import)
             def __init__(self):
                 self.position, self.loaded = -1, []
             def state_dict(self):

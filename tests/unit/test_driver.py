@@ -11,6 +11,7 @@ from jaxckpt import driver as drv
 
 
 class Loader:
+    # Not support.loaders.Loader: its state holds a tuple the codec must bring back as one.
     def __init__(self):
         self.position = 0
 
