@@ -1,7 +1,8 @@
-"""A tiny pure-JAX training worker for the crash-consistency harness (tests/system/test_crash_harness.py).
+"""A tiny pure-JAX training worker for the crash-consistency harness
+(tests/system/test_crash_harness.py).
 
-Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...``. It trains a two-layer
-MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches, with dropout drawn
+Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...``. It trains a
+two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches, with dropout drawn
 from a typed JAX PRNG key and a per-step noise scale drawn from Python's and NumPy's global
 RNGs (so an exact resume needs the arrays, the key, the loader position AND both global RNG
 states). ``--ballast K`` adds K extra array leaves, updated every step, that make each save

@@ -1,4 +1,5 @@
-"""A Flax NNX training worker shaped like the NNX MNIST tutorial, for tests/integration/test_nnx_live.py.
+"""A Flax NNX training worker shaped like the NNX MNIST tutorial, for
+tests/integration/test_nnx_live.py.
 
 Run as ``python tests/support/nnx_worker.py --root R --log L --final F --steps N``. It trains a
 small CNN (conv, batch norm, dropout, average pooling, linear layers) with

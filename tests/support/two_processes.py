@@ -1,23 +1,20 @@
 """Launching two cooperating worker processes on localhost, for the multi-process tests.
 
 A worker script gets ``<process index> <port> <directory>`` as arguments, runs in its own
-session (so that a hung pair is killed as a group) and prints "worker ok" when it succeeds.
+session (support.harness: a hung pair is killed as a group) and prints "worker ok" when it
+succeeds.
 ``jax_worker`` writes the part every JAX worker shares around a test's own body.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from support import paths
-
-REPO = str(paths.REPO)
+from support.harness import Worker, repo_env, run_all
 
 
 _JAX_WORKER = """\
@@ -66,21 +63,11 @@ def run_two_workers(source: str, tmp_path: Path, *, dirname: str = "root",
     script = tmp_path / "worker.py"
     script.write_text(source)
     directory = str(tmp_path / dirname)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    env = repo_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     port = free_port()
-    workers = [subprocess.Popen([sys.executable, str(script), str(i), str(port), directory],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True) for i in range(2)]
-    outputs = []
-    try:
-        for worker in workers:
-            outputs.append(worker.communicate(timeout=timeout)[0])
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
-    for worker, output in zip(workers, outputs):
-        assert worker.returncode == 0 and "worker ok" in output, output[-4000:]
+    workers = [Worker([sys.executable, str(script), str(i), str(port), directory], env=env,
+                      timeout_s=timeout) for i in range(2)]
+    codes, outputs = run_all(workers)
+    for code, output in zip(codes, outputs):
+        assert code == 0 and "worker ok" in output, output[-4000:]
     return directory, outputs

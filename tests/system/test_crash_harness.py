@@ -32,13 +32,10 @@ import collections
 import dataclasses
 import json
 import os
-import queue
 import random
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -49,7 +46,10 @@ from jaxckpt import CheckpointManager
 from jaxckpt.backend import SingleProcess
 from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 
+from support.harness import Worker
 from support.paths import CRASH_WORKER as WORKER
+
+
 STEPS = 30
 SAVE_EVERY = 3
 SAVE_STEPS = [s for s in range(STEPS) if (s + 1) % SAVE_EVERY == 0]
@@ -112,67 +112,23 @@ class Env:
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         })
-        self.counter = 0
 
     def run(self, root: Path, *, mode: str, keep_last_n: int, plan: Plan | None,
             log: Path, final: Path) -> Segment:
-        self.counter += 1
-        err_path = self.tmp / f"worker-{self.counter}.err"
-        with open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), "--root", str(root), "--log", str(log),
-                 "--final", str(final), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-                 "--keep-last-n", str(keep_last_n), "--mode", mode,
-                 "--ballast", str(self.ballast)],
-                stdout=subprocess.PIPE, stderr=err, env=self.env, start_new_session=True)
-        spawned = time.monotonic()
-        lines: queue.Queue[tuple[str, float] | None] = queue.Queue()
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for raw in proc.stdout:
-                lines.put((raw.decode(errors="replace").rstrip("\n"), time.monotonic()))
-            lines.put(None)
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        seen: list[str] = []
-        killed = False
-
-        def kill() -> bool:
-            if proc.poll() is not None:
-                return False
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return False
-            return True
-
-        deadline = spawned + SEGMENT_TIMEOUT_S
-        try:
-            if plan is not None and plan.after is None:
-                time.sleep(plan.delay_s)
-                killed = kill()
-            while True:
-                try:
-                    item = lines.get(timeout=max(0.01, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise TimeoutError(f"worker silent past {SEGMENT_TIMEOUT_S} s; last lines "
-                                       f"{seen[-5:]}; stderr {err_path.read_text()[-2000:]}")
-                if item is None:
-                    break
-                line, at = item
-                seen.append(line)
-                if not killed and plan is not None and line == plan.after:
-                    time.sleep(max(0.0, at + plan.delay_s - time.monotonic()))
-                    killed = kill()
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            kill()
-            proc.wait(timeout=30)
-            reader.join(timeout=10)
-        return Segment(lines=seen, killed=killed and code == -signal.SIGKILL, code=code,
-                       stderr=err_path.read_text(errors="replace")[-3000:])
+        worker = Worker(
+            [sys.executable, str(WORKER), "--root", str(root), "--log", str(log),
+             "--final", str(final), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+             "--keep-last-n", str(keep_last_n), "--mode", mode,
+             "--ballast", str(self.ballast)],
+            env=self.env, timeout_s=SEGMENT_TIMEOUT_S)
+        if plan is None:
+            code = worker.run()
+        elif plan.after is None:
+            code = worker.run(kill_after_s=plan.delay_s)
+        else:
+            code = worker.run(kill_at=plan.after, delay_s=plan.delay_s)
+        return Segment(lines=worker.lines, killed=worker.killed and code == -signal.SIGKILL,
+                       code=code, stderr=worker.stderr())
 
 
 # ----------------------------------------------------------------------- disk checks
@@ -273,6 +229,42 @@ def random_plan(rng: random.Random, resume_from: int) -> Plan | None:
     return Plan(window, f"REPORTED {target}", rng.uniform(0.0, 0.03))
 
 
+def check_resume_and_losses(seg: Segment, log: Path, ref_losses: dict[int, str],
+                            resume_from: int, before: list[int], where: str) -> None:
+    """A segment resumed from exactly the newest committed checkpoint (never a partial
+    one), and every loss it logged is bit-identical to the reference; no step skipped."""
+    started = seg.tagged("RESUMED") or (["FRESH"] if "FRESH" in seg.lines else [])
+    if started:
+        got = -1 if started[0] == "FRESH" else json.loads(started[0])["step"]
+        assert got == resume_from, f"{where}: resumed from {got}, newest committed " \
+                                   f"was {resume_from} (on disk: {before})"
+    logged = read_log(log)
+    if logged:
+        assert min(logged) == resume_from + 1, f"{where}: first step {min(logged)}"
+        assert sorted(logged) == list(range(min(logged), max(logged) + 1)), where
+    differing = {s: (v, ref_losses[s]) for s, v in logged.items() if v != ref_losses[s]}
+    assert not differing, f"{where}: losses differ from the reference: {differing}"
+
+
+def check_clean_end(root: Path, final: Path, ref_state: dict[str, np.ndarray],
+                    keep_last_n: int, where: str) -> None:
+    """A chain that ran to the end: final state equals the reference byte for byte, a
+    manager start leaves no debris, retention kept what it should."""
+    state = load_npz(final)
+    bad = sorted(k for k in ref_state if k not in state
+                 or state[k].dtype != ref_state[k].dtype
+                 or state[k].tobytes() != ref_state[k].tobytes())
+    assert not bad and sorted(state) == sorted(ref_state), \
+        f"{where}: final state differs from the reference in {bad}"
+    open_and_close(root)
+    assert debris(root) == [], f"{where}: debris after a clean run: {debris(root)}"
+    # Retention may lag by one deletion when the last kill landed in it and the
+    # final segment had nothing left to save.
+    left = committed(root)
+    assert left[-1] == SAVE_STEPS[-1] and set(left) <= set(SAVE_STEPS) \
+        and len(left) <= keep_last_n + 1, (where, left)
+
+
 def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
     tag = f"[JAXCKPT_CRASH_SEED={seed}]"
@@ -311,19 +303,7 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
             if not seg.killed:
                 assert seg.code == 0 and "DONE" in seg.lines, f"{where}: exit {seg.code}\n{seg.stderr}"
 
-            # Resumed from exactly the newest committed checkpoint (never a partial one).
-            started = seg.tagged("RESUMED") or (["FRESH"] if "FRESH" in seg.lines else [])
-            if started:
-                got = -1 if started[0] == "FRESH" else json.loads(started[0])["step"]
-                assert got == resume_from, f"{where}: resumed from {got}, newest committed " \
-                                           f"was {resume_from} (on disk: {before})"
-            # Every loss logged is bit-identical to the reference; no step skipped.
-            logged = read_log(log)
-            if logged:
-                assert min(logged) == resume_from + 1, f"{where}: first step {min(logged)}"
-                assert sorted(logged) == list(range(min(logged), max(logged) + 1)), where
-            differing = {s: (v, ref_losses[s]) for s, v in logged.items() if v != ref_losses[s]}
-            assert not differing, f"{where}: losses differ from the reference: {differing}"
+            check_resume_and_losses(seg, log, ref_losses, resume_from, before, where)
 
             reported_ever = max([reported_ever, *seg.steps("REPORTED")])
             after = committed(root)
@@ -336,19 +316,7 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
                 assert not problems, f"{where}: committed step {step} is broken: {problems}"
 
             if not seg.killed:
-                state = load_npz(final)
-                bad = sorted(k for k in ref_state if k not in state
-                             or state[k].dtype != ref_state[k].dtype
-                             or state[k].tobytes() != ref_state[k].tobytes())
-                assert not bad and sorted(state) == sorted(ref_state), \
-                    f"{where}: final state differs from the reference in {bad}"
-                open_and_close(root)
-                assert debris(root) == [], f"{where}: debris after a clean run: {debris(root)}"
-                # Retention may lag by one deletion when the last kill landed in it and the
-                # final segment had nothing left to save.
-                left = committed(root)
-                assert left[-1] == SAVE_STEPS[-1] and set(left) <= set(SAVE_STEPS) \
-                    and len(left) <= keep_last_n + 1, (where, left)
+                check_clean_end(root, final, ref_state, keep_last_n, where)
                 break
 
             done_trials += 1

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import pytest
 from jaxckpt import CheckpointManager
 from jaxckpt.store import COMMIT_MARKER
 
+from support.harness import Worker, repo_env
 from support.paths import REPO
 
 LOOP = textwrap.dedent("""
@@ -91,56 +90,13 @@ LOOP = textwrap.dedent("""
 
 
 def env() -> dict[str, str]:
-    out = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", TF_CPP_MIN_LOG_LEVEL="3")
-    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), out.get("PYTHONPATH")) if p)
-    return out
+    return repo_env(JAX_PLATFORMS="cpu", XLA_FLAGS="", TF_CPP_MIN_LOG_LEVEL="3")
 
 
-class Proc:
-    """A process in its own session whose stdout lines are read by a thread."""
-
-    def __init__(self, argv: list[str], timeout: float = 120.0):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env(), cwd=REPO, start_new_session=True)
-        self.deadline = time.monotonic() + timeout
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def wait_for(self, prefix: str) -> str:
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.01, self.deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"timed out waiting for {prefix!r}: {self.lines[-10:]}")
-            if line is None:
-                raise AssertionError(f"exited before {prefix!r}: {self.lines[-10:]}\n"
-                                     f"{self.proc.stderr.read()[-3000:]}")
-            self.lines.append(line)
-            if line.startswith(prefix):
-                return line
-
-    def finish(self) -> int:
-        code = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-        while (line := self._queue.get(timeout=10)) is not None:
-            self.lines.append(line)
-        return code
-
-    def stderr(self) -> str:
-        return self.proc.stderr.read()[-3000:] if self.proc.poll() is not None else ""
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+def start(argv: list[str], timeout: float = 120.0) -> Worker:
+    """A process in its own session whose stdout lines are read by a thread
+    (support.harness)."""
+    return Worker(argv, env=env(), cwd=REPO, timeout_s=timeout)
 
 
 def loop(root: Path, **opts) -> list[str]:
@@ -166,7 +122,7 @@ def restored(root: Path) -> tuple[int, float]:
 
 def test_sigterm_during_an_in_flight_async_save_commits_it_then_saves_and_exits(tmp_path):
     root = tmp_path / "root"
-    proc = Proc(loop(root, every=5, hold={"4": 1.5}))
+    proc = start(loop(root, every=5, hold={"4": 1.5}))
     try:
         proc.wait_for("SAVING 4 steps")  # step 4's write is held in flight for 1.5 s
         assert not (root / "recover" / "step_00000004" / COMMIT_MARKER).exists()
@@ -174,7 +130,7 @@ def test_sigterm_during_an_in_flight_async_save_commits_it_then_saves_and_exits(
         stopped = int(proc.wait_for("PREEMPTED").split()[1])
         code = proc.finish()
     finally:
-        proc.kill()
+        proc.close()
     assert code == 0, proc.stderr()
     assert "CLEAN-EXIT" in proc.lines
     assert stopped in (5, 6), proc.lines  # the next step boundary (6 if the signal was late)
@@ -189,7 +145,7 @@ def test_sigterm_during_an_in_flight_async_save_commits_it_then_saves_and_exits(
 
 def test_repeated_sigterms_save_once_and_still_exit_cleanly(tmp_path):
     root = tmp_path / "root"
-    proc = Proc(loop(root, every=5, hold={"4": 1.0, "5": 1.5, "6": 1.5}))
+    proc = start(loop(root, every=5, hold={"4": 1.0, "5": 1.5, "6": 1.5}))
     try:
         proc.wait_for("SAVING 4 steps")
         os.kill(proc.proc.pid, signal.SIGTERM)
@@ -199,7 +155,7 @@ def test_repeated_sigterms_save_once_and_still_exit_cleanly(tmp_path):
         os.kill(proc.proc.pid, signal.SIGTERM)
         code = proc.finish()
     finally:
-        proc.kill()
+        proc.close()
     assert code == 0, f"exit {code}: {proc.lines[-5:]} {proc.stderr()}"
     assert "CLEAN-EXIT" in proc.lines
     preempted = [line for line in proc.lines if line.endswith(" preempted")]
@@ -214,14 +170,14 @@ def test_sigterm_to_the_run_supervisor_is_forwarded_and_not_retried(tmp_path, re
     attempts = tmp_path / "attempts.log"
     argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "0",
             "--", *loop(root, every=1000, attempts=str(attempts), reraise=reraise)]
-    supervisor = Proc(argv)
+    supervisor = start(argv)
     try:
         supervisor.wait_for("STEP 3")
         os.kill(supervisor.proc.pid, signal.SIGTERM)  # only the supervisor, not the group
         stopped = int(supervisor.wait_for("PREEMPTED").split()[1])
         code = supervisor.finish()
     finally:
-        supervisor.kill()
+        supervisor.close()
     err = supervisor.stderr()
     assert code == expected, f"supervisor exit {code}: {err}"
     assert attempts.read_text().split() == ["0"], "the supervisor restarted a preempted run"
@@ -237,7 +193,7 @@ def test_sigterm_to_the_child_alone_ends_the_supervised_run_cleanly(tmp_path):
     attempts = tmp_path / "attempts.log"
     argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "0",
             "--", *loop(root, every=1000, attempts=str(attempts))]
-    supervisor = Proc(argv)
+    supervisor = start(argv)
     try:
         supervisor.wait_for("STEP 2")
         children = subprocess.run(["pgrep", "-P", str(supervisor.proc.pid)], capture_output=True,
@@ -247,7 +203,7 @@ def test_sigterm_to_the_child_alone_ends_the_supervised_run_cleanly(tmp_path):
         stopped = int(supervisor.wait_for("PREEMPTED").split()[1])
         code = supervisor.finish()
     finally:
-        supervisor.kill()
+        supervisor.close()
     assert code == 0, supervisor.stderr()
     assert attempts.read_text().split() == ["0"]
     assert committed(root) == [stopped]
@@ -255,13 +211,13 @@ def test_sigterm_to_the_child_alone_ends_the_supervised_run_cleanly(tmp_path):
 
 def test_sigint_during_an_in_flight_save_still_commits_it_and_leaves_no_debris(tmp_path):
     root = tmp_path / "root"
-    proc = Proc(loop(root, every=5, hold={"4": 1.0}))
+    proc = start(loop(root, every=5, hold={"4": 1.0}))
     try:
         proc.wait_for("SAVING 4 steps")
         os.kill(proc.proc.pid, signal.SIGINT)  # not a preemption signal: KeyboardInterrupt
         code = proc.finish()
     finally:
-        proc.kill()
+        proc.close()
     assert code != 0 and "CLEAN-EXIT" not in proc.lines
     # Leaving the `with` block on the exception finished the in-flight save.
     assert committed(root) == [4] and partial(root) == []
@@ -282,12 +238,12 @@ def test_sigterm_to_the_supervisor_during_backoff_starts_no_new_attempt(tmp_path
     attempts = tmp_path / "attempts.log"
     argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "3",
             "--", sys.executable, "-c", FAILING_CHILD, str(attempts)]
-    supervisor = Proc(argv, timeout=60)
+    supervisor = start(argv, timeout=60)
     try:
         supervisor.wait_for("ATTEMPT 0")
         time.sleep(0.8)  # the child has exited; the supervisor sleeps 3 s before attempt 1
         os.kill(supervisor.proc.pid, signal.SIGTERM)
         supervisor.finish()
     finally:
-        supervisor.kill()
+        supervisor.close()
     assert attempts.read_text().split() == ["0"], "an attempt was started after SIGTERM"

@@ -11,84 +11,32 @@ reference run (async saves) per module.
 from __future__ import annotations
 
 import json
-import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from support.harness import Worker, repo_env
 from support.paths import REPO
+
+
 STEPS = 40
 SAVE_EVERY = 10
 STEPS_PER_EPOCH = 16  # epochs roll over at steps 16 and 32: the loader reshuffles mid-run
 WORKER_TIMEOUT_S = 120.0
 
 
-class Worker:
-    """One worker subprocess in its own session; a thread forwards its stdout lines."""
-
-    def __init__(self, root: Path, log: Path, *, mode: str = "async", hold_save_at: int | None = None):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        self.stderr_path = log.with_suffix(".err")
-        self._stderr = open(self.stderr_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt.tools.demo", "worker", "--root", str(root),
-             "--log", str(log), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-             "--steps-per-epoch", str(STEPS_PER_EPOCH), "--mode", mode,
-             *([] if hold_save_at is None else ["--hold-save-at", str(hold_save_at)])],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-            start_new_session=True)
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def run(self, kill_at: str | None = None) -> int:
-        """Read lines until EOF, or SIGKILL the group right after the line ``kill_at``.
-        Returns the exit status; kills the group on any failure, timeouts included."""
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        try:
-            while True:
-                try:
-                    line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise TimeoutError(f"worker silent for too long; seen {self.lines[-5:]}; "
-                                       f"stderr: {self.stderr()}") from None
-                if line is None:
-                    break
-                self.lines.append(line)
-                if line == kill_at:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    break
-            return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            self.kill()
-            self._stderr.close()
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")[-3000:]
-
-    def tagged(self, tag: str) -> list[str]:
-        return [line[len(tag) + 1:] for line in self.lines if line.split(" ", 1)[0] == tag]
+def start_worker(log: Path, root: Path, *, mode: str = "async",
+                 hold_save_at: int | None = None) -> Worker:
+    """One demo worker on ``root`` in its own session (support.harness)."""
+    return Worker(
+        [sys.executable, "-m", "jaxckpt.tools.demo", "worker", "--root", str(root),
+         "--log", str(log), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+         "--steps-per-epoch", str(STEPS_PER_EPOCH), "--mode", mode,
+         *([] if hold_save_at is None else ["--hold-save-at", str(hold_save_at)])],
+        env=repo_env(), cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
 
 
 def read_log(path: Path) -> dict[int, str]:
@@ -117,7 +65,7 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], dict[str, np.ndarray]]:
     tmp = tmp_path_factory.mktemp("reference")
-    worker = Worker(tmp / "root", tmp / "ref.jsonl")
+    worker = start_worker(tmp / "ref.jsonl", tmp / "root")
     code = worker.run()
     assert code == 0, worker.stderr()
     losses = read_log(tmp / "ref.jsonl")
@@ -133,14 +81,14 @@ def check_exact_resume(tmp: Path, reference: tuple[dict[int, str], dict[str, np.
     from (None: from scratch) and the steps whose directory was partial after the kill."""
     ref_losses, ref_state = reference
     root = tmp / "root"
-    killed = Worker(root, tmp / "killed.jsonl", mode=mode, hold_save_at=hold_save_at)
-    code = killed.run(kill_at=kill_at)
+    killed = start_worker(tmp / "killed.jsonl", root, mode=mode, hold_save_at=hold_save_at)
+    code = killed.run(kill_at=kill_at, drain=False)
     assert killed.lines and killed.lines[-1] == kill_at, (killed.lines[-5:], killed.stderr())
     assert code == -signal.SIGKILL, f"worker was not SIGKILLed (exit {code}): {killed.stderr()}"
     on_disk = step_dirs(root, committed=True)
     partial = step_dirs(root, committed=False)
 
-    resumed = Worker(root, tmp / "resumed.jsonl", mode=mode)
+    resumed = start_worker(tmp / "resumed.jsonl", root, mode=mode)
     assert resumed.run() == 0, resumed.stderr()
     resumed_from = (json.loads(resumed.tagged("RESUMED")[0])["step"]
                     if resumed.tagged("RESUMED") else None)

@@ -12,16 +12,17 @@ failed worker has its whole process group killed.
 """
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from support.harness import Worker, repo_env, run_all
 from support.paths import REPO, TORCH_WORKER as WORKER
 from support.two_processes import free_port
+
+
 TIMEOUT_S = 120
 STEPS_1, STEPS_2 = 16, 14  # single process: 12 steps/epoch; 2 ranks: 6 steps/epoch
 KILL_AT = 7  # right after the async save of step 7 started (saves every 4 steps: 3, 7, ...)
@@ -29,25 +30,12 @@ KILL_AT = 7  # right after the async save of step 7 started (saves every 4 steps
 
 def launch(arg_lists: list[list[str]], *, timeout: float = TIMEOUT_S) -> list[int]:
     """Start one worker per argument list, wait for all, return their exit codes."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), *args], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-             for args in arg_lists]
-    outputs = []
+    workers = [Worker([sys.executable, str(WORKER), *args], env=repo_env(), cwd=REPO,
+                      timeout_s=timeout) for args in arg_lists]
     try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            outputs.append(out.decode(errors="replace"))
-    except subprocess.TimeoutExpired:
+        codes, outputs = run_all(workers)
+    except TimeoutError:
         raise AssertionError(f"workers still running after {timeout} s: {arg_lists}") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    codes = [proc.returncode for proc in procs]
     if any(code not in (0, -signal.SIGKILL) for code in codes):
         raise AssertionError(f"worker failed with exit codes {codes}:\n" + "\n---\n".join(
             out[-4000:] for out in outputs))

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator
 import pytest
 
 from support.paths import REPO
+
+
 PACKAGES = ("jaxckpt", "torch_bridge")
 TOOLS = "jaxckpt.tools"
 
