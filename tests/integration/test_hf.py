@@ -8,6 +8,7 @@ and compared tensor by tensor, bit for bit, with what transformers wrote.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -37,34 +38,13 @@ from jaxckpt.tools import hf_cli  # noqa: E402
 from torch_bridge import hf  # noqa: E402
 
 from support import paths  # noqa: E402
+from support.models import HF_EXPORTED, HF_VOCAB, tiny_hf_config  # noqa: E402
 
 REPO = str(paths.REPO)
-VOCAB = 128
+VOCAB = HF_VOCAB
 SEQ = 12
 
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2),
-    # Llama with every optional bias switched on.
-    "llama_bias": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        attention_bias=True, mlp_bias=True, bos_token_id=1, eos_token_id=2),
-    # Qwen2: q/k/v biases, tied embeddings.
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-    "gpt2": lambda: transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
-        eos_token_id=2),
-    # GPT-2 with its own LM head.
-    "gpt2_untied": lambda: transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False),
-}
+CONFIGS = {kind: functools.partial(tiny_hf_config, kind) for kind in HF_EXPORTED}
 ARCH = {"llama": "llama", "llama_bias": "llama", "qwen2": "qwen2", "gpt2": "gpt2",
         "gpt2_untied": "gpt2"}
 
@@ -732,11 +712,7 @@ def test_export_writes_the_config_files_save_pretrained_writes(case, dtype, hf_d
 
 
 def _foreign_model(kind: str, directory: str) -> str:
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  bos_token_id=1, eos_token_id=2)
-    config = {"mistral": lambda: transformers.MistralConfig(**common),
-              "gemma": lambda: transformers.GemmaConfig(head_dim=8, **common)}[kind]()
+    config = tiny_hf_config(kind)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
 

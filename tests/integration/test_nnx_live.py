@@ -4,11 +4,8 @@ NNX objects a save leaves out; a SIGKILL test of an NNX-tutorial-shaped loop."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import time
 import warnings
 from typing import Any
 
@@ -20,25 +17,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
 
-from support.paths import NNX_WORKER, REPO
+from support.harness import Worker, repo_env
+from support.paths import NNX_WORKER
 
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
+from support.models import TinyNet  # noqa: E402  (needs flax)
 
-
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.linear = nnx.Linear(3, 4, rngs=rngs)
-        self.norm = nnx.BatchNorm(4, rngs=rngs)
-        self.dropout = nnx.Dropout(0.5, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dropout(self.norm(self.linear(x)))
 
 
 def build(seed):
-    model = Net(nnx.Rngs(seed, dropout=seed + 1))
+    model = TinyNet(nnx.Rngs(seed, dropout=seed + 1))
     return {
         "model": model,
         "optimizer": nnx.Optimizer(model, optax.adamw(0.1), wrt=nnx.Param),
@@ -151,7 +141,7 @@ class Holder(nnx.Module):
 
 def test_shared_variables_are_stored_once_and_restore_consistently(tmp_path):
     def make(seed):
-        model = Net(nnx.Rngs(seed))
+        model = TinyNet(nnx.Rngs(seed))
         return {"ema": Holder(model), "model": model, "tied": Tied(nnx.Rngs(seed + 1))}
 
     live = make(0)
@@ -258,13 +248,13 @@ def test_a_save_that_leaves_out_rngs_and_metrics_warns_once_naming_them(tmp_path
 
 def test_a_save_of_live_objects_names_an_ema_copy_left_out_and_not_what_was_passed(tmp_path):
     live = build(0)
-    ema = Net(nnx.Rngs(9))  # an EMA model beside the live dict
+    ema = TinyNet(nnx.Rngs(9))  # an EMA model beside the live dict
     with manager(tmp_path) as mgr, warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         mgr.save(STEP, {k: live[k] for k in ("model", "optimizer", "rngs")})
     found = left_out_warnings(record)
     assert len(found) == 1, found
-    assert "'ema'" in found[0] and "Net" in found[0]
+    assert "'ema'" in found[0] and "TinyNet" in found[0]
     # Only the caller's own variables are looked at: live["metrics"] is not one.
     named = found[0].split("Fix:")[0]
     assert "'metrics'" not in named and "'model'" not in named
@@ -311,45 +301,34 @@ WORKER_TIMEOUT_S = 120.0
 
 
 def run_worker(tmp, root, tag, *, kill_after_reported=None):
-    """Run tests/support/nnx_worker.py; with ``kill_after_reported``, SIGKILL its process group at
-    the first ``STEP`` line after ``REPORTED <n>`` with n >= that step. Returns the lines."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    err_path = tmp / f"{tag}.err"
-    with open(err_path, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(NNX_WORKER), "--root", str(root),
-             "--log", str(tmp / f"{root.name}.log"), "--final", str(tmp / f"{root.name}.npz"),
-             "--steps", str(STEPS)],
-            stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
-    lines, armed, killed = [], False, False
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    try:
-        for raw in proc.stdout:
-            line = raw.decode().rstrip("\n")
-            lines.append(line)
-            tag_, _, value = line.partition(" ")
-            if kill_after_reported is not None and tag_ == "REPORTED" \
-                    and int(value) >= kill_after_reported:
-                armed = True
-            elif armed and tag_ == "STEP" and not killed:
-                os.killpg(proc.pid, signal.SIGKILL)
-                killed = True
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{tag}: worker ran past {WORKER_TIMEOUT_S} s: {lines[-5:]}")
-        code = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+    """Run tests/support/nnx_worker.py; with ``kill_after_reported``, SIGKILL its process
+    group at the first ``STEP`` line after ``REPORTED <n>`` with n >= that step. Returns the
+    lines."""
+    env = repo_env(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    worker = Worker([sys.executable, str(NNX_WORKER), "--root", str(root),
+                     "--log", str(tmp / f"{root.name}.log"),
+                     "--final", str(tmp / f"{root.name}.npz"), "--steps", str(STEPS)],
+                    env=env, timeout_s=WORKER_TIMEOUT_S)
+    armed = False
+
+    def first_step_after_the_report(line):
+        nonlocal armed
+        tag_, _, value = line.partition(" ")
+        if kill_after_reported is not None and tag_ == "REPORTED" \
+                and int(value) >= kill_after_reported:
+            armed = True
+        return armed and tag_ == "STEP"
+
+    code = worker.run(kill_at=first_step_after_the_report)
+    lines = worker.lines
     if kill_after_reported is not None:
-        assert killed and code == -signal.SIGKILL and "DONE" not in lines, (lines, code)
+        assert worker.killed and code == -signal.SIGKILL and "DONE" not in lines, (tag, lines, code)
     else:
-        assert code == 0 and lines[-1] == "DONE", (lines, code, err_path.read_text()[-3000:])
+        assert code == 0 and lines[-1] == "DONE", (tag, lines, code, worker.stderr())
     return lines
 
 
@@ -402,7 +381,7 @@ def test_live_objects_inside_other_pytree_nodes_and_many_leaves_are_found(tmp_pa
         scale: jax.Array
 
     def make(seed):
-        return {"bundle": Bundle(Net(nnx.Rngs(seed)), jnp.float32(seed)),
+        return {"bundle": Bundle(TinyNet(nnx.Rngs(seed)), jnp.float32(seed)),
                 "many": [np.full(2, float(i + seed)) for i in range(300)]}
 
     live = make(0)
@@ -418,12 +397,12 @@ def test_live_objects_inside_other_pytree_nodes_and_many_leaves_are_found(tmp_pa
 
 
 def test_a_live_model_as_an_auxiliary_item_is_restored_in_place(tmp_path):
-    live, ref = build(0), Net(nnx.Rngs(11))
+    live, ref = build(0), TinyNet(nnx.Rngs(11))
     config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1), keep_last_n=None)
     with jaxckpt.CheckpointManager(str(tmp_path), recover=config, preemption_signals=(),
                                    items={"ref": jaxckpt.Every(steps=2)}) as mgr:
         mgr.save(STEP, live, items={"ref": ref})
-    fresh, fresh_ref = build(1), Net(nnx.Rngs(12))
+    fresh, fresh_ref = build(1), TinyNet(nnx.Rngs(12))
     with jaxckpt.CheckpointManager(str(tmp_path), recover=config, preemption_signals=(),
                                    items={"ref": jaxckpt.Every(steps=2)}) as mgr:
         restored = mgr.recover(fresh, items={"ref": fresh_ref})

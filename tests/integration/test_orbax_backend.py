@@ -153,16 +153,10 @@ def test_flax_nnx_model_and_optimizer_roundtrip(backend, tmp_path):
     nnx = pytest.importorskip("flax.nnx")
     optax = pytest.importorskip("optax")
 
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.linear = nnx.Linear(3, 4, rngs=rngs)
-            self.dropout = nnx.Dropout(0.5, rngs=rngs)
-
-        def __call__(self, x):
-            return self.linear(x)
+    from support.models import TinyNet
 
     def build(seed):
-        model = Model(nnx.Rngs(seed, dropout=seed + 1))
+        model = TinyNet(nnx.Rngs(seed, dropout=seed + 1))
         return model, nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
 
     model, optimizer = build(0)
