@@ -1,0 +1,16 @@
+"""Helpers shared by the test layers (unit, integration, system), importable as ``support``
+from every test folder (pyproject's ``[tool.pytest.ini_options] pythonpath``).
+
+- ``paths``: where the repository and the worker scripts are.
+- ``loaders``: the one stateful test loader (``state_dict``/``load_state_dict``).
+- ``models``: the tiny NNX model and the tiny Hugging Face configs tests build.
+- ``harness``: a worker subprocess in its own session, read line by line, SIGKILLed at a
+  chosen line or time, bounded by a timeout.
+- ``two_processes``: two cooperating JAX worker processes on localhost.
+- ``storage_contract``: the checks every Storage implementation must pass.
+- ``crash_worker.py``, ``nnx_worker.py``, ``torch_worker.py``: training scripts the system
+  tests run by path (``paths.WORKERS``) with the repository on PYTHONPATH.
+
+Nothing here imports jaxckpt at import time except the modules that test it directly
+(``storage_contract``); ``models`` needs flax.
+"""

@@ -1,0 +1,208 @@
+"""A tiny pure-JAX training worker for the crash-consistency harness
+(tests/system/test_crash_harness.py).
+
+Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...``. It trains a
+two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches, with dropout drawn
+from a typed JAX PRNG key and a per-step noise scale drawn from Python's and NumPy's global
+RNGs (so an exact resume needs the arrays, the key, the loader position AND both global RNG
+states). ``--ballast K`` adds K extra array leaves, updated every step, that make each save
+write many more files: the background write, the commit pass (checksum + fsync per file) and
+retention deletion then take long enough for a randomly timed SIGKILL to land inside them.
+The ballast changes the state tree, so a reference run must use the same ``--ballast``; the
+save mode does not change numerics (a chain may switch it between segments).
+
+Stdout protocol, one line each, written with a single ``os.write`` so lines from the
+training thread and the manager's background thread never interleave:
+
+    FRESH | RESUMED {"step": S}    at start (S: the checkpoint restored)
+    STEP n                         step n finished; its loss is in the log file (fsynced)
+    SAVING n                       maybe_save after step n started a recovery checkpoint
+    WRITTEN n                      the backend's write of step n finished: the commit starts
+    REPORTED n                     on_report: the save of step n committed (retention follows)
+    DONE                           the run finished and its final state .npz is written
+
+Log file: one JSON line per finished step, ``{"step": n, "loss": float.hex(loss)}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+from typing import Any
+
+import numpy as np
+
+HIDDEN = 16
+IN_DIM = 8
+BATCH = 8
+STEPS_PER_EPOCH = 7  # small and odd: epochs roll over mid-run and between save steps
+
+
+def emit(line: str) -> None:
+    os.write(1, (line + "\n").encode())
+
+
+class SeamBackend:
+    """Delegates to a real backend; announces ``WRITTEN n`` when the write of step ``n`` is
+    finished (the seam between the background write and the commit). Numerics untouched."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
+        handle = self._inner.write(directory, state, asynchronous=asynchronous)
+        match = re.search(r"step_(\d+)", directory)
+        step = int(match.group(1)) if match else -1
+
+        class Announcing:
+            checksums = None  # the commit reads every file back, as for any backend
+
+            def wait(self) -> None:
+                handle.wait()
+                emit(f"WRITTEN {step}")
+
+        return Announcing()
+
+
+def build_state(seed: int, ballast: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {
+        "w1": jax.random.normal(k1, (IN_DIM, HIDDEN), jnp.float32) * 0.3,
+        "b1": jnp.zeros((HIDDEN,), jnp.float32),
+        "w2": jax.random.normal(k2, (HIDDEN, 1), jnp.float32) * 0.3,
+        "b2": jnp.zeros((1,), jnp.float32),
+    }
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return {
+        "params": params,
+        "opt": {"m": zeros, "v": jax.tree.map(jnp.zeros_like, params),
+                "count": jnp.zeros((), jnp.int32)},
+        "key": jax.random.key(seed + 1),
+        "ballast": [jnp.full((2048,), float(i), jnp.float32) for i in range(ballast)],
+    }
+
+
+def make_step():
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(params, x, y, key, scale):
+        h = jax.nn.gelu(x @ params["w1"] + params["b1"])
+        keep = jax.random.bernoulli(key, 0.9, h.shape)
+        h = jnp.where(keep, h / 0.9, 0.0)
+        pred = h @ params["w2"] + params["b2"]
+        return jnp.mean((pred - y) ** 2) * scale
+
+    @jax.jit
+    def step(state, x, y, scale):
+        key, sub = jax.random.split(state["key"])
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, sub, scale)
+        opt = state["opt"]
+        count = opt["count"] + 1
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
+        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
+        t = count.astype(jnp.float32)
+        params = jax.tree.map(
+            lambda p, m, v: p - 0.01 * (m / (1 - 0.9 ** t)) / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8),
+            state["params"], m, v)
+        ballast = [b * 0.5 + loss * (i + 1) for i, b in enumerate(state["ballast"])]
+        return {"params": params, "opt": {"m": m, "v": v, "count": count}, "key": key,
+                "ballast": ballast}, loss
+
+    return step
+
+
+def final_arrays(state: dict[str, Any]) -> dict[str, np.ndarray]:
+    import jax
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = jax.tree_util.keystr(path)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            out[name + "|key_data"] = np.asarray(jax.random.key_data(leaf))
+        else:
+            out[name] = np.asarray(leaf)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--final", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--keep-last-n", type=int, default=2)
+    parser.add_argument("--mode", choices=("sync", "async"), default="async")
+    parser.add_argument("--ballast", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args(argv)
+
+    import jax
+
+    import jaxckpt
+    from jaxckpt.tools.demo import SyntheticLoader
+    from jaxckpt.orbax_backend import OrbaxBackend
+
+    random.seed(opts.seed)
+    np.random.seed(opts.seed)
+    loader = SyntheticLoader(seed=opts.seed, batch_size=BATCH, steps_per_epoch=STEPS_PER_EPOCH,
+                             in_dim=IN_DIM)
+    state = build_state(opts.seed, opts.ballast)
+    train_step = make_step()
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+
+    mgr = jaxckpt.CheckpointManager(
+        opts.root,
+        recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=opts.save_every),
+                                      keep_last_n=opts.keep_last_n),
+        mode=opts.mode, backend=SeamBackend(OrbaxBackend()),
+        on_report=lambda report: emit(f"REPORTED {report.step}"), preemption_signals=())
+    with mgr, open(opts.log, "a") as log:
+        recovered = mgr.recover(like, stateful={"loader": loader})
+        if recovered is None:
+            step = jaxckpt.StepInfo(0, 0, 0, STEPS_PER_EPOCH)
+            last = None
+            emit("FRESH")
+        else:
+            state = recovered.state
+            last = recovered.step_info
+            step = last.next()
+            emit("RESUMED " + json.dumps({"step": last.global_step}))
+        while step.global_step < opts.steps:
+            x, y = loader.next_batch()
+            # Global RNGs feed the numerics: a resume that forgot them would diverge.
+            scale = np.float32(1.0 + 0.1 * random.random() + 0.1 * np.random.random())
+            state, loss = train_step(state, x, y, scale)
+            loss_value = float(loss)
+            log.write(json.dumps({"step": step.global_step, "loss": loss_value.hex()}) + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+            emit(f"STEP {step.global_step}")
+            reports = mgr.maybe_save(step, state, metrics={"loss": loss_value})
+            if any(r.kind == "recover" for r in reports):
+                emit(f"SAVING {step.global_step}")
+            last, step = step, step.next()
+        if last is not None:
+            mgr.save(last, state)  # no-op when that step was just saved or restored
+    arrays = final_arrays(state)
+    tmp = opts.final + ".partial"
+    with open(tmp, "wb") as handle:
+        np.savez(handle, **arrays)
+    os.replace(tmp, opts.final)
+    emit("DONE")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

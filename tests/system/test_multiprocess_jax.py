@@ -1,0 +1,238 @@
+"""Two JAX processes on localhost (jax.distributed, CPU devices) checkpointing one sharded state.
+
+Each process writes its shards and its own local state; the primary commits and decides the
+time-based trigger for both; a single process with another mesh restores what they wrote.
+"""
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig
+
+from support.loaders import Loader
+from support.two_processes import jax_worker, run_two_workers
+
+WORKER = jax_worker('''
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxckpt import CheckpointManager, RecoverConfig, ExportConfig, Every, StepInfo
+
+        mesh = jax.make_mesh((4,), ("x",))
+        sharding = NamedSharding(mesh, P("x"))
+        assert jax.device_count() == 4 and jax.local_device_count() == 2
+
+        def weights(step):
+            base = np.arange(32, dtype=np.float32).reshape(8, 4) + 1000 * step
+            return jax.make_array_from_callback((8, 4), sharding, lambda idx: base[idx])
+
+        class Loader:  # each process reads its own shard (worker source: no support import)
+            def __init__(self):
+                self.position = 0
+            def state_dict(self):
+                return {"position": self.position, "process": index}
+            def load_state_dict(self, state):
+                self.position = state["position"]
+
+        now = [0.0]  # only the primary's clock ever moves: its decision must be shared
+        def clock():
+            return now[0]
+
+        def exporter(state, out_dir):
+            np.save(os.path.join(out_dir, "w.npy"), np.asarray(state["w"]), allow_pickle=False)
+
+        loader = Loader()
+        mgr = CheckpointManager(root, recover=RecoverConfig(every=Every(steps=4, seconds=50),
+                                                            keep_last_n=None),
+                                export=ExportConfig(every=Every(steps=4), exporter=exporter,
+                                                    mode="sync"),
+                                clock=clock, preemption_signals=(), items={"ref": Every(steps=2)})
+        events = []
+        step = StepInfo(0, 0, 0)
+        for _ in range(6):
+            loader.position += 1 + index  # processes advance differently
+            if index == 0 and step.global_step == 1:
+                now[0] += 100.0
+            ref = {"w": weights(100 + (step.global_step + 1) // 2)}  # changes every 2 steps
+            for report in mgr.maybe_save(step, {"w": weights(step.global_step), "n": step.global_step},
+                                         stateful={"loader": loader}, items={"ref": ref}):
+                events.append([report.kind, report.step, report.reason])
+            step = step.next()
+        mgr.close()
+        # Process 0 hosts the coordination service: nobody leaves before everybody is done.
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("jaxckpt-test-end")
+        print("EVENTS " + json.dumps(events), flush=True)
+''')
+
+
+@pytest.fixture(scope="module")
+def two_process_root(tmp_path_factory):
+    root, outputs = run_two_workers(WORKER, tmp_path_factory.mktemp("mp"))
+    events = [json.loads(next(l for l in out.splitlines() if l.startswith("EVENTS "))[7:])
+              for out in outputs]
+    return root, events
+
+
+def test_primary_decides_time_trigger_and_both_processes_agree(two_process_root):
+    _, (events0, events1) = two_process_root
+    assert events0 == events1
+    assert ["recover", 1, "seconds"] in events0  # only process 0's clock moved
+    assert ["recover", 3, "steps"] in events0 and ["export", 3, "steps"] in events0
+
+
+def test_primary_commits_once_and_each_process_wrote_its_local_state(two_process_root):
+    root, _ = two_process_root
+    step_dir = os.path.join(root, "recover", "step_00000003")
+    names = set(os.listdir(step_dir))
+    assert {"COMMITTED", "driver.json", "driver.p00001.json", "done.p00001", "state"} <= names
+    driver = json.load(open(os.path.join(step_dir, "driver.json")))
+    assert driver["process_count"] == 2
+    assert driver["local"]["stateful"]["loader"]["state"] == {"position": 4, "process": 0}
+    local1 = json.load(open(os.path.join(step_dir, "driver.p00001.json")))
+    assert local1["stateful"]["loader"]["state"] == {"position": 8, "process": 1}
+
+
+def test_one_process_restores_on_another_mesh(two_process_root):
+    root, _ = two_process_root
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    sharding = NamedSharding(mesh, P("b", "a"))
+    like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding), "n": 0}
+
+    loader = Loader()
+    with CheckpointManager(root, recover=RecoverConfig(keep_last_n=None)) as mgr:
+        with pytest.warns(CheckpointWarning, match="saved by 2 process"):
+            result = mgr.recover(like, stateful={"loader": loader})
+    assert result.step_info.global_step == 3 and result.state["n"] == 3
+    assert result.item_versions == {"ref": 2}
+    assert result.state["w"].sharding == sharding
+    expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 3000
+    np.testing.assert_array_equal(np.asarray(result.state["w"]), expected)
+    assert loader.position == 4  # process 0's local state
+
+
+def test_export_was_written_once_from_gathered_shards(two_process_root):
+    root, _ = two_process_root
+    exports = sorted(os.listdir(os.path.join(root, "export")))
+    assert exports == ["epoch0epochstep3globalstep3"]
+    w = np.load(os.path.join(root, "export", exports[0], "w.npy"))
+    np.testing.assert_array_equal(w, np.arange(32, dtype=np.float32).reshape(8, 4) + 3000)
+
+
+def test_sharded_item_written_by_both_processes_restores_in_one(two_process_root):
+    root, _ = two_process_root
+    item_dir = os.path.join(root, "recover", "items", "ref", "v000002")
+    assert {"COMMITTED", "done.p00001", "state"} <= set(os.listdir(item_dir))
+    like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    with CheckpointManager(root, recover=RecoverConfig(keep_last_n=None)) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
+            result = mgr.restore({**like, "n": 0}, step=3, items={"ref": like})
+    expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 1000 * 102
+    np.testing.assert_array_equal(np.asarray(result.items["ref"]["w"]), expected)
+
+
+# Both processes restore a checkpoint in which one bulk data file, read only by process 1,
+# is damaged. Only the primary checks checksums (alongside the read); its verdict must make
+# both processes fall back (recover) or raise (restore(step=...)) together.
+DAMAGE_WORKER = jax_worker('''
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.experimental import multihost_utils
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxckpt import (CheckpointCorruptError, CheckpointManager, RecoverConfig,
+                             StepInfo)
+        from jaxckpt.store import DEFER_CHECKSUMS_OVER
+
+        mesh = jax.make_mesh((4,), ("x",))
+        sharding = NamedSharding(mesh, P("x"))
+        shape = (4096, 512)  # 2 MiB per device shard: every chunk file is over the threshold
+
+        def values(step):
+            return np.random.default_rng(step).standard_normal(shape, dtype=np.float32)
+
+        def weights(step):
+            data = values(step)
+            return jax.make_array_from_callback(shape, sharding, lambda idx: data[idx])
+
+        class Loader:  # remembers what it was given (worker source: no support import)
+            def __init__(self):
+                self.position, self.loaded = -1, []
+            def state_dict(self):
+                return {"position": self.position}
+            def load_state_dict(self, state):
+                self.loaded.append(state["position"])
+                self.position = state["position"]
+
+        config = RecoverConfig(keep_last_n=None)
+        loader = Loader()
+        with CheckpointManager(root, recover=config, mode="sync", preemption_signals=()) as mgr:
+            for step in (0, 1):
+                loader.position = 10 * (index + 1) + step
+                mgr.save(StepInfo(0, step, step), {"w": weights(step)},
+                         stateful={"loader": loader})
+        multihost_utils.sync_global_devices("saved")
+        out = {}
+        if index == 0:
+            ckpt = os.path.join(root, "recover", "step_00000001")
+            chunks = sorted(os.path.relpath(os.path.join(d, f), ckpt)
+                            for d, _, files in os.walk(os.path.join(ckpt, "state", "arrays"))
+                            for f in files if os.sep + "c" + os.sep in os.path.join(d, f))
+            out["chunks"] = chunks
+            rel = chunks[-1]  # the last rows: on process 1's devices
+            with open(os.path.join(ckpt, rel), "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                assert size > DEFER_CHECKSUMS_OVER
+                f.seek(size // 2)
+                byte = f.read(1)
+                f.seek(size // 2)
+                f.write(bytes([byte[0] ^ 0x10]))
+            out["damaged"] = rel
+        multihost_utils.sync_global_devices("damaged")
+
+        like = {"w": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
+        fresh = Loader()
+        with CheckpointManager(root, recover=config, preemption_signals=()) as mgr:
+            try:
+                mgr.restore(like, step=1, stateful={"loader": fresh})
+                out["explicit"] = "restored"
+            except CheckpointCorruptError as exc:
+                out["explicit"] = str(exc)
+            out["loaded_after_explicit"] = list(fresh.loaded)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = mgr.recover(like, stateful={"loader": fresh})
+            out["step"] = result.step_info.global_step
+            out["exact"] = all(np.array_equal(np.asarray(shard.data), values(0)[shard.index])
+                               for shard in result.state["w"].addressable_shards)
+            out["loaded"] = list(fresh.loaded)
+            out["warnings"] = [str(w.message) for w in caught]
+        multihost_utils.sync_global_devices("jaxckpt-test-end")
+        print("RESULT " + json.dumps(out), flush=True)
+''')
+
+
+def test_damaged_bulk_data_makes_every_process_fall_back_or_raise_together(tmp_path):
+    root, outputs = run_two_workers(DAMAGE_WORKER, tmp_path)
+    primary, other = [json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
+                      for out in outputs]
+    rel = primary["damaged"]
+    assert len(primary["chunks"]) == 4, primary["chunks"]  # one file per device shard
+    # restore(step=1): both raise; the primary names the file, the other points to it.
+    assert f"{rel}: crc32" in primary["explicit"], primary["explicit"]
+    assert "failed verification on the primary process" in other["explicit"], other["explicit"]
+    assert primary["loaded_after_explicit"] == other["loaded_after_explicit"] == []
+    # recover: both fall back to step 0, bit for bit, each with its own step-0 local state.
+    assert primary["step"] == other["step"] == 0
+    assert primary["exact"] and other["exact"]
+    assert primary["loaded"] == [10] and other["loaded"] == [20]
+    assert any("step_00000001" in m and f"{rel}: crc32" in m for m in primary["warnings"])
+    superseded = os.listdir(os.path.join(root, "recover", "superseded"))
+    assert [name.split(".")[0] for name in superseded] == ["step_00000001"]
