@@ -172,7 +172,7 @@ class Layout(NamedTuple):
 #: Array dtypes Orbax's tensorstore stores (zarr3), by numpy name. Arrays of any other
 #: dtype numpy holds (uint2, uint4, float8_e4m3, float6_*, int1/uint1, complex32, numpy's
 #: longdouble...) are stored as their bytes: uint8 with one more axis of the itemsize
-#: (``bytes_of``); tests/test_dtypes.py round-trips every one bit for bit.
+#: (``bytes_of``); tests/integration/test_dtypes.py round-trips every one bit for bit.
 STORABLE_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "bfloat16", "complex64", "complex128",

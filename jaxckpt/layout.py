@@ -22,7 +22,7 @@ Owns the layout of a root, and nothing but strings::
         .tmp-*
 
 Format functions and their parsers are inverse of each other (``parse_*`` returns None for a
-name that is not of the kind); tests/test_layout.py holds the table.
+name that is not of the kind); tests/unit/test_layout.py holds the table.
 
 Pure: no I/O. Must not import: jax, orbax, torch, or any jaxckpt module.
 """

@@ -3,7 +3,7 @@
 Owns: the manifest's format (``jaxckpt.commit/2``: every file's size and crc32c; format 1,
 crc32, is still read), parsing it with every sanity check a restore relies on (paths stay
 inside the checkpoint, one known checksum per entry, a step, a time, at least one file),
-serialising it (byte-identical across releases: tests/test_golden_checkpoint.py), which
+serialising it (byte-identical across releases: tests/integration/test_golden_checkpoint.py), which
 entries' checksums may be deferred to the read (``DEFER_CHECKSUMS_OVER``), and the wording
 of what is wrong with one file compared with its entry.
 

@@ -6,7 +6,7 @@ writer that streams an array's bytes to disk with ``O_DIRECT`` and checksums the
 way; a reader that reads them back the same way into page-aligned buffers and checksums
 them on the way.
 
-The form (what tensorstore writes for Orbax; ``tests/test_zarr_io.py`` compares it byte
+The form (what tensorstore writes for Orbax; ``tests/integration/test_zarr_io.py`` compares it byte
 for byte with files Orbax wrote, and has Orbax read what this module wrote, offsets
 included)::
 
@@ -105,7 +105,7 @@ _ATTRIBUTE = "jaxckpt"  # our key in zarr.json's attributes
 _INDEX_BYTES = 20  # offset u64, length u64, crc32c u32
 
 #: dtypes stored one element per ``itemsize`` bytes, as numpy holds them, that Orbax's
-#: tensorstore writes with exactly this layout (checked by tests/test_zarr_io.py). Sub-byte
+#: tensorstore writes with exactly this layout (checked by tests/integration/test_zarr_io.py). Sub-byte
 #: types (int4, float4) and anything else go through Orbax.
 SUPPORTED_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
