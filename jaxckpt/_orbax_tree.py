@@ -21,20 +21,16 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt.errors import CheckpointCorruptError, CheckpointFormatError, CodecError
+from jaxckpt.errors import CheckpointCorruptError, CodecError
 from jaxckpt.layout import TREE_FILE
+from jaxckpt.tree_record import (
+    PACKED_TREE_VERSION,
+    TREE_FORMAT,
+    TREE_FORMAT_VERSION,
+    UNPACKED_TREE_VERSION,
+    parse_tree_record,
+)
 
-#: value of the "format" field of tree.json; identifies the file's owner.
-TREE_FORMAT = "jaxckpt.orbax.tree"
-#: bumped on any incompatible change of tree.json; readers refuse newer versions. Version 2
-#: adds packed leaves (an "offset" on the leaf, whose "name" is then its pack's, and a
-#: "packs" list); a checkpoint without packed leaves is still written as version 1,
-#: readable by every release. Version 3 adds arrays stored as their bytes (a "data_dtype"
-#: of uint8 and a "data_shape" on a leaf of kind "array": dtypes Orbax has no type for);
-#: only a checkpoint holding such a leaf is written as version 3.
-TREE_FORMAT_VERSION = 3
-PACKED_TREE_VERSION = 2
-UNPACKED_TREE_VERSION = 1
 
 ARRAYS_DIR = "arrays"
 ZARR_JSON = "zarr.json"
@@ -300,14 +296,8 @@ def read_tree_json(root: epath.Path, directory: str) -> dict[str, SavedLeaf]:
             f"{directory} has no {TREE_FILE}: it was not written by jaxckpt's Orbax backend, "
             "or its write did not finish. Fix: point at a checkpoint directory that the "
             "Orbax backend wrote completely.")
+    document = parse_tree_record(tree_file.read_bytes(), directory)
     try:
-        document = json.loads(tree_file.read_text())
-        if document.get("format") != TREE_FORMAT:
-            raise ValueError(f"format is {document.get('format')!r}, not {TREE_FORMAT!r}")
-        if document.get("version", 0) > TREE_FORMAT_VERSION:
-            raise CheckpointFormatError(
-                f"{directory}/{TREE_FILE} is unreadable: version {document['version']} is newer "
-                f"than this jaxckpt reads ({TREE_FORMAT_VERSION}); upgrade jaxckpt")
         entries = [SavedLeaf.from_json(entry) for entry in document["leaves"]]
         for entry in entries:
             # A storage name becomes a path under arrays/: only names this backend makes.

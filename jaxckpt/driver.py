@@ -21,7 +21,7 @@ import platform
 import random
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +35,10 @@ from .errors import (
     CodecError,
     ConfigError,
 )
-from .layout import local_driver_filename
+from .layout import DRIVER_FILE, local_driver_filename
+
+if TYPE_CHECKING:
+    from .store import CheckpointStore
 
 __all__ = [
     "DRIVER_FORMAT",
@@ -47,6 +50,7 @@ __all__ = [
     "build_driver",
     "build_local",
     "parse_driver",
+    "read_driver",
     "local_filename",
     "clean_metrics",
 ]
@@ -210,6 +214,17 @@ def build_driver(*, kind: str, reason: str, step: StepInfo, backend_name: str,
                      "numpy": np.__version__, **backend_versions},
         "local": dict(local),
     }
+
+
+def read_driver(store: CheckpointStore, path: str) -> dict[str, Any]:
+    """The parsed driver.json of the checkpoint ``path`` (``parse_driver``), read through
+    the store; ``CheckpointCorruptError`` when it is missing. The one reader of driver.json
+    for the manager and the tools."""
+    try:
+        data = store.read_file(path, DRIVER_FILE)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path}: {DRIVER_FILE} is missing") from None
+    return parse_driver(data, path)
 
 
 def parse_driver(data: bytes, where: str) -> dict[str, Any]:

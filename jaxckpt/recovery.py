@@ -41,7 +41,7 @@ from .errors import (
     CheckpointWarning,
 )
 from .reports import Recovered
-from .layout import DRIVER_FILE, STATE_DIR
+from .layout import STATE_DIR
 from .read_claims import ReadClaims
 from .store import Entry
 from .verification import DeferredChecksumsFailed, Verification, Verifier
@@ -278,10 +278,7 @@ class Recovery:
         return out
 
     def _read_driver(self, path: str) -> dict[str, Any]:
-        try:
-            body = drv.parse_driver(self._ctx.store.read_file(path, DRIVER_FILE), path)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{path}: driver.json is missing") from None
+        body = drv.read_driver(self._ctx.store, path)
         saved_backend = body.get("backend")
         if saved_backend is not None and saved_backend != self._ctx.backend.name:
             raise CheckpointError(

@@ -276,7 +276,8 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     never from a backend's own binary metadata); file sizes are checked against the manifest."""
     import json
 
-    from jaxckpt.errors import CheckpointCorruptError
+    from jaxckpt.driver import read_driver
+    from jaxckpt.errors import CheckpointCorruptError, CheckpointError
     from jaxckpt.layout import DRIVER_FILE
     from jaxckpt.store import CheckpointStore
 
@@ -296,15 +297,14 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     if manifest:
         info["files"], info["bytes"] = len(manifest.files), manifest.total_bytes
     try:
-        with open(os.path.join(path, DRIVER_FILE)) as handle:
-            driver = json.load(handle)
+        driver = read_driver(store, path)
         for key in ("kind", "reason", "backend", "process_count", "step_info", "metrics", "versions"):
             info[key] = driver.get(key)
         info["saved_at"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(driver.get("saved_at", 0)))
         local = driver.get("local") or {}
         info["stateful"] = sorted((local.get("stateful") or {}).keys())
         info["rng"] = sorted((local.get("rng") or {}).keys())
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, CheckpointError) as exc:
         info["driver_error"] = f"{DRIVER_FILE}: {exc}"
     _add_leaves(info, path)
     if opts.json:
@@ -315,19 +315,18 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
 
 
 def _add_leaves(info: dict, path: str) -> None:
-    import json
-
+    from jaxckpt.errors import CheckpointError
     from jaxckpt.layout import STATE_DIR, TREE_FILE
+    from jaxckpt.tree_record import read_tree_record
 
-    tree_file = os.path.join(path, STATE_DIR, TREE_FILE)
-    if os.path.exists(tree_file):
+    state_dir = os.path.join(path, STATE_DIR)
+    if os.path.exists(os.path.join(state_dir, TREE_FILE)):
         try:
-            with open(tree_file) as handle:
-                leaves = json.load(handle).get("leaves", [])
+            leaves = read_tree_record(state_dir)["leaves"]
             info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
                                "dtype": leaf.get("dtype")} for leaf in leaves]
-        except (OSError, ValueError, AttributeError) as exc:
-            info["tree_error"] = f"state/tree.json: {exc}"
+        except (OSError, CheckpointError, AttributeError) as exc:
+            info["tree_error"] = f"{STATE_DIR}/{TREE_FILE}: {exc}"
 
 
 def _print_info(info: dict, max_leaves: int) -> None:

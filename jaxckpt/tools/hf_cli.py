@@ -204,20 +204,9 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
     import jax
     import jax.numpy as jnp
 
-    from jaxckpt.layout import TREE_FILE
-    from jaxckpt.orbax_backend import TREE_FORMAT
+    from jaxckpt.tree_record import read_tree_record
 
-    tree_file = os.path.join(state_dir, TREE_FILE)
-    try:
-        with open(tree_file, encoding="utf-8") as handle:
-            document = json.load(handle)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(
-            f"{state_dir} has no tree.json: export-hf reads checkpoints of the Orbax backend "
-            f"(jaxckpt.CheckpointManager) only.") from None
-    if document.get("format") != TREE_FORMAT:
-        raise CheckpointCorruptError(f"{tree_file}: format {document.get('format')!r}, "
-                                     f"expected {TREE_FORMAT!r}")
+    document = read_tree_record(state_dir)  # export-hf reads Orbax-backend checkpoints only
     attrs = _attrs_node()
     root: dict[Any, Any] = {}
     kinds: dict[int, str] = {}  # id(container) -> "item" | "attr"
@@ -353,11 +342,10 @@ def _locate(checkpoint: str, step: int | None,
 
 
 def _driver(step_dir: str) -> dict[str, Any]:
-    from jaxckpt.driver import parse_driver
-    from jaxckpt.layout import DRIVER_FILE
+    from jaxckpt.driver import read_driver
+    from jaxckpt.store import CheckpointStore
 
-    with open(os.path.join(step_dir, DRIVER_FILE), "rb") as handle:
-        return parse_driver(handle.read(), step_dir)
+    return read_driver(CheckpointStore(os.path.dirname(os.path.dirname(step_dir))), step_dir)
 
 
 def _read_config(config: Any) -> Any:

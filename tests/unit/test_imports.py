@@ -23,6 +23,7 @@ def imported_after(statement: str) -> list[str]:
         "import jaxckpt",
         "import jaxckpt.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, jaxckpt.codec",
         "import jaxckpt.layout, jaxckpt.manifest, jaxckpt.storage, jaxckpt.roots, jaxckpt.read_claims",
+        "import jaxckpt.tree_record, jaxckpt.saving, jaxckpt.recovery, jaxckpt.pipeline",
         "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",
         "from jaxckpt import import_orbax; import jaxckpt.orbax_import",
