@@ -196,7 +196,8 @@ class CheckpointManager:
         result = self._recovery.restore(like, stateful=stateful, step=step, required=True,
                                         items=items)
         assert result is not None
-        self._last_completed = result.step_info
+        # Not a resume point: restore() also serves evaluation and inspection, so it leaves
+        # the last completed step (what save() records with no step) to maybe_save/recover.
         return result
 
     def maybe_save(self, step_info: StepInfo, state: Any, *,

@@ -131,3 +131,12 @@ def test_a_save_without_a_step_before_any_step_says_what_to_pass(tmp_path):
         with pytest.raises(ConfigError, match="needs the state"):
             mgr.save(StepInfo())
 
+
+
+def test_an_explicit_restore_is_not_a_resume_point(tmp_path):
+    # restore() also serves evaluation and inspection: a forced save of the next step after
+    # it is the caller's own bookkeeping, not the slip the check catches.
+    with CheckpointManager(tmp_path, preemption_signals=()) as mgr:
+        mgr.save(StepInfo(0, 4, 4), tree(), mode="sync")
+        restored = mgr.restore(tree())
+        assert mgr.save(restored.step_info.next(), tree(), mode="sync").step == 5
