@@ -28,6 +28,11 @@ class _HeldWrite:
         self._handle = handle
         self._hold_s = hold_s
 
+    @property
+    def checksums(self) -> dict[str, dict[str, Any]] | None:
+        """The real write's checksums (a ``WriteHandle`` member the commit reads)."""
+        return self._handle.checksums
+
     def wait(self) -> None:
         time.sleep(self._hold_s)
         self._handle.wait()

@@ -46,29 +46,28 @@ def emit(line: str) -> None:
     os.write(1, (line + "\n").encode())
 
 
-class SeamBackend:
-    """Delegates to a real backend; announces ``WRITTEN n`` when the write of step ``n`` is
-    finished (the seam between the background write and the commit). Numerics untouched."""
+def seam_backend() -> Any:
+    """An Orbax backend that announces ``WRITTEN n`` when the write of step ``n`` is finished
+    (the seam between the background write and the commit). Numerics untouched; every
+    other member and feature is the Orbax backend's own."""
+    from jaxckpt.orbax_backend import OrbaxBackend
 
-    def __init__(self, inner: Any):
-        self._inner = inner
+    class SeamBackend(OrbaxBackend):
+        def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
+            handle = super().write(directory, state, asynchronous=asynchronous)
+            match = re.search(r"step_(\d+)", directory)
+            step = int(match.group(1)) if match else -1
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+            class Announcing:
+                checksums = None  # the commit reads every file back, as for any backend
 
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
-        handle = self._inner.write(directory, state, asynchronous=asynchronous)
-        match = re.search(r"step_(\d+)", directory)
-        step = int(match.group(1)) if match else -1
+                def wait(self) -> None:
+                    handle.wait()
+                    emit(f"WRITTEN {step}")
 
-        class Announcing:
-            checksums = None  # the commit reads every file back, as for any backend
+            return Announcing()
 
-            def wait(self) -> None:
-                handle.wait()
-                emit(f"WRITTEN {step}")
-
-        return Announcing()
+    return SeamBackend()
 
 
 def build_state(seed: int, ballast: int) -> dict[str, Any]:
@@ -152,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxckpt
     from jaxckpt.tools.demo import SyntheticLoader
-    from jaxckpt.orbax_backend import OrbaxBackend
 
     random.seed(opts.seed)
     np.random.seed(opts.seed)
@@ -166,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         opts.root,
         recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=opts.save_every),
                                       keep_last_n=opts.keep_last_n),
-        mode=opts.mode, backend=SeamBackend(OrbaxBackend()),
+        mode=opts.mode, backend=seam_backend(),
         on_report=lambda report: emit(f"REPORTED {report.step}"), preemption_signals=())
     with mgr, open(opts.log, "a") as log:
         recovered = mgr.recover(like, stateful={"loader": loader})

@@ -40,14 +40,11 @@ LOOP = textwrap.dedent("""
         with open(opts["attempts"], "a") as log:
             log.write(os.environ.get("JAXCKPT_RETRY_ATTEMPT", "-") + "\\n")
 
-    class Held:
+    class Held(OrbaxBackend):
         # Keeps the write of chosen steps in flight longer; numerics untouched.
-        def __init__(self, inner):
-            self.inner, self.step = inner, -1
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
+        step = -1
         def write(self, directory, state, *, asynchronous):
-            handle = self.inner.write(directory, state, asynchronous=asynchronous)
+            handle = super().write(directory, state, asynchronous=asynchronous)
             hold = opts.get("hold", {}).get(str(self.step))
             if hold is None:
                 return handle
@@ -61,7 +58,7 @@ LOOP = textwrap.dedent("""
     def say(line):
         os.write(1, (line + "\\n").encode())
 
-    backend = Held(OrbaxBackend())
+    backend = Held()
     mgr = CheckpointManager(root, recover=RecoverConfig(every=Every(steps=opts["every"]),
                                                         keep_last_n=None),
                             mode="async", backend=backend,
