@@ -9,7 +9,7 @@ manager without an explicit backend is created.
 """
 
 from ._version import __version__
-from .config import Every, ExportConfig, RecoverConfig, StepInfo, Versioned
+from .config import Every, ExportConfig, KeepBest, RecoverConfig, StepInfo, Versioned
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -32,6 +32,7 @@ __all__ = [
     "StepInfo",
     "RecoverConfig",
     "ExportConfig",
+    "KeepBest",
     "Versioned",
     "CheckpointManager",
     "import_orbax",

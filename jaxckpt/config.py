@@ -21,6 +21,7 @@ __all__ = [
     "Every",
     "Versioned",
     "StepInfo",
+    "KeepBest",
     "RecoverConfig",
     "ExportConfig",
     "SaveMode",
@@ -239,6 +240,49 @@ def _check_mode(owner: str, field: str, value: Any, allowed: tuple[str, ...]) ->
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class KeepBest:
+    """Retention rule: keep the ``n`` checkpoints with the best value of one metric.
+
+    The metric is the one given to ``maybe_save(..., metrics={metric: value})`` and stored in
+    the checkpoint's ``driver.json``. A checkpoint without it (or with a value that is not a
+    finite number) is not eligible; of equal values the newer step ranks first.
+    """
+
+    metric: str
+    """The name of the metric, a key of ``metrics=``."""
+    mode: Literal["min", "max"] = "min"
+    """"min": lower is better (a loss); "max": higher is better (an accuracy)."""
+    n: int = 1
+    """How many of the best checkpoints to keep (a positive int)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"KeepBest.metric must be a non-empty metric name (a key of "
+                              f"maybe_save(metrics=...)), got {self.metric!r}.")
+        _check_mode("KeepBest", "mode", self.mode, ("min", "max"))
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n <= 0:
+            raise ConfigError(f"KeepBest.n must be a positive int (how many of the best "
+                              f"checkpoints to keep), got {self.n!r}.")
+
+
+def _check_keep_every(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Every) or value.steps is None or value.epochs is not None \
+            or value.seconds is not None:
+        raise ConfigError(
+            f"RecoverConfig.keep_every must be None or jaxckpt.Every(steps=K) (steps only: "
+            f"which checkpoints it keeps must follow from their step alone, not from epochs or "
+            f"wall time), got {value!r}.")
+
+
+def _check_keep_best(value: Any) -> None:
+    if value is not None and not isinstance(value, KeepBest):
+        raise ConfigError(f"RecoverConfig.keep_best must be None or a jaxckpt.KeepBest, got "
+                          f"{value!r}. Write keep_best=jaxckpt.KeepBest(metric='loss', mode='min').")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RecoverConfig:
     """Recovery checkpoints: complete training state, to resume a crashed or preempted run."""
 
@@ -252,6 +296,11 @@ class RecoverConfig:
     """None keeps every checkpoint; 0 writes no intermediate (periodic) checkpoints, only
     forced ``save()`` calls, of which the latest is kept; 1 keeps the latest valid one; N the
     latest N."""
+    keep_every: Every | None = None
+    """Also keep every checkpoint whose step satisfies ``Every(steps=K)``: those with
+    ``(global_step + 1) % K == 0``, the steps a ``steps=K`` trigger saves. Steps only."""
+    keep_best: KeepBest | None = None
+    """Also keep the best checkpoints by a metric given to ``maybe_save(metrics=...)``."""
     retries: int = 3
     """How many times ``jaxckpt run`` restarts a failed run from its latest checkpoint."""
     verify: Literal["checksums", "sizes"] = "checksums"
@@ -272,6 +321,8 @@ class RecoverConfig:
         _check_mode("RecoverConfig", "mode", self.mode, RECOVER_MODES)
         _check_every("RecoverConfig", self.every)
         _check_keep_last_n("RecoverConfig", self.keep_last_n)
+        _check_keep_every(self.keep_every)
+        _check_keep_best(self.keep_best)
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"RecoverConfig.retries must be an int >= 0, got {self.retries!r}.")
         _check_mode("RecoverConfig", "verify", self.verify, ("checksums", "sizes"))

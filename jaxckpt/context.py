@@ -2,7 +2,8 @@
 
 Owns: :class:`ManagerContext`, what more than one part of a ``CheckpointManager`` reads or
 writes (the store, the backend and its process facts, the configs, the triggers, the steps
-being read, the item versions on disk, the last report of each kind, the restored step).
+being read, the item versions on disk, the last report of each kind, the restored step,
+the pins).
 Each part (``saving``, ``exports``, ``recovery``, ``verification``) gets the context instead of
 reaching into another part; what only one part needs stays in that part.
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .backend import Backend
 from .config import ExportConfig, RecoverConfig
+from .pins import Pins
 from .policy import SaveTrigger
 from .store import CheckpointStore
 
@@ -60,6 +62,9 @@ class ManagerContext:
     """The step the last restore resumed from (a save of it is already committed)."""
     default_stateful: Mapping[str, Any] | None = None
     """The ``stateful`` objects given to ``recover``: saved when a save names none."""
+    pins: Pins | None = None
+    """The root's pinned steps (``pins.json``), with the lock that orders pins and retention;
+    None: nothing is ever pinned (a context built without a root's pins, e.g. in tests)."""
 
     @property
     def primary(self) -> bool:

@@ -41,6 +41,7 @@ from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
 from .pipeline import SavePipeline
 from .policy import SaveTrigger, resolve_mode, writes_periodic
+from .pins import Pins
 from .preemption import Preemption
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
@@ -115,6 +116,7 @@ class CheckpointManager:
             process_index=index, process_count=count,
             # Versions already on disk (committed) per item: never written twice.
             written_items={name: set(store.item_versions(name)) for name in store.item_names()},
+            pins=Pins(store, primary=index == 0),
             recover_trigger=SaveTrigger(recover.every, clock=clock),
             export_trigger=SaveTrigger(export.every, clock=clock) if export else None)
         self._pipeline = SavePipeline(on_report=on_report, on_write_error=on_write_error,
@@ -161,6 +163,18 @@ class CheckpointManager:
     def committed_steps(self) -> list[int]:
         """Steps of committed recovery checkpoints, oldest first."""
         return self._ctx.store.committed_steps()
+
+    def pin(self, step: int) -> None:
+        """Keep the checkpoint of ``step`` whatever the retention rules say, across restarts
+        (stored in ``{root}/pins.json``). ``CheckpointNotFoundError`` (listing the committed
+        steps) when no committed checkpoint is at ``step``: wait for its save first."""
+        self._check_usable()
+        self._ctx.pins.pin(step)
+
+    def unpin(self, step: int) -> None:
+        """Undo ``pin(step)``; retention may delete it after the next save."""
+        self._check_usable()
+        self._ctx.pins.unpin(step)
 
     def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None,
                 items: Mapping[str, Any] | None = None) -> Recovered | None:

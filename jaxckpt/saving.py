@@ -12,9 +12,9 @@ The steps of a save of step S into D = recover/step_S:
    item version and then the checkpoint: in multi-process runs every process drops
    ``done.p{i}`` and the primary waits for all of them; the primary checksums and fsyncs every
    file and writes ``COMMITTED`` atomically (``store.commit``);
-3. background thread, only after a commit: retention (checkpoints ``keep_last_n`` no longer
-   keeps, then item versions no committed checkpoint refers to), or the partial directory's
-   removal after a failure.
+3. background thread, only after a commit: retention (checkpoints no rule of
+   ``jaxckpt.retention`` keeps, then item versions no committed checkpoint refers to), or the
+   partial directory's removal after a failure.
 
 Owns: those steps, the item versions of a save, making room for a step already on disk, the
 ``done.p{i}`` handshake, retention of recovery checkpoints and items, and the once-per-manager
@@ -48,7 +48,7 @@ from .config import Every, StepInfo, Versioned, check_item_name, item_version
 from .context import ManagerContext
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
 from .pipeline import SavePipeline
-from .policy import steps_to_delete
+from .retention import CheckpointFacts, RetentionRules, decide
 from .reports import SaveReport, mark_done
 from .layout import DRIVER_FILE, STATE_DIR
 
@@ -68,6 +68,9 @@ class RecoverySaver:
         self._item_cadences = dict(item_cadences)
         self._export_record = export_record  # recorded in every driver.json (see exports)
         self.scope_checked = False  # see warn_left_out
+        # Metrics of committed checkpoints by step, for retention's "best" rule (background
+        # thread only). A step saved again (after a restore) is dropped in _make_room.
+        self._metrics_cache: dict[int, dict[str, Any] | None] = {}
 
     def warn_left_out(self, state: Any, items: Mapping[str, Any] | None, caller: Any) -> None:
         """Once per manager, at its first recovery save: warn when the calling code's local
@@ -170,6 +173,8 @@ class RecoverySaver:
         body["items"] = {name: {"version": v} for name, (v, _) in item_versions.items()}
         if self._export_record is not None:
             body["export"] = self._export_record
+        # The rules, so `jaxckpt ls` can say why each checkpoint is kept without the config.
+        body["retention"] = RetentionRules.of(ctx.recover_config).to_json()
         # Compact separators keep json on its C encoder (indent= switches to the Python
         # one: ~1.4 ms of a ~4 ms blocking time with RNG states inside).
         return DRIVER_FILE, json.dumps(body, separators=(",", ":")).encode()
@@ -249,6 +254,7 @@ class RecoverySaver:
         Called from ``save`` only (its warning points at the user's call)."""
         if not self._ctx.store.storage.is_prefix(path):
             return
+        self._metrics_cache.clear()  # rare: a step written again; forget what was read
         if self._ctx.store.is_committed(path):
             moved = self._ctx.store.quarantine(path, "superseded")
             warnings.warn(f"{path} already held a committed checkpoint from an earlier attempt "
@@ -282,16 +288,45 @@ class RecoverySaver:
         return ctx.store.commit(path, step, known=known).total_bytes
 
     def apply_retention(self) -> None:
-        """Primary, background: delete the checkpoints ``keep_last_n`` no longer keeps (never
-        one being restored), then the item versions nothing refers to."""
+        """Primary, background: delete the checkpoints no retention rule keeps (see
+        ``jaxckpt.retention``: never the newest, a pinned one or one being restored), then
+        the item versions nothing refers to."""
         ctx = self._ctx
-        keep = ctx.recover_config.keep_last_n
-        with ctx.state_lock:
-            protected = set(ctx.reading)
-        victims = steps_to_delete(ctx.store.committed_steps(), keep, protected=protected)
-        for victim in victims:
-            self._delete_quietly(ctx.store.step_path(victim))
+        pins = ctx.pins
+        with pins.lock if pins is not None else contextlib.nullcontext():
+            try:
+                pinned = pins.read() if pins is not None else set()
+            except CheckpointCorruptError as exc:
+                warnings.warn(f"retention deleted nothing: {exc}", CheckpointWarning,
+                              stacklevel=2)
+                return
+            with ctx.state_lock:
+                reading = set(ctx.reading)
+            rules = RetentionRules.of(ctx.recover_config)
+            committed = ctx.store.committed_steps()
+            self._metrics_cache = {s: m for s, m in self._metrics_cache.items() if s in committed}
+            facts = [CheckpointFacts(step=step, metrics=self._metrics_of(step, rules),
+                                     pinned=step in pinned, reading=step in reading)
+                     for step in committed]
+            for verdict in decide(facts, rules):
+                if not verdict.keep:
+                    self._delete_quietly(ctx.store.step_path(verdict.step))
         self._prune_items()
+
+    def _metrics_of(self, step: int, rules: RetentionRules) -> dict[str, Any] | None:
+        """The metrics saved with ``step`` (only read when a rule needs them; cached, since
+        a committed checkpoint never changes). None when they cannot be read: the checkpoint
+        is then not eligible for "best", and nothing fails."""
+        if rules.keep_best is None:
+            return None
+        if step not in self._metrics_cache:
+            try:
+                body = drv.read_driver(self._ctx.store, self._ctx.store.step_path(step))
+                metrics = body.get("metrics")
+                self._metrics_cache[step] = metrics if isinstance(metrics, dict) else None
+            except (OSError, CheckpointError):
+                return None  # not cached: a transient read error is retried next time
+        return self._metrics_cache[step]
 
     def _prune_items(self) -> None:
         """Delete item versions that no committed checkpoint refers to any more (the newest

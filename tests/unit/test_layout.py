@@ -90,7 +90,8 @@ def test_fixed_names_are_the_on_disk_format():
         "COMMITTED", "driver.json", "state", ".lock")
     assert (layout.TREE_FILE, layout.OBJECTS_FILE, layout.TMP_PREFIX) == (
         "tree.json", "objects.json", ".tmp-")
-    assert layout.ROOT_NAMES == {"recover", "export", ".lock"}
+    assert layout.PINS_FILE == "pins.json"
+    assert layout.ROOT_NAMES == {"recover", "export", ".lock", "pins.json"}
 
 
 def test_other_modules_use_the_layout_names():
