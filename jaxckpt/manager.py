@@ -167,8 +167,12 @@ class CheckpointManager:
     def pin(self, step: int) -> None:
         """Keep the checkpoint of ``step`` whatever the retention rules say, across restarts
         (stored in ``{root}/pins.json``). ``CheckpointNotFoundError`` (listing the committed
-        steps) when no committed checkpoint is at ``step``: wait for its save first."""
+        steps) when no committed checkpoint is at ``step``. A save of ``step`` still in
+        flight (async) is waited for first."""
         self._check_usable()
+        last = self._ctx.last.get("recover")
+        if last is not None and last.step == step:
+            self.wait()
         self._ctx.pins.pin(step)
 
     def unpin(self, step: int) -> None:
