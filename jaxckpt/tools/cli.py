@@ -124,6 +124,7 @@ def _ls(opts: argparse.Namespace) -> int:
         if not entries:
             print(f"no checkpoints under {store.recover_dir}")
             return EXIT_OK
+    why, note = ({}, None) if kind == "checkpoint" else _retention_column(store, entries)
     now = time.time()
     rows = []
     for entry in entries:
@@ -138,12 +139,54 @@ def _ls(opts: argparse.Namespace) -> int:
                 created = None
         rows.append([str(entry.step), entry.status, _human_bytes(size),
                      _human_age(None if created is None else now - created),
-                     os.path.basename(entry.path)])
-    _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"], print)
+                     os.path.basename(entry.path), why.get(entry.step, "-")])
+    _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY", "RETENTION"], print)
     for entry in entries:
         for problem in entry.problems:
             print(f"  step {entry.step}: {problem}")
+    if note:
+        print(note)
     return _bad_if(entries)
+
+
+def _retention_column(store: Any, entries: Sequence[Any]) -> tuple[dict[int, str], str | None]:
+    """Why retention keeps each checkpoint of a root ("resume-point,last-N", ...), or
+    "delete-next" for those the next save's retention deletes, by the same pure rule the
+    manager applies (``jaxckpt.retention.decide``) with the rules the newest checkpoint
+    recorded in its driver.json. Partial directories get no entry (start-up removes them).
+    Also returns a note to print when the rules or the pins could not be read. The CLI cannot
+    see restores in progress, so "being-read" never shows here."""
+    from jaxckpt.driver import read_driver
+    from jaxckpt.errors import CheckpointError
+    from jaxckpt.pins import Pins
+    from jaxckpt.retention import CheckpointFacts, RetentionRules, decide
+
+    notes = []
+    try:
+        pinned = Pins(store, primary=False).read()
+    except CheckpointError as exc:
+        pinned, notes = set(), [f"  pins: {exc}"]
+    facts, rules = [], None
+    for entry in sorted(entries, key=lambda e: e.step, reverse=True):
+        if entry.status == "partial":
+            continue
+        try:
+            driver = read_driver(store, entry.path)
+        except (OSError, CheckpointError):
+            driver = {}
+        if rules is None and entry.status == "committed":
+            rules = RetentionRules.from_json(driver.get("retention"))
+        metrics = driver.get("metrics")
+        facts.append(CheckpointFacts(step=entry.step, status=entry.status,
+                                     metrics=metrics if isinstance(metrics, dict) else None,
+                                     pinned=entry.step in pinned))
+    rules = rules if rules is not None else RetentionRules(known=False)
+    if not rules.known:
+        notes.append("  retention: the newest checkpoint recorded no retention rules; only "
+                     "pins, the resume point and unverified checkpoints are shown")
+    unknown = "?" if not rules.known else "delete-next"
+    why = {v.step: ",".join(v.reasons) or unknown for v in decide(facts, rules)}
+    return why, "\n".join(notes) or None
 
 
 def _bad_if(entries: Sequence[Any]) -> int:
@@ -554,7 +597,8 @@ COMMANDS: tuple[_Command, ...] = (
     _Command(name="demo", help="crash a small training run twice, resume it, show the result "
                                "is bit-identical to an uninterrupted run",
              add_arguments=_demo_arguments, handler=_demo),
-    _Command(name="ls", help="list the checkpoints under a root: step, status, size, age",
+    _Command(name="ls", help="list the checkpoints under a root: step, status, size, age, and "
+                                 "why retention keeps each (or deletes it next)",
              add_arguments=_ls_arguments, handler=_ls),
     _Command(name="verify", help="check a checkpoint (or every one under a root) against its "
                                  "commit manifest; exit 1 if any is partial or corrupt",

@@ -51,7 +51,7 @@ def test_ls_lists_every_step_with_status_size_and_age(root, capsys):
     code, out = run_cli(capsys, "ls", str(root))
     assert code == 1  # the partial step 2
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"]
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY", "RETENTION"]
     rows = {int(line.split()[0]): line.split() for line in lines[1:]}
     assert rows[0][1] == rows[1][1] == "committed"
     assert rows[2][1] == "partial"
@@ -60,6 +60,38 @@ def test_ls_lists_every_step_with_status_size_and_age(root, capsys):
     assert rows[0][4].endswith("s")  # seconds old
     assert rows[0][5] == "step_00000000"
     assert rows[2][2:4] == ["2", "B"]  # a partial one is sized by walking it
+    # keep_last_n=None, recorded in driver.json: every valid one is kept.
+    assert [rows[step][6] for step in (0, 1, 2)] == ["last-N", "resume-point,last-N", "-"]
+
+
+def test_ls_says_why_each_checkpoint_is_kept_and_which_goes_next(tmp_path, capsys):
+    root = tmp_path / "run"
+    config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1), keep_last_n=1,
+                                   keep_every=jaxckpt.Every(steps=4),
+                                   keep_best=jaxckpt.KeepBest(metric="loss", mode="min"))
+    state = {"w": np.arange(4096, dtype=np.float32)}
+    with jaxckpt.CheckpointManager(root, recover=config, mode="sync") as mgr:
+        for step in range(6):
+            mgr.maybe_save(jaxckpt.StepInfo(0, step, step), state,
+                           metrics={"loss": 0.1 if step == 1 else 1.0})
+            if step == 2:
+                mgr.pin(2)
+        mgr.pin(5)
+        mgr.unpin(2)  # nothing saved since: retention deletes it after the next save
+    code, out = run_cli(capsys, "ls", str(root))
+    assert code == 0
+    why = {int(line.split()[0]): line.split()[-1] for line in out.splitlines()[1:]}
+    assert why == {1: "best", 2: "delete-next", 3: "every-K",
+                   5: "resume-point,pinned,last-N"}
+
+    victim = a_data_file(step_dir(root, 5))
+    victim.write_bytes(victim.read_bytes()[:-1])  # the newest is corrupt now
+    code, out = run_cli(capsys, "ls", str(root))
+    assert code == 1
+    why = {int(line.split()[0]): line.split()[-1]
+           for line in out.splitlines()[1:] if line[:1].isdigit()}
+    assert why == {1: "best", 2: "delete-next", 3: "resume-point,last-N,every-K",
+                   5: "pinned,unverified"}
 
 
 def test_ls_shows_a_corrupt_checkpoint_and_why(root, capsys):
