@@ -94,9 +94,11 @@ class RetentionRules:
         try:
             every = record.get("keep_every")
             best = record.get("keep_best")
-            return cls(keep_last_n=record.get("keep_last_n"),
-                       keep_every=None if every is None else Every(steps=every["steps"]),
-                       keep_best=None if best is None else KeepBest(**best))
+            # Through RecoverConfig, so a record is held to the same validation as a config.
+            return cls.of(RecoverConfig(
+                keep_last_n=record.get("keep_last_n"),
+                keep_every=None if every is None else Every(steps=every["steps"]),
+                keep_best=None if best is None else KeepBest(**best)))
         except Exception:  # noqa: BLE001 - a record we cannot read means "unknown", never a crash
             return cls(known=False)
 

@@ -116,6 +116,8 @@ def test_rules_round_trip_through_their_driver_record():
     assert RetentionRules.from_json(RetentionRules().to_json()) == RetentionRules()
     assert RetentionRules.from_json(None).known is False
     assert RetentionRules.from_json({"keep_best": {"metric": ""}}).known is False
+    assert RetentionRules.from_json({"keep_last_n": "2"}).known is False
+    assert RetentionRules.from_json({"keep_every": {"steps": 0}}).known is False
 
 
 @pytest.mark.parametrize(
