@@ -278,8 +278,9 @@ def _check_keep_every(value: Any) -> None:
 
 def _check_keep_best(value: Any) -> None:
     if value is not None and not isinstance(value, KeepBest):
-        raise ConfigError(f"RecoverConfig.keep_best must be None or a jaxckpt.KeepBest, got "
-                          f"{value!r}. Write keep_best=jaxckpt.KeepBest(metric='loss', mode='min').")
+        raise ConfigError(
+            f"RecoverConfig.keep_best must be None or a jaxckpt.KeepBest, got {value!r}. "
+            f"Write keep_best=jaxckpt.KeepBest(metric='loss', mode='min').")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

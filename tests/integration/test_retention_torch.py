@@ -1,0 +1,30 @@
+"""The retention engine and pins through DcpCheckpointManager: the same rules as the Orbax
+manager (they live in the shared manager), over torch state."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jaxckpt import Every, KeepBest, RecoverConfig, StepInfo  # noqa: E402
+from torch_bridge import DcpCheckpointManager  # noqa: E402
+
+
+def run(mgr, steps, losses):
+    model = torch.nn.Linear(3, 2)
+    for step in steps:
+        mgr.maybe_save(StepInfo(0, step, step), {"model": model},
+                       metrics={"accuracy": losses.get(step, 0.0)})
+    mgr.wait()
+
+
+def test_keep_best_and_pins_hold_across_a_restart(tmp_path):
+    config = RecoverConfig(every=Every(steps=1), keep_last_n=1,
+                           keep_best=KeepBest(metric="accuracy", mode="max", n=1))
+    accuracy = {2: 0.9, 5: 0.95}
+    with DcpCheckpointManager(tmp_path, recover=config, mode="async") as mgr:
+        run(mgr, range(4), accuracy)
+        assert mgr.committed_steps() == [2, 3]
+        mgr.pin(3)
+    with DcpCheckpointManager(tmp_path, recover=config, mode="sync") as mgr:
+        run(mgr, range(4, 7), accuracy)
+        assert mgr.committed_steps() == [3, 5, 6]  # 3 pinned, 5 best, 6 newest
