@@ -1,5 +1,5 @@
 """The retention engine and pins through DcpCheckpointManager: the same rules as the Orbax
-manager (they live in the shared manager), over torch state."""
+manager (test_retention_manager.py), since they live in the shared manager, over torch state."""
 
 import pytest
 
