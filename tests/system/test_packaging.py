@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import email
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def test_the_wheel_holds_the_two_packages_typed_the_license_and_the_command(dist
     with zipfile.ZipFile(dists["wheel"]) as archive:
         names = set(archive.namelist())
         dist_info = f"jaxckpt-{jaxckpt.__version__}.dist-info"
-        metadata = email.message_from_bytes(archive.read(f"{dist_info}/METADATA"))
+        metadata = email.message_from_string(archive.read(f"{dist_info}/METADATA").decode())
         entry_points = archive.read(f"{dist_info}/entry_points.txt").decode()
     assert {n.split("/")[0] for n in names} == {*PACKAGES, dist_info}
     sources = {n for n in source_files() if n.split("/")[0] in PACKAGES}
@@ -165,3 +166,20 @@ def test_a_test_module_runs_from_the_unpacked_sdist(dists):
               "tests/unit/test_architecture.py", "tests/unit/test_extras.py", cwd=unpacked,
               env=env)
     assert " passed" in out and "failed" not in out
+
+
+def test_the_package_page_needs_no_checkout(dists):
+    """The README is the package index page (the wheel's long description), where a link to
+    a file of the repository resolves nowhere: it links to none, and it shows the install
+    of each extra."""
+    with zipfile.ZipFile(dists["wheel"]) as archive:
+        metadata = email.message_from_string(  # text: the page is UTF-8
+            archive.read(f"jaxckpt-{jaxckpt.__version__}.dist-info/METADATA").decode())
+    page = metadata.get_payload()
+    assert page.strip() == (REPO / "README.md").read_text().strip()
+    links = re.findall(r"\]\(([^)]*)\)|<a\s[^>]*href=\"([^\"]*)\"", page)
+    relative = [target for pair in links for target in pair
+                if target and not re.match(r"[a-z]+://", target)]
+    assert relative == [], f"links that resolve only in a checkout: {relative}"
+    for extra in ("jax", "torch", "jax,hf"):
+        assert f"pip install 'jaxckpt[{extra}]'" in page
