@@ -249,6 +249,7 @@ def _read_checkpoint(step_dir: str) -> tuple[dict[str, Any], dict[str, dict[str,
 
     with requires_extra("jax", "jaxckpt export-hf (it reads the checkpoint with Orbax)"):
         import jax
+
     from jaxckpt.orbax_backend import OrbaxBackend
 
     state_dir = os.path.join(step_dir, STATE_DIR)
