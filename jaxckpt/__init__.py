@@ -5,7 +5,8 @@ means, the full driver state) over interchangeable array backends: Orbax for JAX
 (``jaxckpt.CheckpointManager``) and torch.distributed.checkpoint (``torch_bridge``).
 
 Importing jaxckpt imports neither jax, orbax nor torch; the Orbax backend is loaded when a
-manager without an explicit backend is created.
+manager without an explicit backend is created. A feature whose extra is not installed
+raises ``MissingExtraError`` (an ``ImportError``) naming the ``pip install`` that adds it.
 """
 
 from ._version import __version__
@@ -20,6 +21,7 @@ from .errors import (
     CheckpointWriteError,
     CodecError,
     ConfigError,
+    MissingExtraError,
     RootLockedError,
     TreeMismatchError,
 )
@@ -49,4 +51,5 @@ __all__ = [
     "CheckpointRootError",
     "CodecError",
     "CheckpointWarning",
+    "MissingExtraError",
 ]

@@ -1,4 +1,5 @@
-"""The exception hierarchy: one base, each class mixed with the built-in it resembles.
+"""The exception hierarchy: one base, each class mixed with the built-in it resembles;
+``MissingExtraError`` (an uninstalled extra: the environment, not a checkpoint) stands apart.
 
 Owns: every exception jaxckpt raises on purpose. Must not import: jax, orbax, torch.
 """
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointWriteError",
     "CodecError",
     "CheckpointWarning",
+    "MissingExtraError",
 ]
 
 
@@ -65,6 +67,19 @@ class CheckpointWriteError(CheckpointError, OSError):
 class CodecError(CheckpointError, TypeError):
     """A value cannot be stored safely: in (or from) the JSON driver state, or as an array
     of a dtype the array backend cannot write; the message names the value's path."""
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """A feature was used whose optional dependencies (an extra of the package) are not
+    installed; the message names the feature, the missing module and the install command.
+
+    A ``ModuleNotFoundError`` (so an ``ImportError``), as the bare error it replaces was; not
+    a ``CheckpointError``: nothing is wrong with any checkpoint, the environment lacks a
+    package (the command line exits with its usage/environment code, 2)."""
+
+    def __init__(self, message: str, *, extra: str, name: str | None = None):
+        super().__init__(message, name=name)
+        self.extra = extra
 
 
 class CheckpointWarning(UserWarning):

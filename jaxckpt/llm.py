@@ -38,12 +38,15 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from .errors import ConfigError, TreeMismatchError
+from .extras import requires_extra
+
+with requires_extra("jax", "jaxckpt.llm (the Flax reference decoders)"):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
 __all__ = [
     "LlamaSpec",

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
-from flax import nnx
-
+from .extras import requires_extra
 from .llm import GPT2, Llama, from_config, load_params, params_of
+
+with requires_extra("jax", "jaxckpt.models (the Flax reference models)"):
+    import jax
+    from flax import nnx
 
 __all__ = ["MLP", "Llama", "GPT2", "from_config", "params_of", "load_params"]
 

@@ -56,10 +56,14 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
+
+from jaxckpt.extras import requires_extra
+
+with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without backend=)"):
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
 
 from jaxckpt import _orbax_process, _orbax_read, nnx_live, zarr_io
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions

@@ -32,6 +32,7 @@ from .errors import (
     CheckpointWarning,
     ConfigError,
 )
+from .extras import requires_extra
 
 __all__ = ["import_orbax"]
 
@@ -134,12 +135,9 @@ def _choose(src: str, step: int | None) -> tuple[int, str, str]:
 
 # --- reading with Orbax ----------------------------------------------------------------------
 def _require_orbax() -> None:
-    try:
+    with requires_extra("jax", "import_orbax"):
         import jax  # noqa: F401
         import orbax.checkpoint  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(f"import_orbax needs jax and orbax-checkpoint ({exc}): "
-                          f"pip install 'jaxckpt[jax]'") from exc
 
 
 def _handlers(step_dir: str) -> dict[str, str]:

@@ -38,11 +38,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader
-
 from jaxckpt import codec
 from jaxckpt.backend import BackendFeatures
 from jaxckpt.errors import (
@@ -53,9 +48,16 @@ from jaxckpt.errors import (
     ConfigError,
     TreeMismatchError,
 )
+from jaxckpt.extras import requires_extra
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import fsync_dir
+
+with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, DcpBackend)"):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
 

@@ -57,7 +57,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
 from jaxckpt import __version__
 from jaxckpt.errors import (
@@ -67,10 +66,14 @@ from jaxckpt.errors import (
     ConfigError,
     TreeMismatchError,
 )
+from jaxckpt.extras import requires_extra
 from jaxckpt.storage import fsync_dir, fsync_file
 
 from ._hf_config import GENERATION_CONFIG_FILE, config_files
 from ._hf_params import check_is_params, parse_params_path, pick_params
+
+with requires_extra("hf", "torch_bridge's Hugging Face bridge (export_hf, load_hf, hf_exporter)"):
+    from safetensors import safe_open
 
 __all__ = [
     "HFTensor",

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt.extras import requires_extra
 from jaxckpt.storage import fsync_file
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
@@ -1203,7 +1204,8 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
     """Run every selected row ``config.repeats`` times (see the module docstring)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from jax.tree_util import tree_leaves as jax_leaves
+    with requires_extra("jax", "jaxckpt bench"):
+        from jax.tree_util import tree_leaves as jax_leaves
 
     result = BenchResult(config=config)
     parent = config.directory or tempfile.gettempdir()

@@ -639,8 +639,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxckpt`` console script; returns the exit code."""
+    from jaxckpt.errors import MissingExtraError
+
     opts = build_parser().parse_args(None if argv is None else list(argv))
-    return opts.handler(opts)
+    try:
+        return opts.handler(opts)
+    except MissingExtraError as exc:  # the environment lacks an extra: usage, not corruption
+        print(f"jaxckpt {opts.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt.extras import check_extra
+
 __all__ = ["SyntheticLoader", "train", "run_demo", "main", "save_final_npz", "compare_npz"]
 
 _LOADER_FORMAT = 1
@@ -522,6 +524,9 @@ def run_demo(*, steps: int = 80, save_every: int = 10, steps_per_epoch: int = 16
     if steps < 4 * save_every or save_every < 2:
         raise ValueError(f"the demo needs steps >= 4 * save_every and save_every >= 2 (room "
                          f"for two kills), got steps={steps}, save_every={save_every}.")
+    # The workers import these; check here, before starting them, so a missing extra is one
+    # clear error and not three failed workers.
+    check_extra("jax", "jaxckpt demo", ("jax", "orbax", "flax", "optax"))
     rng = random.Random(seed)
     first_kill = rng.randrange(2, steps // 2)  # any step, saved or not
     started = time.perf_counter()

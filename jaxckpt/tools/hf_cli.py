@@ -244,9 +244,12 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
 
 def _read_checkpoint(step_dir: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Every leaf of a recovery checkpoint's array state, by saved tree path."""
-    import jax
-
+    from jaxckpt.extras import requires_extra
     from jaxckpt.layout import STATE_DIR
+
+    with requires_extra("jax", "jaxckpt export-hf (it reads the checkpoint with Orbax)"):
+        import jax
+
     from jaxckpt.orbax_backend import OrbaxBackend
 
     state_dir = os.path.join(step_dir, STATE_DIR)
