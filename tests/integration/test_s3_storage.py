@@ -219,3 +219,60 @@ def test_checkpoint_store_commits_verifies_and_deletes_on_s3(storage, base):
         assert storage.exists(f"{store.step_path(2)}/{COMMIT_MARKER}")
     finally:
         lease.release()
+
+
+@pytest.fixture
+def s3_environment(options, monkeypatch):
+    """The standard environment variables the CLI reads (it takes no storage_options)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_REGION", options["region_name"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["aws_secret_access_key"])
+
+
+def _committed_root(storage, base) -> CheckpointStore:
+    store = CheckpointStore(base, storage=storage)
+    for step in (1, 2):
+        path = store.step_path(step)
+        store.write_file(path, "driver.json", b"{}")
+        store.write_file(path, "state/leaf", bytes(range(256)) * 4)
+        store.commit(path, step)
+    return store
+
+
+def test_cli_ls_and_verify_read_an_s3_root(storage, base, s3_environment, capsys, tmp_path,
+                                           monkeypatch):
+    from jaxckpt.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    store = _committed_root(storage, base)
+    assert main(["ls", base]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000001" in out and "step_00000002" in out and "committed" in out
+    assert main(["verify", base]) == 0
+    assert capsys.readouterr().out.count("OK ") == 2
+    storage.write(f"{store.step_path(2)}/state/leaf", bytes(1024))  # same size, other bytes
+    storage.write(f"{store.step_path(3)}/driver.json", b"{}")  # a partial checkpoint
+    assert main(["verify", base]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT " + store.step_path(2) in out and "contents altered" in out
+    assert "PARTIAL " + store.step_path(3) in out
+    assert main(["verify", store.step_path(1)]) == 0  # one checkpoint
+    assert capsys.readouterr().out.startswith("OK      " + store.step_path(1))
+    assert main(["ls", f"{base}/recover", "--checksums"]) == 1
+    assert "partial" in capsys.readouterr().out
+    assert main(["ls", f"{base}/not-a-root"]) == 3
+    assert "is not a jaxckpt checkpoint root" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # nothing local was created
+
+
+def test_cli_refuses_what_it_cannot_read_on_object_storage(base, s3_environment, capsys,
+                                                           tmp_path, monkeypatch):
+    from jaxckpt.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["info", base]) == 2
+    assert "does not read object storage yet" in capsys.readouterr().err
+    assert main(["ls", "gs://bucket/run"]) == 2
+    assert "the gs:// scheme is not supported" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
