@@ -30,7 +30,7 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SUPPORTED = "local paths and s3://BUCKET/PREFIX (storage layer and CLI ls/verify only)"
 
 OBJECT_STORE_ARRAYS_UNSUPPORTED = (
-    "object-storage roots are not supported by the array backends yet: Orbax and "
+    "Object-storage roots are not supported by the array backends yet: Orbax and "
     "torch.distributed.checkpoint cannot write a jaxckpt checkpoint to {url} (Orbax's "
     "finalize renames directories, which S3 cannot do). Train against a local or network "
     "filesystem root and copy committed checkpoints to object storage; `jaxckpt ls` and "
