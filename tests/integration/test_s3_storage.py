@@ -26,7 +26,9 @@ from jaxckpt.store import CheckpointStore  # noqa: E402
 
 BUCKET = "jaxckpt-test"
 PREFIX = "runs"
-SHORT_LEASE = {"lease_s": 2.0, "heartbeat_s": 0.5}
+# Leases of a few seconds keep the tests short; the margin between a heartbeat (0.5 s) and
+# the lease (3 s) absorbs a loaded machine's pauses.
+SHORT_LEASE = {"lease_s": 3.0, "heartbeat_s": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +149,10 @@ def test_the_lease_of_a_killed_holder_is_taken_over_after_it_expires(storage, ba
             storage.lock_root(base)  # alive: refused
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
-        killed_at = time.monotonic()
+        # Dead but not yet expired (renewed at most a heartbeat ago): still refused.
+        with pytest.raises(RootLockedError, match=f"pid {holder.pid}"):
+            storage.lock_root(base)
         lease = _wait_for_takeover(storage, base, deadline_s=30)
-        # Not before the lease ran out (its last renewal was at most one heartbeat earlier).
-        assert time.monotonic() - killed_at >= SHORT_LEASE["lease_s"] - \
-            SHORT_LEASE["heartbeat_s"] - 1.0
         lease.release()
     finally:
         if holder.poll() is None:
