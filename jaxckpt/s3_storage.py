@@ -69,8 +69,9 @@ def s3_client(storage_options: Mapping[str, Any] | None = None) -> Any:
     if unknown:
         raise ValueError(f"storage_options: unknown keys {sorted(unknown)}; known: "
                          f"{sorted(_CLIENT_OPTIONS + _RETRY_OPTIONS)}")
-    config = Config(retries={"mode": "standard", "max_attempts": int(options.pop(
-                        "max_attempts", 8))},
+    # botocore's own "max_attempts" counts retries only; "total_max_attempts" counts tries.
+    config = Config(retries={"mode": "standard",
+                             "total_max_attempts": int(options.pop("max_attempts", 8))},
                     connect_timeout=options.pop("connect_timeout", 10),
                     read_timeout=options.pop("read_timeout", 60),
                     max_pool_connections=options.pop("max_pool_connections", 16))
