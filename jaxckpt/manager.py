@@ -46,6 +46,7 @@ from .preemption import Preemption
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
 from .root import prepare_root
+from .root_url import local_root
 from .saving import RecoverySaver, resolve_state
 from .roots import check_root
 from .storage import RootLease
@@ -86,6 +87,7 @@ class CheckpointManager:
                  preemption_signals: Sequence[int] = (signal.SIGTERM,),
                  items: Mapping[str, Every] | None = None,
                  clock: Callable[[], float] = time.monotonic):
+        local_root(root)  # an s3:// or other URL root is refused before anything is created
         recover = RecoverConfig() if recover is None else recover
         signals = check_arguments(root, recover=recover, export=export, backend=backend,
                                    on_report=on_report, on_write_error=on_write_error,

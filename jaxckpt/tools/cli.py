@@ -92,6 +92,10 @@ def _locate(command: str, path: str) -> tuple[str, str] | int:
     empty directory, another tool's directory), the exit code after saying what it is."""
     from jaxckpt.roots import classify_path
 
+    from .remote_cli import is_url, refuse_url
+
+    if is_url(path):  # never taken for a relative path (a directory named "s3:")
+        return refuse_url(command, path)
     full = os.path.abspath(path)
     if os.path.basename(full) == "recover" and classify_path(os.path.dirname(full))[0] == "root":
         full = os.path.dirname(full)  # ROOT/recover given for ROOT
@@ -112,6 +116,10 @@ def _ls_arguments(parser: argparse.ArgumentParser) -> None:
 def _ls(opts: argparse.Namespace) -> int:
     from jaxckpt.store import CheckpointStore
 
+    from .remote_cli import is_url, remote_ls
+
+    if is_url(opts.root):
+        return remote_ls(opts)
     located = _locate("ls", opts.root)
     if isinstance(located, int):
         return located
@@ -210,6 +218,10 @@ def _verify(opts: argparse.Namespace) -> int:
     from jaxckpt.layout import COMMIT_MARKER
     from jaxckpt.store import CheckpointStore
 
+    from .remote_cli import is_url, remote_verify
+
+    if is_url(opts.path):
+        return remote_verify(opts)
     located = _locate("verify", opts.path)
     if isinstance(located, int):
         return located

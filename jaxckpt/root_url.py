@@ -1,0 +1,89 @@
+"""What a root string names: a local path or an object-store URL, decided in one place.
+
+Owns: ``parse_root`` (a root -> ("local", path) or ("s3", S3Storage)), ``root_scheme`` (the
+same decision without building a client) and ``local_root`` (what the managers call: a
+local path, or ``CheckpointRootError`` for anything the array backends cannot write to).
+Every scheme other than ``s3://`` (``gs://`` included) is refused up front, naming the
+scheme and what is supported, so that a URL is never taken for a relative path (which would
+create a directory named ``s3:`` in the working directory).
+
+Must not import: jax, orbax, torch, boto3 (``jaxckpt.s3_storage`` is imported only for an
+``s3://`` root).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from .errors import CheckpointRootError
+from .storage import Storage
+
+__all__ = ["parse_root", "root_scheme", "local_root", "is_url",
+           "OBJECT_STORE_ARRAYS_UNSUPPORTED"]
+
+RootKind = Literal["local", "s3"]
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SUPPORTED = "local paths and s3://BUCKET/PREFIX (storage layer and CLI ls/verify only)"
+
+OBJECT_STORE_ARRAYS_UNSUPPORTED = (
+    "Object-storage roots are not supported by the array backends yet: Orbax and "
+    "torch.distributed.checkpoint cannot write a jaxckpt checkpoint to {url} (Orbax's "
+    "finalize renames directories, which S3 cannot do). Train against a local or network "
+    "filesystem root and copy committed checkpoints to object storage; `jaxckpt ls` and "
+    "`jaxckpt verify` read s3:// roots.")
+
+
+def is_url(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` is a ``scheme://`` URL (of any scheme) rather than a local path."""
+    return isinstance(root, str) and _SCHEME.match(root) is not None
+
+
+def root_scheme(root: str | os.PathLike[str]) -> RootKind:
+    """"local" or "s3" for a root; ``CheckpointRootError`` for any other ``scheme://``."""
+    if not isinstance(root, str):
+        return "local"  # an os.PathLike is a path
+    match = _SCHEME.match(root)
+    if match is None:
+        return "local"
+    scheme = match.group(1).lower()
+    if scheme == "s3":
+        return "s3"
+    raise CheckpointRootError(
+        f"{root!r}: the {scheme}:// scheme is not supported; jaxckpt takes {_SUPPORTED}. "
+        f"Nothing was written.")
+
+
+def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+               ) -> tuple[Literal["local"], str] | tuple[Literal["s3"], Storage]:
+    """("local", path) or ("s3", an ``S3Storage`` serving the URL's bucket and prefix, the
+    root itself being the URL, without a trailing "/"). ``storage_options`` (the client's
+    endpoint, region, credentials: ``jaxckpt.s3_storage.s3_client``) are for object-store
+    roots only."""
+    kind = root_scheme(root)
+    if kind == "local":
+        if storage_options:
+            raise CheckpointRootError(
+                f"storage_options={dict(storage_options)!r} were given for the local root "
+                f"{os.fspath(root)!r}; they apply to s3:// roots only")
+        return "local", os.fspath(root)
+    from .s3_storage import S3Storage, split_s3_url
+
+    bucket, prefix = split_s3_url(str(root))
+    if not prefix:
+        raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
+                                  f"(s3://{bucket}/PREFIX), not the whole bucket")
+    return "s3", S3Storage(bucket, prefix, storage_options=storage_options)
+
+
+def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``root`` unchanged when it is a local path; ``CheckpointRootError`` for an ``s3://``
+    root (the array backends cannot write there yet) and for any other scheme. Called first
+    thing by the managers, so nothing is created for a root they cannot use."""
+    if root_scheme(root) == "s3":
+        raise CheckpointRootError(f"{root!r}: " + OBJECT_STORE_ARRAYS_UNSUPPORTED.format(
+            url=root) + " Nothing was written.")
+    return root

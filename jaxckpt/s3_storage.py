@@ -1,0 +1,280 @@
+"""The storage seam on S3 (and S3-protocol servers): ``S3Storage``.
+
+Owns: ``S3Storage``, the ``jaxckpt.storage.Storage`` implementation over boto3, and
+``s3_client``, how a client is built from the environment and ``storage_options``. The root
+lock (a lease object) is ``jaxckpt.s3_lease``.
+
+Locations are URLs ``s3://{bucket}/{key}``; a storage serves one bucket and, below it, one
+key prefix (a guard: a location outside it is a ``ValueError``, never a request). Names
+below a location are joined with "/"; a "directory" is a key prefix ending in "/".
+
+How the contract is kept: a PUT is atomic and durable once it returns, so ``write`` is one
+PUT and ``sync`` does nothing; ``create`` is a PUT with ``If-None-Match: *``, decided by the
+server (a second creator gets ``FileExistsError``, however many race); listings are paged;
+``delete_prefix`` deletes in batches of 1000 keys. Transient failures (5xx, throttling,
+timeouts, dropped connections) are retried by botocore with backoff, a bounded number of
+times (``max_attempts``). No operation here renames: the POSIX-only extras
+(``PosixStorage.rename_posix``) have no equivalent, and the store refuses those operations.
+
+``reading`` holds are kept in this process only: a checkpoint being restored by this process
+is never deleted by it, but another process's deleter does not see them (on an object store
+only the primary process deletes, after the start-up barrier).
+
+Must not import: jax, orbax, torch. Imports boto3 lazily, when a storage is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .checksum import extend
+from .storage import RootLease, Storage
+
+__all__ = ["S3Storage", "s3_client", "split_s3_url"]
+
+_READ_PIECE = 8 * 1024 * 1024
+_DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
+_CLIENT_OPTIONS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key",
+                   "aws_session_token", "verify", "use_ssl")
+_RETRY_OPTIONS = ("max_attempts", "connect_timeout", "read_timeout", "max_pool_connections")
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> (``bucket``, ``some/prefix``), without end slashes."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _, key = url[len("s3://"):].partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket: write s3://BUCKET/PREFIX")
+    return bucket, key.strip("/")
+
+
+def s3_client(storage_options: Mapping[str, Any] | None = None) -> Any:
+    """A boto3 S3 client. Endpoint, region and credentials come from ``storage_options``
+    (``endpoint_url``, ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``,
+    ``aws_session_token``, ``verify``, ``use_ssl``) or, where not given, boto3's standard
+    environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` ...). Retries:
+    botocore's "standard" mode, ``max_attempts`` tries in all (default 8), with
+    ``connect_timeout``/``read_timeout`` in seconds (default 10 and 60)."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:
+        raise ImportError("s3:// roots need boto3: pip install 'jaxckpt[s3]'") from exc
+    options = dict(storage_options or {})
+    unknown = set(options) - set(_CLIENT_OPTIONS) - set(_RETRY_OPTIONS)
+    if unknown:
+        raise ValueError(f"storage_options: unknown keys {sorted(unknown)}; known: "
+                         f"{sorted(_CLIENT_OPTIONS + _RETRY_OPTIONS)}")
+    # botocore's own "max_attempts" counts retries only; "total_max_attempts" counts tries.
+    config = Config(retries={"mode": "standard",
+                             "total_max_attempts": int(options.pop("max_attempts", 8))},
+                    connect_timeout=options.pop("connect_timeout", 10),
+                    read_timeout=options.pop("read_timeout", 60),
+                    max_pool_connections=options.pop("max_pool_connections", 16))
+    return boto3.session.Session().client("s3", config=config, **options)
+
+
+def _code(exc: Exception) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _status(exc: Exception) -> int:
+    response = getattr(exc, "response", None) or {}
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def is_not_found(exc: Exception) -> bool:
+    return _code(exc) in ("404", "NoSuchKey", "NotFound") or _status(exc) == 404
+
+
+def is_precondition_failed(exc: Exception) -> bool:
+    """A conditional write lost: ``If-None-Match``/``If-Match`` did not hold (412), or the
+    server saw a concurrent conditional write to the key (409)."""
+    return _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict") or \
+        _status(exc) in (409, 412)
+
+
+class S3Storage(Storage):
+    """``Storage`` on one S3 bucket, below one key prefix (``""``: the whole bucket).
+
+    Concurrency contract: any number of threads may share one storage (boto3 clients are
+    thread-safe). Across processes and hosts, ``create`` and the root lease are decided by
+    the server's conditional writes; ``reading`` holds are per process (module docstring).
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", *,
+                 storage_options: Mapping[str, Any] | None = None,
+                 lease_s: float = 30.0, heartbeat_s: float = 10.0):
+        """``lease_s``: how long the root lease lasts without a renewal (a job killed with
+        SIGKILL frees its root this long after its last heartbeat); ``heartbeat_s``: how
+        often a holder renews it (well under ``lease_s``)."""
+        if not bucket or "/" in bucket:
+            raise ValueError(f"S3Storage: bucket must be a bucket name, not {bucket!r}")
+        if not 0 < heartbeat_s < lease_s:
+            raise ValueError(f"S3Storage: need 0 < heartbeat_s ({heartbeat_s}) < lease_s "
+                             f"({lease_s})")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s
+        self.client = s3_client(storage_options)
+        self._holds: dict[str, int] = {}
+        self._holds_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.bucket!r}, {self.prefix!r})"
+
+    def url(self, key: str = "") -> str:
+        """The location of ``key`` (default: this storage's prefix)."""
+        return f"s3://{self.bucket}/{key or self.prefix}"
+
+    def key(self, path: str) -> str:
+        """The object key of location ``path``; ``ValueError`` outside this storage."""
+        bucket, key = split_s3_url(path)
+        inside = not self.prefix or key == self.prefix or key.startswith(self.prefix + "/")
+        if bucket != self.bucket or not inside or "//" in key:
+            raise ValueError(f"{path!r} is not a location of {self!r}")
+        return key
+
+    # --- whole objects -------------------------------------------------------------------
+    def write(self, path: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data)
+
+    def create(self, path: str, data: bytes) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data,
+                                   IfNoneMatch="*")
+        except Exception as exc:
+            if is_precondition_failed(exc):
+                raise FileExistsError(17, "already exists", path) from exc
+            raise
+
+    def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        if length == 0:
+            return b""
+        extra = {}
+        if offset or length is not None:
+            end = "" if length is None else str(offset + length - 1)
+            extra["Range"] = f"bytes={offset}-{end}"
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key(path), **extra)
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", path) from exc
+            if _code(exc) == "InvalidRange":  # offset at or past the end
+                return b""
+            raise
+        with contextlib.closing(response["Body"]) as body:
+            return body.read()
+
+    def size(self, path: str) -> int:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.key(path))
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", path) from exc
+            raise
+        return int(head["ContentLength"])
+
+    def checksum(self, path: str, algorithm: str, *, sync: bool = False) -> tuple[int, str]:
+        """One GET, streamed in pieces (``sync`` needs nothing: the object is durable)."""
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key(path))
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", path) from exc
+            raise
+        crc = size = 0
+        with contextlib.closing(response["Body"]) as body:
+            for piece in body.iter_chunks(_READ_PIECE):
+                crc = extend(algorithm, crc, piece)
+                size += len(piece)
+        return size, f"{crc:08x}"
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.size(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    # --- prefixes ------------------------------------------------------------------------
+    def _pages(self, prefix_key: str, **extra: Any) -> Iterator[dict[str, Any]]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        yield from paginator.paginate(Bucket=self.bucket, Prefix=prefix_key, **extra)
+
+    def list_names(self, prefix: str) -> list[str]:
+        below = self.key(prefix) + "/"
+        names = set()
+        for page in self._pages(below, Delimiter="/"):
+            names.update(entry["Prefix"][len(below):] for entry in page.get("CommonPrefixes", ()))
+            names.update(entry["Key"][len(below):] for entry in page.get("Contents", ()))
+        names.discard("")
+        return sorted(names)
+
+    def list_files(self, prefix: str) -> dict[str, int]:
+        below = self.key(prefix) + "/"
+        return {entry["Key"][len(below):]: int(entry["Size"])
+                for page in self._pages(below) for entry in page.get("Contents", ())
+                if len(entry["Key"]) > len(below)}
+
+    def is_prefix(self, path: str) -> bool:
+        response = self.client.list_objects_v2(Bucket=self.bucket,
+                                                Prefix=self.key(path) + "/", MaxKeys=1)
+        return bool(response.get("KeyCount") or response.get("Contents"))
+
+    def delete(self, path: str) -> None:
+        # Deleting a missing key succeeds on S3.
+        self.client.delete_object(Bucket=self.bucket, Key=self.key(path))
+
+    def delete_prefix(self, prefix: str) -> None:
+        key = self.key(prefix)
+        keys = [entry["Key"] for page in self._pages(key + "/")
+                for entry in page.get("Contents", ())]
+        keys.append(key)  # an object at the prefix's own name, if any
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = [{"Key": k} for k in keys[start:start + _DELETE_BATCH]]
+            response = self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            errors = [e for e in response.get("Errors", ()) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                raise OSError(f"deleting below {prefix}: {len(errors)} keys not deleted, "
+                              f"first {errors[0]}")
+
+    def sync(self, prefix: str, *, data: bool = True) -> None:
+        """Nothing to do: an S3 PUT is durable when it returns."""
+
+    # --- concurrency ---------------------------------------------------------------------
+    def lock_root(self, root: str) -> RootLease:
+        from .s3_lease import S3Lease
+
+        lease = S3Lease(self, self.key(root.rstrip("/") + "/.lock"),
+                        lease_s=self.lease_s, heartbeat_s=self.heartbeat_s)
+        lease.acquire()
+        return lease
+
+    @contextlib.contextmanager
+    def reading(self, path: str) -> Iterator[None]:
+        key = self.key(path)
+        with self._holds_lock:
+            self._holds[key] = self._holds.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._holds_lock:
+                self._holds[key] -= 1
+                if not self._holds[key]:
+                    del self._holds[key]
+
+    def delete_unless_reading(self, path: str) -> bool:
+        key = self.key(path)
+        with self._holds_lock:  # held while deleting, so no hold starts in between
+            if self._holds.get(key):
+                return False
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        return True

@@ -1,0 +1,350 @@
+"""S3Storage keeps the Storage contract (tests/support/storage_contract.py) against a moto S3
+server this module starts on 127.0.0.1, plus what only an object store has: create-only
+decided by the server, the root lease (refused, expired, taken over by exactly one), and the
+commit protocol of CheckpointStore over it."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from support import storage_contract
+
+pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+from jaxckpt import RootLockedError  # noqa: E402
+from jaxckpt.layout import COMMIT_MARKER  # noqa: E402
+from jaxckpt.s3_storage import S3Storage, s3_client  # noqa: E402
+from jaxckpt.storage import Storage  # noqa: E402
+from jaxckpt.store import CheckpointStore  # noqa: E402
+
+BUCKET = "jaxckpt-test"
+PREFIX = "runs"
+# Leases of a few seconds keep the tests short; the margin between a heartbeat (0.5 s) and
+# the lease (3 s) absorbs a loaded machine's pauses.
+SHORT_LEASE = {"lease_s": 3.0, "heartbeat_s": 0.5}
+
+
+@pytest.fixture(scope="module")
+def options():
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        opts = {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1",
+                "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+                "max_attempts": 2}
+        s3_client(opts).create_bucket(Bucket=BUCKET)
+        yield opts
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def storage(options):
+    return S3Storage(BUCKET, PREFIX, storage_options=options, **SHORT_LEASE)
+
+
+@pytest.fixture
+def base():
+    return f"s3://{BUCKET}/{PREFIX}/{uuid.uuid4().hex}"
+
+
+def spawn_source(options) -> str:
+    return ("from jaxckpt.s3_storage import S3Storage\n"
+            f"storage = S3Storage({BUCKET!r}, {PREFIX!r}, storage_options={options!r}, "
+            f"**{SHORT_LEASE!r})")
+
+
+@pytest.mark.parametrize("check", storage_contract.CHECKS, ids=lambda check: check.__name__)
+def test_contract(check, storage, base):
+    check(storage, base)
+
+
+def test_contract_lock(storage, base, options):
+    storage_contract.check_lock_excludes_a_second_holder(storage, base, spawn_source(options))
+
+
+def test_s3_storage_is_a_storage_and_refuses_locations_outside_its_prefix(storage):
+    assert isinstance(storage, Storage)
+    for outside in (f"s3://other-bucket/{PREFIX}/x", f"s3://{BUCKET}/elsewhere/x",
+                    f"s3://{BUCKET}/{PREFIX}x/y", "/local/path"):
+        with pytest.raises(ValueError):
+            storage.read(outside)
+
+
+def test_listing_pages_through_more_than_one_page(storage, base, options):
+    # The server pages at 1000 keys; listing must ask for every page.
+    client = storage.client
+    for index in range(1005):
+        client.put_object(Bucket=BUCKET, Key=storage.key(f"{base}/d/f{index:05d}"), Body=b"x")
+    assert len(storage.list_files(f"{base}/d")) == 1005
+    assert len(storage.list_names(f"{base}/d")) == 1005
+    storage.delete_prefix(f"{base}/d")  # more than one delete batch
+    assert storage.list_files(f"{base}/d") == {}
+
+
+def test_create_only_race_has_exactly_one_winner(storage, base):
+    path = f"{base}/COMMITTED"
+    outcomes: list[str] = []
+    start = threading.Barrier(16)
+
+    def create(index: int) -> None:
+        start.wait()
+        try:
+            storage.create(path, f"writer {index}".encode())
+            outcomes.append(f"won {index}")
+        except FileExistsError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [o for o in outcomes if o.startswith("won")]
+    assert len(outcomes) == 16 and len(winners) == 1
+    assert storage.read(path) == f"writer {winners[0].split()[1]}".encode()
+
+
+def test_a_lease_is_renewed_while_held(storage, base):
+    lease = storage.lock_root(base)
+    try:
+        time.sleep(SHORT_LEASE["lease_s"] * 2)  # several heartbeats, past one lease length
+        with pytest.raises(RootLockedError, match="in use by another running job"):
+            storage.lock_root(base)
+        assert not lease.lost
+    finally:
+        lease.release()
+    storage.lock_root(base).release()
+
+
+def _wait_for_takeover(storage, base, deadline_s: float):
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return storage.lock_root(base)
+        except RootLockedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
+def test_the_lease_of_a_killed_holder_is_taken_over_after_it_expires(storage, base, options):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", spawn_source(options) + "\n"
+         f"lease = storage.lock_root({base!r})\nprint('held', flush=True)\n"
+         "import time\ntime.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RootLockedError, match=f"pid {holder.pid}"):
+            storage.lock_root(base)  # alive: refused
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+        # Dead but not yet expired (renewed at most a heartbeat ago): still refused.
+        with pytest.raises(RootLockedError, match=f"pid {holder.pid}"):
+            storage.lock_root(base)
+        lease = _wait_for_takeover(storage, base, deadline_s=30)
+        lease.release()
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait(timeout=30)
+
+
+def test_two_takers_of_an_expired_lease_exactly_one_wins(storage, base):
+    # A lease left by a holder that stopped renewing 1 s-leases.
+    storage.client.put_object(Bucket=BUCKET, Key=storage.key(f"{base}/.lock"),
+                              Body=b'{"holder": "dead", "host": "gone", "pid": 1, "lease_s": 1}')
+    time.sleep(2.5)
+    won, refused = [], []
+    start = threading.Barrier(8)
+
+    def take() -> None:
+        start.wait()
+        try:
+            won.append(storage.lock_root(base))
+        except RootLockedError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(won) == 1 and len(refused) == 7
+    finally:
+        for lease in won:
+            lease.release()
+
+
+def test_checkpoint_store_commits_verifies_and_deletes_on_s3(storage, base):
+    store = CheckpointStore(base, storage=storage)
+    store.ensure_dirs()
+    lease = store.lock()
+    try:
+        for step in (1, 2, 3):
+            path = store.step_path(step)
+            store.write_file(path, "driver.json", b'{"step": %d}' % step)
+            store.write_file(path, "state/arrays/leaf", bytes(range(256)) * (step * 100))
+            if step < 3:  # step 3 stays partial (its writer "crashed" before the commit)
+                manifest = store.commit(path, step)
+                assert set(manifest.files) == {"driver.json", "state/arrays/leaf"}
+        assert store.verify(store.step_path(2)) == []
+        assert [e.status for e in store.entries()] == ["committed", "committed", "partial"]
+        latest, skipped = store.latest_valid()
+        assert latest.step == 2 and [e.step for e in skipped] == [3]
+        with pytest.raises(FileExistsError):  # committing twice is refused by the server
+            store.commit(store.step_path(2), 2)
+        # A corrupted object is caught by its checksum; latest falls back to step 1.
+        storage.write(f"{store.step_path(2)}/state/arrays/leaf", bytes(51200))
+        assert any("contents altered" in p for p in store.verify(store.step_path(2)))
+        assert store.latest_valid()[0].step == 1
+        with store.reading(store.step_path(1)):
+            assert store.delete(store.step_path(1)) is False
+        assert store.delete(store.step_path(1)) is True
+        assert storage.list_files(store.step_path(1)) == {}
+        assert store.committed_steps() == [2]
+        assert store.cleanup_partial() == [store.step_path(3)]
+        with pytest.raises(NotImplementedError, match="S3Storage"):
+            store.quarantine(store.step_path(2), "corrupt")
+        assert storage.exists(f"{store.step_path(2)}/{COMMIT_MARKER}")
+    finally:
+        lease.release()
+
+
+@pytest.fixture
+def s3_environment(options, monkeypatch):
+    """The standard environment variables the CLI reads (it takes no storage_options)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_REGION", options["region_name"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["aws_secret_access_key"])
+
+
+def _committed_root(storage, base) -> CheckpointStore:
+    store = CheckpointStore(base, storage=storage)
+    for step in (1, 2):
+        path = store.step_path(step)
+        store.write_file(path, "driver.json", b"{}")
+        store.write_file(path, "state/leaf", bytes(range(256)) * 4)
+        store.commit(path, step)
+    return store
+
+
+def test_cli_ls_and_verify_read_an_s3_root(storage, base, s3_environment, capsys, tmp_path,
+                                           monkeypatch):
+    from jaxckpt.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    store = _committed_root(storage, base)
+    assert main(["ls", base]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000001" in out and "step_00000002" in out and "committed" in out
+    assert main(["verify", base]) == 0
+    assert capsys.readouterr().out.count("OK ") == 2
+    storage.write(f"{store.step_path(2)}/state/leaf", bytes(1024))  # same size, other bytes
+    storage.write(f"{store.step_path(3)}/driver.json", b"{}")  # a partial checkpoint
+    assert main(["verify", base]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT " + store.step_path(2) in out and "contents altered" in out
+    assert "PARTIAL " + store.step_path(3) in out
+    assert main(["verify", store.step_path(1)]) == 0  # one checkpoint
+    assert capsys.readouterr().out.startswith("OK      " + store.step_path(1))
+    assert main(["ls", f"{base}/recover", "--checksums"]) == 1
+    assert "partial" in capsys.readouterr().out
+    assert main(["ls", f"{base}/not-a-root"]) == 3
+    assert "is not a jaxckpt checkpoint root" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # nothing local was created
+
+
+def test_cli_refuses_what_it_cannot_read_on_object_storage(base, s3_environment, capsys,
+                                                           tmp_path, monkeypatch):
+    from jaxckpt.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["info", base]) == 2
+    assert "does not read object storage yet" in capsys.readouterr().err
+    assert main(["ls", "gs://bucket/run"]) == 2
+    assert "the gs:// scheme is not supported" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+class _FlakyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers 503 to the next
+    ``failures`` requests, then forwards (``failures=-1``: fails every request)."""
+
+    def __init__(self, target: str):
+        import http.client
+        import http.server
+        from urllib.parse import urlsplit
+
+        self.failures = 0
+        self.requests = 0
+        proxy = self
+        target_host = urlsplit(target).netloc
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _relay(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.requests += 1
+                if proxy.failures:
+                    proxy.failures -= proxy.failures > 0
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                upstream = http.client.HTTPConnection(target_host, timeout=30)
+                upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+                answer = upstream.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("content-length", "transfer-encoding", "connection",
+                                            "server", "date"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_transient_server_errors_are_retried_a_bounded_number_of_times(options, base):
+    proxy = _FlakyProxy(options["endpoint_url"])
+    try:
+        flaky = S3Storage(BUCKET, PREFIX, storage_options={
+            **options, "endpoint_url": proxy.url, "max_attempts": 4})
+        proxy.failures = 3  # three 503s, then the fourth try goes through
+        flaky.create(f"{base}/COMMITTED", b"m")
+        assert proxy.requests == 4
+        proxy.failures = 2
+        assert flaky.read(f"{base}/COMMITTED") == b"m"
+        proxy.failures, proxy.requests = -1, 0  # the server never recovers: give up
+        with pytest.raises(Exception, match="503|ServiceUnavailable|reached max retries"):
+            flaky.read(f"{base}/COMMITTED")
+        assert proxy.requests == 4  # max_attempts tries in all, then the error
+    finally:
+        proxy.close()

@@ -1,0 +1,66 @@
+"""Roots are parsed in one place (jaxckpt/root_url.py): a URL is never taken for a relative
+path. Unknown schemes are refused up front naming the scheme; s3:// roots are refused by the
+managers (the array backends cannot write there yet) with nothing created locally."""
+
+import os
+
+import pytest
+
+from jaxckpt import CheckpointManager, CheckpointRootError
+from jaxckpt.root_url import local_root, parse_root, root_scheme
+
+
+@pytest.mark.parametrize("root", ["gs://bucket/run", "hdfs://namenode/run", "GS://b/r",
+                                  "file:///tmp/run", "az://container/run"])
+def test_other_schemes_are_refused_naming_the_scheme_and_what_is_supported(root):
+    scheme = root.split("://")[0].lower()
+    for call in (root_scheme, parse_root, local_root):
+        with pytest.raises(CheckpointRootError, match=f"the {scheme}:// scheme is not "
+                                                      f"supported.*s3://BUCKET/PREFIX"):
+            call(root)
+
+
+@pytest.mark.parametrize("root", ["runs/a", "/abs/runs", "./s3:x", "relative/s3://not-a-url"])
+def test_local_paths_are_local(root, tmp_path):
+    assert root_scheme(root) == "local"
+    assert parse_root(root) == ("local", root)
+    assert parse_root(tmp_path) == ("local", str(tmp_path))  # os.PathLike
+    assert local_root(root) == root
+
+
+def test_storage_options_are_refused_for_a_local_root():
+    with pytest.raises(CheckpointRootError, match="apply to s3:// roots only"):
+        parse_root("runs/a", {"endpoint_url": "http://127.0.0.1:1"})
+
+
+def test_an_s3_root_becomes_an_s3_storage_of_its_bucket_and_prefix():
+    pytest.importorskip("boto3")
+    from jaxckpt.s3_storage import S3Storage
+
+    kind, storage = parse_root("s3://my-bucket/some/run/", {
+        "endpoint_url": "http://127.0.0.1:1", "region_name": "us-east-1",
+        "aws_access_key_id": "a", "aws_secret_access_key": "b"})
+    assert kind == "s3" and isinstance(storage, S3Storage)
+    assert (storage.bucket, storage.prefix) == ("my-bucket", "some/run")
+    with pytest.raises(CheckpointRootError, match="give a prefix below the bucket"):
+        parse_root("s3://my-bucket")
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_root("s3://my-bucket/run", {"endpont_url": "typo"})
+
+
+@pytest.mark.parametrize("root", ["s3://bucket/run", "gs://bucket/run"])
+def test_checkpoint_manager_refuses_url_roots_and_creates_nothing(root, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    expected = "not supported by the array backends yet" if root.startswith("s3") else \
+        "the gs:// scheme is not supported"
+    with pytest.raises(CheckpointRootError, match=expected):
+        CheckpointManager(root)
+    assert os.listdir(tmp_path) == []  # no "s3:" or "gs:" directory
+
+
+def test_dcp_checkpoint_manager_refuses_s3_roots_and_creates_nothing(tmp_path, monkeypatch):
+    torch_bridge = pytest.importorskip("torch_bridge")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointRootError, match="not supported by the array backends yet"):
+        torch_bridge.DcpCheckpointManager("s3://bucket/run")
+    assert os.listdir(tmp_path) == []
