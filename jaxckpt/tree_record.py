@@ -19,7 +19,7 @@ from .errors import CheckpointCorruptError, CheckpointFormatError
 from .layout import TREE_FILE
 
 __all__ = ["TREE_FORMAT", "TREE_FORMAT_VERSION", "PACKED_TREE_VERSION",
-           "UNPACKED_TREE_VERSION", "parse_tree_record", "read_tree_record"]
+           "UNPACKED_TREE_VERSION", "parse_tree_record", "read_tree_record", "leaf_nbytes"]
 
 #: value of the "format" field of tree.json; identifies the file's owner.
 TREE_FORMAT = "jaxckpt.orbax.tree"
@@ -55,6 +55,22 @@ def parse_tree_record(text: str | bytes, where: str) -> dict[str, Any]:
     except ValueError as error:
         raise CheckpointCorruptError(f"{where}/{TREE_FILE} is unreadable: {error}") from error
     return document
+
+
+def leaf_nbytes(leaf: dict[str, Any]) -> int | None:
+    """Bytes a leaf of a tree record holds in storage, from its metadata alone: the stored
+    shape and dtype (``data_shape``/``data_dtype`` where the leaf is stored as other data:
+    typed keys as their key data, sub-byte dtypes as bytes), else its own. None when the
+    dtype is unknown to NumPy (and ml_dtypes)."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16, float8 and friends with NumPy
+    import numpy as np
+
+    shape = leaf.get("data_shape", leaf.get("shape")) or []
+    try:
+        itemsize = np.dtype(leaf.get("data_dtype", leaf.get("dtype"))).itemsize
+    except TypeError:
+        return None
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
 def read_tree_record(state_dir: str) -> dict[str, Any]:

@@ -285,6 +285,9 @@ def _info_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--leaves", type=int, default=40,
                         help="array leaves to list (default 40; 0 for all)")
+    parser.add_argument("--tree", action="store_true",
+                        help="list every saved tree path with shape, dtype and bytes (from "
+                             "the checkpoint's metadata; no array data is read)")
 
 
 def _info(opts: argparse.Namespace) -> int:
@@ -365,26 +368,27 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     if opts.json:
         print(json.dumps(info, indent=1, default=str))
     else:
-        _print_info(info, opts.leaves)
+        _print_info(info, 0 if opts.tree else opts.leaves, with_bytes=opts.tree)
     return EXIT_OK if info["status"] == "committed" else EXIT_BAD_CHECKPOINT
 
 
 def _add_leaves(info: dict, path: str) -> None:
     from jaxckpt.errors import CheckpointError
     from jaxckpt.layout import STATE_DIR, TREE_FILE
-    from jaxckpt.tree_record import read_tree_record
+    from jaxckpt.tree_record import leaf_nbytes, read_tree_record
 
     state_dir = os.path.join(path, STATE_DIR)
     if os.path.exists(os.path.join(state_dir, TREE_FILE)):
         try:
             leaves = read_tree_record(state_dir)["leaves"]
             info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
-                               "dtype": leaf.get("dtype")} for leaf in leaves]
+                               "dtype": leaf.get("dtype"), "bytes": leaf_nbytes(leaf)}
+                              for leaf in leaves]
         except (OSError, CheckpointError, AttributeError) as exc:
             info["tree_error"] = f"{STATE_DIR}/{TREE_FILE}: {exc}"
 
 
-def _print_info(info: dict, max_leaves: int) -> None:
+def _print_info(info: dict, max_leaves: int, *, with_bytes: bool = False) -> None:
     import json
 
     for key in ("path", "status", "kind", "reason", "backend", "process_count", "saved_at"):
@@ -402,10 +406,15 @@ def _print_info(info: dict, max_leaves: int) -> None:
     if leaves:
         shown = leaves if max_leaves == 0 else leaves[:max_leaves]
         print(f"arrays ({len(leaves)} leaves):")
-        _print_table([[leaf["path"], str(tuple(leaf["shape"] or ())), str(leaf["dtype"])]
-                      for leaf in shown], ["PATH", "SHAPE", "DTYPE"], print)
+        rows = [[leaf["path"], str(tuple(leaf["shape"] or ())), str(leaf["dtype"])]
+                + ([_bytes_cell(leaf["bytes"])] if with_bytes else []) for leaf in shown]
+        _print_table(rows, ["PATH", "SHAPE", "DTYPE"] + (["BYTES"] if with_bytes else []), print)
         if len(shown) < len(leaves):
             print(f"  ... {len(leaves) - len(shown)} more (--leaves 0 lists all)")
+
+
+def _bytes_cell(nbytes: int | None) -> str:
+    return "?" if nbytes is None else str(nbytes)
 
 
 # ----------------------------------------------------------------------- HF bridge

@@ -309,3 +309,29 @@ def test_export_hf_of_a_path_that_is_not_a_jaxckpt_root_exits_3(tmp_path, capsys
         code, out = run_cli(capsys, "export-hf", str(tmp_path / name), str(tmp_path / "out"))
         assert code == 3, (name, out)
         assert not (tmp_path / "out").exists()
+
+
+def test_info_tree_lists_every_saved_path_with_bytes_from_metadata_alone(tmp_path, capsys):
+    import shutil
+
+    import jax
+    import ml_dtypes
+
+    import jaxckpt
+
+    state = {"w": np.ones((3, 4), ml_dtypes.bfloat16), "key": jax.random.key(0),
+             "empty": np.zeros((0, 2), np.float32), "nibbles": np.zeros(5, ml_dtypes.uint4),
+             "deep": {"b": np.arange(50, dtype=np.int64)}}
+    with jaxckpt.CheckpointManager(tmp_path / "root", preemption_signals=()) as mgr:
+        mgr.save(jaxckpt.StepInfo(), state, mode="sync")
+    step = step_dir(tmp_path / "root", 0)
+    # No array data at all: the listing must come from the metadata alone.
+    shutil.rmtree(step / "state" / "arrays")
+    code, out = run_cli(capsys, "info", str(step), "--tree", "--leaves", "1")
+    assert code == 1  # the files the manifest lists are gone: corrupt, and said so
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("[")}
+    assert rows["['w']"][-2:] == ["bfloat16", "24"]
+    assert rows["['key']"][-2:] == ["key<fry>", "8"]
+    assert rows["['empty']"][-1] == "0" and rows["['nibbles']"][-1] == "5"
+    assert rows["['deep']['b']"][-2:] == ["int64", "400"]
+    assert "more (--leaves 0" not in out  # --tree lists every path
