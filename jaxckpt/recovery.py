@@ -218,11 +218,8 @@ class Recovery:
                 error: Exception | None = None
                 try:
                     body = self._read_driver(path)
-                    if claims is not None:
-                        state = self._ctx.backend.read(os.path.join(path, STATE_DIR), like,
-                                                       claims=claims)
-                    else:
-                        state = self._ctx.backend.read(os.path.join(path, STATE_DIR), like)
+                    state = self._ctx.backend.read(os.path.join(path, STATE_DIR), like,
+                                                   claims=claims)
                     versions = {name: int(ref["version"])
                                 for name, ref in (body.get("items") or {}).items()}
                     result = body, state, versions, self._read_items(items, versions, path)
