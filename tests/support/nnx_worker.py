@@ -109,18 +109,14 @@ def next_batch(rngs, images, labels):
 
 
 def final_arrays(live) -> dict[str, np.ndarray]:
-    import jax
     from flax import nnx
 
-    out = {}
-    for name, obj in live.items():
-        for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(obj))[0]:
-            key = name + jax.tree_util.keystr(path)
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                out[key + "|key_data"] = np.asarray(jax.random.key_data(leaf))
-            else:
-                out[key] = np.asarray(leaf)
-    return out
+    # The crash worker's flattening (typed keys as their key data), object by object; both
+    # scripts run from tests/support, which is therefore first on sys.path.
+    from crash_worker import final_arrays as arrays_of
+
+    return {name + key: value for name, obj in live.items()
+            for key, value in arrays_of(nnx.state(obj)).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
