@@ -156,6 +156,23 @@ def test_partial_restore_verifies_what_it_reads_and_only_that(tmp_path, native_i
     backend.close()
 
 
+def test_with_ocdbt_a_partial_restore_checks_every_data_file(tmp_path, opened):
+    # OCDBT's data files each hold many arrays: no file can be left out of the checks.
+    state = training_state()
+    backend = OrbaxBackend(use_ocdbt=True, native_io=False)  # zarr_io writes no OCDBT
+    state_dir = save(tmp_path, state, backend=backend)
+    data_files = {os.path.realpath(os.path.join(top, name))
+                  for top, _, names in os.walk(os.path.join(state_dir, "arrays"))
+                  for name in names if os.sep + "d" in top}
+    assert data_files
+    opened.clear()
+    with manager(tmp_path, backend=backend) as mgr:
+        restored = mgr.restore({"params": {"w": abstract(state["params"]["w"])}}, partial=True)
+    backend.close()
+    np.testing.assert_array_equal(restored.state["params"]["w"], state["params"]["w"])
+    assert data_files <= set(opened)
+
+
 def test_a_packed_leaf_is_read_with_its_pack(tmp_path, opened):
     state = {"model": {"bias": jnp.arange(3.0)}, "opt_state": {"count": jnp.ones((2,))},
              "big": jnp.zeros((BIG,))}
