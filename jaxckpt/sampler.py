@@ -262,8 +262,9 @@ class IndexSampler:
         ``ConfigError`` naming the field when the saved order differs from this sampler's."""
         if not isinstance(state, Mapping) or state.get("format") != SAMPLER_FORMAT:
             found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-            raise ConfigError(f"IndexSampler.load_state_dict: expected a state with format "
-                              f"{SAMPLER_FORMAT!r} (from IndexSampler.state_dict()), got {found!r}.")
+            raise ConfigError(
+                f"IndexSampler.load_state_dict: expected a state with format "
+                f"{SAMPLER_FORMAT!r} (from IndexSampler.state_dict()), got {found!r}.")
         for name in _ORDER_FIELDS:
             saved, mine = state.get(name), getattr(self, name)
             if saved != mine or type(saved) is not type(mine):
