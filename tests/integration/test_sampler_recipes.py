@@ -98,7 +98,8 @@ def test_stateful_data_loader_resumes_an_index_sampler_with_workers_and_refuses_
     assert result.stdout.splitlines() == ["worker count refused"], result.stdout
 
 
-def test_stateful_distributed_sampler_loads_a_count_of_another_world_size_silently():
+@pytest.mark.parametrize("before,after", [(2, 4), (4, 2)], ids=["grows", "shrinks"])
+def test_stateful_distributed_sampler_loads_a_count_of_another_world_size_silently(before, after):
     from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
     dataset = list(range(24))
@@ -107,17 +108,23 @@ def test_stateful_distributed_sampler_loads_a_count_of_another_world_size_silent
         return [StatefulDataLoader(dataset, batch_size=2, sampler=StatefulDistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)) for rank in range(world)]
 
-    old = loaders(2)
+    old = loaders(before)
     iterators = [iter(loader) for loader in old]
-    seen = [index for it in iterators for _ in range(2) for index in next(it).tolist()]
+    seen = [index for it in iterators for index in next(it).tolist()]  # one batch a rank
     states = [loader.state_dict() for loader in old]
-    assert {state["_sampler_iter_state"]["sampler_state"]["yielded"] for state in states} == {4}
-    new = loaders(4)
-    for rank, loader in enumerate(new):  # ranks 0 and 1 take theirs; 2 and 3 borrow (no error)
-        loader.load_state_dict(states[rank % 2])
+    assert {state["_sampler_iter_state"]["sampler_state"]["yielded"] for state in states} == {2}
+    new = loaders(after)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even a warning
+        for rank, loader in enumerate(new):  # a new rank borrows a state: no error either
+            loader.load_state_dict(states[rank % before])
     rest = [index for loader in new for batch in loader for index in batch.tolist()]
-    # 8 read before, 16 left; each new rank skips 4 of its 6: 8 samples are never read.
-    assert len(rest) == 8 and len(set(dataset) - set(seen) - set(rest)) == 8
+    never = set(dataset) - set(seen) - set(rest)
+    twice = set(seen) & set(rest)
+    if after > before:  # each new rank skips 2 of its own deal: more than the world read
+        assert len(rest) < len(dataset) - len(seen) and never and not twice
+    else:
+        assert len(rest) > len(dataset) - len(seen) and twice and not never
 
 
 def grain_loader(shard_index, shard_count, worker_count=0):
@@ -151,19 +158,27 @@ def test_grain_data_loader_refuses_a_state_of_another_worker_count():
             json.loads(state))
 
 
-def test_grain_dataset_iterator_state_loads_under_another_slicing_silently():
-    order = list(grain.MapDataset.source(list(range(40))).shuffle(seed=3))
+@pytest.mark.parametrize("before,after", [(2, 4), (4, 2)], ids=["grows", "shrinks"])
+def test_grain_dataset_iterator_state_loads_under_another_slicing_silently(before, after):
     dataset = grain.MapDataset.source(list(range(40))).shuffle(seed=3)
-    old = [iter(dataset[rank::2].to_iter_dataset()) for rank in range(2)]
+    order = list(dataset)
+    old = [iter(dataset[rank::before].to_iter_dataset()) for rank in range(before)]
     for iterator in old:
         for _ in range(3):
             next(iterator)
     states = [iterator.get_state() for iterator in old]
-    assert states == [{"next_index": 3}] * 2  # no trace of the process count
-    new = [iter(dataset[rank::4].to_iter_dataset()) for rank in range(4)]
+    assert states == [{"next_index": 3}] * before  # no trace of the process count
+    new = [iter(dataset[rank::after].to_iter_dataset()) for rank in range(after)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not even a warning
         for rank, iterator in enumerate(new):
-            iterator.set_state(states[rank % 2])
+            iterator.set_state(states[rank % before])
     following = [next(iterator) for iterator in new]
-    assert following == order[12:16]  # the first 6 were read: order[6:12] is skipped
+    # The old processes read order[:3 * before]; the new ones go on at order[3 * after].
+    assert following == order[3 * after:3 * after + after]
+    seen = set(order[:3 * before])
+    rest = following + [element for iterator in new for element in iterator]
+    if after > before:
+        assert set(order) - seen - set(rest) == set(order[3 * before:3 * after])  # never read
+    else:
+        assert seen & set(rest) == set(order[3 * after:3 * before])  # read twice
