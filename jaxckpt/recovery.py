@@ -125,7 +125,8 @@ class Recovery:
                           + " | ".join(skipped), CheckpointWarning, stacklevel=3)
         # Local state only once the arrays are in: never a half-restored loader or RNG.
         local = body.get("local") if ctx.primary else self._read_local(path)
-        self._restore_local(local, stateful, path, rngs=not partial)
+        self._restore_local(local, stateful, path, (body.get("local") or {}).get("stateful"),
+                            rngs=not partial)
         self._set_aside(bad)
         step_info = StepInfo.from_json(body["step_info"])
         # Training goes on from the restored step: saves made before it are history, and a
@@ -296,7 +297,9 @@ class Recovery:
                 f"{self._ctx.process_count}: "
                 f"arrays are resharded; each process restores the local state (data-loader "
                 f"position, RNG) saved by the process of the same index, and processes with no "
-                f"saved counterpart keep their fresh local state. Check your data sharding.",
+                f"saved counterpart keep their fresh local state; objects with global state "
+                f"(jaxckpt.IndexSampler) take the primary's on every process. Check your data "
+                f"sharding.",
                 CheckpointWarning, stacklevel=5)  # the user's call: past the read and the manager
         return body
 
@@ -308,16 +311,23 @@ class Recovery:
             return None
 
     def _restore_local(self, local: Mapping[str, Any] | None,
-                       stateful: Mapping[str, Any] | None, path: str, *,
-                       rngs: bool = True) -> None:
-        """The stateful objects' state, and with ``rngs`` the process-global RNGs."""
+                       stateful: Mapping[str, Any] | None, path: str,
+                       primary: Mapping[str, Any] | None, *, rngs: bool = True) -> None:
+        """This process's saved state into its stateful objects, and with ``rngs`` the
+        process-global RNGs; objects with global state (an IndexSampler) take the primary's
+        copy, also on a process that has no saved counterpart (the run grew)."""
+        primary = primary or {}
         if local is None:
-            if stateful:
+            shared = {name: obj for name, obj in (stateful or {}).items()
+                      if drv.has_global_state(obj)}
+            drv.restore_stateful(shared, {}, path, primary=primary)
+            fresh = sorted(set(stateful or {}) - set(shared))
+            if fresh:
                 warnings.warn(f"{path} has no local state for process {self._ctx.process_index}; "
-                              f"stateful objects keep their fresh state.", CheckpointWarning,
-                              stacklevel=4)
+                              f"stateful objects {fresh} keep their fresh state.",
+                              CheckpointWarning, stacklevel=4)
             return
-        drv.restore_stateful(stateful, local.get("stateful") or {}, path)
+        drv.restore_stateful(stateful, local.get("stateful") or {}, path, primary=primary)
         if not rngs:
             return
         if self._ctx.recover_config.restore_global_rng:
