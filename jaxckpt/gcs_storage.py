@@ -131,7 +131,8 @@ def is_transient(exc: BaseException) -> bool:
 class Tries:
     """The tries of one request: the predicate of its ``Retry``, which retries a transient
     error while fewer than ``max_attempts`` tries have been made. ``retried`` tells the
-    caller whether an earlier try may have succeeded unseen. One per request (not shared)."""
+    caller whether an earlier try may have succeeded unseen. One per request, never shared
+    between requests (the pages of one listing share the listing's)."""
 
     def __init__(self, max_attempts: int):
         self.left = max_attempts - 1

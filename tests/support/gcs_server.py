@@ -188,8 +188,9 @@ _PRECONDITION_FAILED = json.dumps({"error": {
 
 
 def _object_name(path: str, query: dict[str, str], headers: dict[str, str], body: bytes) -> str:
-    """The object a JSON-API request names: in the path, the ``name`` query parameter, or the
-    JSON part of a multipart upload."""
+    """The object a JSON-API request names: in the path, the ``name`` query parameter, the
+    JSON part of a multipart upload, or the JSON body that starts a resumable upload (whose
+    precondition the proxy therefore checks when the upload starts, GCS when it ends)."""
     match = _OBJECT_PATH.match(path)
     if match is None:
         return ""
@@ -197,6 +198,8 @@ def _object_name(path: str, query: dict[str, str], headers: dict[str, str], body
         return urllib.parse.unquote(match.group(2))
     if "name" in query:
         return query["name"]
+    if query.get("uploadType") == "resumable" and "upload_id" not in query and body:
+        return str(json.loads(body).get("name", ""))  # the session's start: JSON metadata
     if query.get("uploadType") == "multipart":
         content_type = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
         boundary = re.search(r'boundary="?([^";]+)', content_type)
