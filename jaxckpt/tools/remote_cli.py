@@ -56,6 +56,10 @@ def _open(command: str, url: str):
     except (CheckpointRootError, ImportError, ValueError) as exc:
         print(f"jaxckpt {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:  # no credentials found (google.auth), before any request
+        if _is_client_error(exc):
+            return _environment_error(command, exc)
+        raise
     parent, _, name = url.rpartition("/")
     if name == RECOVER:
         url, parent, name = parent, *parent.rpartition("/")[::2]

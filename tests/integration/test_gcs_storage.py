@@ -303,3 +303,57 @@ def test_cli_ls_and_verify_read_a_gs_root(storage, base, options, capsys, tmp_pa
     assert "does not read object storage yet" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # nothing local was created
 
+
+
+def test_which_failures_are_transient():
+    import requests
+    from google.api_core import exceptions as api
+
+    from jaxckpt.gcs_storage import is_transient
+
+    retried = [api.ServiceUnavailable("x"), api.TooManyRequests("x"), api.InternalServerError("x"),
+               api.GatewayTimeout("x"), requests.ConnectionError("reset"), requests.ReadTimeout(),
+               ConnectionResetError(), TimeoutError()]
+    final = [api.PreconditionFailed("x"), api.NotFound("x"), api.Forbidden("x"),
+             api.BadRequest("x"), ValueError("x")]
+    assert [is_transient(e) for e in retried] == [True] * len(retried)
+    assert [is_transient(e) for e in final] == [False] * len(final)
+
+
+def test_cli_says_which_environment_to_check_when_no_credentials_are_found(
+        capsys, tmp_path, monkeypatch):
+    from jaxckpt.tools.cli import main
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["ls", f"gs://{BUCKET}/{PREFIX}/run"]) == 2
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_gcs_extra_names_the_extra(tmp_path):
+    # A fresh interpreter in which the google namespace cannot be imported, as where
+    # google-cloud-storage was never installed.
+    from support.paths import REPO, TESTS
+
+    program = (
+        "import sys\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'google':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+        "from jaxckpt.root_url import parse_root\n"
+        "try:\n"
+        "    parse_root('gs://bucket/run')\n"
+        "except ImportError as exc:\n"
+        "    print('EXTRA', getattr(exc, 'extra', None), exc)\n"
+        "from jaxckpt.tools.cli import main\n"
+        "print('EXIT', main(['ls', 'gs://bucket/run']))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    assert "EXTRA gcs" in done.stdout and "pip install 'jaxckpt[gcs]'" in done.stdout
+    assert "EXIT 2" in done.stdout and "jaxckpt[gcs]" in done.stderr
+    assert os.listdir(tmp_path) == []
