@@ -206,7 +206,7 @@ def build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) -> 
 
     entries: list[SavedLeaf] = []
     unpacked: list[tuple[int, str]] = []
-    for index, (path, layout) in enumerate(zip(paths, layouts)):
+    for index, (path, layout) in enumerate(zip(paths, layouts, strict=True)):
         placed = placements.get(index)
         if placed is None:
             name, offset = f"leaf_{index:06d}", None

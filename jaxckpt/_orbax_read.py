@@ -279,7 +279,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     arrays = list(pool.map(read, plans))
     restored: dict[str, Any] = {}
     placed: list[tuple[str, np.ndarray, Any]] = []
-    for (name, _, _, _, args, _), array in zip(plans, arrays):
+    for (name, _, _, _, args, _), array in zip(plans, arrays, strict=True):
         if isinstance(args, ocp.ArrayRestoreArgs):
             placed.append((name, array, args.sharding))
         else:
@@ -288,7 +288,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
         # One batched transfer; on CPU jax adopts the aligned buffers as they are.
         values = jax.device_put([array for _, array, _ in placed],
                                 [sharding for _, _, sharding in placed])
-        restored.update((name, value) for (name, _, _), value in zip(placed, values))
+        restored.update((name, value) for (name, _, _), value in zip(placed, values, strict=True))
     return restored
 
 
@@ -337,7 +337,7 @@ def unpack(directory: str, targets: list[tuple[str, Target]],
             values.append(jax.make_array_from_callback(
                 data.shape, sharding, lambda index, data=data: data[index]))
     # One batched transfer for all packed leaves instead of one call per leaf.
-    for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings)):
+    for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings), strict=True):
         values[slot] = value
     return values
 
@@ -359,7 +359,7 @@ def to_like_leaves(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf
     keys wrapped (and moved where their data's sharding could not be derived), numpy and
     Python targets converted to their types."""
     leaves = []
-    for (path, target), value in zip(targets, values):
+    for (path, target), value in zip(targets, values, strict=True):
         entry = saved[path]
         if entry.kind == "key":
             value = jax.random.wrap_key_data(value, impl=entry.impl)

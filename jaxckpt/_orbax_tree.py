@@ -31,7 +31,6 @@ from jaxckpt.tree_record import (
     parse_tree_record,
 )
 
-
 ARRAYS_DIR = "arrays"
 ZARR_JSON = "zarr.json"
 PACK_PREFIX = "pack_"

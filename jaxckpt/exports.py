@@ -26,9 +26,9 @@ from typing import Any
 from .config import ExportConfig, StepInfo
 from .context import ManagerContext
 from .errors import CheckpointWarning, ConfigError
+from .layout import export_dirname
 from .pipeline import SavePipeline
 from .policy import steps_to_delete
-from .layout import export_dirname
 from .reports import SaveReport
 
 __all__ = ["Exporter", "export_record"]

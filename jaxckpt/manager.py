@@ -39,16 +39,16 @@ from .config import Every, ExportConfig, RecoverConfig, StepInfo, check_item_cad
 from .context import ManagerContext
 from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
+from .pins import Pins
 from .pipeline import SavePipeline
 from .policy import SaveTrigger, resolve_mode, writes_periodic
-from .pins import Pins
 from .preemption import Preemption
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
 from .root import prepare_root
 from .root_url import local_root
-from .saving import RecoverySaver, resolve_state
 from .roots import check_root
+from .saving import RecoverySaver, resolve_state
 from .storage import RootLease
 from .store import CheckpointStore
 

@@ -167,7 +167,7 @@ class PendingUpdate:
         nnx.update(list(split.objects),
                    nnx.State({number: parts[index] for number, index in enumerate(split.slots)}))
         leaves = list(parts)
-        for index, obj in zip(split.slots, split.objects):
+        for index, obj in zip(split.slots, split.objects, strict=True):
             leaves[index] = obj
         return split.treedef.unflatten(leaves)
 

@@ -67,8 +67,11 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
 
 from jaxckpt import _orbax_process, _orbax_read, nnx_live, zarr_io
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
-from jaxckpt._orbax_plan import WritePlan, layout_key
-from jaxckpt._orbax_plan import build_plan as _build_plan  # a module global tests replace
+from jaxckpt._orbax_plan import (
+    WritePlan,
+    build_plan as _build_plan,  # a module global tests replace
+    layout_key,
+)
 from jaxckpt._orbax_tree import ARRAYS_DIR, TREE_FILE, TREE_FORMAT, TREE_FORMAT_VERSION
 from jaxckpt._orbax_write import (
     HostBuffers,

@@ -47,10 +47,10 @@ from . import driver as drv
 from .config import Every, StepInfo, Versioned, check_item_name, item_version
 from .context import ManagerContext
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
-from .pipeline import SavePipeline
-from .retention import CheckpointFacts, RetentionRules, decide
-from .reports import SaveReport, mark_done
 from .layout import DRIVER_FILE, STATE_DIR
+from .pipeline import SavePipeline
+from .reports import SaveReport, mark_done
+from .retention import CheckpointFacts, RetentionRules, decide
 
 __all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
 

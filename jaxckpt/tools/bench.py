@@ -288,7 +288,7 @@ class BenchResult:
             ways = [self.samples.get(key) for key in (kind, f"{kind}_files", f"{kind}_direct")]
             ways = [way for way in ways if way]
             if len(ways) >= 2:
-                self.samples[f"{kind}_best"] = [min(times) for times in zip(*ways)]
+                self.samples[f"{kind}_best"] = [min(times) for times in zip(*ways, strict=False)]
 
     def median(self, key: str) -> float | None:
         values = self.samples.get(key)
@@ -299,7 +299,7 @@ class BenchResult:
         num, den = self.samples.get(target.numerator), self.samples.get(target.denominator)
         if not num or not den:
             return None
-        pairs = list(zip(num, den))
+        pairs = list(zip(num, den, strict=False))
         if target.numerator in ("train_ckpt", "train_raw"):  # overhead, not a ratio
             return statistics.median(n / d - 1.0 for n, d in pairs)
         if target.invert:
@@ -388,7 +388,7 @@ def format_table(result: BenchResult) -> str:
 
 def _columns(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in [header, *rows]]
 
 
 def _size(nbytes: int | None) -> str:
@@ -651,14 +651,14 @@ class _Bench:
 
         self.blocks = [aligned_blocks(a.nbytes) for a in self.arrays]
         self.reused = [block[:a.nbytes].view(a.dtype).reshape(a.shape)
-                       for block, a in zip(self.blocks, self.arrays)]
+                       for block, a in zip(self.blocks, self.arrays, strict=True)]
 
     # --- floors, Orbax defaults, jaxckpt on the main state ----------------------------------
     def floors(self) -> None:
         result = self.result
         result.add("copy", _timed(lambda: [np.array(a, copy=True) for a in self.arrays]))
         result.add("copy_reused",
-                   _timed(lambda: [np.copyto(b, a) for a, b in zip(self.arrays, self.reused)]))
+                   _timed(lambda: [np.copyto(b, a) for a, b in zip(self.arrays, self.reused, strict=True)]))
         path = self.fresh("raw")
         result.add("write", _timed(lambda: _raw_write(path, self.arrays)))
         self.before_read()
@@ -905,7 +905,7 @@ class _Bench:
                 "target": "HF export peak extra memory / shard size", "op": "<=",
                 "value": export_peak / shard, "limit": 1.5, "met": export_peak <= 1.5 * shard,
                 "note": "peak of numpy/Python allocations during export_hf (tracemalloc)"})
-        del tensors
+        tensors.clear()  # frees the copies; the closure above keeps the (now empty) dict
         for directory in os.listdir(self.workdir):
             if directory.startswith(("hf-", "safetensors-")):
                 shutil.rmtree(os.path.join(self.workdir, directory), ignore_errors=True)
@@ -942,7 +942,7 @@ class _Bench:
         manager = self.jaxckpt_manager(name)
         rss = []
         step_state = self.state
-        for index in range(self.config.memory_saves):
+        for _ in range(self.config.memory_saves):
             # A changed leaf per save, as in training (the arrays are new every step).
             first = next(iter(step_state))
             step_state = {**step_state, first: {"w": step_state[first]["w"] + 0}}
@@ -1231,8 +1231,8 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                     bench.jaxckpt_rows(bench.state, "")
                 if "many" in sections and bench.many_state is not None:
                     many = jax_leaves(bench.many_state)
-                    result.add("many_copy", _timed(lambda: [np.array(a, copy=True)
-                                                            for a in many]))
+                    result.add("many_copy", _timed(lambda many=many: [np.array(a, copy=True)
+                                                                      for a in many]))
                     bench.orbax_defaults(bench.many_state, "many_")
                     bench.jaxckpt_rows(bench.many_state, "many_")
                 if "torch" in sections:

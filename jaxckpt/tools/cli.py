@@ -81,7 +81,7 @@ def _dir_bytes(path: str) -> int:
 def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], None]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        out("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        out("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip())
 
 
 # ------------------------------------------------------------------- ls, verify, info
@@ -445,6 +445,7 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _export_hf(opts: argparse.Namespace) -> int:
     from jaxckpt.errors import CheckpointError
+
     from .hf_cli import export_checkpoint_to_hf, parse_size
 
     located = _locate("export-hf", opts.checkpoint)
@@ -508,8 +509,12 @@ def _import_orbax_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _import_orbax(opts: argparse.Namespace) -> int:
-    from jaxckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError,
-                                CheckpointRootError, ConfigError)
+    from jaxckpt.errors import (
+        CheckpointCorruptError,
+        CheckpointNotFoundError,
+        CheckpointRootError,
+        ConfigError,
+    )
 
     try:
         from jaxckpt.orbax_import import import_orbax

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-
 from torch_bridge.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -187,7 +186,7 @@ def _attrs_node() -> type:
             _Attrs,
             lambda node: ([(jax.tree_util.GetAttrKey(k), v) for k, v in node.children.items()],
                           tuple(node.children)),
-            lambda names, values: _Attrs(dict(zip(names, values))))
+            lambda names, values: _Attrs(dict(zip(names, values, strict=True))))
         _ATTRS_REGISTERED = True
     return _Attrs
 
@@ -204,8 +203,10 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
     import jax
     import jax.numpy as jnp
 
+    from jaxckpt.layout import TREE_FILE
     from jaxckpt.tree_record import read_tree_record
 
+    tree_file = os.path.join(state_dir, TREE_FILE)  # named in the errors below
     document = read_tree_record(state_dir)  # export-hf reads Orbax-backend checkpoints only
     attrs = _attrs_node()
     root: dict[Any, Any] = {}

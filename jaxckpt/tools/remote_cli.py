@@ -96,7 +96,7 @@ def remote_ls(opts: argparse.Namespace) -> int:
         print(f"no checkpoints under {store.recover_dir}")
         return EXIT_OK
     rows = [[str(entry.step), entry.status, _human_bytes(size), "-",
-             entry.path.rsplit("/", 1)[-1]] for entry, size in zip(entries, sizes)]
+             entry.path.rsplit("/", 1)[-1]] for entry, size in zip(entries, sizes, strict=True)]
     _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"], print)
     for entry in entries:
         for problem in entry.problems:
