@@ -843,7 +843,7 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
     done = 0
     written = 0
     weight_map: dict[str, str] = {}
-    for shard, name in zip(shards, names):
+    for shard, name in zip(shards, names, strict=True):
 
         def on_tensor(item: _Planned, name: str = name) -> None:
             nonlocal done
