@@ -484,7 +484,7 @@ def test_root_held_by_another_running_job_is_refused_naming_the_holder(tmp_path)
 
 
 def test_rejected_constructor_does_not_keep_the_root_locked(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match="preemption_signals"):
         manager(tmp_path, preemption_signals=signal.SIGTERM)
     manager(tmp_path).close()  # RootLockedError today: the lock leaked
 

@@ -434,7 +434,7 @@ def test_manager_exports_load_with_from_pretrained(mode, hf_dirs, tmp_path):
         assert all(r.bytes and r.bytes > 100_000 for r in reports)
     names = sorted(os.listdir(tmp_path / "run" / "export"))
     assert names == ["epoch0epochstep1globalstep1", "epoch0epochstep3globalstep3"]
-    for name, global_step in zip(names, (1, 3)):
+    for name, global_step in zip(names, (1, 3), strict=True):
         directory = str(tmp_path / "run" / "export" / name)
         _assert_loads_cleanly(directory)
         loaded, _ = hf.load_hf(directory, arch="gpt2")
@@ -534,6 +534,19 @@ def test_parse_size():
     assert hf_cli.parse_size(123) == 123
     with pytest.raises(jaxckpt.ConfigError, match="not understood"):
         hf_cli.parse_size("5 parsecs")
+
+
+@pytest.mark.parametrize("paths, problem", [
+    ([""], "a leaf at the root"),
+    (["['a']['x']", "['a'].b"], "mixes item and attribute keys"),
+])
+def test_export_hf_names_the_tree_file_of_an_unusable_tree_record(paths, problem, tmp_path):
+    leaves = [{"path": path, "kind": "array", "shape": [2], "dtype": "float32"} for path in paths]
+    (tmp_path / "tree.json").write_text(json.dumps(
+        {"format": "jaxckpt.orbax.tree", "version": 1, "leaves": leaves}))
+    with pytest.raises(jaxckpt.CheckpointCorruptError, match=problem) as caught:
+        hf_cli._like_from_tree_json(str(tmp_path))
+    assert str(tmp_path / "tree.json") in str(caught.value)
 
 
 def test_hf_modules_do_not_import_jax():

@@ -8,8 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxckpt import (CheckpointManager, CheckpointWarning, ConfigError, Every, RecoverConfig,
-                     StepInfo, Versioned)
+from jaxckpt import (
+    CheckpointManager,
+    CheckpointWarning,
+    ConfigError,
+    Every,
+    RecoverConfig,
+    StepInfo,
+    Versioned,
+)
 
 LIKE = {"w": jax.ShapeDtypeStruct((64,), jnp.float32)}
 REF_EVERY = 4

@@ -49,7 +49,6 @@ from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 from support.harness import Worker
 from support.paths import CRASH_WORKER as WORKER
 
-
 STEPS = 30
 SAVE_EVERY = 3
 SAVE_STEPS = [s for s in range(STEPS) if (s + 1) % SAVE_EVERY == 0]
@@ -180,7 +179,7 @@ def classify(root: Path) -> str:
     partial = {s: d for s, d in steps.items() if s not in done}
     if any(s < newest for s in partial):
         return "retention-delete"
-    for s, d in partial.items():
+    for d in partial.values():
         names = [n for _, dn, fn in os.walk(d) for n in dn + fn]
         if any(".orbax-checkpoint-tmp" in n for n in names):
             return "background-write"

@@ -21,7 +21,6 @@ import pytest
 from support.harness import Worker, repo_env
 from support.paths import REPO
 
-
 STEPS = 40
 SAVE_EVERY = 10
 STEPS_PER_EPOCH = 16  # epochs roll over at steps 16 and 32: the loader reshuffles mid-run

@@ -1,6 +1,5 @@
 """Retries: real child processes that crash, get killed, or fail finally."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import textwrap
 import pytest
 
 from jaxckpt import ConfigError
-from jaxckpt.retry import ATTEMPT_ENV, RetryPolicy, run_command, run_with_retries
+from jaxckpt.retry import RetryPolicy, run_command, run_with_retries
 
 CHILD = textwrap.dedent("""
     import os, signal, sys

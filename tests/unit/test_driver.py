@@ -6,8 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from jaxckpt import CheckpointWarning, ConfigError, StepInfo
-from jaxckpt import driver as drv
+from jaxckpt import CheckpointWarning, ConfigError, StepInfo, driver as drv
 
 
 class Loader:

@@ -12,17 +12,23 @@ import warnings
 
 import pytest
 
-from jaxckpt import CheckpointWarning, CheckpointWriteError, Every, ExportConfig, RecoverConfig
-from jaxckpt import StepInfo
+from jaxckpt import (
+    CheckpointWarning,
+    CheckpointWriteError,
+    Every,
+    ExportConfig,
+    RecoverConfig,
+    StepInfo,
+)
 from jaxckpt.backend import BackendFeatures, SingleProcess
 from jaxckpt.context import ManagerContext
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
 from jaxckpt.exports import Exporter
+from jaxckpt.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.pipeline import SavePipeline
 from jaxckpt.policy import SaveTrigger
 from jaxckpt.preemption import Preemption
 from jaxckpt.reports import SaveReport
-from jaxckpt.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.root import prepare_root
 from jaxckpt.saving import RecoverySaver
 from jaxckpt.store import CheckpointStore
