@@ -6,10 +6,10 @@ array of its own and which goes into a pack at which offset, and how each leaf's
 fetched (:class:`WritePlan`, built by :func:`build_plan`); and the key that tells two
 layouts apart (:func:`layout_key`), by which the backend reuses plans.
 
-Why packs: Orbax spends about 2 ms of Python per leaf whatever its size (docs/design.md, "Measured facts"),
-so a state of thousands of small leaves (optimizer states, biases, norms) would cost
-seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes that this
-process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays, typed
+Why packs: Orbax spends about 2 ms of Python per leaf whatever its size (docs/design.md,
+"Measured facts"), so a state of thousands of small leaves (optimizer states, biases,
+norms) would cost seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes
+that this process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays, typed
 keys' data) are copied into a few 1-D arrays per dtype (``pack_float32_000``, each at most
 ``pack_bytes`` bytes) and written as ordinary Orbax arrays. tree.json records, for every
 packed leaf, the pack and the element offset; a read cuts the leaves out by tree path

@@ -316,7 +316,8 @@ def check_packs(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> None:
     listed: dict[str, tuple[np.dtype, int]] = {}
     for pack in packs:
         name, size = pack["name"], pack["size"]
-        if not isinstance(name, str) or not name.startswith(PACK_PREFIX) or not STORAGE_NAME.match(name):
+        if (not isinstance(name, str) or not name.startswith(PACK_PREFIX)
+                or not STORAGE_NAME.match(name)):
             raise ValueError(f"pack name {name!r} is not a pack name this backend writes")
         if type(size) is not int or size < 0:
             raise ValueError(f"pack {name} has size {size!r}, not an integer >= 0")

@@ -77,7 +77,8 @@ class ManagerSpec:
 
     def manager(self, root: str | None = None, *, exporter: Any = None, **kwargs: Any):
         """A CheckpointManager (JAX) built from these settings; ``kwargs`` pass through
-        (e.g. ``backend=``). For torch use ``torch_bridge.DcpCheckpointManager(**spec.kwargs())``."""
+        (e.g. ``backend=``). For torch use
+        ``torch_bridge.DcpCheckpointManager(**spec.kwargs())``."""
         from .manager import CheckpointManager
 
         return CheckpointManager(**self.kwargs(root, exporter=exporter), **kwargs)
@@ -173,7 +174,8 @@ def from_torchtune(config: Mapping[str, Any]) -> ManagerSpec:
         raise ConfigError(f"enable_async_checkpointing must be true or false, got {async_on!r}.")
     try:
         every = Every(steps=merged.get("save_every_n_steps"),
-                      epochs=merged.get("save_every_n_epochs", None if merged.get("save_every_n_steps") else 1))
+                      epochs=merged.get("save_every_n_epochs",
+                                        None if merged.get("save_every_n_steps") else 1))
         recover = RecoverConfig(mode="auto", every=every, keep_last_n=keep)
     except ConfigError as exc:
         raise ConfigError(f"torchtune config: {exc} (from keep_last_n_checkpoints / "

@@ -305,7 +305,8 @@ def _rope_tables(positions: jax.Array, head_dim: int, theta: float,
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: jax.Array | float) -> jax.Array:
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                      scale: jax.Array | float) -> jax.Array:
     """q (b, t, h, d), k/v (b, t, kv, d) -> (b, t, h, d). Softmax in float32."""
     groups = q.shape[2] // k.shape[2]
     if groups > 1:  # query head j reads kv head j // groups, as transformers' repeat_kv
@@ -391,7 +392,8 @@ class GPT2MLP(nnx.Module):
     """proj(act(fc(x))), GPT-2's MLP (transformers' Conv1D c_fc / c_proj)."""
 
     def __init__(self, hidden: int, inner: int, *, act: str, param_dtype: Any, rngs: nnx.Rngs):
-        self.fc = nnx.Linear(hidden, inner, kernel_init=_normal(), param_dtype=param_dtype, rngs=rngs)
+        self.fc = nnx.Linear(hidden, inner, kernel_init=_normal(), param_dtype=param_dtype,
+                             rngs=rngs)
         self.proj = nnx.Linear(inner, hidden, kernel_init=_normal(), param_dtype=param_dtype,
                                rngs=rngs)
         self.act = act

@@ -190,7 +190,8 @@ class CheckpointManager:
         restored at the version the checkpoint refers to."""
         self._check_usable()
         if stateful is not None:
-            drv.capture_stateful(stateful)  # validate early: a bad object fails now, not at the first save
+            # Validate early: a bad object fails now, not at the first save.
+            drv.capture_stateful(stateful)
             self._ctx.default_stateful = stateful
         if not self.recover_config.enabled:
             return None
@@ -329,7 +330,8 @@ class CheckpointManager:
         self._check_usable()
         check_step_info(step_info)
         if self._exporter is None:
-            raise ConfigError("export() needs CheckpointManager(export=ExportConfig(exporter=...)).")
+            raise ConfigError(
+                "export() needs CheckpointManager(export=ExportConfig(exporter=...)).")
         return self._exporter.save(step_info, state, "forced")
 
     def wait(self) -> None:

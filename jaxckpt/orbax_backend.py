@@ -97,7 +97,8 @@ _MAX_PLANS = 4
 
 @contextlib.contextmanager
 def _gc_paused(enabled: bool) -> Iterator[None]:
-    """Pause the cyclic GC: with thousands of leaves it costs 10-20% (docs/design.md, "Measured facts")."""
+    """Pause the cyclic GC: with thousands of leaves it costs 10-20% (docs/design.md,
+    "Measured facts")."""
     if not enabled or not gc.isenabled():
         yield
         return

@@ -105,8 +105,8 @@ _ATTRIBUTE = "jaxckpt"  # our key in zarr.json's attributes
 _INDEX_BYTES = 20  # offset u64, length u64, crc32c u32
 
 #: dtypes stored one element per ``itemsize`` bytes, as numpy holds them, that Orbax's
-#: tensorstore writes with exactly this layout (checked by tests/integration/test_zarr_io.py). Sub-byte
-#: types (int4, float4) and anything else go through Orbax.
+#: tensorstore writes with exactly this layout (checked by tests/integration/test_zarr_io.py).
+#: Sub-byte types (int4, float4) and anything else go through Orbax.
 SUPPORTED_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "bfloat16", "complex64", "complex128",

@@ -388,7 +388,8 @@ def format_table(result: BenchResult) -> str:
 
 def _columns(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in [header, *rows]]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()
+            for r in [header, *rows]]
 
 
 def _size(nbytes: int | None) -> str:
@@ -658,7 +659,8 @@ class _Bench:
         result = self.result
         result.add("copy", _timed(lambda: [np.array(a, copy=True) for a in self.arrays]))
         result.add("copy_reused",
-                   _timed(lambda: [np.copyto(b, a) for a, b in zip(self.arrays, self.reused, strict=True)]))
+                   _timed(lambda: [np.copyto(b, a)
+                                   for a, b in zip(self.arrays, self.reused, strict=True)]))
         path = self.fresh("raw")
         result.add("write", _timed(lambda: _raw_write(path, self.arrays)))
         self.before_read()

@@ -498,7 +498,8 @@ def _print_verdict(tmp: str, ref_lines: list[str], steps: int, mismatches: list[
     if blocking:
         out(f"  saves in the reference run: {len(blocking)}, training loop blocked "
             f"{1e3 * sum(blocking) / len(blocking):.1f} ms on average (max "
-            f"{1e3 * max(blocking):.1f} ms), total per save {1e3 * sum(totals) / len(totals):.1f} ms")
+            f"{1e3 * max(blocking):.1f} ms), total per save "
+            f"{1e3 * sum(totals) / len(totals):.1f} ms")
     if mismatches:
         out(f"  LOSSES DIFFER at {len(mismatches)} place(s):")
         for line in mismatches[:20]:
