@@ -300,7 +300,8 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
                      f" plan {plan}); history {history}; last lines {seg.lines[-8:]}")
             history.append(f"{index}:{plan or 'to the end'}")
             if not seg.killed:
-                assert seg.code == 0 and "DONE" in seg.lines, f"{where}: exit {seg.code}\n{seg.stderr}"
+                assert seg.code == 0 and "DONE" in seg.lines, (
+                    f"{where}: exit {seg.code}\n{seg.stderr}")
 
             check_resume_and_losses(seg, log, ref_losses, resume_from, before, where)
 
@@ -326,8 +327,9 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
                 open_and_close(root)
                 left = debris(root)
                 assert not left, f"{where}: a manager start left debris: {left}"
-                assert committed(root) == after, f"{where}: start-up cleanup removed a " \
-                                                 f"committed checkpoint: {after} -> {committed(root)}"
+                assert committed(root) == after, (
+                    f"{where}: start-up cleanup removed a committed checkpoint: "
+                    f"{after} -> {committed(root)}")
     print(f"crash harness {tag}: {done_trials} kills over {chain} chains; "
           f"windows hit: {dict(sorted(hits.items()))}")
     return dict(hits)

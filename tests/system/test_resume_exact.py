@@ -62,7 +62,8 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], dict[str, np.ndarray]]:
+def reference(
+        tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], dict[str, np.ndarray]]:
     tmp = tmp_path_factory.mktemp("reference")
     worker = start_worker(tmp / "ref.jsonl", tmp / "root")
     code = worker.run()

@@ -91,7 +91,8 @@ def test_in_process_retries_resume_and_stop_on_final_errors():
     assert calls[-1] == ("bad", 0)
 
     with pytest.raises(OSError):
-        run_with_retries(lambda a: (_ for _ in ()).throw(OSError("x")), RetryPolicy(retries=1, **FAST))
+        run_with_retries(lambda a: (_ for _ in ()).throw(OSError("x")),
+                         RetryPolicy(retries=1, **FAST))
 
 
 def test_bad_policy_names_the_field():

@@ -298,7 +298,8 @@ def test_a_requested_step_that_was_never_committed_is_named_with_the_steps_there
     verifier = Verifier(ctx.store, primary=True)
     checks = plan(ctx.recover_config, ctx.backend, None)
     assert verifier.check_requested(2, checks) == 2
-    with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint for step 5 .* committed steps are \[2\]"):
+    with pytest.raises(CheckpointNotFoundError,
+                       match=r"no checkpoint for step 5 .* committed steps are \[2\]"):
         verifier.check_requested(5, checks)
     os.remove(os.path.join(ctx.store.step_path(2), "state", "data"))
     assert os.path.exists(os.path.join(ctx.store.step_path(2), COMMIT_MARKER))
