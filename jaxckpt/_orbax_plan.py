@@ -179,6 +179,7 @@ def build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) -> 
                 scalars.append((index, dtype, path if layout.python_type == "int" else None))
             elif isinstance(data, np.ndarray):
                 numpy_leaves.append(index)
+        assert stored_shape is not None  # keys and arrays stored as bytes carry data_shape
         # Sizes from the shape: jax.Array's size and nbytes properties cost microseconds.
         count = prod(stored_shape)
         nbytes = count * dtype.itemsize

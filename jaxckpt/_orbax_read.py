@@ -271,7 +271,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
         algorithm = expected.get(file)
         content, checksum = zarr_io.read_chunk(file, nbytes, algorithm=algorithm,
                                                direct=direct, offset=offset)
-        if claims is not None and algorithm is not None:
+        if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
             claims.settle(file, checksum)
         return zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
 
@@ -335,7 +335,7 @@ def unpack(directory: str, targets: list[tuple[str, Target]],
             values.append(None)
         else:  # spans processes: every process holds the pack, each places its shards
             values.append(jax.make_array_from_callback(
-                data.shape, sharding, lambda index, data=data: data[index]))
+                data.shape, sharding, data.__getitem__))
     # One batched transfer for all packed leaves instead of one call per leaf.
     for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings), strict=True):
         values[slot] = value
@@ -344,6 +344,7 @@ def unpack(directory: str, targets: list[tuple[str, Target]],
 
 def _cut(directory: str, path: str, entry: SavedLeaf, pack: np.ndarray) -> np.ndarray:
     """The stored data of the packed leaf ``entry`` (a view into its pack)."""
+    assert entry.offset is not None  # callers cut packed leaves only
     count = int(np.prod(entry.stored_shape, dtype=np.int64))
     if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
         raise CheckpointCorruptError(

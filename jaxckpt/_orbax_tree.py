@@ -257,7 +257,7 @@ def classify_leaf(path: str, leaf: Any) -> tuple[Layout, Any]:
     for type_name, py_type in PY_SCALAR_TYPES.items():
         if type(leaf) is py_type:
             dtype = PY_SCALAR_DTYPES[type_name]
-            if py_type is int:
+            if type(leaf) is int:  # py_type; spelled so that type checkers narrow ``leaf``
                 check_int64(path, leaf)
             return Layout(kind="scalar", shape=(), dtype=dtype.name,
                           python_type=type_name), np.asarray(leaf, dtype)
@@ -323,7 +323,7 @@ def check_packs(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> None:
             raise ValueError(f"pack {name} has size {size!r}, not an integer >= 0")
         listed[name] = (np.dtype(pack["dtype"]), size)
     for entry in entries:
-        if not entry.packed:
+        if entry.offset is None:  # not packed
             continue
         if entry.name not in listed:
             raise ValueError(f"leaf {entry.path} is packed into {entry.name}, which is not in "

@@ -203,7 +203,8 @@ def build_local(*, process_index: int, stateful_state: Mapping[str, Any],
 
 def build_driver(*, kind: str, reason: str, step: StepInfo, backend_name: str,
                  backend_versions: Mapping[str, str], process_count: int,
-                 metrics: Mapping[str, Any], local: Mapping[str, Any], saved_at: float) -> dict:
+                 metrics: Mapping[str, Any] | None, local: Mapping[str, Any],
+                 saved_at: float) -> dict:
     return {
         "format": DRIVER_FORMAT,
         "kind": kind,

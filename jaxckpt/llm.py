@@ -538,7 +538,7 @@ class GPT2(nnx.Module):
         x = self.wte(input_ids) + self.wpe(_positions(input_ids, positions))
         head_dim = spec.hidden_size // spec.num_heads
         scale = head_dim ** -0.5 if spec.scale_attn_weights else 1.0
-        layer_scale = np.full((spec.num_layers,), scale, np.float32)
+        layer_scale: np.ndarray = np.full((spec.num_layers,), scale, np.float32)
         if spec.scale_attn_by_inverse_layer_idx:
             layer_scale = layer_scale / np.arange(1, spec.num_layers + 1, dtype=np.float32)
         x = _run_layers(self.layers, x, jnp.asarray(layer_scale), self.scan_layers,

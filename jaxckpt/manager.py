@@ -175,12 +175,16 @@ class CheckpointManager:
         last = self._ctx.last.get("recover")
         if last is not None and last.step == step:
             self.wait()
-        self._ctx.pins.pin(step)
+        pins = self._ctx.pins
+        assert pins is not None  # a manager's context always has its root's pins
+        pins.pin(step)
 
     def unpin(self, step: int) -> None:
         """Undo ``pin(step)``; retention may delete it after the next save."""
         self._check_usable()
-        self._ctx.pins.unpin(step)
+        pins = self._ctx.pins
+        assert pins is not None  # a manager's context always has its root's pins
+        pins.unpin(step)
 
     def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None,
                 items: Mapping[str, Any] | None = None) -> Recovered | None:
@@ -244,8 +248,9 @@ class CheckpointManager:
         if self.recover_config.enabled and writes_periodic(self.recover_config.keep_last_n):
             recover_reason = self._ctx.recover_trigger.due(step_info, epoch_end=epoch_end)
         export_reason = None
-        export_trigger = self._ctx.export_trigger
-        if export_trigger is not None and writes_periodic(self.export_config.keep_last_n):
+        export_trigger, export = self._ctx.export_trigger, self.export_config
+        if (export_trigger is not None and export is not None
+                and writes_periodic(export.keep_last_n)):
             export_reason = export_trigger.due(step_info, epoch_end=epoch_end)
         recover_reason, export_reason, preempt = self._preemption.agree(
             recover_reason, export_reason, self._preemption.requested)

@@ -377,8 +377,8 @@ class OrbaxBackend:
         for handle in queued:
             with contextlib.suppress(BaseException):
                 handle.wait()  # noqa: BLE001 - the error belongs to whoever waits on it
-        handle, self._pending = self._pending, None
-        if handle is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
         error: BaseException | None = None
         try:
@@ -386,7 +386,7 @@ class OrbaxBackend:
         except BaseException as raised:  # noqa: BLE001 - handed to whoever waits on it
             error = raised
         finally:
-            handle.record_outcome(error)
+            pending.record_outcome(error)
 
     def close(self) -> None:
         """Wait for an in-flight write (its error stays on its handle) and release Orbax's

@@ -136,10 +136,11 @@ class S3Lease:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             with self._mutex:
-                if self._stop.is_set():
+                etag = self._etag
+                if self._stop.is_set() or etag is None:
                     return
                 try:
-                    self._etag = self._put(IfMatch=self._etag)
+                    self._etag = self._put(IfMatch=etag)
                 except Exception as exc:
                     if is_precondition_failed(exc) or is_not_found(exc):
                         self.lost = True

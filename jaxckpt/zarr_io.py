@@ -410,7 +410,7 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
             image.fill(memory, position)
         crc = extend(algorithm, crc, memory)
         try:
-            _pwrite_all(fd, memoryview(memory), position)
+            _pwrite_all(fd, memory.data, position)
         except OSError as error:
             if position == start and error.errno == errno.EINVAL:
                 raise _DirectRefused() from error
@@ -419,22 +419,22 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     rest = image.piece(whole, image.size)
     crc = extend(algorithm, crc, rest)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    _pwrite_all(fd, memoryview(head), 0)
-    _pwrite_all(fd, memoryview(rest), whole)
+    _pwrite_all(fd, head.data, 0)
+    _pwrite_all(fd, rest.data, whole)
     return f"{crc:08x}"
 
 
 def _write_buffered(fd: int, image: _FileImage, algorithm: str) -> str:
     head = np.zeros(image.offset, np.uint8)
     crc = extend(algorithm, 0, head)
-    _pwrite_all(fd, memoryview(head), 0)
+    _pwrite_all(fd, head.data, 0)
     flat = image.flat
     for start in range(0, flat.size, PIECE):
         piece = flat[start:start + PIECE]
         crc = extend(algorithm, crc, piece)  # numpy: checksummed without the GIL
-        _pwrite_all(fd, memoryview(piece), image.offset + start)
+        _pwrite_all(fd, piece.data, image.offset + start)
     crc = extend(algorithm, crc, image.tail)
-    _pwrite_all(fd, memoryview(image.tail), image.end)
+    _pwrite_all(fd, image.tail.data, image.end)
     return f"{crc:08x}"
 
 
@@ -478,7 +478,7 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
         while offset < size:
             piece = buffer[offset:offset + PIECE]
             try:
-                got = os.preadv(fd, [memoryview(piece)], offset)
+                got = os.preadv(fd, [piece.data], offset)
             except OSError as error:
                 if not is_direct or error.errno != errno.EINVAL:
                     raise

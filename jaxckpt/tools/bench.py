@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -110,7 +111,7 @@ class BenchConfig:
     @classmethod
     def quick(cls, **changes: Any) -> BenchConfig:
         """The tiny size CI runs to keep the benchmark working (well under a minute)."""
-        base = dict(size_mb=8, leaves=8, many_leaves=256, repeats=1, train_steps=41,
+        base: dict[str, Any] = dict(size_mb=8, leaves=8, many_leaves=256, repeats=1, train_steps=41,
                     train_sizes=(16, 64, 64, 16), train_batch=32, memory_saves=6,
                     hf_shard_mb=2)
         base.update(changes)
@@ -408,6 +409,10 @@ def _settle() -> None:
     os.sync()
 
 
+def _host_copies(arrays: list[Any]) -> list[np.ndarray]:
+    return [np.array(a, copy=True) for a in arrays]
+
+
 def _timed(action: Callable[[], Any]) -> float:
     _settle()
     start = time.perf_counter()
@@ -451,7 +456,7 @@ def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for array in arrays:
-            view = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            view = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
             while view:
                 written = os.write(fd, view[:64 * _MiB])
                 view = view[written:]
@@ -474,7 +479,7 @@ def _raw_write_direct(path: str, block: np.ndarray) -> None:
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        view = memoryview(block)
+        view = block.data
         for offset in range(0, len(view), PIECE):
             _pwrite_all(fd, view[offset:offset + PIECE], offset)
         os.fsync(fd)
@@ -491,7 +496,7 @@ def _raw_read_direct(path: str, nbytes: int) -> np.ndarray:
     try:
         offset = 0
         while offset < nbytes:
-            got = os.preadv(fd, [memoryview(out[offset:offset + PIECE])], offset)
+            got = os.preadv(fd, [out[offset:offset + PIECE].data], offset)
             if got <= 0:
                 break
             offset += got
@@ -526,7 +531,7 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
     8 MiB reads: one giant read() was several times slower here on some runs."""
     out = np.empty(nbytes, np.uint8)
     with open(path, "rb", buffering=0) as handle:
-        view = memoryview(out)
+        view = out.data
         while view:
             got = handle.readinto(view[:8 * _MiB])
             if not got:
@@ -658,9 +663,12 @@ class _Bench:
     def floors(self) -> None:
         result = self.result
         result.add("copy", _timed(lambda: [np.array(a, copy=True) for a in self.arrays]))
-        result.add("copy_reused",
-                   _timed(lambda: [np.copyto(b, a)
-                                   for a, b in zip(self.arrays, self.reused, strict=True)]))
+
+        def copy_reused() -> None:
+            for a, b in zip(self.arrays, self.reused, strict=True):
+                np.copyto(b, a)
+
+        result.add("copy_reused", _timed(copy_reused))
         path = self.fresh("raw")
         result.add("write", _timed(lambda: _raw_write(path, self.arrays)))
         self.before_read()
@@ -858,6 +866,7 @@ class _Bench:
         report = manager.save(jaxckpt.StepInfo(0, step, step), state)
         report.wait()
         manager.wait()
+        assert report.total_s is not None  # set when the save finished (waited for above)
         self.result.add("dcpm_blocking", report.blocking_s)
         self.result.add("dcpm_async", report.total_s)
         self.before_read()
@@ -933,8 +942,9 @@ class _Bench:
             ckpt = runs["train_ckpt"]
             blocking.append(sum(ckpt["blocking_s"]) / runs["train_plain"]["loop_s"])
             facts.update(state_bytes=ckpt["state_bytes"], saves_per_run=len(ckpt["blocking_s"]))
-        facts["step_ms"] = round(1000 * self.result.median("train_plain")
-                                 / max(1, config.train_steps - 1), 2)
+        plain_s = self.result.median("train_plain")
+        assert plain_s is not None  # added every round above
+        facts["step_ms"] = round(1000 * plain_s / max(1, config.train_steps - 1), 2)
         facts["blocking_share_of_loop"] = round(statistics.median(blocking), 4)
         self.result.facts["train"] = facts
 
@@ -997,6 +1007,7 @@ def _aux_rows(state: dict[str, Any], workdir: str, result: BenchResult) -> None:
             manager.wait()
             # Version v = (step + 1) // every is new at step 0 and when (step+1) % every == 0.
             fresh = index == 0 or (index + 1) % every == 0
+            assert report.bytes is not None  # set when the save finished (waited for above)
             (changed if fresh else unchanged).append((report.bytes, report.blocking_s))
     finally:
         manager.close()
@@ -1233,8 +1244,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                     bench.jaxckpt_rows(bench.state, "")
                 if "many" in sections and bench.many_state is not None:
                     many = jax_leaves(bench.many_state)
-                    result.add("many_copy", _timed(lambda many=many: [np.array(a, copy=True)
-                                                                      for a in many]))
+                    result.add("many_copy", _timed(functools.partial(_host_copies, many)))
                     bench.orbax_defaults(bench.many_state, "many_")
                     bench.jaxckpt_rows(bench.many_state, "many_")
                 if "torch" in sections:

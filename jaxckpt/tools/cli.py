@@ -310,7 +310,7 @@ def _info_root(path: str, opts: argparse.Namespace) -> int:
     counts = {status: sum(e.status == status for e in entries)
               for status in ("committed", "partial", "corrupt")}
     latest = next((e for e in reversed(entries) if e.status == "committed"), None)
-    info = {"path": path, "kind": "root", "checkpoints": len(entries), **counts,
+    info: dict[str, Any] = {"path": path, "kind": "root", "checkpoints": len(entries), **counts,
             "latest_valid": None if latest is None else {"step": latest.step, "path": latest.path},
             "exports": len(store.export_entries()), "items": store.item_names()}
     if opts.json:
@@ -610,7 +610,7 @@ def _bench(opts: argparse.Namespace) -> int:
 
     from .bench import BenchConfig, format_table, run_bench
 
-    changes = {name: value for name, value in (
+    changes: dict[str, Any] = {name: value for name, value in (
         ("directory", opts.dir), ("size_mb", opts.size_mb), ("leaves", opts.leaves),
         ("many_leaves", opts.many_leaves), ("repeats", opts.repeats),
         ("sections", tuple(s for s in (opts.sections or "").split(",") if s) or None))

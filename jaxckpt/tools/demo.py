@@ -151,7 +151,8 @@ def save_final_npz(state: Any, path: str) -> None:
     arrays = _state_arrays(state)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as handle:
-        np.savez(handle, **arrays)
+        # numpy's stub types **kwds like its allow_pickle flag; they are arrays by name.
+        np.savez(handle, **arrays)  # type: ignore[arg-type]
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)

@@ -217,6 +217,7 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
         tokens = _parse_keystr(entry["path"])
         if not tokens:
             raise CheckpointCorruptError(f"{tree_file}: a leaf at the root is not supported")
+        leaf: Any
         if entry["kind"] == "key":
             leaf = jax.ShapeDtypeStruct(tuple(entry["shape"]),
                                         jax.random.key(0, impl=entry["impl"]).dtype)

@@ -56,6 +56,7 @@ def _open(command: str, url: str):
     except (CheckpointRootError, ImportError, ValueError) as exc:
         print(f"jaxckpt {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    assert not isinstance(storage, str)  # a URL (is_url sent it here), so never a local path
     parent, _, name = url.rpartition("/")
     if name == RECOVER:
         url, parent, name = parent, *parent.rpartition("/")[::2]
