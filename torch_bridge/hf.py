@@ -711,7 +711,7 @@ def _write_safetensors(path: str, items: list[_Planned],
                                       f"{array.dtype}, planned {item.shape} {item.dtype}")
             data = array.reshape(-1).view(np.uint8)
             for start in range(0, data.size, _WRITE_CHUNK):
-                handle.write(data[start:start + _WRITE_CHUNK])
+                handle.write(data[start:start + _WRITE_CHUNK].data)
             del array, data
             on_tensor(item)
         handle.flush()
@@ -737,6 +737,8 @@ def _plan_export(flat: Mapping[str, Any], arch: Architecture, flags: Mapping[str
     checked: set[str] = set()
     planned: list[_Planned] = []
     for entry in active:
+        # Sized: _dims above gave every size (or raised).
+        assert entry.part_shapes is not None and entry.hf_shape is not None
         sources = []
         for index, expected in enumerate(entry.part_shapes):
             key = entry.stacked[index] if stacked and entry.layer is not None else entry.flax[index]
@@ -758,14 +760,14 @@ def _plan_export(flat: Mapping[str, Any], arch: Architecture, flags: Mapping[str
             planned.append(_Planned(hf=entry.hf, shape=entry.hf_shape, dtype=np.dtype(out_dtype),
                                     sources=tuple(sources), transpose=entry.row.transpose,
                                     fuse_axis=entry.row.fuse_axis))
-    why_inactive = {}
+    why_inactive: dict[str, bool | str] = {}
     for entry in inactive:
         for key in (*entry.flax, *entry.stacked):
             why_inactive[key] = entry.row.when
     for key in sorted(set(flat) - used):
         line = f"unexpected {key}: found {_fmt_shape(flat[key].shape)} {np.dtype(flat[key].dtype)}"
-        if key in why_inactive:
-            flag, truth = _flag(why_inactive[key])
+        flag, _ = _flag(why_inactive.get(key, False))
+        if flag is not None:  # a row the config turns off (not one that never exists)
             line += (f" (not part of the model: the config has {flag}={flags.get(flag)!r}; "
                      f"set {flag}={not flags.get(flag)} if the model uses this param)")
         problems.append(line)
@@ -857,7 +859,7 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
     by_dtype: dict[str, int] = {}
     for item in planned:
         by_dtype[item.dtype.name] = by_dtype.get(item.dtype.name, 0) + item.nbytes
-    dtype_name = cast.name if cast is not None else max(by_dtype, key=by_dtype.get)
+    dtype_name = cast.name if cast is not None else max(by_dtype, key=by_dtype.__getitem__)
     config_text, generation_text = config_files(
         _hf_config_body(config_body, table, flags), hf_class=table.hf_class,
         dtype_name=dtype_name, generation_config=generation_config)
@@ -1160,8 +1162,9 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
     notes: list[str] = []
     model_type = config.get("model_type")
     wrong_type = model_type is not None and model_type not in table.model_types
+    dims: dict[str, int] | None
     try:
-        dims: dict[str, int] | None = _dims(table, flags)
+        dims = _dims(table, flags)
         num_layers = dims[table.layers]
     except ConfigError as exc:
         # Still list every tensor the table wants (shapes by name) so the report is complete.
@@ -1298,6 +1301,7 @@ def _read_entries(entries: list[_Entry], stored: Mapping[str, _Stored], *, stack
                 array = handle.get_tensor(stored[entry.hf].key)
                 row = entry.row
                 if len(row.parts) > 1:
+                    assert entry.hf_shape is not None  # sized: dims given
                     sizes = _part_sizes(row, entry.hf_shape, dims)
                     cuts = np.cumsum(sizes)[:-1]
                     pieces = np.split(array, cuts, axis=row.fuse_axis)
