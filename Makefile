@@ -4,9 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := jax,torch,hf,grain,notebooks,test
+EXTRAS := jax,torch,hf,grain,notebooks,test,lint
+# What `make lint` checks with ruff; mypy checks the packages named in pyproject.toml.
+LINT_PATHS := jaxckpt torch_bridge tests
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +24,13 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/jaxckpt demo
 
-test: $(VENV)/.installed
+# Lint and types first: a finding fails the run before the (long) suite starts.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
