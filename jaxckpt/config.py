@@ -56,7 +56,8 @@ class Every:
     steps: int | None = None
     """Due after every ``steps`` completed global steps (``(global_step + 1) % steps == 0``)."""
     epochs: int | None = None
-    """Due at the end of every ``epochs``-th epoch (``epoch_end`` and ``(epoch + 1) % epochs == 0``)."""
+    """Due at the end of every ``epochs``-th epoch (``epoch_end`` and
+    ``(epoch + 1) % epochs == 0``)."""
     seconds: float | None = None
     """Due when this many seconds (monotonic clock) passed since the last save of this kind."""
 
@@ -116,7 +117,8 @@ class StepInfo:
                 raise ConfigError(
                     f"StepInfo.epoch_step={self.epoch_step} must be < steps_per_epoch={spe}.")
         for key, value in self.counters.items():
-            if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if (not isinstance(key, str) or isinstance(value, bool)
+                    or not isinstance(value, (int, float))):
                 raise ConfigError(
                     f"StepInfo.counters[{key!r}] must map str to int or float, got {value!r}.")
 

@@ -39,16 +39,16 @@ from .config import Every, ExportConfig, RecoverConfig, StepInfo, check_item_cad
 from .context import ManagerContext
 from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
+from .pins import Pins
 from .pipeline import SavePipeline
 from .policy import SaveTrigger, resolve_mode, writes_periodic
-from .pins import Pins
 from .preemption import Preemption
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
 from .root import prepare_root
 from .root_url import local_root
-from .saving import RecoverySaver, resolve_state
 from .roots import check_root
+from .saving import RecoverySaver, resolve_state
 from .storage import RootLease
 from .store import CheckpointStore
 
@@ -175,12 +175,16 @@ class CheckpointManager:
         last = self._ctx.last.get("recover")
         if last is not None and last.step == step:
             self.wait()
-        self._ctx.pins.pin(step)
+        pins = self._ctx.pins
+        assert pins is not None  # a manager's context always has its root's pins
+        pins.pin(step)
 
     def unpin(self, step: int) -> None:
         """Undo ``pin(step)``; retention may delete it after the next save."""
         self._check_usable()
-        self._ctx.pins.unpin(step)
+        pins = self._ctx.pins
+        assert pins is not None  # a manager's context always has its root's pins
+        pins.unpin(step)
 
     def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None,
                 items: Mapping[str, Any] | None = None,
@@ -191,7 +195,8 @@ class CheckpointManager:
         restored at the version the checkpoint refers to. ``partial``: as in ``restore``."""
         self._check_usable()
         if stateful is not None:
-            drv.capture_stateful(stateful)  # validate early: a bad object fails now, not at the first save
+            # Validate early: a bad object fails now, not at the first save.
+            drv.capture_stateful(stateful)
             self._ctx.default_stateful = stateful
         if not self.recover_config.enabled:
             return None
@@ -251,8 +256,9 @@ class CheckpointManager:
         if self.recover_config.enabled and writes_periodic(self.recover_config.keep_last_n):
             recover_reason = self._ctx.recover_trigger.due(step_info, epoch_end=epoch_end)
         export_reason = None
-        export_trigger = self._ctx.export_trigger
-        if export_trigger is not None and writes_periodic(self.export_config.keep_last_n):
+        export_trigger, export = self._ctx.export_trigger, self.export_config
+        if (export_trigger is not None and export is not None
+                and writes_periodic(export.keep_last_n)):
             export_reason = export_trigger.due(step_info, epoch_end=epoch_end)
         recover_reason, export_reason, preempt = self._preemption.agree(
             recover_reason, export_reason, self._preemption.requested)
@@ -337,7 +343,8 @@ class CheckpointManager:
         self._check_usable()
         check_step_info(step_info)
         if self._exporter is None:
-            raise ConfigError("export() needs CheckpointManager(export=ExportConfig(exporter=...)).")
+            raise ConfigError(
+                "export() needs CheckpointManager(export=ExportConfig(exporter=...)).")
         return self._exporter.save(step_info, state, "forced")
 
     def wait(self) -> None:

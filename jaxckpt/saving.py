@@ -47,10 +47,10 @@ from . import driver as drv
 from .config import Every, StepInfo, Versioned, check_item_name, item_version
 from .context import ManagerContext
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
-from .pipeline import SavePipeline
-from .retention import CheckpointFacts, RetentionRules, decide
-from .reports import SaveReport, mark_done
 from .layout import DRIVER_FILE, STATE_DIR
+from .pipeline import SavePipeline
+from .reports import SaveReport, mark_done
+from .retention import CheckpointFacts, RetentionRules, decide
 
 __all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
 
@@ -126,7 +126,8 @@ class RecoverySaver:
         try:
             handle, item_writes = self._start_writes(path, state, item_versions, mode)
         except (CheckpointError, TypeError):
-            raise  # bad input (a tree the backend refuses): the caller's to fix, not a write failure
+            raise  # bad input (a tree the backend refuses): the caller's to fix, not a write
+            # failure
         except Exception as exc:  # the filesystem failed under the training thread
             return self._pipeline.failed_to_start(
                 report, exc, start, functools.partial(self._discard_partial, path))
@@ -374,8 +375,9 @@ def resolve_state(state: Any) -> Any:
 
 def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
     """Manifest entries a backend's write handle offers for the files it wrote (its
-    ``checksums``, None when it computed none: by path relative to the directory it wrote, ``STATE_DIR``), as paths
-    relative to the checkpoint; the commit then does not read those files back."""
+    ``checksums``, None when it computed none: by path relative to the directory it wrote,
+    ``STATE_DIR``), as paths relative to the checkpoint; the commit then does not read those
+    files back."""
     try:
         entries = handle.checksums
     except AttributeError:

@@ -415,7 +415,7 @@ class CheckpointStore:
             return self.storage.checksum(full, algorithm, sync=True)
 
         with ThreadPoolExecutor(max_workers=4) as pool:
-            return dict(zip(rels, pool.map(summarise, rels)))
+            return dict(zip(rels, pool.map(summarise, rels), strict=True))
 
     # --- reading and deletion ----------------------------------------------------------------
     @contextlib.contextmanager

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-
 from torch_bridge.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -137,7 +136,7 @@ def _attrs_node() -> type:
             _Attrs,
             lambda node: ([(jax.tree_util.GetAttrKey(k), v) for k, v in node.children.items()],
                           tuple(node.children)),
-            lambda names, values: _Attrs(dict(zip(names, values))))
+            lambda names, values: _Attrs(dict(zip(names, values, strict=True))))
         _ATTRS_REGISTERED = True
     return _Attrs
 
@@ -154,8 +153,10 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
     import jax
     import jax.numpy as jnp
 
+    from jaxckpt.layout import TREE_FILE
     from jaxckpt.tree_record import read_tree_record
 
+    tree_file = os.path.join(state_dir, TREE_FILE)  # named in the errors below
     document = read_tree_record(state_dir)  # export-hf reads Orbax-backend checkpoints only
     attrs = _attrs_node()
     root: dict[Any, Any] = {}
@@ -166,6 +167,7 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
         tokens = _parse_keystr(entry["path"])
         if not tokens:
             raise CheckpointCorruptError(f"{tree_file}: a leaf at the root is not supported")
+        leaf: Any
         if entry["kind"] == "key":
             leaf = jax.ShapeDtypeStruct(tuple(entry["shape"]),
                                         jax.random.key(0, impl=entry["impl"]).dtype)

@@ -117,7 +117,7 @@ def assert_bitwise(actual, expected, path="$"):
             assert_bitwise(actual[key], expected[key], f"{path}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert type(actual) is type(expected) and len(actual) == len(expected), path
-        for index, (a, e) in enumerate(zip(actual, expected)):
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_bitwise(a, e, f"{path}[{index}]")
     else:
         assert type(actual) is type(expected) and actual == expected, (path, actual, expected)

@@ -2,12 +2,13 @@
 (tests/system/test_crash_harness.py).
 
 Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...``. It trains a
-two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches, with dropout drawn
-from a typed JAX PRNG key and a per-step noise scale drawn from Python's and NumPy's global
-RNGs (so an exact resume needs the arrays, the key, the loader position AND both global RNG
-states). ``--ballast K`` adds K extra array leaves, updated every step, that make each save
-write many more files: the background write, the commit pass (checksum + fsync per file) and
-retention deletion then take long enough for a randomly timed SIGKILL to land inside them.
+two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches,
+with dropout drawn from a typed JAX PRNG key and a per-step noise scale drawn from Python's
+and NumPy's global RNGs (so an exact resume needs the arrays, the key, the loader position AND
+both global RNG states). ``--ballast K`` adds K extra array leaves, updated every step, that
+make each save write many more files: the background write, the commit pass (checksum + fsync
+per file) and retention deletion then take long enough for a randomly timed SIGKILL to land
+inside them.
 The ballast changes the state tree, so a reference run must use the same ``--ballast``; the
 save mode does not change numerics (a chain may switch it between segments).
 
@@ -112,7 +113,8 @@ def make_step():
         v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
         t = count.astype(jnp.float32)
         params = jax.tree.map(
-            lambda p, m, v: p - 0.01 * (m / (1 - 0.9 ** t)) / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8),
+            lambda p, m, v: (p - 0.01 * (m / (1 - 0.9 ** t))
+                             / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8)),
             state["params"], m, v)
         ballast = [b * 0.5 + loss * (i + 1) for i, b in enumerate(state["ballast"])]
         return {"params": params, "opt": {"m": m, "v": v, "count": count}, "key": key,
