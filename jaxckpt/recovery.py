@@ -81,7 +81,8 @@ class Recovery:
             if chosen == _FAIL_CLOSED:
                 raise self._no_valid_checkpoint(skipped)
             if chosen < 0:
-                return self._nothing_valid(skipped, bad, required)
+                self._nothing_valid(skipped, bad, required)  # raises when required
+                return None
             path = ctx.store.step_path(chosen)
             try:
                 body, state, versions, restored_items = self._read_checkpoint(

@@ -3,7 +3,8 @@
 Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Face model
 directory, and a Hugging Face directory into a recovery checkpoint that
 ``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
-else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in ``jaxckpt.tools.cli``.
+else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in
+``jaxckpt.tools.cli``.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the
