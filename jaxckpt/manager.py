@@ -52,7 +52,7 @@ from .saving import RecoverySaver, resolve_state
 from .roots import check_root
 from .storage import RootLease
 from .store import CheckpointStore
-from .tiers import LocalTierSet
+from .tiers import LocalTierSet, check_local
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
@@ -100,8 +100,7 @@ class CheckpointManager:
                                    commit_timeout_s=commit_timeout_s,
                                    preemption_signals=preemption_signals)
         check_item_cadences(items or {}, recover)
-        if local is not None and not isinstance(local, LocalTier):
-            raise ConfigError(f"local must be a jaxckpt.LocalTier or None, got {local!r}.")
+        check_local(local, root)  # before anything is created
         # Before anything is created or written (no backend, no lock, no recover/): a root
         # holding another tool's files is refused whole, never written beside.
         check_root(os.fspath(root))

@@ -61,7 +61,7 @@ from .saving import RecoverySaver
 from .storage import RootLease
 from .store import CheckpointStore
 
-__all__ = ["LocalTierSet", "local_rules"]
+__all__ = ["LocalTierSet", "local_rules", "check_local"]
 
 LOCAL = "local"
 DURABLE = "durable"
@@ -91,7 +91,7 @@ class LocalTierSet:
                     f"only for now; this run has {durable.process_count} processes. Drop "
                     f"local= (every save then goes to the durable root).")
             path = os.fspath(config.path)
-            _check_apart(path, durable.store.root)
+            check_local(config, durable.store.root)
             check_root(path)  # before anything is created: never write beside foreign files
             store = CheckpointStore(path)
             self._lock = prepare_root(store)
@@ -213,6 +213,8 @@ class LocalTierSet:
             except CheckpointFormatError:
                 raise
             except CheckpointCorruptError as exc:
+                if step not in self._durable.store.committed_steps():
+                    raise  # the only copy is damaged: say so, not "not found"
                 failed.append((LOCAL, step, self.store.step_path(step), str(exc)))
         result = durable.restore(like, stateful=stateful, step=step, required=True, items=items)
         assert result is not None
@@ -243,11 +245,11 @@ class LocalTierSet:
         if failed:
             warnings.warn(f"resuming from {where}, skipping newer unusable checkpoints: "
                           + " | ".join(f"{t} tier: {path}: {why}" for t, _, path, why in failed),
-                          CheckpointWarning, stacklevel=4)
+                          CheckpointWarning, stacklevel=5)
         elif tier == DURABLE and local_empty:
             warnings.warn(f"the local tier {self.store.root} holds no checkpoint (a new "
                           f"machine, a cleared disk, or no local save yet): resuming from "
-                          f"{where}.", CheckpointWarning, stacklevel=4)
+                          f"{where}.", CheckpointWarning, stacklevel=5)
 
     def _set_aside(self, failed: list[tuple[str, int, str, str]]) -> None:
         """Unusable checkpoints newer than the one restored go to their tier's
@@ -268,7 +270,7 @@ class LocalTierSet:
         if self._durable.recover_config.on_corrupt == "start_fresh":
             warnings.warn("no checkpoint in either tier verifies; starting fresh as "
                           "RecoverConfig(on_corrupt='start_fresh') asks. Moved aside:\n"
-                          + listing, CheckpointWarning, stacklevel=4)
+                          + listing, CheckpointWarning, stacklevel=5)
             self._set_aside(failed)
             return
         raise CheckpointCorruptError(
@@ -279,8 +281,14 @@ class LocalTierSet:
             f"RecoverConfig(on_corrupt=\"start_fresh\").")
 
 
-def _check_apart(local: str, durable: str) -> None:
-    """The two tiers must not share a directory, nor hold one another."""
+def check_local(config: Any, durable_root: str | os.PathLike[str]) -> None:
+    """``ConfigError`` unless ``config`` is None or a ``LocalTier`` apart from the durable
+    root: the two tiers must not share a directory, nor hold one another."""
+    if config is None:
+        return
+    if not isinstance(config, LocalTier):
+        raise ConfigError(f"local must be a jaxckpt.LocalTier or None, got {config!r}.")
+    local, durable = os.fspath(config.path), os.fspath(durable_root)
     if is_url(durable):
         return
     a, b = os.path.realpath(local), os.path.realpath(durable)
