@@ -43,23 +43,27 @@ def like():
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree(0.0))
 
 
-def manager(tmp_path, *, local=True, keep_durable=2, keep_local=1, mode="sync", **kwargs):
+def manager(tmp_path, *, local=True, keep_durable=2, keep_local=1, mode="sync", items=None,
+            **kwargs):
     tier = (LocalTier(tmp_path / "local", every=Every(steps=LOCAL_EVERY), keep_last_n=keep_local)
             if local else None)
-    return CheckpointManager(tmp_path / "durable", local=tier, mode=mode,
+    return CheckpointManager(tmp_path / "durable", local=tier, mode=mode, items=items,
                              recover=RecoverConfig(every=Every(steps=DURABLE_EVERY),
                                                    keep_last_n=keep_durable, **kwargs),
                              preemption_signals=())
 
 
-def train(mgr, steps, loader=None, start=None):
-    """Steps ``start.. start+steps-1``: the state of step s holds s; returns the reports."""
+def train(mgr, steps, loader=None, start=None, with_item=False):
+    """Steps ``start.. start+steps-1``: the state of step s holds s (and the item "ref",
+    with ``with_item``, the step it was last updated at, every 4 steps); returns the
+    reports."""
     info = start or StepInfo(0, 0, 0, None)
     reports = []
     for _ in range(steps):
         if loader is not None:
             loader.position += 1
-        reports += mgr.maybe_save(info, tree(float(info.global_step)),
+        items = {"ref": tree(float(info.global_step // 4 * 4))} if with_item else None
+        reports += mgr.maybe_save(info, tree(float(info.global_step)), items=items,
                                   stateful={"loader": loader} if loader else None)
         info = info.next()
     mgr.wait()
@@ -211,19 +215,21 @@ def test_restore_of_a_step_prefers_a_valid_local_copy(tmp_path):
 
 
 def test_the_durable_root_never_depends_on_the_local_tier(tmp_path):
-    with manager(tmp_path) as mgr:
-        train(mgr, 14, loader=Loader())
+    with manager(tmp_path, items={"ref": Every(steps=4)}) as mgr:
+        train(mgr, 14, loader=Loader(), with_item=True)
+    assert os.listdir(tmp_path / "local" / "recover" / "items" / "ref")  # each tier its own
     shutil.rmtree(tmp_path / "local")
     store = CheckpointStore(tmp_path / "durable")
     for step in store.committed_steps():
         assert store.verify(store.step_path(step)) == []
     # A manager without a local tier resumes from the durable root alone.
     loader = Loader()
-    with manager(tmp_path, local=False) as mgr:
-        result = mgr.recover(like(), stateful={"loader": loader})
+    with manager(tmp_path, local=False, items={"ref": Every(steps=4)}) as mgr:
+        result = mgr.recover(like(), stateful={"loader": loader}, items={"ref": like()})
     assert (result.tier, result.step_info.global_step) == ("durable", 11)
     assert_state_of_step(result.state, 11)
     assert loader.position == 12
+    assert_state_of_step(result.items["ref"], 8)  # the version current at step 11
 
 
 def test_a_failed_local_write_is_a_warning_and_the_durable_root_goes_on(tmp_path):
