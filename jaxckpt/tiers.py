@@ -61,7 +61,7 @@ from .saving import RecoverySaver
 from .storage import RootLease
 from .store import CheckpointStore
 
-__all__ = ["LocalTierSet", "local_rules", "check_local"]
+__all__ = ["LocalTierSet", "check_local", "local_rules"]
 
 LOCAL = "local"
 DURABLE = "durable"

@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["LOCAL_ROWS", "LOCAL_TARGETS", "local_tier_rows", "DURABLE_EVERY", "LOCAL_EVERY"]
+__all__ = ["DURABLE_EVERY", "LOCAL_EVERY", "LOCAL_ROWS", "LOCAL_TARGETS", "local_tier_rows"]
 
 DURABLE_EVERY = 4
 LOCAL_EVERY = 2
@@ -35,10 +35,12 @@ WARMUP = DURABLE_EVERY  # untimed steps first: the first saves build write plans
 
 #: (key, label) of each row, section "local".
 LOCAL_ROWS: tuple[tuple[str, str], ...] = (
-    ("local_loop_plain", f"local tier: loop blocking, {STEPS} steps, durable root alone "
-                         f"(async save every {DURABLE_EVERY})"),
-    ("local_loop_tiered", f"local tier: loop blocking, {STEPS} steps, with a local tier "
-                          f"(async save every {LOCAL_EVERY})"),
+    ("local_loop_plain",
+     (f"local tier: loop blocking, {STEPS} steps, durable root alone (async save every "
+      f"{DURABLE_EVERY})")),
+    ("local_loop_tiered",
+     (f"local tier: loop blocking, {STEPS} steps, with a local tier (async save every "
+      f"{LOCAL_EVERY})")),
     ("local_durable_plain", "local tier: one durable save's blocking, durable root alone"),
     ("local_durable_tiered", "local tier: one durable save's blocking, with the local tier"),
     ("local_save", "local tier: one local save's blocking"),
@@ -46,9 +48,9 @@ LOCAL_ROWS: tuple[tuple[str, str], ...] = (
 
 #: Keyword arguments of the benchmark's targets.
 LOCAL_TARGETS: tuple[dict[str, Any], ...] = (
-    dict(label="durable save blocking with a local tier / without",
-         numerator="local_durable_tiered", denominator="local_durable_plain", op="<=",
-         limit=1.5, note="the local tier must not hold up the durable root's saves"),
+    {"label": "durable save blocking with a local tier / without",
+     "numerator": "local_durable_tiered", "denominator": "local_durable_plain", "op": "<=",
+     "limit": 1.5, "note": "the local tier must not hold up the durable root's saves"},
 )
 
 

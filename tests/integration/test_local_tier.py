@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.loaders import Loader
 
 from jaxckpt import (
     CheckpointCorruptError,
@@ -27,8 +28,6 @@ from jaxckpt import (
 )
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import CheckpointStore
-
-from support.loaders import Loader
 
 DURABLE_EVERY = 6
 LOCAL_EVERY = 2
@@ -193,14 +192,14 @@ def test_nothing_valid_in_either_tier_fails_closed_and_touches_nothing(tmp_path)
     for path in (tmp_path / "durable" / "recover" / "step_00000005",
                  tmp_path / "local" / "recover" / "step_00000009"):
         flip_a_byte_of_the_arrays(path)
-    with manager(tmp_path) as mgr:
-        with pytest.raises(CheckpointCorruptError, match=r"(?s)none verifies.*local tier: "
-                           r".*step_00000009.*durable tier: .*step_00000005"):
-            mgr.recover(like())
+    with manager(tmp_path) as mgr, pytest.raises(
+            CheckpointCorruptError,
+            match=r"(?s)none verifies.*local tier: .*step_00000009.*durable tier: .*step_00000005"):
+        mgr.recover(like())
     assert committed(tmp_path / "durable") == [5] and committed(tmp_path / "local") == [9]
-    with manager(tmp_path, on_corrupt="start_fresh") as mgr:
-        with pytest.warns(CheckpointWarning, match="starting fresh"):
-            assert mgr.recover(like()) is None
+    with manager(tmp_path, on_corrupt="start_fresh") as mgr, \
+            pytest.warns(CheckpointWarning, match="starting fresh"):
+        assert mgr.recover(like()) is None
     assert committed(tmp_path / "durable") == [] and committed(tmp_path / "local") == []
 
 

@@ -30,11 +30,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from jaxckpt.store import CheckpointStore
-
 from support.harness import Worker, repo_env
 from support.paths import CRASH_WORKER as WORKER
+
+from jaxckpt.store import CheckpointStore
 
 STEPS = 24
 DURABLE_EVERY = 8

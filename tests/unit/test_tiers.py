@@ -35,14 +35,14 @@ def test_local_tier_is_exported_with_the_binding_signature(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(path=None), "LocalTier.path must be a directory path"),
-    (dict(path=""), "LocalTier.path must be a directory path"),
-    (dict(path="s3://bucket/run"), "LocalTier.path must be a local filesystem path"),
-    (dict(every=Every()), "never fires"),
-    (dict(every={"steps": 5}), "LocalTier.every must be a jaxckpt.Every"),
-    (dict(keep_last_n=0), r"LocalTier.keep_last_n must be an int >= 1 .*got 0"),
-    (dict(keep_last_n=None), "LocalTier.keep_last_n must be an int >= 1"),
-    (dict(keep_last_n=True), "LocalTier.keep_last_n must be an int >= 1"),
+    ({"path": None}, "LocalTier.path must be a directory path"),
+    ({"path": ""}, "LocalTier.path must be a directory path"),
+    ({"path": "s3://bucket/run"}, "LocalTier.path must be a local filesystem path"),
+    ({"every": Every()}, "never fires"),
+    ({"every": {"steps": 5}}, "LocalTier.every must be a jaxckpt.Every"),
+    ({"keep_last_n": 0}, r"LocalTier.keep_last_n must be an int >= 1 .*got 0"),
+    ({"keep_last_n": None}, "LocalTier.keep_last_n must be an int >= 1"),
+    ({"keep_last_n": True}, "LocalTier.keep_last_n must be an int >= 1"),
 ])
 def test_a_bad_local_tier_is_refused_naming_the_field(kwargs, match):
     path = kwargs.pop("path", "/tmp/local")
