@@ -165,14 +165,16 @@ class LocalTierSet:
 
     # --- recovery -------------------------------------------------------------------------
     def restore(self, durable: Recovery, like: Any, *, stateful: Mapping[str, Any] | None,
-                step: int | None, required: bool,
-                items: Mapping[str, Any] | None) -> Recovered | None:
+                step: int | None, required: bool, items: Mapping[str, Any] | None,
+                **options: Any) -> Recovered | None:
         """The newest checkpoint that verifies in either tier (``step``: that step, from the
         local tier when it holds a valid copy, else from the durable root), restored like
-        ``Recovery.restore`` does, with ``Recovered.tier`` saying where it came from."""
+        ``Recovery.restore`` does, with ``Recovered.tier`` saying where it came from.
+        ``options``: further arguments of ``Recovery.restore``, passed to each tier's."""
         self.wait()
         if step is not None:
-            return self._restore_step(durable, like, stateful=stateful, step=step, items=items)
+            return self._restore_step(durable, like, stateful=stateful, step=step, items=items,
+                                      **options)
         local_steps = self.store.committed_steps()
         candidates = sorted([(s, 1, LOCAL) for s in local_steps]
                             + [(s, 0, DURABLE) for s in self._durable.store.committed_steps()],
@@ -182,7 +184,7 @@ class LocalTierSet:
             recovery = self._recovery if tier == LOCAL else durable
             try:
                 result = recovery.restore(like, stateful=stateful, step=candidate,
-                                          required=True, items=items)
+                                          required=True, items=items, **options)
             except CheckpointFormatError:
                 raise  # newer, not damaged: skipping it would silently drop progress
             except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
@@ -203,12 +205,12 @@ class LocalTierSet:
 
     def _restore_step(self, durable: Recovery, like: Any, *,
                       stateful: Mapping[str, Any] | None, step: int,
-                      items: Mapping[str, Any] | None) -> Recovered:
+                      items: Mapping[str, Any] | None, **options: Any) -> Recovered:
         failed: list[tuple[str, int, str, str]] = []
         if step in self.store.committed_steps():
             try:
                 result = self._recovery.restore(like, stateful=stateful, step=step,
-                                                required=True, items=items)
+                                                required=True, items=items, **options)
                 return self._resumed(LOCAL, result, failed)
             except CheckpointFormatError:
                 raise
@@ -216,7 +218,8 @@ class LocalTierSet:
                 if step not in self._durable.store.committed_steps():
                     raise  # the only copy is damaged: say so, not "not found"
                 failed.append((LOCAL, step, self.store.step_path(step), str(exc)))
-        result = durable.restore(like, stateful=stateful, step=step, required=True, items=items)
+        result = durable.restore(like, stateful=stateful, step=step, required=True, items=items,
+                                 **options)
         assert result is not None
         self._warn_fallback(DURABLE, result, failed, local_empty=False)
         return self._resumed(DURABLE, result, failed)
