@@ -12,7 +12,8 @@ recovery save, snapshot to committed marker to retention), ``exports``, ``recove
 ``tiers`` (the optional fast local tier, ``local=LocalTier(...)``, and recovery across it).
 
 Concurrency contract: a manager is used from one training thread. It owns one background
-thread, which runs commits, exports and deletions strictly in order. A failure there is
+thread, which runs commits, exports and deletions strictly in order (a local tier has a
+second one for its own saves, see ``tiers``). A failure there is
 recorded on its report and raised (as ``CheckpointWriteError`` chained to the cause, naming
 the step and path) by the next manager call, or only warned when
 ``on_write_error="warn"``. Across jobs: one job per root (an exclusive lock); across

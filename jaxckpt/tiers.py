@@ -195,7 +195,7 @@ class LocalTierSet:
             self._warn_fallback(tier, result, failed, local_empty=not local_steps)
             return self._resumed(tier, result, failed)
         if failed:
-            self._no_valid_checkpoint(failed)  # raises, unless on_corrupt="start_fresh"
+            self._no_valid_checkpoint(failed)  # the durable root's were damaged: fail closed
         if required:
             raise CheckpointNotFoundError(
                 f"no valid recovery checkpoint under {self._durable.store.recover_dir} or in "
@@ -268,8 +268,18 @@ class LocalTierSet:
                               CheckpointWarning, stacklevel=5)
 
     def _no_valid_checkpoint(self, failed: list[tuple[str, int, str, str]]) -> None:
-        """Fail closed across both tiers: committed checkpoints exist and none verifies."""
+        """Nothing verifies in either tier. The durable root is the record of the run: when
+        it holds checkpoints and none verifies, fail closed (``RecoverConfig.on_corrupt``).
+        When only local checkpoints are damaged, the local tier counts as lost (as on a new
+        machine with an empty durable root): they are set aside and the run starts fresh,
+        with a warning."""
         listing = "\n".join(f"  - {tier} tier: {path}: {why}" for tier, _, path, why in failed)
+        if all(tier == LOCAL for tier, _, _, _ in failed):
+            warnings.warn(f"the local tier {self.store.root} holds no usable checkpoint and the "
+                          f"durable root {self._durable.store.root} none at all: starting "
+                          f"fresh. Moved aside:\n" + listing, CheckpointWarning, stacklevel=5)
+            self._set_aside(failed)
+            return
         if self._durable.recover_config.on_corrupt == "start_fresh":
             warnings.warn("no checkpoint in either tier verifies; starting fresh as "
                           "RecoverConfig(on_corrupt='start_fresh') asks. Moved aside:\n"
@@ -277,8 +287,8 @@ class LocalTierSet:
             self._set_aside(failed)
             return
         raise CheckpointCorruptError(
-            f"the durable root and the local tier hold checkpoints but none verifies, so "
-            f"there is nothing safe to resume from; nothing was restored, moved or "
+            f"the durable root holds checkpoints but none verifies, nor does any of the local "
+            f"tier, so there is nothing safe to resume from; nothing was restored, moved or "
             f"deleted:\n{listing}\nFix: repair or restore the files, point the manager at "
             f"other roots, or opt in to starting over with "
             f"RecoverConfig(on_corrupt=\"start_fresh\").")

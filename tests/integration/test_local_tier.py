@@ -203,6 +203,17 @@ def test_nothing_valid_in_either_tier_fails_closed_and_touches_nothing(tmp_path)
     assert committed(tmp_path / "durable") == [] and committed(tmp_path / "local") == []
 
 
+def test_damaged_local_checkpoints_with_an_empty_durable_root_start_fresh_and_say_so(tmp_path):
+    with manager(tmp_path) as mgr:
+        train(mgr, 4)  # local: 3; durable: none yet
+    flip_a_byte_of_the_arrays(tmp_path / "local" / "recover" / "step_00000003")
+    with manager(tmp_path) as mgr, pytest.warns(
+            CheckpointWarning, match=r"(?s)local tier .* holds no usable checkpoint and the "
+                                     r"durable root .* none at all: starting fresh.*step_00000003"):
+        assert mgr.recover(like()) is None
+    assert committed(tmp_path / "local") == []
+
+
 def test_restore_of_a_step_prefers_a_valid_local_copy(tmp_path):
     with manager(tmp_path, keep_local=2) as mgr:
         train(mgr, 10)  # local: 7, 9; durable: 5
