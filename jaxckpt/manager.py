@@ -8,10 +8,12 @@ save records), and composing the parts that do the work, which share a ``Manager
 ``pipeline`` (the background thread and the propagation of failures), ``saving`` (one
 recovery save, snapshot to committed marker to retention), ``exports``, ``recovery`` and
 ``verification`` (discover, verify, fall back, read), ``preemption`` (signal handlers),
-``root`` (layout, lock and crash debris at start-up) and ``reports`` (what calls return).
+``root`` (layout, lock and crash debris at start-up), ``reports`` (what calls return) and
+``tiers`` (the optional fast local tier, ``local=LocalTier(...)``, and recovery across it).
 
 Concurrency contract: a manager is used from one training thread. It owns one background
-thread, which runs commits, exports and deletions strictly in order. A failure there is
+thread, which runs commits, exports and deletions strictly in order (a local tier has a
+second one for its own saves, see ``tiers``). A failure there is
 recorded on its report and raised (as ``CheckpointWriteError`` chained to the cause, naming
 the step and path) by the next manager call, or only warned when
 ``on_write_error="warn"``. Across jobs: one job per root (an exclusive lock); across
@@ -35,7 +37,7 @@ from typing import Any, Literal
 from . import driver as drv
 from .arguments import check_arguments, check_step_info
 from .backend import Backend
-from .config import Every, ExportConfig, RecoverConfig, StepInfo, check_item_cadences
+from .config import Every, ExportConfig, LocalTier, RecoverConfig, StepInfo, check_item_cadences
 from .context import ManagerContext
 from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
@@ -51,6 +53,7 @@ from .roots import check_root
 from .saving import RecoverySaver, resolve_state
 from .storage import RootLease
 from .store import CheckpointStore
+from .tiers import LocalTierSet, check_local
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
@@ -73,6 +76,9 @@ class CheckpointManager:
     ``maybe_save``/``save``: its version is derived from the step and it is written only the
     first time a checkpoint needs that version (``jaxckpt.Versioned(version, tree)`` gives the
     version explicitly instead). Every checkpoint restores the version current when it was taken.
+    ``local``: a fast local tier (``jaxckpt.LocalTier``) that takes frequent recovery
+    checkpoints between the durable root's; ``recover`` resumes from the newest valid one of
+    either (see ``jaxckpt.tiers``). Single-process runs only for now.
 
     Concurrency contract: see the module docstring (one training thread; one background
     thread; one job per root; the primary decides and commits).
@@ -86,7 +92,8 @@ class CheckpointManager:
                  commit_timeout_s: float = 1800.0,
                  preemption_signals: Sequence[int] = (signal.SIGTERM,),
                  items: Mapping[str, Every] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 local: LocalTier | None = None):
         local_root(root)  # an s3:// or other URL root is refused before anything is created
         recover = RecoverConfig() if recover is None else recover
         signals = check_arguments(root, recover=recover, export=export, backend=backend,
@@ -94,6 +101,7 @@ class CheckpointManager:
                                    commit_timeout_s=commit_timeout_s,
                                    preemption_signals=preemption_signals)
         check_item_cadences(items or {}, recover)
+        check_local(local, root)  # before anything is created
         # Before anything is created or written (no backend, no lock, no recover/): a root
         # holding another tool's files is refused whole, never written beside.
         check_root(os.fspath(root))
@@ -128,6 +136,7 @@ class CheckpointManager:
         self._exporter = (None if export_mode is None
                           else Exporter(ctx, self._pipeline, mode=export_mode))
         self._recovery = Recovery(ctx)
+        self._local: LocalTierSet | None = None
         self._closed = False
         # The last step the loop reported as completed (maybe_save) or resumed from (recover):
         # what save() records when given no step, and what it checks a given step against.
@@ -137,6 +146,16 @@ class CheckpointManager:
         self._preemption = Preemption(process_count=count, timed=timed,
                                       broadcast=lambda bits: backend.broadcast_int(bits))
         self._preemption.install(signals)
+        if local is not None:
+            try:  # its own backend when this manager made its own: never queued behind durable
+                self._local = LocalTierSet(
+                    local, durable=ctx, backend=_default_backend() if self._owns_backend
+                    else backend, owns_backend=self._owns_backend, mode=save_mode,
+                    on_report=on_report, clock=clock, commit_timeout_s=commit_timeout_s,
+                    item_cadences=items or {}, export_record=record)
+            except BaseException:
+                self.close()
+                raise
 
     # --- public API ---------------------------------------------------------------------
     @property
@@ -198,12 +217,14 @@ class CheckpointManager:
             # Validate early: a bad object fails now, not at the first save.
             drv.capture_stateful(stateful)
             self._ctx.default_stateful = stateful
+            if self._local is not None:
+                self._local.set_default_stateful(stateful)
         if not self.recover_config.enabled:
             return None
         self._pipeline.drain()
         self._pipeline.raise_unraised()
-        result = self._recovery.restore(like, stateful=stateful, step=None, required=False,
-                                        items=items, partial=partial)
+        result = self._restore(like, stateful=stateful, step=None, required=False, items=items,
+                               partial=partial)
         if result is not None:
             self._last_completed = result.step_info  # what save() records with no step
         return result
@@ -226,8 +247,8 @@ class CheckpointManager:
                               f"the latest valid checkpoint, got {step!r}.")
         self._pipeline.drain()
         self._pipeline.raise_unraised()
-        result = self._recovery.restore(like, stateful=stateful, step=step, required=True,
-                                        items=items, partial=partial)
+        result = self._restore(like, stateful=stateful, step=step, required=True, items=items,
+                               partial=partial)
         assert result is not None
         # Not a resume point: restore() also serves evaluation and inspection, so it leaves
         # the last completed step (what save() records with no step) to maybe_save/recover.
@@ -262,6 +283,9 @@ class CheckpointManager:
             export_reason = export_trigger.due(step_info, epoch_end=epoch_end)
         recover_reason, export_reason, preempt = self._preemption.agree(
             recover_reason, export_reason, self._preemption.requested)
+        local_reason = None  # a local save only where the durable root takes none
+        if self._local is not None and self.recover_config.enabled:
+            local_reason = self._local.due(step_info, epoch_end=epoch_end)
         if preempt:
             self._preemption.mark_preempted()
             if self.recover_config.enabled:
@@ -270,12 +294,18 @@ class CheckpointManager:
                 warnings.warn("preemption requested but recovery is off: no checkpoint written.",
                               CheckpointWarning, stacklevel=2)
         reports = []
-        if recover_reason or export_reason:
+        if recover_reason or export_reason or local_reason:
             state = resolve_state(state)
-        if recover_reason and not self._saver.scope_checked:
+        if (recover_reason or local_reason) and not self._saver.scope_checked:
             self._saver.warn_left_out(state, items, sys._getframe(1))
         if recover_reason:
             reports.append(self._saver.save(step_info, state, stateful, metrics, recover_reason,
+                                            items=items, epoch_end=epoch_end))
+            if self._local is not None:
+                self._local.durable_saved()
+        elif local_reason:
+            assert self._local is not None
+            reports.append(self._local.save(step_info, state, stateful, metrics, local_reason,
                                             items=items, epoch_end=epoch_end))
         if export_reason:
             assert self._exporter is not None
@@ -348,7 +378,10 @@ class CheckpointManager:
         return self._exporter.save(step_info, state, "forced")
 
     def wait(self) -> None:
-        """Block until every save started so far committed; raise the first failure."""
+        """Block until every save started so far committed; raise the first failure (of the
+        durable root: a failed local save is only warned)."""
+        if self._local is not None:
+            self._local.wait()
         self._pipeline.drain()
         self._pipeline.raise_unraised()
 
@@ -362,6 +395,8 @@ class CheckpointManager:
             self._closed = True
             self._preemption.restore()
             self._pipeline.shutdown()
+            if self._local is not None:
+                self._local.close()
             if self._owns_backend:
                 self._ctx.backend.close()
             self._release_lock()
@@ -379,6 +414,12 @@ class CheckpointManager:
             self.close()
         except Exception as close_exc:  # noqa: BLE001 - reported, original error wins
             log.error("jaxckpt: error while closing after %s: %s", exc_type.__name__, close_exc)
+
+    def _restore(self, like: Any, **kwargs: Any) -> Recovered | None:
+        """``Recovery.restore``, across both tiers when there is a local one."""
+        if self._local is None:
+            return self._recovery.restore(like, **kwargs)
+        return self._local.restore(self._recovery, like, **kwargs)
 
     def _check_usable(self) -> None:
         if self._closed:

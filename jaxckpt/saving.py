@@ -61,8 +61,10 @@ class RecoverySaver:
     """Writes, commits and retains the recovery checkpoints of one manager."""
 
     def __init__(self, ctx: ManagerContext, pipeline: SavePipeline, *, mode: str,
-                 item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None):
+                 item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None,
+                 tier: str = "durable"):
         self._ctx = ctx
+        self._tier = tier  # named on every report ("durable" or "local", see jaxckpt.tiers)
         self._pipeline = pipeline
         self._mode = mode  # the manager's save mode ("sync" or "async")
         self._item_cadences = dict(item_cadences)
@@ -121,7 +123,7 @@ class RecoverySaver:
             self._make_room(path)
         ctx.barrier(f"jaxckpt.save.{step.global_step}", 600.0)
         report = SaveReport(kind="recover", step=step.global_step, path=path, mode=mode,
-                            reason=reason)
+                            reason=reason, tier=self._tier)
         ctx.recover_trigger.mark_saved()
         try:
             handle, item_writes = self._start_writes(path, state, item_versions, mode)
@@ -243,7 +245,8 @@ class RecoverySaver:
             return None
         if manifest is None:
             return None
-        report = SaveReport(kind="recover", step=step, path=path, mode=mode, reason=reason)
+        report = SaveReport(kind="recover", step=step, path=path, mode=mode, reason=reason,
+                            tier=self._tier)
         report.total_s, report.bytes = 0.0, manifest.total_bytes
         mark_done(report)
         self._ctx.last["recover"] = report

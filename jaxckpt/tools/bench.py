@@ -52,10 +52,12 @@ import numpy as np
 from jaxckpt.extras import requires_extra
 from jaxckpt.storage import fsync_file
 
+from .bench_local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
+
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset.
-SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux")
+SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux", "local")
 
 _MiB = 1 << 20
 
@@ -221,7 +223,7 @@ _ROWS: tuple[_Row, ...] = (
     _Row(key="train_ckpt_orbax_io",
          label="training loop, the same with Orbax's own writer (native_io=False)",
          section="train"),
-)
+) + tuple(_Row(key=key, label=label, section="local") for key, label in LOCAL_ROWS)
 
 _TARGETS: tuple[_Target, ...] = (
     _Target(label="async blocking / host copy", numerator="jx_blocking", denominator="copy",
@@ -258,7 +260,7 @@ _TARGETS: tuple[_Target, ...] = (
     _Target(label="  floor: with raw write + fsync / without, minus 1",
             numerator="train_raw", denominator="train_plain", op="<=", limit=0.03,
             note="the least an async checkpoint of this state costs on this machine"),
-)
+) + tuple(_Target(**target) for target in LOCAL_TARGETS)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -1251,6 +1253,8 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                     bench.torch_rows()
                 if "hf" in sections:
                     bench.hf_rows()
+                if "local" in sections:
+                    local_tier_rows(bench.state, workdir, result)
             if "train" in sections:
                 log("jaxckpt bench: training loop")
                 bench.train_rows()
