@@ -1,8 +1,8 @@
 """User-facing configuration: triggers, step counters, recovery and export settings.
 
 Owns: the frozen, validated config dataclasses of the public API (``Every``, ``StepInfo``,
-``RecoverConfig``, ``ExportConfig``, ``LocalTier``) and the literal types of their modes. Validation happens
-once, in ``__post_init__``, and never rewrites another field.
+``RecoverConfig``, ``ExportConfig``, ``LocalTier``) and the literal types of their modes.
+Validation happens once, in ``__post_init__``, and never rewrites another field.
 
 Must not import: jax, orbax, torch (this module is part of the pure layer).
 """

@@ -5,7 +5,7 @@ Owns the layout of a root, and nothing but strings::
     {root}/
       .lock                                     the root lock (storage.RootLock)
       pins.json                                 checkpoints pinned by hand (jaxckpt.pins)
-      tier.json                                 a local tier's owner: its durable root (jaxckpt.tiers)
+      tier.json                                 a local tier's durable root (jaxckpt.tiers)
       recover/
         step_{global_step:08d}/                 one recovery checkpoint
           COMMITTED                             the manifest (jaxckpt.manifest), written last
@@ -35,8 +35,8 @@ import re
 
 __all__ = [
     "RECOVER", "EXPORT", "ITEMS", "SUPERSEDED", "STATE_DIR", "TMP_PREFIX", "LOCK_FILE",
-    "PINS_FILE", "TIER_FILE", "COMMIT_MARKER", "DRIVER_FILE", "TREE_FILE", "OBJECTS_FILE", "ROOT_NAMES",
-    "SYSTEM_NAMES",
+    "PINS_FILE", "TIER_FILE", "COMMIT_MARKER", "DRIVER_FILE", "TREE_FILE", "OBJECTS_FILE",
+    "ROOT_NAMES", "SYSTEM_NAMES",
     "step_dirname", "parse_step_dirname", "version_dirname", "parse_version_dirname",
     "is_item_dirname", "export_dirname", "parse_export_dirname", "local_driver_filename",
     "parse_local_driver_filename", "done_marker_name", "parse_done_marker_name",

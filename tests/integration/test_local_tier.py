@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.loaders import Loader
 
 from jaxckpt import (
     CheckpointCorruptError,
@@ -28,6 +27,8 @@ from jaxckpt import (
 )
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import CheckpointStore
+
+from support.loaders import Loader
 
 DURABLE_EVERY = 6
 LOCAL_EVERY = 2

@@ -338,7 +338,8 @@ def test_a_local_tier_takes_the_frequent_saves_and_recover_reads_the_newest(tmp_
     expected = snapshot(model, optimizer, scheduler)
     fresh = make(seed=1)
     with open_manager() as mgr:
-        recovered = mgr.recover(dict(zip(("model", "optimizer", "scheduler"), fresh)))
+        names = ("model", "optimizer", "scheduler")
+        recovered = mgr.recover(dict(zip(names, fresh, strict=True)))
     assert (recovered.tier, recovered.step_info.global_step) == ("local", 5)
     assert_bitwise(snapshot(*fresh), expected)
 

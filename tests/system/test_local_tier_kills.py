@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.harness import Worker, repo_env
-from support.paths import CRASH_WORKER as WORKER
 
 from jaxckpt.store import CheckpointStore
+
+from support.harness import Worker, repo_env
+from support.paths import CRASH_WORKER as WORKER
 
 STEPS = 24
 DURABLE_EVERY = 8
