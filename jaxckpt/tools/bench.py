@@ -54,7 +54,7 @@ from jaxckpt.storage import fsync_file
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset.
-SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux")
+SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux", "multiprocess")
 
 _MiB = 1 << 20
 
@@ -220,6 +220,11 @@ _ROWS: tuple[_Row, ...] = (
     _Row(key="train_ckpt_orbax_io",
          label="training loop, the same with Orbax's own writer (native_io=False)",
          section="train"),
+    # bench_multiprocess: the same global bytes saved by 1 process, then by 2.
+    _Row(key="mp_save_1", label="jaxckpt sync save, 1 process", section="multiprocess",
+         nbytes_of="multiprocess"),
+    _Row(key="mp_save_2", label="jaxckpt sync save, 2 processes, same bytes",
+         section="multiprocess", nbytes_of="multiprocess"),
 )
 
 _TARGETS: tuple[_Target, ...] = (
@@ -257,6 +262,8 @@ _TARGETS: tuple[_Target, ...] = (
     _Target(label="  floor: with raw write + fsync / without, minus 1",
             numerator="train_raw", denominator="train_plain", op="<=", limit=0.03,
             note="the least an async checkpoint of this state costs on this machine"),
+    _Target(label="2-process save time per byte / 1 process", numerator="mp_save_2",
+            denominator="mp_save_1", op="<=", limit=1.5),
 )
 
 
@@ -380,7 +387,7 @@ def format_table(result: BenchResult) -> str:
                        target.get("note", "")])
     lines += _columns(checks, ["TARGET (median of per-round ratios)", "VALUE", "GOAL", "MET",
                                "NOTE"])
-    for key in ("train", "memory", "aux", "hf_memory"):
+    for key in ("train", "memory", "aux", "hf_memory", "multiprocess"):
         if key in facts:
             lines.append(f"{key}: {json.dumps(facts[key], default=str)}")
     return "\n".join(lines)
@@ -1247,6 +1254,10 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                 bench.memory_rows()
             if "aux" in sections:
                 _aux_rows(bench.state, workdir, result)
+            if "multiprocess" in sections:
+                from .bench_multiprocess import measure
+
+                measure(config.size_mb, workdir, result, log)
     finally:
         bench.close()
         shutil.rmtree(workdir, ignore_errors=True)

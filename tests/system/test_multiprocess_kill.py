@@ -136,6 +136,54 @@ class JaxJob:
         return _npz_bytes(self.tmp / f"{self.reference}.p{process}.npz.reference.npz")
 
 
+class TorchJob:
+    """The torch worker (tests/support/torch_worker.py) on 2 gloo ranks: 14 steps (6 per
+    epoch), saves every 4 (3, 7, 11) and a final one, keep_last_n=2, async DCP. Losses are
+    compared with the sample ids of each batch (data order); the final state by digests."""
+
+    steps, save_every = 14, 4
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.reference: str | None = None
+        self.env = dict(os.environ)
+
+    def commands(self, label: str, root: Path) -> list[list[str]]:
+        port = str(free_port())
+        reference = self.reference is None
+        if reference:
+            self.reference = label
+        return [[sys.executable, str(TORCH_WORKER), "--phase", "train", "--root", str(root),
+                 "--out", str(self.tmp), "--label", label, "--world", "2", "--rank", str(rank),
+                 "--port", port, "--steps", str(self.steps),
+                 "--save-every", str(self.save_every),
+                 *(["--reference-root", str(self.tmp / "reference-root")] if reference else [])]
+                for rank in range(2)]
+
+    def _records(self, label: str, rank: int) -> list[dict[str, Any]]:
+        path = self.tmp / f"{label}.rank{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def losses(self, label: str, rank: int) -> dict[int, str]:
+        return {r["step"]: f"{r['loss']} {r['ids']}" for r in self._records(label, rank)
+                if "step" in r}
+
+    def reference_losses(self, rank: int) -> dict[int, str]:
+        return self.losses("reference", rank)
+
+    def resumed_from(self, label: str, rank: int, outcome: Outcome) -> int | None:
+        return JaxJob.resumed_from(self, label, rank, outcome)  # type: ignore[arg-type]
+
+    def final(self, label: str, rank: int) -> Any:
+        (last,) = [r for r in self._records(label, rank) if "final" in r]
+        return {key: last[key] for key in ("final", "table", "rng")}
+
+    def reference_final(self, rank: int) -> Any:
+        return self.final("reference", rank)
+
+
 def _npz_bytes(path: Path) -> dict[str, bytes]:
     with np.load(path, allow_pickle=False) as data:
         return {name: data[name].dtype.str.encode() + data[name].tobytes() for name in data.files}
@@ -229,8 +277,8 @@ def check_segment(job: Any, label: str, outcomes: list[Outcome], plan: Plan | No
 # The fixed plans of the default run, one per rule (see the module docstring):
 JAX_PLANS = [
     # Process 1 dies with its writes of step 3 done but before its done.p00001: the primary
-    # lives on 4 s (a commit takes milliseconds) and must not commit step 3.
-    Plan(1, "done", 3, grace_s=4.0),
+    # lives on 2.5 s (a commit takes milliseconds) and must not commit step 3.
+    Plan(1, "done", 3, grace_s=2.5),
     # The primary dies just before committing step 5, every done marker present.
     Plan(0, "commit", 5, grace_s=1.0),
     # The primary dies in retention right after step 7 committed (deleting step 5).
@@ -289,6 +337,36 @@ def test_other_process_never_commits_nor_deletes(jax_chain):
 @pytest.mark.skipif(not soak_enabled, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
 def test_soak_jax_pair_random_kills(tmp_path):
     run_soak(JaxJob(tmp_path), tmp_path, soak_trials or 50, "jax")
+
+
+# ----------------------------------------------------------------------------- torch
+
+TORCH_PLANS = [
+    # Rank 1 dies while DCP stages step 7 (the save's start barrier passed): nothing of step
+    # 7 may be committed, the job resumes from step 3.
+    Plan(1, "staging", 7, grace_s=1.0),
+    # The primary dies in retention after step 11 committed (deleting step 3).
+    Plan(0, "retention", 11, grace_s=1.0),
+]
+
+
+@pytest.fixture(scope="module")
+def torch_chain(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mp_kill_torch")
+    return run_chain(TorchJob(tmp), tmp / "root", fixed(TORCH_PLANS), prefix="torch-")
+
+
+def test_torch_two_ranks_killed_at_fixed_points_resume_bit_exact(torch_chain):
+    assert [t.plan for t in torch_chain] == TORCH_PLANS
+    assert torch_chain[0].committed_after == [3], torch_chain[0].committed_after
+    assert 11 in torch_chain[1].committed_after
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(0)
+@pytest.mark.skipif(not soak_enabled, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
+def test_soak_torch_two_ranks_random_kills(tmp_path):
+    run_soak(TorchJob(tmp_path), tmp_path, soak_trials or 50, "torch")
 
 
 # ------------------------------------------------------------------------------ soak
