@@ -223,6 +223,8 @@ _ROWS: tuple[_Row, ...] = (
     # bench_multiprocess: the same global bytes saved by 1 process, then by 2.
     _Row(key="mp_save_1", label="jaxckpt sync save, 1 process", section="multiprocess",
          nbytes_of="multiprocess"),
+    _Row(key="mp_save_1_orbax", label="jaxckpt sync save, 1 process, Orbax's writer",
+         section="multiprocess", nbytes_of="multiprocess"),
     _Row(key="mp_save_2", label="jaxckpt sync save, 2 processes, same bytes",
          section="multiprocess", nbytes_of="multiprocess"),
 )
@@ -264,6 +266,9 @@ _TARGETS: tuple[_Target, ...] = (
             note="the least an async checkpoint of this state costs on this machine"),
     _Target(label="2-process save time per byte / 1 process", numerator="mp_save_2",
             denominator="mp_save_1", op="<=", limit=1.5),
+    _Target(label="  the same, 1 process also through Orbax's writer", numerator="mp_save_2",
+            denominator="mp_save_1_orbax", op="<=", limit=1.5,
+            note="2 processes write through Orbax; this part is the second process alone"),
 )
 
 

@@ -3,9 +3,10 @@ write one sharded state, against one process writing the same bytes.
 
 Owns: the bench worker (``python -m jaxckpt.tools.bench_multiprocess``, one process of a
 ``jax.distributed`` run on 127.0.0.1 with 2 CPU devices, or a lone process with 2 devices)
-and ``measure``, which runs the lone process, then the pair, and adds their save times to a
-``BenchResult`` (rows ``mp_save_1`` and ``mp_save_2``, state ``"multiprocess"``) with the
-per-round ratio and its spread in ``facts["multiprocess"]``.
+and ``measure``, which runs the lone process (with jaxckpt's own writer, then through Orbax
+as several processes write), then the pair, and adds their save times to a ``BenchResult``
+(rows ``mp_save_1``, ``mp_save_1_orbax``, ``mp_save_2``; state ``"multiprocess"``) with the
+per-round ratios and their spread in ``facts["multiprocess"]``.
 
 How: each run builds the same global state (``leaves`` float32 arrays, rows sharded over every
 device of the run), saves it once to warm up, then ``rounds`` times, each sync save timed on
@@ -29,9 +30,10 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["measure", "ROUNDS"]
+__all__ = ["ROUNDS", "measure"]
 
 #: Timed saves per run (after one warm-up): the figures are medians of this many.
 ROUNDS = 5
@@ -42,20 +44,25 @@ _TIMEOUT_S = 600.0
 def measure(size_mb: int, workdir: str, result: Any, log: Callable[[str], None]) -> None:
     """Run the 1-process and the 2-process saves of ``size_mb`` MiB under ``workdir`` and
     record them in ``result`` (a ``jaxckpt.tools.bench.BenchResult``)."""
-    times: dict[int, list[float]] = {}
-    for count in (1, 2):
-        log(f"jaxckpt bench: {count}-process saves ({ROUNDS} rounds)")
-        report = _run(count, size_mb, os.path.join(workdir, f"mp{count}"))
-        times[count] = report["times_s"]
+    times: dict[str, list[float]] = {}
+    # A second process makes the Orbax backend write through Orbax (jaxckpt's own writer is
+    # single-process): the middle run, one process through Orbax, splits the gap in two.
+    for key, count, orbax_writer in (("mp_save_1", 1, False), ("mp_save_1_orbax", 1, True),
+                                     ("mp_save_2", 2, False)):
+        log(f"jaxckpt bench: {count}-process saves{' (Orbax writer)' * orbax_writer} "
+            f"({ROUNDS} rounds)")
+        report = _run(count, size_mb, os.path.join(workdir, key), orbax_writer=orbax_writer)
+        times[key] = report["times_s"]
         result.nbytes["multiprocess"] = report["nbytes"]
-    for one, two in zip(times[1], times[2]):
-        result.add("mp_save_1", one)
-        result.add("mp_save_2", two)
-    ratios = [two / one for one, two in zip(times[1], times[2])]
-    result.facts["multiprocess"] = {
-        "rounds": len(ratios), "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios), "ratio_max": max(ratios),
-        "note": "2-process sync save time / 1-process, same global bytes, per round"}
+        for seconds in report["times_s"]:
+            result.add(key, seconds)
+    facts: dict[str, Any] = {"rounds": len(times["mp_save_2"]),
+                             "note": "sync save time of the same global bytes, per round"}
+    for name, one in (("ratio", "mp_save_1"), ("ratio_same_writer", "mp_save_1_orbax")):
+        ratios = [two / base for base, two in zip(times[one], times["mp_save_2"])]
+        facts.update({f"{name}_median": statistics.median(ratios),
+                      f"{name}_min": min(ratios), f"{name}_max": max(ratios)})
+    result.facts["multiprocess"] = facts
 
 
 def _free_port() -> int:
@@ -64,28 +71,29 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run(count: int, size_mb: int, root: str) -> dict[str, Any]:
+def _run(count: int, size_mb: int, root: str, *, orbax_writer: bool) -> dict[str, Any]:
     """Start ``count`` worker processes and return process 0's report."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.setdefault("JAX_PLATFORMS", "cpu")
     port = str(_free_port())
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxckpt.tools.bench_multiprocess", "--index", str(i),
-         "--count", str(count), "--port", port, "--root", root, "--size-mb", str(size_mb)],
+         "--count", str(count), "--port", port, "--root", root, "--size-mb", str(size_mb),
+         *(["--orbax-writer"] if orbax_writer else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
         for i in range(count)]
-    outputs = []
+    outputs: list[tuple[int, str, str]] = []
     try:
         deadline = time.monotonic() + _TIMEOUT_S
         for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append((proc.returncode, out.decode(), err.decode()))
+            raw_out, raw_err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append((proc.returncode, raw_out.decode(), raw_err.decode()))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    code, out, err = outputs[0]
+    _, out, err = outputs[0]
     lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
     if any(c != 0 for c, _, _ in outputs) or not lines:
         raise RuntimeError(f"the {count}-process bench run failed (exit codes "
@@ -106,20 +114,24 @@ def _worker(opts: argparse.Namespace) -> dict[str, Any]:
                                    heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
     import numpy as np
     from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxckpt import CheckpointManager, Every, RecoverConfig, StepInfo
+    from jaxckpt.orbax_backend import OrbaxBackend
 
     devices = jax.device_count()
     rows = max(devices, (opts.size_mb << 20) // _LEAVES // 4096 // devices * devices)
     sharding = NamedSharding(jax.make_mesh((devices,), ("x",)), P("x"))
     rng = np.random.default_rng(0)
     data = [rng.standard_normal((rows, 1024), dtype=np.float32) for _ in range(_LEAVES)]
-    state = {f"w{i}": jax.make_array_from_callback(d.shape, sharding, lambda idx, d=d: d[idx])
+    state = {f"w{i}": jax.make_array_from_callback(d.shape, sharding, d.__getitem__)
              for i, d in enumerate(data)}
     times = []
     config = RecoverConfig(every=Every(), keep_last_n=1)  # saves only when asked
-    with CheckpointManager(opts.root, recover=config, mode="sync", preemption_signals=()) as mgr:
+    backend = OrbaxBackend(native_io=not opts.orbax_writer)
+    with CheckpointManager(opts.root, recover=config, mode="sync", backend=backend,
+                           preemption_signals=()) as mgr:
         for round_index in range(ROUNDS + 1):
             step = StepInfo(0, round_index, round_index)
             mgr.maybe_save(step, state)  # never due: it records the completed step
@@ -140,11 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--root", required=True)
     parser.add_argument("--size-mb", type=int, default=64)
+    parser.add_argument("--orbax-writer", action="store_true",
+                        help="write through Orbax (native_io=False), as several processes do")
     opts = parser.parse_args(argv)
     try:
         report = _worker(opts)
         print("REPORT " + json.dumps(report), flush=True)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure: report it and leave at once
         import traceback
 
         traceback.print_exc()

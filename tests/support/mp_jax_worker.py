@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kill_points  # noqa: E402  (a sibling script: the workers run by path)
+import kill_points
 
 GLOBAL_BATCH = 8
 FEATURES = 4
@@ -76,7 +76,8 @@ class Loader:
 
 def build(jax: Any, mesh: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The initial state and the sharding of each of its leaves."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     rows, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
     w = np.linspace(-1.0, 1.0, ROWS * FEATURES, dtype=np.float32).reshape(ROWS, FEATURES)
@@ -147,7 +148,8 @@ def setup(opts: argparse.Namespace) -> Any:
 def train(jax: Any, opts: argparse.Namespace, root: str, log_path: str, final: str,
           environ: dict[str, str]) -> None:
     """Train to ``opts.steps`` from the latest checkpoint under ``root`` (or from scratch)."""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import jaxckpt
 
@@ -231,7 +233,7 @@ def main(argv: list[str]) -> None:
     opts = parser.parse_args(argv)
     try:
         run(opts)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure: report it and leave at once
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # never wait in a collective or jax's shutdown barrier after a failure

@@ -18,9 +18,8 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 
-from support.harness import Worker, repo_env
-
 from jaxckpt.store import CheckpointStore
+from support.harness import Worker, repo_env
 
 
 @dataclasses.dataclass

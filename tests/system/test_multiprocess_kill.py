@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from support import kill_points
 from support.pair_trials import Outcome, broken_committed, committed_steps, run_job
 from support.paths import SUPPORT, TORCH_WORKER
