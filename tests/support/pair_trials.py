@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 
+from jaxckpt.root_url import parse_root
 from jaxckpt.store import CheckpointStore
 from support.harness import Worker, repo_env
 
@@ -72,17 +73,32 @@ def run_job(commands: Sequence[Sequence[str]], *, env: Mapping[str, str],
             worker.close()
 
 
+def open_store(root: str) -> CheckpointStore:
+    """The store of ``root``: a local path or an object-store URL (``jaxckpt.root_url``)."""
+    kind, target = parse_root(root)
+    if kind == "local":
+        return CheckpointStore(str(target))
+    return CheckpointStore(root, storage=target)  # type: ignore[arg-type]
+
+
 def committed_steps(root: str) -> list[int]:
     """Steps with a commit marker under ``root`` (none when the root does not exist yet)."""
-    return CheckpointStore(root).committed_steps()
+    return open_store(root).committed_steps()
+
+
+def step_entries(root: str, step: int) -> list[str]:
+    """The names directly inside step ``step``'s directory (empty when there is none)."""
+    store = open_store(root)
+    path = store.step_path(step)
+    return sorted(store.storage.list_names(path)) if store.storage.is_prefix(path) else []
 
 
 def broken_committed(root: str) -> dict[int, list[str]]:
     """Every committed checkpoint that fails verification against its manifest, with its
     problems (the check ``jaxckpt verify`` runs)."""
-    store = CheckpointStore(root)
+    store = open_store(root)
     out = {}
-    for step in committed_steps(root):
+    for step in store.committed_steps():
         problems = store.verify(str(store.step_path(step)))
         if problems:
             out[step] = [str(p) for p in problems]

@@ -5,7 +5,8 @@ is started again, both processes, on the same root, and must resume bit-exactly.
 
 A chain of trials runs on one root: each segment resumes what the last one left and is itself
 killed at its plan's point, until a segment runs to the end. Checked after every segment:
-- every committed checkpoint verifies against its manifest (none is ever partial);
+- every committed checkpoint verifies against its manifest (none is ever partial), and at
+  the end of a chain ``jaxckpt verify ROOT`` passes;
 - every process resumed from the newest committed step (a partial one is never restored);
 - every loss any process logged equals the uninterrupted reference run's (``float.hex``),
   step by step with none skipped, and at the end the final state (params, optimizer,
@@ -39,9 +40,17 @@ from typing import Any
 import numpy as np
 import pytest
 from support import kill_points
-from support.pair_trials import Outcome, broken_committed, committed_steps, run_job
+from support.pair_trials import (
+    Outcome,
+    broken_committed,
+    committed_steps,
+    run_job,
+    step_entries,
+)
 from support.paths import SUPPORT, TORCH_WORKER
 from support.two_processes import free_port
+
+from jaxckpt.tools import cli
 
 JAX_WORKER = SUPPORT / "mp_jax_worker.py"
 
@@ -236,10 +245,10 @@ def run_chain(job: Any, root: Path, planner: Planner, *, prefix: str = "", where
             for i in range(len(outcomes)):
                 assert job.final(label, i) == job.reference_final(i), \
                     f"{here}: process {i}'s final state differs from the reference"
+            # What a user would run: every checkpoint under the root verifies, none partial.
+            assert cli.main(["verify", str(root)]) == cli.EXIT_OK, f"{here}: jaxckpt verify"
             return trials
-        step_dir = root / "recover" / f"step_{plan.step:08d}"
-        names = sorted(os.listdir(step_dir)) if step_dir.is_dir() else []
-        trials.append(Trial(plan, outcomes, before, after, names))
+        trials.append(Trial(plan, outcomes, before, after, step_entries(str(root), plan.step)))
     raise AssertionError(f"{where} {prefix}: the chain never ran to its end")
 
 
@@ -341,11 +350,10 @@ def test_soak_jax_pair_random_kills(tmp_path):
 # ----------------------------------------------------------------------------- torch
 
 TORCH_PLANS = [
-    # Rank 1 dies while DCP stages step 7 (the save's start barrier passed): nothing of step
-    # 7 may be committed, the job resumes from step 3.
-    Plan(1, "staging", 7, grace_s=1.0),
-    # The primary dies in retention after step 11 committed (deleting step 3).
-    Plan(0, "retention", 11, grace_s=1.0),
+    # Rank 1 dies with its DCP write of step 7 finished but before its done.p00001: nothing
+    # of step 7 may be committed, the job resumes from step 3 (the final segment then saves
+    # 11 and 13 and retention deletes: the soak kills inside every other point).
+    Plan(1, "done", 7, grace_s=2.0),
 ]
 
 
@@ -358,7 +366,7 @@ def torch_chain(tmp_path_factory):
 def test_torch_two_ranks_killed_at_fixed_points_resume_bit_exact(torch_chain):
     assert [t.plan for t in torch_chain] == TORCH_PLANS
     assert torch_chain[0].committed_after == [3], torch_chain[0].committed_after
-    assert 11 in torch_chain[1].committed_after
+    assert "done.p00001" not in torch_chain[0].step_dir_names
 
 
 @pytest.mark.slow
