@@ -103,6 +103,7 @@ class JaxJob:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.reference: str | None = None  # the label whose processes ran the reference
+        self.last_outcomes: list[Outcome] = []  # the segment that ran to the end
         self.env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         self.env.update({"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3",
                          "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
@@ -154,6 +155,7 @@ class TorchJob:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.reference: str | None = None
+        self.last_outcomes: list[Outcome] = []
         self.env = dict(os.environ)
 
     def commands(self, label: str, root: Path) -> list[list[str]]:
@@ -247,6 +249,7 @@ def run_chain(job: Any, root: Path, planner: Planner, *, prefix: str = "", where
                     f"{here}: process {i}'s final state differs from the reference"
             # What a user would run: every checkpoint under the root verifies, none partial.
             assert cli.main(["verify", str(root)]) == cli.EXIT_OK, f"{here}: jaxckpt verify"
+            job.last_outcomes = outcomes
             return trials
         trials.append(Trial(plan, outcomes, before, after, step_entries(str(root), plan.step)))
     raise AssertionError(f"{where} {prefix}: the chain never ran to its end")
@@ -301,16 +304,16 @@ def jax_chain(tmp_path_factory):
     env = {"JAXCKPT_AUDIT": str(tmp / "audit"), "JAXCKPT_HOLD_COMMIT_S": "0.3"}
     job.env.update(env)
     trials = run_chain(job, tmp / "root", fixed(JAX_PLANS), prefix="jax-")
-    return tmp, trials
+    return tmp, trials, job.last_outcomes
 
 
 def test_jax_pair_killed_at_fixed_points_resumes_bit_exact(jax_chain):
-    _, trials = jax_chain
+    _, trials, _ = jax_chain
     assert [t.plan for t in trials] == JAX_PLANS  # every plan's process died at its point
 
 
 def test_process_dying_before_the_handshake_leaves_nothing_committed(jax_chain):
-    _, trials = jax_chain
+    _, trials, _ = jax_chain
     trial = trials[0]
     assert trial.committed_after == [1], trial.committed_after
     # The primary went on alone: it wrote its share and its marker, and waited.
@@ -319,15 +322,26 @@ def test_process_dying_before_the_handshake_leaves_nothing_committed(jax_chain):
 
 
 def test_primary_dying_before_its_commit_leaves_nothing_committed(jax_chain):
-    _, trials = jax_chain
+    _, trials, _ = jax_chain
     trial = trials[1]
     assert trial.committed_after == [3], trial.committed_after
     # Every other process had finished (its done marker is there): only the primary commits.
     assert "done.p00001" in trial.step_dir_names and "COMMITTED" not in trial.step_dir_names
 
 
+def test_other_process_reports_a_save_only_once_the_primary_committed_it(jax_chain):
+    # Every process checks the marker when it hears a save finished (REPORTED n COMMITTED);
+    # the primary holds each commit 0.3 s (JAXCKPT_HOLD_COMMIT_S), so a process that did not
+    # wait for the handshake would report MISSING. run_chain checks every segment; here the
+    # last one, on both processes alike.
+    _, _, last = jax_chain
+    primary, other = (out.tagged("REPORTED") for out in last)
+    assert other and other == primary, (primary, other)
+    assert all(line.endswith(" COMMITTED") for line in other), other
+
+
 def test_other_process_never_commits_nor_deletes(jax_chain):
-    tmp, _ = jax_chain
+    tmp, _, _ = jax_chain
 
     def ops(process: int) -> list[dict[str, str]]:
         path = tmp / f"audit.p{process}"
