@@ -44,7 +44,7 @@ from jaxckpt import Every, RecoverConfig, StepInfo
 from torch_bridge import DcpBackend, DcpCheckpointManager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kill_points  # noqa: E402  (a sibling script: the workers run by path)
+import kill_points  # a sibling script: the workers run by path
 
 SAMPLES = 48
 FEATURES = 6

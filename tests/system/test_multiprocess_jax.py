@@ -329,4 +329,4 @@ def test_one_process_checkpoint_restores_in_two_processes(tmp_path):
     # The two processes then saved together: a committed 2-process checkpoint of step 6.
     step6 = one / "recover" / "step_00000006"
     assert {"COMMITTED", "driver.p00001.json", "done.p00001"} <= set(os.listdir(step6))
-    assert json.load(open(step6 / "driver.json"))["process_count"] == 2
+    assert json.loads((step6 / "driver.json").read_text())["process_count"] == 2
