@@ -57,7 +57,7 @@ from .bench_local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset.
-SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux", "local")
+SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux", "local", "multiprocess")
 
 _MiB = 1 << 20
 
@@ -223,6 +223,13 @@ _ROWS: tuple[_Row, ...] = (
     _Row(key="train_ckpt_orbax_io",
          label="training loop, the same with Orbax's own writer (native_io=False)",
          section="train"),
+    # bench_multiprocess: the same global bytes saved by 1 process, then by 2.
+    _Row(key="mp_save_1", label="jaxckpt sync save, 1 process", section="multiprocess",
+         nbytes_of="multiprocess"),
+    _Row(key="mp_save_1_orbax", label="jaxckpt sync save, 1 process, Orbax's writer",
+         section="multiprocess", nbytes_of="multiprocess"),
+    _Row(key="mp_save_2", label="jaxckpt sync save, 2 processes, same bytes",
+         section="multiprocess", nbytes_of="multiprocess"),
 ) + tuple(_Row(key=key, label=label, section="local") for key, label in LOCAL_ROWS)
 
 _TARGETS: tuple[_Target, ...] = (
@@ -260,6 +267,11 @@ _TARGETS: tuple[_Target, ...] = (
     _Target(label="  floor: with raw write + fsync / without, minus 1",
             numerator="train_raw", denominator="train_plain", op="<=", limit=0.03,
             note="the least an async checkpoint of this state costs on this machine"),
+    _Target(label="2-process save time per byte / 1 process", numerator="mp_save_2",
+            denominator="mp_save_1", op="<=", limit=1.5),
+    _Target(label="  the same, 1 process also through Orbax's writer", numerator="mp_save_2",
+            denominator="mp_save_1_orbax", op="<=", limit=1.5,
+            note="2 processes write through Orbax; this part is the second process alone"),
 ) + tuple(_Target(**target) for target in LOCAL_TARGETS)
 
 
@@ -383,7 +395,7 @@ def format_table(result: BenchResult) -> str:
                        target.get("note", "")])
     lines += _columns(checks, ["TARGET (median of per-round ratios)", "VALUE", "GOAL", "MET",
                                "NOTE"])
-    for key in ("train", "memory", "aux", "hf_memory"):
+    for key in ("train", "memory", "aux", "hf_memory", "multiprocess"):
         if key in facts:
             lines.append(f"{key}: {json.dumps(facts[key], default=str)}")
     return "\n".join(lines)
@@ -1263,6 +1275,10 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                 bench.memory_rows()
             if "aux" in sections:
                 _aux_rows(bench.state, workdir, result)
+            if "multiprocess" in sections:
+                from .bench_multiprocess import measure
+
+                measure(config.size_mb, workdir, result, log)
     finally:
         bench.close()
         shutil.rmtree(workdir, ignore_errors=True)

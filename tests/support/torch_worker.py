@@ -9,8 +9,9 @@ Phases:
   train    train to --steps from the latest checkpoint under --root (or from scratch),
            optionally after an uninterrupted reference run under --reference-root, and
            optionally SIGKILL this process right after the save decision of step --kill-at.
-  reshard  (one process) restore a checkpoint that --world ranks saved, apply the documented
-           world-size-change rule for the data position, and train to the end of the epoch.
+  reshard  restore a checkpoint that --world ranks saved in --new-world ranks (default one
+           process), apply the documented world-size-change rule for the data position,
+           and train to the end of the epoch.
 
 The loop follows docs/torch.md: the sampler and the loader each get their own
 torch.Generator (so creating a loader iterator never draws from the global RNG), a new
@@ -41,6 +42,9 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from jaxckpt import Every, RecoverConfig, StepInfo
 from torch_bridge import DcpBackend, DcpCheckpointManager
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kill_points  # a sibling script: the workers run by path
 
 SAMPLES = 48
 FEATURES = 6
@@ -89,8 +93,10 @@ class EpochTail(Sampler[int]):
         return len(self.indices)
 
 
-def make_loader(dataset, *, rank: int, world: int, seed: int):
-    if world > 1:
+def make_loader(dataset, *, rank: int, world: int, seed: int, distributed: bool = False):
+    """``distributed``: order by DistributedSampler even in one process (the world-size
+    change rule of docs/torch.md needs that order, whatever the world size was)."""
+    if world > 1 or distributed:
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
                                      seed=seed, drop_last=True)
     else:
@@ -152,6 +158,16 @@ class Log:
         os.fsync(self.file.fileno())  # the process may be SIGKILLed right after
 
 
+def emit(line: str) -> None:
+    """One stdout line for the kill trials' harness, in one write."""
+    os.write(1, (line + "\n").encode())
+
+
+def reported(report) -> None:
+    marker = os.path.exists(os.path.join(report.path, "COMMITTED"))
+    emit(f"REPORTED {report.step} {'COMMITTED' if marker else 'MISSING'}")
+
+
 def build(args, rank: int, world: int):
     seed_everything(args.seed + rank)  # per-rank RNG streams (dropout differs per rank)
     torch.manual_seed(args.seed)  # same initial weights on every rank...
@@ -177,19 +193,27 @@ def train(args, root: str, label: str, kill_at: int | None) -> None:
     log = Log(args.out, label, rank)
     dataset = Samples()
     model, optimizer, scheduler, table = build(args, rank, world)
-    loader, sampler = make_loader(dataset, rank=rank, world=world, seed=args.seed)
+    loader, sampler = make_loader(dataset, rank=rank, world=world, seed=args.seed,
+                                  distributed=args.sampler == "distributed")
     steps_per_epoch = SAMPLES // (BATCH * world)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "table": table}
     backend = DcpBackend(collective_timeout_s=60, write_timeout_s=60)
     config = RecoverConfig(every=Every(steps=args.save_every), keep_last_n=2)
-    with DcpCheckpointManager(root, recover=config, mode=args.mode, backend=backend) as mgr:
+    mgr = DcpCheckpointManager(root, recover=config, mode=args.mode, backend=backend,
+                               on_report=reported, preemption_signals=())
+    # Kill points (kill_points) apply to the run under test, never to the reference.
+    kill_points.install(mgr, {k: v for k, v in os.environ.items()
+                              if label != "reference" or k != "JAXCKPT_KILL_POINT"})
+    with mgr:
         recovered = mgr.recover(state, stateful={"loader": loader})
         if recovered is None:
             info = StepInfo(0, 0, 0, steps_per_epoch, counters={"world_size": world,
                                                                 "epoch_samples": 0})
+            emit("FRESH")
         else:
             info = recovered.step_info.next()
             log.write(resumed_from=recovered.step_info.global_step)
+            emit("RESUMED " + json.dumps({"step": recovered.step_info.global_step}))
         iterator = None
         last = None
         while info.global_step < args.steps:
@@ -217,6 +241,7 @@ def train(args, root: str, label: str, kill_at: int | None) -> None:
             info = info.replace(counters={"world_size": world,
                                           "epoch_samples": epoch_samples + BATCH * world})
             log.write(step=info.global_step, loss=loss.item().hex(), ids=ids.tolist())
+            emit(f"STEP {info.global_step}")
             mgr.maybe_save(info, state)
             if kill_at is not None and info.global_step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -232,28 +257,33 @@ def train(args, root: str, label: str, kill_at: int | None) -> None:
 
 
 def reshard(args) -> None:
-    """Restore a checkpoint that args.world ranks saved, in this one process."""
-    log = Log(args.out, "reshard", 0)
+    """Restore a checkpoint that args.world ranks saved, in --new-world ranks (this is rank
+    --rank of them), and train to the end of the epoch."""
+    rank, world = args.rank, args.new_world
+    log = Log(args.out, "reshard", rank)
     dataset = Samples()
-    model, optimizer, scheduler, table = build(args, 0, 1)
-    loader, _ = make_loader(dataset, rank=0, world=1, seed=args.seed)
+    model, optimizer, scheduler, table = build(args, rank, world)
+    loader, _ = make_loader(dataset, rank=rank, world=world, seed=args.seed)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "table": table}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with DcpCheckpointManager(args.root, recover=RecoverConfig(every=Every(steps=1000))) as mgr:
+        with DcpCheckpointManager(args.root, recover=RecoverConfig(every=Every(steps=1000)),
+                                  preemption_signals=()) as mgr:
             recovered = mgr.recover(state, stateful={"loader": loader})
+    full_table = table.full_tensor() if hasattr(table, "full_tensor") else table
     log.write(restored=recovered.step_info.to_json(),
               digests=state_digests(model, optimizer, scheduler, table),
-              table=[[float(v).hex() for v in row] for row in table.tolist()],
+              table=[[float(v).hex() for v in row] for row in full_table.tolist()],
               warnings=[f"{w.category.__name__}: {w.message}" for w in caught])
     counters = recovered.step_info.counters
-    if counters["world_size"] != 1:
+    if counters["world_size"] != world:
         # The rule: the restored per-rank loader position belongs to the old sharding; rebuild
         # the sampler over the rest of the epoch's global order for the new world size.
         info = recovered.step_info.next()
         epoch = recovered.step_info.epoch if info.epoch_step else info.epoch
         offset = counters["epoch_samples"] if info.epoch_step else 0
-        tail = EpochTail(SAMPLES, seed=args.seed, epoch=epoch, offset=offset, rank=0, world=1)
+        tail = EpochTail(SAMPLES, seed=args.seed, epoch=epoch, offset=offset, rank=rank,
+                         world=world)
         loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=tail, drop_last=True,
                                     generator=torch.Generator().manual_seed(args.seed + 1))
     for x, y, ids in loader:
@@ -277,13 +307,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--mode", default="async")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--sampler", choices=("random", "distributed"), default="random",
+                        help="train, one process: RandomSampler or DistributedSampler order")
+    parser.add_argument("--new-world", type=int, default=1,
+                        help="reshard: how many ranks restore (this is --rank of them)")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--port", type=int)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.phase == "train" and args.world > 1:
+    ranks = args.world if args.phase == "train" else args.new_world
+    if ranks > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                rank=args.rank, world_size=args.world,
+                                rank=args.rank, world_size=ranks,
                                 timeout=datetime.timedelta(seconds=60))
     try:
         if args.phase == "reshard":
@@ -291,7 +326,9 @@ def main(argv: list[str]) -> None:
         else:
             if args.reference_root:
                 train(args, args.reference_root, "reference", None)
+                emit("REFERENCE DONE")
             train(args, args.root, args.label, args.kill_at)
+            emit("DONE")
     except BaseException:
         import traceback
 

@@ -29,6 +29,10 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
                 "hf_export"):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     assert rows["jx_sync"]["gb_per_s"] > 0
+    # The 2-process rows (bench_multiprocess): the same bytes saved by 1 process, then by 2.
+    assert rows["mp_save_1"]["median_s"] > 0 and rows["mp_save_2"]["median_s"] > 0
+    assert len(rows["mp_save_2"]["samples_s"]) == 5
+    assert report["facts"]["multiprocess"]["rounds"] == 5
     # The O_DIRECT floors run wherever the filesystem takes O_DIRECT, or say why not.
     for key in ("write_direct", "read_direct"):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key

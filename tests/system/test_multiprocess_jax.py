@@ -1,11 +1,13 @@
 """Two JAX processes on localhost (jax.distributed, CPU devices) checkpointing one sharded state.
 
 Each process writes its shards and its own local state; the primary commits and decides the
-time-based trigger for both; a single process with another mesh restores what they wrote.
+time-based trigger for both; a single process with another mesh restores what they wrote, and
+two processes restore what a single one wrote.
 """
 
 import json
 import os
+import random
 import warnings
 
 import jax
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig
+from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig, StepInfo
 
 from support.loaders import Loader
 from support.two_processes import jax_worker, run_two_workers
@@ -238,3 +240,95 @@ def test_damaged_bulk_data_makes_every_process_fall_back_or_raise_together(tmp_p
     assert any("step_00000001" in m and f"{rel}: crc32" in m for m in primary["warnings"])
     superseded = os.listdir(os.path.join(root, "recover", "superseded"))
     assert [name.split(".")[0] for name in superseded] == ["step_00000001"]
+
+
+# A checkpoint one process saved is restored by two: arrays reshard onto the 2-process mesh,
+# process 0 takes the saved local state (loader position, Python and NumPy RNG), process 1
+# has no counterpart and keeps its fresh local state with a warning; then the two save again.
+ONE_TO_TWO_WORKER = jax_worker('''
+        import random
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.experimental import multihost_utils
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxckpt import CheckpointManager, RecoverConfig, StepInfo
+
+        mesh = jax.make_mesh((4,), ("x",))
+        sharding = NamedSharding(mesh, P("x"))
+        replicated = NamedSharding(mesh, P())
+        like = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=sharding),
+                "key": jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated),
+                "n": 0}
+
+        class Loader:  # worker source: no support import
+            def __init__(self):
+                self.position = -1
+            def state_dict(self):
+                return {"position": self.position}
+            def load_state_dict(self, state):
+                self.position = state["position"]
+
+        loader = Loader()
+        random.seed(1000 + index)
+        np.random.seed(2000 + index)
+        out = {}
+        config = RecoverConfig(keep_last_n=None)
+        with CheckpointManager(os.path.dirname(root) + "/one", recover=config, mode="sync",
+                               preemption_signals=()) as mgr:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = mgr.recover(like, stateful={"loader": loader})
+            out["warnings"] = [str(w.message) for w in caught]
+            out["step"] = result.step_info.global_step
+            out["n"] = result.state["n"]
+            w = result.state["w"]
+            out["shards"] = [[s.index[0].start, s.index[0].stop, np.asarray(s.data).tolist()]
+                             for s in w.addressable_shards]
+            out["key"] = np.asarray(jax.random.key_data(result.state["key"])).tolist()
+            out["position"] = loader.position
+            out["draws"] = [random.random(), float(np.random.random())]
+            loader.position += 10
+            step = result.step_info.next()
+            mgr.maybe_save(step, {**result.state, "n": 6}, stateful={"loader": loader})
+            mgr.save(step, {**result.state, "n": 6}, stateful={"loader": loader})
+        multihost_utils.sync_global_devices("jaxckpt-test-end")
+        print("RESULT " + json.dumps(out), flush=True)
+''')
+
+
+def test_one_process_checkpoint_restores_in_two_processes(tmp_path):
+    one = tmp_path / "one"
+    w = np.arange(64, dtype=np.float32).reshape(16, 4)
+    mesh = jax.make_mesh((8,), ("x",))
+    state = {"w": jax.device_put(w, NamedSharding(mesh, P("x"))), "key": jax.random.key(9),
+             "n": 5}
+    saved_rng = random.getstate(), np.random.get_state()
+    try:
+        random.seed(3)
+        np.random.seed(4)
+        with CheckpointManager(one, recover=RecoverConfig(keep_last_n=None), mode="sync",
+                               preemption_signals=()) as mgr:
+            mgr.save(StepInfo(0, 5, 5), state, stateful={"loader": Loader(5)})
+        expected_draws = [random.random(), float(np.random.random())]
+    finally:
+        random.setstate(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+
+    _, outputs = run_two_workers(ONE_TO_TWO_WORKER, tmp_path)
+    primary, other = [json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
+                      for out in outputs]
+    key_data = np.asarray(jax.random.key_data(state["key"])).tolist()
+    for result in (primary, other):
+        assert result["step"] == 5 and result["n"] == 5 and result["key"] == key_data
+        assert len(result["shards"]) == 2  # this process's half of the rows
+        for start, stop, data in result["shards"]:
+            np.testing.assert_array_equal(np.asarray(data, np.float32), w[start:stop])
+        assert any("saved by 1 process(es) and is restored by 2" in m
+                   for m in result["warnings"]), result["warnings"]
+    assert primary["position"] == 5 and primary["draws"] == expected_draws
+    assert other["position"] == -1  # no saved counterpart: its fresh state
+    assert any("no local state for process 1" in m for m in other["warnings"]), other["warnings"]
+    # The two processes then saved together: a committed 2-process checkpoint of step 6.
+    step6 = one / "recover" / "step_00000006"
+    assert {"COMMITTED", "driver.p00001.json", "done.p00001"} <= set(os.listdir(step6))
+    assert json.loads((step6 / "driver.json").read_text())["process_count"] == 2

@@ -4,8 +4,9 @@ A run SIGKILLed right after starting an async save resumes from the latest commi
 checkpoint and then reproduces the uninterrupted run bit for bit: per-step losses, data order
 (StatefulDataLoader with shuffling), and finally parameters, Adam state, LR scheduler, RNG and
 a sharded DTensor. With 2 gloo ranks the same holds, and the 2-rank checkpoint restores in one
-process (tensors reshard; the world-size change warns; the data position follows the rule in
-docs/torch.md, so no sample of the epoch is seen twice or skipped).
+process, the 1-rank checkpoint in two (tensors reshard; the world-size change warns; the data
+position follows the rule in docs/torch.md, so no sample of the epoch is seen twice or
+skipped).
 
 Workers (tests/support/torch_worker.py) run in their own sessions with bounded waits; a hung or
 failed worker has its whole process group killed.
@@ -95,6 +96,34 @@ def test_sigkilled_run_resumes_bit_exactly(tmp_path):
     assert codes == [-signal.SIGKILL]
     launch([worker_args("train", root, out, label="resume", steps=STEPS_1)])
     check_resume_exact(out, 0, STEPS_1)
+
+
+def test_one_rank_checkpoint_restores_on_two_ranks_without_repeating_data(tmp_path):
+    # One process, ordered by DistributedSampler (the rule's global order), saves at the end.
+    out, root = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    launch([worker_args("train", root, out, label="one", sampler="distributed",
+                        steps=STEPS_1)])
+    port = free_port()
+    launch([worker_args("reshard", root, out, world=1, new_world=2, rank=rank, port=port,
+                        steps=STEPS_1) for rank in range(2)])
+    one_final = final(records(out, "one", 0))
+    seen = [i for s in range(12, STEPS_1) for i in steps(records(out, "one", 0))[s]["ids"]]
+    after = []
+    for rank in range(2):
+        (restored, *continued) = records(out, "reshard", rank)
+        assert restored["restored"]["global_step"] == STEPS_1 - 1
+        # Replicated state (model, Adam, scheduler) equals the one-process run's on both
+        # ranks; the table was one tensor and is now a DTensor split over the two ranks.
+        for key in ("params", "optimizer", "scheduler"):
+            assert restored["digests"][key] == one_final["final"][key], (rank, key)
+        assert restored["table"] == one_final["table"], rank
+        assert any("saved by 1 process(es) and is restored by 2" in w
+                   for w in restored["warnings"]), restored["warnings"]
+        after += [i for record in continued for i in record["ids"]]
+    # Epoch 1 had steps 12-15 (16 samples) done at the save; the two ranks share the rest.
+    assert len(after) == 48 - len(seen) == 32
+    assert sorted(seen + after) == list(range(48))
 
 
 @pytest.fixture(scope="module")
