@@ -59,7 +59,7 @@ def measure(size_mb: int, workdir: str, result: Any, log: Callable[[str], None])
     facts: dict[str, Any] = {"rounds": len(times["mp_save_2"]),
                              "note": "sync save time of the same global bytes, per round"}
     for name, one in (("ratio", "mp_save_1"), ("ratio_same_writer", "mp_save_1_orbax")):
-        ratios = [two / base for base, two in zip(times[one], times["mp_save_2"])]
+        ratios = [two / base for base, two in zip(times[one], times["mp_save_2"], strict=True)]
         facts.update({f"{name}_median": statistics.median(ratios),
                       f"{name}_min": min(ratios), f"{name}_max": max(ratios)})
     result.facts["multiprocess"] = facts
@@ -114,8 +114,7 @@ def _worker(opts: argparse.Namespace) -> dict[str, Any]:
                                    heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
     import numpy as np
     from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxckpt import CheckpointManager, Every, RecoverConfig, StepInfo
     from jaxckpt.orbax_backend import OrbaxBackend

@@ -76,8 +76,7 @@ class Loader:
 
 def build(jax: Any, mesh: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The initial state and the sharding of each of its leaves."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     rows, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
     w = np.linspace(-1.0, 1.0, ROWS * FEATURES, dtype=np.float32).reshape(ROWS, FEATURES)
@@ -148,8 +147,7 @@ def setup(opts: argparse.Namespace) -> Any:
 def train(jax: Any, opts: argparse.Namespace, root: str, log_path: str, final: str,
           environ: dict[str, str]) -> None:
     """Train to ``opts.steps`` from the latest checkpoint under ``root`` (or from scratch)."""
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import jaxckpt
 

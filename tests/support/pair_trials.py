@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxckpt.root_url import parse_root
 from jaxckpt.store import CheckpointStore
+
 from support.harness import Worker, repo_env
 
 

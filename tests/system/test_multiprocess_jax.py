@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig, StepInfo
+from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo
 
 from support.loaders import Loader
 from support.two_processes import jax_worker, run_two_workers
@@ -315,8 +315,9 @@ def test_one_process_checkpoint_restores_in_two_processes(tmp_path):
         np.random.set_state(saved_rng[1])
 
     _, outputs = run_two_workers(ONE_TO_TWO_WORKER, tmp_path)
-    primary, other = [json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
-                      for out in outputs]
+    primary, other = [
+        json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        for out in outputs]
     key_data = np.asarray(jax.random.key_data(state["key"])).tolist()
     for result in (primary, other):
         assert result["step"] == 5 and result["n"] == 5 and result["key"] == key_data

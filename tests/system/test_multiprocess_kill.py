@@ -39,6 +39,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from jaxckpt.tools import cli
+
 from support import kill_points
 from support.pair_trials import (
     Outcome,
@@ -49,8 +52,6 @@ from support.pair_trials import (
 )
 from support.paths import SUPPORT, TORCH_WORKER
 from support.two_processes import free_port
-
-from jaxckpt.tools import cli
 
 JAX_WORKER = SUPPORT / "mp_jax_worker.py"
 
