@@ -25,6 +25,7 @@ from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .read_claims import ReadClaims
+    from .storage import Storage
 
 __all__ = ["Backend", "BackendFeatures", "WriteHandle", "SingleProcess", "check_backend"]
 
@@ -52,6 +53,10 @@ class BackendFeatures:
     export_needs_copy: bool = False
     """Exporters always receive ``host_copy(state)`` (e.g. torch state dicts rather than live
     modules), whatever the export mode. False: a sync single-process export gets ``state``."""
+    object_storage: bool = False
+    """The backend writes and reads locations of a ``jaxckpt.storage.Storage`` (an object
+    store's URLs) once handed that storage by ``attach_storage``. False: the manager refuses
+    an object-store root for this backend, before anything is written."""
 
 
 @runtime_checkable
@@ -146,6 +151,11 @@ class Backend(Protocol):
         without ``reads_in_place`` (OrbaxBackend with live NNX objects) does it here, so that
         a read the manager throws away (its checksums failed alongside it) never changes
         them; others return ``value``."""
+
+    def attach_storage(self, storage: Storage) -> None:
+        """Write and read the locations of ``storage`` (URLs of an object-store root) through
+        it from now on. Called once, before any write or read, and only on a backend that
+        declares ``features.object_storage`` (others need not have this member)."""
 
     def host_copy(self, state: Any) -> Any:
         """A copy of ``state`` in host memory that stays valid while training goes on (used
