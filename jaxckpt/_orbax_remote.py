@@ -12,7 +12,7 @@ and what to do.
 
 Must not import: torch.
 
-Concurrency contract: pure functions; safe from any thread.
+Concurrency contract: stateless functions; safe from any thread.
 """
 
 from __future__ import annotations

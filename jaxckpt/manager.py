@@ -45,10 +45,8 @@ from .pins import Pins
 from .preemption import Preemption
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
-from .root import prepare_root
-from .root_url import local_root
+from .root import attach_backend, open_store, prepare_root
 from .saving import RecoverySaver, resolve_state
-from .roots import check_root
 from .storage import RootLease
 from .store import CheckpointStore
 
@@ -73,6 +71,12 @@ class CheckpointManager:
     ``maybe_save``/``save``: its version is derived from the step and it is written only the
     first time a checkpoint needs that version (``jaxckpt.Versioned(version, tree)`` gives the
     version explicitly instead). Every checkpoint restores the version current when it was taken.
+    ``root`` is a local path or an object-store URL ``s3://bucket/prefix`` (nothing is then
+    created locally); ``storage_options`` configure the object store's client
+    (``endpoint_url``, ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``,
+    ``max_attempts``... and ``lease_s``/``heartbeat_s`` of the root lease), each taken from
+    the standard environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``...) when not given
+    (docs/cloud.md).
 
     Concurrency contract: see the module docstring (one training thread; one background
     thread; one job per root; the primary decides and commits).
@@ -86,26 +90,31 @@ class CheckpointManager:
                  commit_timeout_s: float = 1800.0,
                  preemption_signals: Sequence[int] = (signal.SIGTERM,),
                  items: Mapping[str, Every] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        local_root(root)  # an s3:// or other URL root is refused before anything is created
+                 clock: Callable[[], float] = time.monotonic,
+                 storage_options: Mapping[str, Any] | None = None):
         recover = RecoverConfig() if recover is None else recover
         signals = check_arguments(root, recover=recover, export=export, backend=backend,
                                    on_report=on_report, on_write_error=on_write_error,
                                    commit_timeout_s=commit_timeout_s,
                                    preemption_signals=preemption_signals)
         check_item_cadences(items or {}, recover)
-        # Before anything is created or written (no backend, no lock, no recover/): a root
-        # holding another tool's files is refused whole, never written beside.
-        check_root(os.fspath(root))
+        # Before anything is created or written (no backend, no lock, no recover/): an
+        # unknown scheme, and a root holding another tool's files, are refused whole.
+        store = open_store(root, storage_options, backend)
         self.recover_config = recover
         self.export_config = export
         record = export_record(export)
         self._owns_backend = backend is None
         backend = backend if backend is not None else _default_backend()
+        try:
+            attach_backend(store, backend)  # an object-store root: a backend that writes there
+        except BaseException:
+            if self._owns_backend:
+                backend.close()
+            raise
         save_mode = resolve_mode(mode, supports_async=backend.features.supports_async)
         export_mode = None if export is None else resolve_mode(
             export.mode, supports_async=True, field="ExportConfig.mode")
-        store = CheckpointStore(root)
         index, count = backend.process_index, backend.process_count
         self._lock: RootLease | None = prepare_root(store) if index == 0 else None
         try:

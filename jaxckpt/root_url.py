@@ -1,8 +1,8 @@
 """What a root string names: a local path or an object-store URL, decided in one place.
 
 Owns: ``parse_root`` (a root -> ("local", path) or ("s3", S3Storage)), ``root_scheme`` (the
-same decision without building a client) and ``local_root`` (what the managers call: a
-local path, or ``CheckpointRootError`` for anything the array backends cannot write to).
+same decision without building a client) and ``local_root`` (for code that writes local
+paths only: a local path, or ``CheckpointRootError`` for a URL).
 Every scheme other than ``s3://`` (``gs://`` included) is refused up front, naming the
 scheme and what is supported, so that a URL is never taken for a relative path (which would
 create a directory named ``s3:`` in the working directory).
@@ -27,7 +27,7 @@ __all__ = ["parse_root", "root_scheme", "local_root", "is_url",
 RootKind = Literal["local", "s3"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_SUPPORTED = "local paths and s3://BUCKET/PREFIX (storage layer and CLI ls/verify only)"
+_SUPPORTED = "local paths and s3://BUCKET/PREFIX"
 
 OBJECT_STORE_ARRAYS_UNSUPPORTED = (
     "Object-storage roots are not supported by the array backends yet: Orbax and "
@@ -61,8 +61,8 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
                ) -> tuple[Literal["local"], str] | tuple[Literal["s3"], Storage]:
     """("local", path) or ("s3", an ``S3Storage`` serving the URL's bucket and prefix, the
     root itself being the URL, without a trailing "/"). ``storage_options`` (the client's
-    endpoint, region, credentials: ``jaxckpt.s3_storage.s3_client``) are for object-store
-    roots only."""
+    endpoint, region, credentials: ``jaxckpt.s3_storage.s3_client``; and ``lease_s``,
+    ``heartbeat_s`` of the root lease: ``S3Storage``) are for object-store roots only."""
     kind = root_scheme(root)
     if kind == "local":
         if storage_options:
@@ -76,7 +76,10 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(s3://{bucket}/PREFIX), not the whole bucket")
-    return "s3", S3Storage(bucket, prefix, storage_options=storage_options)
+    options = dict(storage_options or {})
+    lease = {name: float(options.pop(name)) for name in ("lease_s", "heartbeat_s")
+             if name in options}
+    return "s3", S3Storage(bucket, prefix, storage_options=options, **lease)
 
 
 def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:

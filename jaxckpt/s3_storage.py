@@ -9,9 +9,13 @@ key prefix (a guard: a location outside it is a ``ValueError``, never a request)
 below a location are joined with "/"; a "directory" is a key prefix ending in "/".
 
 How the contract is kept: a PUT is atomic and durable once it returns, so ``write`` is one
-PUT and ``sync`` does nothing; ``create`` is a PUT with ``If-None-Match: *``, decided by the
-server (a second creator gets ``FileExistsError``, however many race); listings are paged;
-``delete_prefix`` deletes in batches of 1000 keys. Transient failures (5xx, throttling,
+PUT (a multipart upload above ``MULTIPART_OVER`` bytes, its parts sent on a few threads; the
+object appears only when the upload completes) and ``sync`` does nothing; ``create`` is a
+PUT with ``If-None-Match: *``, decided by the server (a second creator gets
+``FileExistsError``, however many race); listings are paged; ``delete_prefix`` deletes in
+batches of 1000 keys; ``copy`` is a server-side copy (no bytes through this host);
+``discard_incomplete_uploads`` aborts the multipart uploads a killed writer left (their
+parts are billed, and invisible to listings). Transient failures (5xx, throttling,
 timeouts, dropped connections) are retried by botocore with backoff, a bounded number of
 times (``max_attempts``). No operation here renames: the POSIX-only extras
 (``PosixStorage.rename_posix``) have no equivalent, and the store refuses those operations.
@@ -25,6 +29,7 @@ Must not import: jax, orbax, torch. Imports boto3 lazily, when a storage is made
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping
@@ -36,6 +41,11 @@ from .storage import RootLease, Storage
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
 
 _READ_PIECE = 8 * 1024 * 1024
+#: Objects above this many bytes are uploaded in parts of ``PART_BYTES``, ``PART_THREADS``
+#: at a time (S3 allows 10,000 parts of 5 MiB to 5 GiB: 64 MiB parts reach 640 GB).
+MULTIPART_OVER = 64 << 20
+PART_BYTES = 64 << 20
+PART_THREADS = 4
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _CLIENT_OPTIONS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key",
                    "aws_session_token", "verify", "use_ssl")
@@ -142,8 +152,58 @@ class S3Storage(Storage):
         return key
 
     # --- whole objects -------------------------------------------------------------------
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: bytes | bytearray) -> None:
+        if len(data) > MULTIPART_OVER:
+            self._write_multipart(self.key(path), data)
+            return
         self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data)
+
+    def _write_multipart(self, key: str, data: bytes | bytearray) -> None:
+        """One object in parts, ``PART_THREADS`` in flight; aborted on any failure (a
+        process killed meanwhile leaves it to ``discard_incomplete_uploads``)."""
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        view = memoryview(data)
+
+        def send(number: int) -> dict[str, Any]:
+            start = (number - 1) * PART_BYTES
+            body = bytes(view[start:start + PART_BYTES])
+            response = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload,
+                                               PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": response["ETag"]}
+
+        try:
+            numbers = range(1, -(-len(data) // PART_BYTES) + 1)
+            with concurrent.futures.ThreadPoolExecutor(
+                    max_workers=PART_THREADS, thread_name_prefix="jaxckpt-s3-part") as pool:
+                parts = list(pool.map(send, numbers))
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload,
+                                                  MultipartUpload={"Parts": parts})
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key,
+                                                   UploadId=upload)
+            raise
+
+    def copy(self, src: str, dst: str) -> None:
+        """Server-side copy (boto3's managed copy: multipart for big objects)."""
+        try:
+            self.client.copy({"Bucket": self.bucket, "Key": self.key(src)}, self.bucket,
+                             self.key(dst))
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", src) from exc
+            raise
+
+    def discard_incomplete_uploads(self, prefix: str) -> list[str]:
+        keys = []
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(prefix) + "/"):
+            for upload in page.get("Uploads", ()):
+                with contextlib.suppress(Exception):  # finished or aborted meanwhile
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                keys.append(self.url(upload["Key"]))
+        return keys
 
     def create(self, path: str, data: bytes) -> None:
         try:

@@ -101,6 +101,19 @@ class Storage(abc.ABC):
             size += len(piece)
         return size, f"{crc:08x}"
 
+    def copy(self, src: str, dst: str) -> None:
+        """Store at ``dst`` (replacing what is there) the bytes of the object at ``src``, as
+        ``write`` would; ``FileNotFoundError`` when ``src`` holds nothing. Object stores
+        copy on the server; this default reads and writes."""
+        self.write(dst, self.read(src))
+
+    def discard_incomplete_uploads(self, prefix: str) -> list[str]:
+        """Abort the uploads below ``prefix`` that were started and never finished (an
+        object store's multipart uploads of a killed writer: invisible, but stored and
+        billed); returns their locations. Call only under the root lock. Nothing to do on a
+        filesystem (temporary files are found by listing)."""
+        return []
+
     def resolves_inside(self, path: str, prefix: str) -> bool:
         """Whether reading ``path`` reads bytes stored under ``prefix``: False for a symbolic
         link, or a path through one, that leads elsewhere. Always True where there are no

@@ -1,6 +1,6 @@
 """Roots are parsed in one place (jaxckpt/root_url.py): a URL is never taken for a relative
-path. Unknown schemes are refused up front naming the scheme; s3:// roots are refused by the
-managers (the array backends cannot write there yet) with nothing created locally."""
+path. Unknown schemes are refused up front naming the scheme; an s3:// root never creates
+anything locally, and the DCP manager refuses one (its backend cannot write there yet)."""
 
 import os
 
@@ -48,14 +48,25 @@ def test_an_s3_root_becomes_an_s3_storage_of_its_bucket_and_prefix():
         parse_root("s3://my-bucket/run", {"endpont_url": "typo"})
 
 
-@pytest.mark.parametrize("root", ["s3://bucket/run", "gs://bucket/run"])
-def test_checkpoint_manager_refuses_url_roots_and_creates_nothing(root, tmp_path, monkeypatch):
+def test_checkpoint_manager_refuses_unknown_url_roots_and_creates_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    expected = "not supported by the array backends yet" if root.startswith("s3") else \
-        "the gs:// scheme is not supported"
-    with pytest.raises(CheckpointRootError, match=expected):
-        CheckpointManager(root)
-    assert os.listdir(tmp_path) == []  # no "s3:" or "gs:" directory
+    with pytest.raises(CheckpointRootError, match="the gs:// scheme is not supported"):
+        CheckpointManager("gs://bucket/run")
+    assert os.listdir(tmp_path) == []  # no "gs:" directory
+
+
+def test_an_unreachable_s3_root_is_refused_naming_the_fix_and_creates_nothing(tmp_path,
+                                                                             monkeypatch):
+    # s3:// roots are written by the Orbax backend (tests/integration/test_s3_manager.py);
+    # one whose endpoint does not answer is refused before anything is created anywhere.
+    pytest.importorskip("boto3")
+    monkeypatch.chdir(tmp_path)
+    options = {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1",
+               "aws_access_key_id": "a", "aws_secret_access_key": "b", "max_attempts": 1,
+               "connect_timeout": 1}
+    with pytest.raises(CheckpointRootError, match="listing it failed.*AWS_ENDPOINT_URL"):
+        CheckpointManager("s3://bucket/run", storage_options=options)
+    assert os.listdir(tmp_path) == []  # no "s3:" directory
 
 
 def test_dcp_checkpoint_manager_refuses_s3_roots_and_creates_nothing(tmp_path, monkeypatch):
