@@ -1,7 +1,8 @@
 """A tiny pure-JAX training worker for the crash-consistency harness
 (tests/system/test_crash_harness.py).
 
-Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...``. It trains a
+Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...`` (R may be an
+``s3://`` URL; ``--storage-options JSON`` then configures the client and the lease). It trains a
 two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches, with dropout drawn
 from a typed JAX PRNG key and a per-step noise scale drawn from Python's and NumPy's global
 RNGs (so an exact resume needs the arrays, the key, the loader position AND both global RNG
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("sync", "async"), default="async")
     parser.add_argument("--ballast", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--storage-options", type=json.loads, default=None,
+                        help="JSON storage_options for an s3:// root (e.g. a short lease)")
     opts = parser.parse_args(argv)
 
     import jax
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=opts.save_every),
                                       keep_last_n=opts.keep_last_n),
         mode=opts.mode, backend=seam_backend(),
-        on_report=lambda report: emit(f"REPORTED {report.step}"), preemption_signals=())
+        on_report=lambda report: emit(f"REPORTED {report.step}"), preemption_signals=(),
+        storage_options=opts.storage_options)
     with mgr, open(opts.log, "a") as log:
         recovered = mgr.recover(like, stateful={"loader": loader})
         if recovered is None:
