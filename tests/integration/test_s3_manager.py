@@ -275,3 +275,30 @@ def test_a_save_reads_no_array_back_and_its_requests_are_counted(root, options):
     # tree.json, driver.json, the marker.
     assert len(puts) <= 2 * 3 + 3 + 3, calls
     print(f"requests for one save: {len(calls)}", sorted({c.split()[0] for c in calls}))
+
+
+def test_cli_ls_verify_and_info_read_a_root_the_manager_wrote(root, options, capsys,
+                                                              monkeypatch, tmp_path):
+    from jaxckpt.tools.cli import main
+
+    state = {"w": jnp.arange(6.0), "key": jax.random.key(1)}
+    with manager(root, options) as mgr:
+        mgr.save(step(3), state, metrics={"loss": 0.5})
+        mgr.wait()
+        checkpoint = mgr.store.step_path(3)
+    monkeypatch.chdir(tmp_path)
+    for name, value in {"AWS_ENDPOINT_URL": options["endpoint_url"],
+                        "AWS_REGION": options["region_name"],
+                        "AWS_ACCESS_KEY_ID": options["aws_access_key_id"],
+                        "AWS_SECRET_ACCESS_KEY": options["aws_secret_access_key"]}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["ls", root]) == 0
+    assert "step_00000003" in capsys.readouterr().out
+    assert main(["verify", root, ]) == 0
+    assert "OK      " + checkpoint in capsys.readouterr().out
+    assert main(["info", root]) == 0
+    assert f"step 3 ({checkpoint})" in capsys.readouterr().out
+    assert main(["info", checkpoint, "--tree"]) == 0
+    out = capsys.readouterr().out
+    assert "committed" in out and "['w']" in out and "loss" in out
+    assert os.listdir(tmp_path) == []

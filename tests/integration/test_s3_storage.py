@@ -272,8 +272,8 @@ def test_cli_refuses_what_it_cannot_read_on_object_storage(base, s3_environment,
     from jaxckpt.tools.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["info", base]) == 2
-    assert "does not read object storage yet" in capsys.readouterr().err
+    assert main(["export-hf", base, "out"]) == 2
+    assert "does not take object-storage paths yet" in capsys.readouterr().err
     assert main(["ls", "gs://bucket/run"]) == 2
     assert "the gs:// scheme is not supported" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
