@@ -85,6 +85,9 @@ class S3Lease:
             if current is None:
                 continue
             etag, holder, age = current
+            if holder.get("holder") == self.token:  # our own create, its answer lost
+                self._etag = etag
+                break
             if age < float(holder.get("lease_s", self.lease_s)):
                 raise self._locked(holder, age)
             try:  # expired: take it over, unless another taker was first
@@ -141,6 +144,8 @@ class S3Lease:
                 try:
                     self._etag = self._put(IfMatch=self._etag)
                 except Exception as exc:
+                    if is_precondition_failed(exc) and self._renewed_by_us():
+                        continue
                     if is_precondition_failed(exc) or is_not_found(exc):
                         self.lost = True
                         log.error("jaxckpt: lost the root lease %s: another job took it over "
@@ -149,6 +154,18 @@ class S3Lease:
                         return
                     log.warning("jaxckpt: renewing the root lease %s failed (%s); will retry",
                                 self.url, exc)
+
+    def _renewed_by_us(self) -> bool:
+        """After a refused renewal: whether the lease holds our token anyway (a retry of a
+        renewal whose answer was lost, the first try having landed); adopts its ETag."""
+        try:
+            current = self._current()
+        except Exception:  # noqa: BLE001 - unknown: the caller treats the lease as lost
+            return False
+        if current is None or current[1].get("holder") != self.token:
+            return False
+        self._etag = current[0]
+        return True
 
     def release(self) -> None:
         """Stop renewing and delete the lease object if it is still ours. Idempotent."""
