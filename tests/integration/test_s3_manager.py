@@ -339,3 +339,43 @@ def test_saves_through_a_faulty_network_leave_every_checkpoint_restorable(root, 
         for n, state in states.items():
             assert mgr.store.verify(mgr.store.step_path(n)) == []
             assert_bit_equal(mgr.restore(like, step=n).state, state)
+
+
+SHARDED_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxckpt
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+options = json.loads(sys.argv[2])
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+shardings = {"w": NamedSharding(mesh, P("data", "model")), "b": NamedSharding(mesh, P("model"))}
+state = {"w": jax.device_put(jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32),
+                             shardings["w"]),
+         "b": jax.device_put(jnp.arange(32, dtype=jnp.bfloat16), shardings["b"])}
+with jaxckpt.CheckpointManager(sys.argv[1], storage_options=options,
+                               preemption_signals=()) as mgr:
+    mgr.save(jaxckpt.StepInfo(0, 1, 1, None), state, mode="sync")
+like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in state.items()}
+with jaxckpt.CheckpointManager(sys.argv[1], storage_options=options,
+                               preemption_signals=()) as mgr:
+    restored = mgr.recover(like).state
+for name, value in restored.items():
+    assert value.sharding == shardings[name], (name, value.sharding)
+    assert np.asarray(value).tobytes() == np.asarray(state[name]).tobytes(), name
+print("OK", len(jax.devices()))
+"""
+
+
+def test_arrays_sharded_over_eight_devices_round_trip_onto_their_shardings(root, options):
+    import json
+    import subprocess
+    import sys
+
+    from support.harness import repo_env
+
+    env = repo_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, root, json.dumps(options)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "OK 8"
