@@ -117,6 +117,9 @@ class S3Storage(Storage):
     the server's conditional writes; ``reading`` holds are per process (module docstring).
     """
 
+    #: Requests are latency-bound (a round trip each): many in flight at once.
+    concurrent_requests = 16
+
     def __init__(self, bucket: str, prefix: str = "", *,
                  storage_options: Mapping[str, Any] | None = None,
                  lease_s: float = 30.0, heartbeat_s: float = 10.0):
@@ -237,6 +240,29 @@ class S3Storage(Storage):
             raise
         with contextlib.closing(response["Body"]) as body:
             return body.read()
+
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
+        """One ranged GET, its body streamed into ``out``."""
+        if not len(out):
+            return 0
+        try:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=self.key(path),
+                Range=f"bytes={offset}-{offset + len(out) - 1}")
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", path) from exc
+            if _code(exc) == "InvalidRange":  # offset at or past the end
+                return 0
+            raise
+        got = 0
+        with contextlib.closing(response["Body"]) as body:
+            while got < len(out):
+                count = body.readinto(out[got:])
+                if not count:
+                    break
+                got += count
+        return got
 
     def size(self, path: str) -> int:
         try:

@@ -55,6 +55,10 @@ class Storage(abc.ABC):
     that holds nothing, ``FileExistsError`` for a create-only write that found something.
     """
 
+    #: How many whole-object operations (checksums, small reads) callers should run at
+    #: once: a few on a disk, more where each one waits on a network round trip.
+    concurrent_requests: int = 4
+
     # --- whole objects -------------------------------------------------------------------
     @abc.abstractmethod
     def write(self, path: str, data: bytes) -> None:
@@ -79,6 +83,15 @@ class Storage(abc.ABC):
     def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
         """The bytes of the object at ``path`` (``length`` bytes from ``offset``, or to its
         end; fewer at the end of the object). ``FileNotFoundError`` when there is none."""
+
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
+        """Read the object at ``path`` from ``offset`` into the writable buffer ``out`` (up
+        to its length; fewer bytes at the end of the object); returns how many were read.
+        ``FileNotFoundError`` when there is none. Object stores stream into ``out`` without
+        an intermediate copy; this default reads, then copies."""
+        data = self.read(path, offset=offset, length=len(out))
+        out[:len(data)] = data
+        return len(data)
 
     @abc.abstractmethod
     def size(self, path: str) -> int:

@@ -94,10 +94,10 @@ class Entry:
 
 
 def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
-                entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """The problems ``check`` finds in manifest ``entries``, in order, a few at a time
+                entries: list[tuple[str, dict[str, Any]]], workers: int) -> list[str]:
+    """The problems ``check`` finds in manifest ``entries``, in order, ``workers`` at a time
     (checksums release the GIL and overlap I/O)."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         return [problem for problem in pool.map(check, entries) if problem]
 
 
@@ -259,7 +259,8 @@ class CheckpointStore:
             crc = checksums and (defer_over is None or not deferrable(rel, info, defer_over))
             return self._check_file(path, rel, info, checksums=crc, listed=listed)
 
-        problems = _run_checks(check, sorted(manifest.files.items()))
+        problems = _run_checks(check, sorted(manifest.files.items()),
+                               self.storage.concurrent_requests)
         present = {rel for rel in listed if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
@@ -283,7 +284,8 @@ class CheckpointStore:
     def verify_entries(self, path: str, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
         """Problems in these manifest entries of ``path`` (size and checksum), a few files
         at a time."""
-        return _run_checks(lambda item: self._check_file(path, *item, checksums=True), entries)
+        return _run_checks(lambda item: self._check_file(path, *item, checksums=True), entries,
+                           self.storage.concurrent_requests)
 
     def _classify(self, step: int, path: str, *, checksums: bool,
                   defer_over: int | None = None) -> Entry:
@@ -387,7 +389,7 @@ class CheckpointStore:
                 return 0, "link"
             return self.storage.checksum(full, algorithm, sync=True)
 
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        with ThreadPoolExecutor(max_workers=self.storage.concurrent_requests) as pool:
             return dict(zip(rels, pool.map(summarise, rels)))
 
     # --- reading and deletion ----------------------------------------------------------------
