@@ -43,11 +43,18 @@ from .checksum import default_algorithm, extend
 from .errors import CheckpointCorruptError
 from .storage import Storage
 
-__all__ = ["ArrayFiles", "LocalArrayFiles", "StorageArrayFiles", "StoragePath",
-           "RANGED_READ_OVER"]
+__all__ = [
+    "RANGED_READ_OVER",
+    "ArrayFiles",
+    "LocalArrayFiles",
+    "StorageArrayFiles",
+    "StoragePath",
+]
 
-#: Chunk objects larger than this are read in ranged GETs of this size, several at once.
-RANGED_READ_OVER = 32 << 20
+#: Chunk objects larger than this are read in ranged GETs of at most this size (equal
+#: parts), several at once. Not smaller: some servers (moto among them) read a whole object
+#: for every range of it.
+RANGED_READ_OVER = 64 << 20
 
 
 class ArrayFiles(Protocol):
@@ -195,9 +202,9 @@ class StorageArrayFiles:
         # zarr.json says shows up without a separate size request.
         wanted = size + 1
         buffer = zarr_io.aligned_blocks(wanted)  # streamed into: no copy of the bytes
-        view = memoryview(buffer)
-        ranges = [(start, min(RANGED_READ_OVER, wanted - start))
-                  for start in range(0, wanted, RANGED_READ_OVER)]
+        view = buffer.data
+        part = -(-wanted // -(-wanted // RANGED_READ_OVER))  # equal parts, none tiny
+        ranges = [(start, min(part, wanted - start)) for start in range(0, wanted, part)]
 
         def fetch(piece: tuple[int, int]) -> int:
             start, length = piece

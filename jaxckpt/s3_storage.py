@@ -19,8 +19,9 @@ parts are billed, and invisible to listings). Small checkpoint objects this stor
 are not read back by the commit, and those a verification read are not read again by the
 restore that follows (``_SmallObjects``). Transient failures (5xx, throttling,
 timeouts, dropped connections) are retried by botocore with backoff, a bounded number of
-times (``max_attempts``). No operation here renames: the POSIX-only extras
-(``PosixStorage.rename_posix``) have no equivalent, and the store refuses those operations.
+times (``max_attempts``). No operation here renames: the POSIX-only extra
+(``PosixStorage.rename_posix``) has no equivalent, and the store does quarantine and export
+publishing another way there (``jaxckpt.store_objects``).
 
 ``reading`` holds are kept in this process only: a checkpoint being restored by this process
 is never deleted by it, but another process's deleter does not see them (on an object store

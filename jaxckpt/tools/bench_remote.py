@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RemoteBenchConfig", "run_remote_bench", "format_remote", "TARGET"]
+__all__ = ["TARGET", "RemoteBenchConfig", "format_remote", "run_remote_bench"]
 
 #: The ratio (raw transfer time / jaxckpt time) each row should reach.
 TARGET = 0.8
@@ -78,6 +78,8 @@ def run_remote_bench(config: RemoteBenchConfig,
     from jaxckpt.root_url import parse_root
 
     _, storage = parse_root(config.root, storage_options)
+    if isinstance(storage, str):
+        raise ValueError(f"{config.root!r} is not an object-store root")
     rng = np.random.default_rng(0)
     per_leaf = config.size_mb * _MiB // config.leaves // 4
     state = {f"w{i}": jax.numpy.asarray(rng.standard_normal(per_leaf, np.float32))
@@ -87,26 +89,30 @@ def run_remote_bench(config: RemoteBenchConfig,
     nbytes = sum(len(b) for b in blobs)
     seconds: dict[str, list[float]] = {"raw_upload": [], "save": [], "raw_download": [],
                                        "restore": []}
+
+    def one_round(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        raw = f"{config.root}/bench-raw-{uuid.uuid4().hex[:8]}"
+        managed = f"{config.root}/bench-{uuid.uuid4().hex[:8]}"
+        names = [f"{raw}/leaf_{i}" for i in range(len(blobs))]
+        step = jaxckpt.StepInfo(0, 1, 1, None)
+        try:
+            seconds["raw_upload"].append(_timed(lambda: list(pool.map(
+                storage.write, names, blobs))))
+            with jaxckpt.CheckpointManager(managed, storage_options=storage_options,
+                                           preemption_signals=()) as mgr:
+                seconds["save"].append(_timed(lambda: mgr.save(step, state, mode="sync")))
+                seconds["raw_download"].append(_timed(lambda: list(pool.map(
+                    storage.read, names))))
+                seconds["restore"].append(_timed(lambda: jax.block_until_ready(
+                    mgr.restore(like).state)))
+        finally:
+            storage.delete_prefix(raw)
+            storage.delete_prefix(managed)
+
     with concurrent.futures.ThreadPoolExecutor(config.io_threads) as pool:
         for round_index in range(config.repeats):
             log(f"jaxckpt bench --root: round {round_index + 1} of {config.repeats}")
-            raw = f"{config.root}/bench-raw-{uuid.uuid4().hex[:8]}"
-            managed = f"{config.root}/bench-{uuid.uuid4().hex[:8]}"
-            names = [f"{raw}/leaf_{i}" for i in range(len(blobs))]
-            try:
-                seconds["raw_upload"].append(_timed(lambda: list(pool.map(
-                    storage.write, names, blobs))))
-                with jaxckpt.CheckpointManager(managed, storage_options=storage_options,
-                                               preemption_signals=()) as mgr:
-                    step = jaxckpt.StepInfo(0, 1, 1, None)
-                    seconds["save"].append(_timed(lambda: mgr.save(step, state, mode="sync")))
-                    seconds["raw_download"].append(_timed(lambda: list(pool.map(
-                        storage.read, names))))
-                    seconds["restore"].append(_timed(lambda: jax.block_until_ready(
-                        mgr.restore(like).state)))
-            finally:
-                storage.delete_prefix(raw)
-                storage.delete_prefix(managed)
+            one_round(pool)
     ratios = {"save": [r / s for r, s in zip(seconds["raw_upload"], seconds["save"])],
               "restore": [r / s for r, s in zip(seconds["raw_download"], seconds["restore"])]}
     return {"root": config.root, "bytes": nbytes, "leaves": config.leaves,
@@ -120,8 +126,8 @@ def run_remote_bench(config: RemoteBenchConfig,
 def format_remote(result: dict[str, Any]) -> str:
     """The result as a small table: MiB/s per row (median), ratios with their spread."""
     mib = result["bytes"] / _MiB
-    lines = [f"object store {result['root']}: {mib:.0f} MiB in {result['leaves']} leaves, "
-             f"{result['repeats']} rounds (median, [lowest, highest])"]
+    lines = [(f"object store {result['root']}: {mib:.0f} MiB in {result['leaves']} leaves, "
+              f"{result['repeats']} rounds (median, [lowest, highest])")]
     for row in ("raw_upload", "save", "raw_download", "restore"):
         times = result["seconds"][row]
         lines.append(f"  {row:13} {mib / statistics.median(times):8.1f} MiB/s   "

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from support.s3_server import moto_s3  # noqa: E402
+from support.s3_server import moto_s3
 
 
 def test_bench_root_reports_save_and_restore_against_the_raw_transfers(capsys, monkeypatch):
