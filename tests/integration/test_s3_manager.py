@@ -395,3 +395,44 @@ def test_arrays_sharded_over_eight_devices_round_trip_onto_their_shardings(root,
                           env=env, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "OK 8"
+
+
+def test_items_and_stateful_objects_round_trip_on_s3_as_on_disk(root, options, tmp_path):
+    class Loader:
+        def __init__(self):
+            self.position = 0
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    def run(where, storage_options):
+        def open_manager():
+            return jaxckpt.CheckpointManager(
+                where, storage_options=storage_options, preemption_signals=(),
+                recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1), keep_last_n=2),
+                items={"ref": jaxckpt.Every(steps=2)})
+
+        loader = Loader()
+        with open_manager() as mgr:
+            for n in (1, 2, 3):
+                loader.position = 10 * n
+                mgr.maybe_save(step(n), {"w": jnp.full(3, float(n))},
+                               stateful={"loader": loader},
+                               items={"ref": {"p": jnp.full(2, float(n))}})
+            mgr.wait()
+            versions = mgr.store.item_versions("ref")
+        fresh = Loader()
+        with open_manager() as mgr:
+            recovered = mgr.recover({"w": jax.ShapeDtypeStruct((3,), jnp.float32)},
+                                    stateful={"loader": fresh},
+                                    items={"ref": {"p": jax.ShapeDtypeStruct((2,), jnp.float32)}})
+        return (recovered.step_info.global_step, fresh.position, versions,
+                np.asarray(recovered.state["w"]).tolist(),
+                np.asarray(recovered.items["ref"]["p"]).tolist())
+
+    on_s3 = run(root, options)
+    assert on_s3[:2] == (3, 30) and on_s3[3] == [3.0] * 3
+    assert on_s3 == run(tmp_path / "local", None)
