@@ -300,13 +300,15 @@ class S3Storage(Storage):
             return body.read()
 
     def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
-        """One ranged GET, its body streamed into ``out``."""
+        """One GET (ranged past the start), its body streamed into ``out``."""
         if not len(out):
             return 0
+        # From the start: a plain GET, read as far as ``out`` goes (no Range: servers that
+        # cut a range out of the whole object, moto among them, do less).
+        extra = {"Range": f"bytes={offset}-{offset + len(out) - 1}"} if offset else {}
         try:
-            response = self.client.get_object(
-                Bucket=self.bucket, Key=self.key(path),
-                Range=f"bytes={offset}-{offset + len(out) - 1}")
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key(path),
+                                              **extra)
         except Exception as exc:
             if is_not_found(exc):
                 raise FileNotFoundError(2, "no such object", path) from exc

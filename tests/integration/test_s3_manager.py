@@ -436,3 +436,21 @@ def test_items_and_stateful_objects_round_trip_on_s3_as_on_disk(root, options, t
     on_s3 = run(root, options)
     assert on_s3[:2] == (3, 30) and on_s3[3] == [3.0] * 3
     assert on_s3 == run(tmp_path / "local", None)
+
+
+@pytest.mark.parametrize("change", ["longer", "shorter"])
+def test_a_chunk_object_of_the_wrong_size_is_refused_as_corrupt(root, options, change):
+    from jaxckpt.errors import CheckpointCorruptError
+    from jaxckpt.root_url import parse_root
+
+    _, storage = parse_root(root, options)
+    files = array_files.StorageArrayFiles(storage)
+    array = np.arange(1000, dtype=np.float32)
+    chunk = f"{root}/state/arrays/leaf_000000/c/0"
+    files.write_chunk(chunk, array, algorithm="crc32c", offset=0)
+    content, _ = files.read_chunk(chunk, array.nbytes, algorithm=None, offset=0)
+    assert content[:array.nbytes].view(np.float32).tolist() == array.tolist()
+    body = storage.read(chunk)
+    storage.write(chunk, body + b"x" if change == "longer" else body[:-1])
+    with pytest.raises(CheckpointCorruptError, match="is stored in"):
+        files.read_chunk(chunk, array.nbytes, algorithm=None, offset=0)
