@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
-from .backend import Backend
+from .backend import Backend, ObjectStorageBackend
 from .errors import CheckpointError, CheckpointRootError
 from .root_url import parse_root
 from .roots import check_root
@@ -69,7 +69,8 @@ def attach_backend(store: CheckpointStore, backend: Backend) -> None:
     if isinstance(store.storage, PosixStorage):
         return
     _check_writes_objects(store.root, backend)
-    backend.attach_storage(store.storage)
+    # Declaring the feature is declaring the member (backend.ObjectStorageBackend).
+    cast(ObjectStorageBackend, backend).attach_storage(store.storage)
 
 
 def prepare_root(store: CheckpointStore) -> RootLease:
