@@ -15,7 +15,6 @@ Which reader runs is the backend's decision (``orbax_backend``). Must not import
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import zarr_io
+from jaxckpt.array_files import ArrayFiles
 from jaxckpt._orbax_tree import (
     ARRAYS_DIR,
     PACK_PREFIX,
@@ -266,11 +266,11 @@ def restore_request(restore_args: dict[str, Any], partial: bool) -> Any:
 
 def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,
                 pool: concurrent.futures.ThreadPoolExecutor,
-                direct: bool) -> dict[str, Any] | None:
-    """What Orbax's restore returns for ``restore_args``, read with zarr_io on ``pool``'s
-    threads (O_DIRECT where ``direct`` and the filesystem allow); None (before any bulk
-    read) when some array is not stored in zarr_io's layout or not as tree.json says
-    (Orbax then reads everything and reports what is wrong).
+                files: ArrayFiles) -> dict[str, Any] | None:
+    """What Orbax's restore returns for ``restore_args``, read through ``files`` (zarr_io
+    with O_DIRECT on a local disk, GETs on an object store) on ``pool``'s threads; None
+    (before any bulk read) when some array is not stored in zarr_io's layout or not as
+    tree.json says (Orbax then reads everything and reports what is wrong).
 
     Claims the deferred checks of the files it reads (``claims``: a restore's deferred
     checksums) and closes the claims, then reads the files on the I/O threads into
@@ -278,14 +278,18 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     buffers without a copy on CPU.
     """
     plans: list[tuple[str, tuple[int, ...], np.dtype, int, Any, str]] = []
-    for name, args in restore_args.items():
-        if not STORAGE_NAME.match(name):
-            return None
+    if not all(STORAGE_NAME.match(name) for name in restore_args):
+        return None
+
+    def metadata(name: str) -> tuple[tuple[int, ...], np.dtype, int] | None:
         try:
-            with open(os.path.join(base, name, ZARR_JSON), "rb") as stream:
-                parsed = zarr_io.parse_metadata(stream.read(1 << 16))
+            return zarr_io.parse_metadata(files.read_small(f"{base}/{name}/{ZARR_JSON}",
+                                                           1 << 16))
         except OSError:
             return None
+
+    # On the I/O threads: on an object store each is a round trip.
+    for (name, args), parsed in zip(restore_args.items(), pool.map(metadata, restore_args)):
         if parsed is None:
             return None
         shape, dtype, offset = parsed
@@ -293,7 +297,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
                 tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
             return None
         plans.append((name, shape, dtype, offset, args,
-                      os.path.join(base, name, *zarr_io.chunk_relpath(len(shape)).split("/"))))
+                      f"{base}/{name}/{zarr_io.chunk_relpath(len(shape))}"))
     expected: dict[str, str] = {}
     if claims is not None:
         for *_, file in plans:
@@ -306,8 +310,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
         _, shape, dtype, offset, _, file = plan
         nbytes = prod(shape) * dtype.itemsize
         algorithm = expected.get(file)
-        content, checksum = zarr_io.read_chunk(file, nbytes, algorithm=algorithm,
-                                               direct=direct, offset=offset)
+        content, checksum = files.read_chunk(file, nbytes, algorithm=algorithm, offset=offset)
         if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
             claims.settle(file, checksum)
         return zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)

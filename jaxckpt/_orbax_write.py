@@ -3,9 +3,10 @@
 Owns: the handle a write returns (:class:`OrbaxWriteHandle`), the host buffers a save copies
 into and reuses (:class:`HostBuffers`), the Orbax type handlers the backend writes with
 (numpy arrays not deep-copied a second time), and the native writer: the files Orbax's
-``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes, written with
-``jaxckpt.zarr_io`` (O_DIRECT, checksums computed on the way) under a temporary name that is
-renamed into place once complete (:func:`write_native`). Also the small-file writers of the
+``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes, written through a
+``jaxckpt.array_files.ArrayFiles`` (:func:`write_native`): locally with ``jaxckpt.zarr_io``
+(O_DIRECT, checksums computed on the way) under a temporary name renamed into place once
+complete, on an object store as objects at their names. Also the small-file writers of the
 state directory (``tree.json``).
 
 Which writer runs, on which thread, is the backend's decision (``orbax_backend``); this
@@ -17,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import shutil
 import time
 from typing import Any, Callable
 
@@ -29,6 +29,7 @@ from etils import epath
 from jaxckpt import zarr_io
 from jaxckpt._orbax_plan import WritePlan, fill_pack, pack_length
 from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
+from jaxckpt.array_files import ArrayFiles
 from jaxckpt.checksum import default_algorithm
 from jaxckpt.errors import CheckpointWriteError
 
@@ -251,36 +252,41 @@ def create_directory(root: epath.Path, directory: str) -> None:
 # ------------------------------------------------------------------------ native writing
 
 
-def write_native(root: epath.Path, arrays: dict[str, np.ndarray], *,
+def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
                  pool: concurrent.futures.ThreadPoolExecutor,
-                 direct: bool) -> dict[str, dict[str, Any]]:
-    """Write ``arrays`` as the Orbax checkpoint ``root/arrays`` with zarr_io: the same
+                 files: ArrayFiles) -> dict[str, dict[str, Any]]:
+    """Write ``arrays`` as the Orbax checkpoint ``root/arrays`` through ``files``: the same
     files PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True) writes, the array files
-    on ``pool``'s threads (with O_DIRECT where ``direct`` and the filesystem allow). Array
-    files are durable on return; the small metadata files are left to the commit's fsync.
-    Like Orbax, writes under a temporary name renamed into place at the end, so that
-    ``arrays/`` exists only complete (a failed write removes what it wrote).
-    Returns the manifest entries of the array files, relative to ``root``."""
-    final = os.path.join(os.fspath(root), ARRAYS_DIR)
-    base = f"{final}.tmp-{os.getpid()}-{time.time_ns()}"
+    on ``pool``'s threads. Array files are durable on return; small metadata files are too
+    where ``files`` says so (an object store), else they are left to the commit's fsync.
+    Locally, like Orbax, writes under a temporary name renamed into place at the end, so
+    that ``arrays/`` exists only complete (a failed write removes what it wrote); on an
+    object store the objects go to their names and the commit marker vouches for them.
+    Returns the manifest entries of the files written durably, relative to ``root``."""
+    final = f"{os.fspath(root).rstrip('/')}/{ARRAYS_DIR}"
     started_ns = time.time_ns()
-    os.mkdir(base)
+    base = files.start(final)
     try:
-        entries = _write_native_into(base, final, arrays, started_ns, pool=pool,
-                                     direct=direct)
+        entries = _write_native_into(base, final, arrays, started_ns, pool=pool, files=files)
     except BaseException:
-        shutil.rmtree(base, ignore_errors=True)
+        files.abandon(base)
         raise
-    os.rename(base, final)
+    files.finish(base, final)
     return entries
 
 
 def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
                        started_ns: int, *, pool: concurrent.futures.ThreadPoolExecutor,
-                       direct: bool) -> dict[str, dict[str, Any]]:
+                       files: ArrayFiles) -> dict[str, dict[str, Any]]:
     algorithm = default_algorithm()
     # Largest first, so that the threads finish together.
     jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)
+    known: dict[str, tuple[int, str]] = {}
+
+    def small(relative: str, text: str) -> None:
+        entry = files.write_small(f"{base}/{relative}", text)
+        if entry is not None:
+            known[relative] = entry
 
     def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
         # Each array's directories and zarr.json are made on the I/O threads too: a
@@ -288,25 +294,24 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         # caller's thread delayed the first large write by as much.
         name, array = job
         relative = f"{name}/{zarr_io.chunk_relpath(array.ndim)}"
-        chunk = os.path.join(base, *relative.split("/"))
-        os.makedirs(os.path.dirname(chunk))
+        chunk = f"{base}/{relative}"
+        files.make_parent(chunk)
         # Large arrays start where their memory lines up with the file's blocks, and
         # are written from it without a copy (zarr_io.data_offset).
-        offset = zarr_io.data_offset(array, base, direct=direct)
-        write_small(os.path.join(base, name, ZARR_JSON),
-                    zarr_io.metadata_text(array.shape, array.dtype.name, offset))
-        size, crc = zarr_io.write_chunk(chunk, array, algorithm=algorithm,
-                                        direct=direct, offset=offset)
+        offset = files.chunk_offset(array, base)
+        small(f"{name}/{ZARR_JSON}",
+              zarr_io.metadata_text(array.shape, array.dtype.name, offset))
+        size, crc = files.write_chunk(chunk, array, algorithm=algorithm, offset=offset)
         return relative, size, crc
 
     results = list(pool.map(write, jobs))
-    write_small(os.path.join(base, "_METADATA"), zarr_io.tree_metadata_text(list(arrays)))
-    write_small(os.path.join(base, "_CHECKPOINT_METADATA"),
-                zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
-    write_small(os.path.join(base, "commit_success.txt"),
-                zarr_io.commit_success_text(final))
+    small("_METADATA", zarr_io.tree_metadata_text(list(arrays)))
+    small("_CHECKPOINT_METADATA", zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
+    small("commit_success.txt", zarr_io.commit_success_text(final))
+    entries = {relative: (size, crc) for relative, size, crc in results}
+    entries.update(known)
     return {f"{ARRAYS_DIR}/{relative}": {"size": size, algorithm: crc}
-            for relative, size, crc in results}
+            for relative, (size, crc) in entries.items()}
 
 
 # --------------------------------------------------------------------------- small files

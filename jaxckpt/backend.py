@@ -25,8 +25,10 @@ from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .read_claims import ReadClaims
+    from .storage import Storage
 
-__all__ = ["Backend", "BackendFeatures", "WriteHandle", "SingleProcess", "check_backend"]
+__all__ = ["Backend", "BackendFeatures", "ObjectStorageBackend", "WriteHandle", "SingleProcess",
+           "check_backend"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +54,11 @@ class BackendFeatures:
     export_needs_copy: bool = False
     """Exporters always receive ``host_copy(state)`` (e.g. torch state dicts rather than live
     modules), whatever the export mode. False: a sync single-process export gets ``state``."""
+    object_storage: bool = False
+    """The backend writes and reads locations of a ``jaxckpt.storage.Storage`` (an object
+    store's URLs) once handed that storage by ``attach_storage`` (it is an
+    :class:`ObjectStorageBackend`). False: the manager refuses an object-store root for this
+    backend, before anything is written."""
 
 
 @runtime_checkable
@@ -175,6 +182,15 @@ class Backend(Protocol):
         """Wait for writes in flight (their errors stay on their handles) and release the
         backend's resources. Called by a manager that created its backend itself; a backend
         a caller passed in is closed by that caller. Idempotent."""
+
+
+class ObjectStorageBackend(Backend, Protocol):
+    """A backend that declares ``features.object_storage``: it has this member too (others
+    need not, so it is not part of :class:`Backend`)."""
+
+    def attach_storage(self, storage: Storage) -> None:
+        """Write and read the locations of ``storage`` (URLs of an object-store root) through
+        it from now on. Called once by the manager, before any write or read."""
 
 
 #: What :func:`check_backend` requires: the members a manager uses while it opens and

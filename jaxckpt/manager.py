@@ -47,9 +47,7 @@ from .policy import SaveTrigger, resolve_mode, writes_periodic
 from .preemption import Preemption
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
-from .root import prepare_root
-from .root_url import local_root
-from .roots import check_root
+from .root import attach_backend, open_store, prepare_root
 from .saving import RecoverySaver, resolve_state
 from .storage import RootLease
 from .store import CheckpointStore
@@ -79,6 +77,12 @@ class CheckpointManager:
     ``local``: a fast local tier (``jaxckpt.LocalTier``) that takes frequent recovery
     checkpoints between the durable root's; ``recover`` resumes from the newest valid one of
     either (see ``jaxckpt.tiers``). Single-process runs only for now.
+    ``root`` is a local path or an object-store URL ``s3://bucket/prefix`` (nothing is then
+    created locally); ``storage_options`` configure the object store's client
+    (``endpoint_url``, ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``,
+    ``max_attempts``... and ``lease_s``/``heartbeat_s`` of the root lease), each taken from
+    the standard environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``...) when not given
+    (docs/cloud.md).
 
     Concurrency contract: see the module docstring (one training thread; one background
     thread; one job per root; the primary decides and commits).
@@ -93,8 +97,8 @@ class CheckpointManager:
                  preemption_signals: Sequence[int] = (signal.SIGTERM,),
                  items: Mapping[str, Every] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 local: LocalTier | None = None):
-        local_root(root)  # an s3:// or other URL root is refused before anything is created
+                 local: LocalTier | None = None,
+                 storage_options: Mapping[str, Any] | None = None):
         recover = RecoverConfig() if recover is None else recover
         signals = check_arguments(root, recover=recover, export=export, backend=backend,
                                    on_report=on_report, on_write_error=on_write_error,
@@ -102,18 +106,23 @@ class CheckpointManager:
                                    preemption_signals=preemption_signals)
         check_item_cadences(items or {}, recover)
         check_local(local, root)  # before anything is created
-        # Before anything is created or written (no backend, no lock, no recover/): a root
-        # holding another tool's files is refused whole, never written beside.
-        check_root(os.fspath(root))
+        # Before anything is created or written (no backend, no lock, no recover/): an
+        # unknown scheme, and a root holding another tool's files, are refused whole.
+        store = open_store(root, storage_options, backend)
         self.recover_config = recover
         self.export_config = export
         record = export_record(export)
         self._owns_backend = backend is None
         backend = backend if backend is not None else _default_backend()
+        try:
+            attach_backend(store, backend)  # an object-store root: a backend that writes there
+        except BaseException:
+            if self._owns_backend:
+                backend.close()
+            raise
         save_mode = resolve_mode(mode, supports_async=backend.features.supports_async)
         export_mode = None if export is None else resolve_mode(
             export.mode, supports_async=True, field="ExportConfig.mode")
-        store = CheckpointStore(root)
         index, count = backend.process_index, backend.process_count
         self._lock: RootLease | None = prepare_root(store) if index == 0 else None
         try:

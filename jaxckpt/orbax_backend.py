@@ -28,9 +28,11 @@ and returns. In a single process every array is staged as a host array (a CPU ja
 a zero-copy view: it is immutable), async writes run on the backend's own writer thread,
 and on a local filesystem that thread writes Orbax's files itself (``jaxckpt.zarr_io``:
 the same bytes tensorstore would write, moved with O_DIRECT and checksummed on the way;
-``native_io``), which restores read back the same way. Orbax writes and reads everything
-else: several processes (its AsyncCheckpointer writes each process's shards), remote
-paths, dtypes zarr_io does not store, arrays in another layout. docs/performance.md has
+``native_io``), which restores read back the same way. On an object-store root the
+manager hands the backend its storage (``attach_storage``) and the same files go there as
+objects (``jaxckpt.array_files``, ``_orbax_remote``). Orbax writes and reads everything
+else: several processes (its AsyncCheckpointer writes each process's shards), dtypes
+zarr_io does not store, arrays in another layout. docs/performance.md has
 the measurements behind each of these choices.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
@@ -65,7 +67,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
     import orbax.checkpoint as ocp
     from etils import epath
 
-from jaxckpt import _orbax_process, _orbax_read, nnx_live, zarr_io
+from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, nnx_live, zarr_io
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
 from jaxckpt._orbax_plan import (
     WritePlan,
@@ -81,11 +83,13 @@ from jaxckpt._orbax_write import (
     write_durably,
     write_native,
 )
+from jaxckpt.array_files import ArrayFiles, StorageArrayFiles
 from jaxckpt.backend import BackendFeatures
 from jaxckpt.errors import CheckpointCorruptError
 
 if TYPE_CHECKING:
     from jaxckpt.read_claims import ReadClaims
+    from jaxckpt.storage import Storage
 
 __all__ = ["OrbaxBackend", "OrbaxWriteHandle", "OrbaxOptions", "TREE_FORMAT",
            "TREE_FORMAT_VERSION", "DEFAULT_PACK_LEAF_BYTES", "DEFAULT_PACK_BYTES"]
@@ -140,7 +144,7 @@ class OrbaxBackend:
     name = "orbax"
     #: Async writes; read() takes ``claims`` and checks the deferred checksums of the array
     #: files it reads itself; reads into new arrays (live NNX objects: in finish_read).
-    features = BackendFeatures(supports_async=True, verifies_reads=True)
+    features = BackendFeatures(supports_async=True, verifies_reads=True, object_storage=True)
 
     def __init__(self, *, use_ocdbt: bool = False, use_zarr3: bool = True,
                  use_compression: bool = False, async_timeout_s: int | None = None,
@@ -177,6 +181,7 @@ class OrbaxBackend:
         self._lock = threading.Lock()
         self._pending: OrbaxWriteHandle | None = None  # Orbax's async write, multi-process
         self._queued: list[OrbaxWriteHandle] = []  # writer-thread writes not known done
+        self._remote: StorageArrayFiles | None = None  # attach_storage: an object-store root
 
     # ------------------------------------------------------------- features and facts
 
@@ -278,12 +283,13 @@ class OrbaxBackend:
         """The part of write() after planning: stage the host arrays, create the directory,
         write (sync) or hand the write to a background thread (async)."""
         tree_json, nbytes = plan.tree_json, plan.nbytes
-        root = epath.Path(directory)
+        root = self._path(directory)
         with self._lock:
             if not local:
                 self._drain_locked()
             self._queued = [queued for queued in self._queued if not queued.done()]
             arrays, used = self._host_buffers.stage(plan, sources, copy_numpy=asynchronous)
+            native = self._writes_natively(directory, arrays)  # before any I/O: may refuse
             primary = jax.process_index() == 0
             if primary:
                 create_directory(root, directory)
@@ -292,7 +298,6 @@ class OrbaxBackend:
                     write_durably(root / TREE_FILE, tree_json)
             if not arrays:  # Orbax refuses an empty tree; tree.json alone describes it.
                 return OrbaxWriteHandle(directory, nbytes)
-            native = self._writes_natively(directory, arrays)
             save_args = None if native else ocp.args.PyTreeSave(item=arrays)
             if not asynchronous:
                 if native:
@@ -338,20 +343,30 @@ class OrbaxBackend:
         write_durably(root / TREE_FILE, tree_json)
         return self._write_native(root, arrays)
 
-    def _write_native(self, root: epath.Path,
+    def _write_native(self, root: Any,
                       arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-        return write_native(root, arrays, pool=self._pool(), direct=self.options.direct_io)
+        files = self._files_for(os.fspath(root))
+        assert files is not None
+        return write_native(root, arrays, pool=self._pool(), files=files)
 
-    def _native_here(self, directory: str) -> bool:
-        """Whether ``native_io`` applies to ``directory``: a single process, a local path."""
-        return self.options.native_io and jax.process_count() == 1 and "://" not in directory
+    def attach_storage(self, storage: Storage) -> None:
+        """Write and read URLs of ``storage`` (an object-store root) natively through it."""
+        self._remote = StorageArrayFiles(storage, read_threads=self.options.read_threads)
+
+    def _path(self, directory: str) -> Any:
+        return _orbax_remote.path_for(self._remote, directory)
+
+    def _files_for(self, directory: str) -> ArrayFiles | None:
+        return _orbax_remote.files_for(self._remote, directory, self.options)
 
     def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> bool:
-        """Whether this write goes through zarr_io: ``_native_here``, and every array of a
-        dtype and size it stores as Orbax would."""
-        return self._native_here(directory) and all(
-            isinstance(array, np.ndarray) and zarr_io.supported(array)
-            for array in arrays.values())
+        """Whether this write goes through ``_files_for`` (every array of a dtype and size
+        zarr_io stores as Orbax would); a URL's arrays must (``check_arrays``)."""
+        files = self._files_for(directory)
+        if files is not None and files is self._remote:
+            _orbax_remote.check_arrays(directory, arrays)
+        return files is not None and all(
+            isinstance(array, np.ndarray) and zarr_io.supported(array) for array in arrays.values())
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._io_pool is None:
@@ -398,7 +413,7 @@ class OrbaxBackend:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None
-            for pool in (self._io_pool, self._read_pool):
+            for pool in (self._io_pool, self._read_pool, self._remote):
                 if pool is not None:
                     pool.shutdown(wait=True)
             self._io_pool = self._read_pool = None
@@ -453,7 +468,7 @@ class OrbaxBackend:
     def _read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
               partial: bool = False) -> Any:
         """:meth:`read` of a ``like`` without live NNX objects."""
-        root = epath.Path(directory)
+        root = self._path(directory)
         saved, targets, like_treedef = _orbax_read.match_like(root, directory, like,
                                                               partial=partial)
         if not targets:
@@ -469,7 +484,7 @@ class OrbaxBackend:
         leaves = _orbax_read.to_like_leaves(targets, saved, values, move_after)
         return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
-    def _restore(self, directory: str, arrays_dir: epath.Path, restore_args: dict[str, Any],
+    def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
                  claims: ReadClaims | None, *, partial: bool = False) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where
         ``native_io`` applies and the files are in its layout, else by Orbax (told, with
@@ -477,12 +492,15 @@ class OrbaxBackend:
         but running out of memory is a damaged checkpoint (CheckpointCorruptError)."""
         try:
             restored = None
-            if self._native_here(directory):
+            files = self._files_for(directory)
+            if files is not None:
                 restored = _orbax_read.read_native(
                     os.fspath(arrays_dir), restore_args, claims, pool=self._readers(),
-                    direct=self.options.direct_io)
+                    files=files)
             if claims is not None:
                 claims.close()
+            if restored is None and files is not None and files is self._remote:
+                _orbax_remote.refuse_foreign(directory)
             if restored is None:
                 restored = self._sync.restore(
                     arrays_dir, args=_orbax_read.restore_request(restore_args, partial))

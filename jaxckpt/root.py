@@ -1,9 +1,13 @@
 """Taking a checkpoint root for one job: its layout, its lock, the debris of a crash.
 
-Owns: ``prepare_root``, what the primary process does to a root before a manager uses it
-(create the directories, take the exclusive root lock, remove the partial and temporary
-entries an interrupted run left), with the errors a root that cannot be used raises. The
-lock itself (``CheckpointStore.lock``, a ``RootLease``) and the layout are the store's.
+Owns: ``open_store``, what a root string becomes before anything is written (a local path
+or an object-store URL with its ``Storage``, refused when it holds another tool's files),
+``attach_backend`` (an object-store root needs a backend that writes there, and hands it the
+storage), and ``prepare_root``, what the primary process does to a root before a manager
+uses it (create the directories, take the exclusive root lock, remove the partial and
+temporary entries and the unfinished uploads an interrupted run left), with the errors a
+root that cannot be used raises. The lock itself (``CheckpointStore.lock``, a
+``RootLease``) and the layout are the store's.
 
 Must not import: jax, orbax, torch, or any part of the manager.
 
@@ -16,14 +20,57 @@ it was.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
+from typing import Any, cast
 
+from .backend import Backend, ObjectStorageBackend
 from .errors import CheckpointError, CheckpointRootError
-from .storage import RootLease
+from .root_url import parse_root
+from .roots import check_root
+from .storage import PosixStorage, RootLease
 from .store import CheckpointStore
 
-__all__ = ["prepare_root"]
+__all__ = ["attach_backend", "open_store", "prepare_root"]
 
 log = logging.getLogger("jaxckpt")
+
+
+def open_store(root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
+               backend: Backend | None = None) -> CheckpointStore:
+    """The store of ``root``: a local path, or an ``s3://`` URL served by the storage
+    ``storage_options`` configure (``root_url.parse_root``). Refuses (``CheckpointRootError``)
+    an unknown scheme, an object-store root for a ``backend`` that cannot write there (None:
+    the default Orbax backend, which can), and a root holding files jaxckpt did not write.
+    Creates nothing, locally or remotely."""
+    _, where = parse_root(root, storage_options)
+    if isinstance(where, str):
+        check_root(where)
+        return CheckpointStore(where)
+    url = os.fspath(root).rstrip("/")
+    if backend is not None:
+        _check_writes_objects(url, backend)
+    check_root(url, storage=where)
+    return CheckpointStore(url, storage=where)
+
+
+def _check_writes_objects(url: str, backend: Backend) -> None:
+    if not backend.features.object_storage:
+        raise CheckpointRootError(
+            f"{url!r}: object-storage roots are not supported by the array backends yet for "
+            f"the {backend.name!r} backend (it writes local paths only). Nothing was written. "
+            f"Fix: use a local or network filesystem root with this backend, or the Orbax "
+            f"backend (jaxckpt.CheckpointManager), which writes s3:// roots.")
+
+
+def attach_backend(store: CheckpointStore, backend: Backend) -> None:
+    """Hand an object-store root's storage to the backend (``Backend.attach_storage``);
+    ``CheckpointRootError`` for a backend that cannot write there. Nothing for local roots."""
+    if isinstance(store.storage, PosixStorage):
+        return
+    _check_writes_objects(store.root, backend)
+    # Declaring the feature is declaring the member (backend.ObjectStorageBackend).
+    cast(ObjectStorageBackend, backend).attach_storage(store.storage)
 
 
 def prepare_root(store: CheckpointStore) -> RootLease:

@@ -1,11 +1,11 @@
 """What a root string names: a local path or an object-store URL, decided in one place.
 
 Owns: ``parse_root`` (a root -> ("local", path), ("s3", S3Storage) or ("gs", GCSStorage)),
-``root_scheme`` (the same decision without building a client) and ``local_root`` (what the
-managers call: a local path, or ``CheckpointRootError`` for anything the array backends
-cannot write to). Every scheme other than ``s3://`` and ``gs://`` is refused up front, naming
-the scheme and what is supported, so that a URL is never taken for a relative path (which
-would create a directory named ``s3:`` in the working directory).
+``root_scheme`` (the same decision without building a client) and ``local_root`` (for code
+that writes local paths only: a local path, or ``CheckpointRootError`` for a URL). Every
+scheme other than ``s3://`` and ``gs://`` is refused up front, naming the scheme and what is
+supported, so that a URL is never taken for a relative path (which would create a directory
+named ``s3:`` in the working directory).
 
 Must not import: jax, orbax, torch, boto3, google (``jaxckpt.s3_storage`` and
 ``jaxckpt.gcs_storage`` are imported only for a root of their scheme).
@@ -27,8 +27,7 @@ __all__ = ["parse_root", "root_scheme", "local_root", "is_url",
 RootKind = Literal["local", "s3", "gs"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_SUPPORTED = ("local paths, s3://BUCKET/PREFIX and gs://BUCKET/PREFIX (storage layer and "
-              "CLI ls/verify only)")
+_SUPPORTED = "local paths, s3://BUCKET/PREFIX and gs://BUCKET/PREFIX"
 
 OBJECT_STORE_ARRAYS_UNSUPPORTED = (
     "Object-storage roots are not supported by the array backends yet: Orbax and "
@@ -65,8 +64,9 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
                ) -> tuple[Literal["local"], str] | tuple[Literal["s3", "gs"], Storage]:
     """("local", path), or ("s3", an ``S3Storage``) / ("gs", a ``GCSStorage``) serving the
     URL's bucket and prefix, the root itself being the URL, without a trailing "/".
-    ``storage_options`` (the client's endpoint, credentials...: ``jaxckpt.s3_storage.s3_client``,
-    ``jaxckpt.gcs_storage.gcs_client``) are for object-store roots only."""
+    ``storage_options`` (the client's endpoint, region, credentials:
+    ``jaxckpt.s3_storage.s3_client``, ``jaxckpt.gcs_storage.gcs_client``; and ``lease_s``,
+    ``heartbeat_s`` of the root lease) are for object-store roots only."""
     kind = root_scheme(root)
     if kind == "local":
         if storage_options:
@@ -82,7 +82,10 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(s3://{bucket}/PREFIX), not the whole bucket")
-    return "s3", S3Storage(bucket, prefix, storage_options=storage_options)
+    options = dict(storage_options or {})
+    lease = {name: float(options.pop(name)) for name in ("lease_s", "heartbeat_s")
+             if name in options}
+    return "s3", S3Storage(bucket, prefix, storage_options=options, **lease)
 
 
 def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:

@@ -6,8 +6,8 @@ path given to a CLI command is: missing, a file, empty, foreign, a root or a che
 with the hint that names ``import-orbax`` when the foreign entries look like Orbax's.
 
 These read names only, never contents, and write nothing. They look at a local filesystem
-(``os``), where the paths a user types live; a root on an object store needs the same
-questions asked through ``jaxckpt.storage`` (the object-store issue).
+(``os``), where the paths a user types live; for a root on an object store ``check_root``
+asks the same question through its ``jaxckpt.storage.Storage`` (``foreign_objects``).
 
 Must not import: jax, orbax, torch.
 """
@@ -33,8 +33,9 @@ from .layout import (
     parse_step_dirname,
     parse_version_dirname,
 )
+from .storage import Storage
 
-__all__ = ["PathKind", "foreign_entries", "check_root", "classify_path"]
+__all__ = ["PathKind", "foreign_entries", "foreign_objects", "check_root", "classify_path"]
 
 #: What a path given to a command is (see ``classify_path``).
 PathKind = Literal["missing", "unreadable", "file", "empty", "foreign", "root", "checkpoint"]
@@ -80,6 +81,26 @@ def foreign_entries(root: str) -> list[str]:
     return found
 
 
+def foreign_objects(storage: Storage, root: str) -> list[str]:
+    """``foreign_entries`` of a root on an object store, listed through ``storage`` (a
+    "directory" there is a key prefix, a name ending in "/")."""
+    allowed = {RECOVER: allowed_in_recover, EXPORT: allowed_in_export}
+    found = []
+    for entry in storage.list_names(root):
+        name, is_dir = entry.rstrip("/"), entry.endswith("/")
+        if name in SYSTEM_NAMES or is_tmp_name(name):
+            continue
+        if name not in ROOT_NAMES or (name in allowed) != is_dir:
+            found.append(entry)
+            continue
+        if name in allowed:
+            for child in storage.list_names(f"{root}/{name}"):
+                child = child.rstrip("/")
+                if not (is_tmp_name(child) or child in SYSTEM_NAMES or allowed[name](child)):
+                    found.append(f"{name}/{child}")
+    return found
+
+
 def _describe_foreign(path: str, found: list[str]) -> str:
     shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
     looks_orbax = any(entry.rstrip("/") in _ORBAX_HINTS for entry in found) or any(
@@ -92,13 +113,23 @@ def _describe_foreign(path: str, found: list[str]) -> str:
     return f"{path!r} holds entries jaxckpt never writes: {shown}.{hint}"
 
 
-def check_root(root: str) -> None:
+def check_root(root: str, storage: Storage | None = None) -> None:
     """Raise ``CheckpointRootError`` when ``root`` holds entries jaxckpt did not write (see
-    ``foreign_entries``), naming some and the fix, or cannot be listed (what it holds is
-    unknown, so nothing may be written there either). Reads names only; writes nothing."""
+    ``foreign_entries``; ``foreign_objects`` for a root on the object store ``storage``),
+    naming some and the fix, or cannot be listed (what it holds is unknown, so nothing may
+    be written there either). Reads names only; writes nothing."""
     try:
-        found = foreign_entries(root)
-    except OSError as exc:
+        found = foreign_entries(root) if storage is None else foreign_objects(storage, root)
+    except Exception as exc:
+        if storage is not None and not isinstance(exc, OSError):
+            # The object store's client: no credentials, endpoint unreachable, no bucket.
+            raise CheckpointRootError(
+                f"checkpoint root {root!r} cannot be used: listing it failed: {exc}. Fix: "
+                f"check the endpoint, region and credentials (storage_options=, or "
+                f"AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) "
+                f"and that the bucket exists.") from exc
+        if not isinstance(exc, OSError):
+            raise
         raise CheckpointRootError(
             f"checkpoint root {root!r} cannot be used: listing it failed: {exc.strerror or exc} "
             f"({exc.filename}). Fix: pass another root, or give this user read and write "

@@ -9,12 +9,19 @@ key prefix (a guard: a location outside it is a ``ValueError``, never a request)
 below a location are joined with "/"; a "directory" is a key prefix ending in "/".
 
 How the contract is kept: a PUT is atomic and durable once it returns, so ``write`` is one
-PUT and ``sync`` does nothing; ``create`` is a PUT with ``If-None-Match: *``, decided by the
-server (a second creator gets ``FileExistsError``, however many race); listings are paged;
-``delete_prefix`` deletes in batches of 1000 keys. Transient failures (5xx, throttling,
+PUT (a multipart upload above ``MULTIPART_OVER`` bytes, its parts sent on a few threads; the
+object appears only when the upload completes) and ``sync`` does nothing; ``create`` is a
+PUT with ``If-None-Match: *``, decided by the server (a second creator gets
+``FileExistsError``, however many race); listings are paged; ``delete_prefix`` deletes in
+batches of 1000 keys; ``copy`` is a server-side copy (no bytes through this host);
+``discard_incomplete_uploads`` aborts the multipart uploads a killed writer left (their
+parts are billed, and invisible to listings). Small checkpoint objects this storage wrote
+are not read back by the commit, and those a verification read are not read again by the
+restore that follows (``_SmallObjects``). Transient failures (5xx, throttling,
 timeouts, dropped connections) are retried by botocore with backoff, a bounded number of
-times (``max_attempts``). No operation here renames: the POSIX-only extras
-(``PosixStorage.rename_posix``) have no equivalent, and the store refuses those operations.
+times (``max_attempts``). No operation here renames: the POSIX-only extra
+(``PosixStorage.rename_posix``) has no equivalent, and the store does quarantine and export
+publishing another way there (``jaxckpt.store_objects``).
 
 ``reading`` holds are kept in this process only: a checkpoint being restored by this process
 is never deleted by it, but another process's deleter does not see them (on an object store
@@ -25,6 +32,8 @@ Must not import: jax, orbax, torch. Imports boto3 lazily, when a storage is made
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping
@@ -36,6 +45,11 @@ from .storage import RootLease, Storage
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
 
 _READ_PIECE = 8 * 1024 * 1024
+#: Objects above this many bytes are uploaded in parts of ``PART_BYTES``, ``PART_THREADS``
+#: at a time (S3 allows 10,000 parts of 5 MiB to 5 GiB: 64 MiB parts reach 640 GB).
+MULTIPART_OVER = 64 << 20
+PART_BYTES = 64 << 20
+PART_THREADS = 4
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _CLIENT_OPTIONS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key",
                    "aws_session_token", "verify", "use_ssl")
@@ -99,6 +113,50 @@ def is_precondition_failed(exc: Exception) -> bool:
         _status(exc) in (409, 412)
 
 
+class _SmallObjects:
+    """The bytes of small checkpoint objects this storage wrote or checksummed, so that the
+    commit does not GET what was just PUT, and a restore does not GET twice what it verified
+    and then parses (zarr.json, tree.json, driver.json). Only objects below a ``recover/`` or
+    ``export/`` prefix are kept: those are written once per save attempt (a second attempt at
+    the same name writes or deletes through this storage, which replaces or drops them), by
+    the one process that holds the root's lease. Bounded (LRU). Thread-safe."""
+
+    MAX_OBJECT = 1 << 20
+    MAX_TOTAL = 64 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._total = 0
+
+    @staticmethod
+    def keeps(key: str, size: int) -> bool:
+        return size <= _SmallObjects.MAX_OBJECT and ("/recover/" in key or "/export/" in key)
+
+    def put(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._total -= len(self._bytes.pop(key, b""))
+            if not self.keeps(key, len(data)):
+                return
+            self._bytes[key] = data
+            self._total += len(data)
+            while self._total > self.MAX_TOTAL:
+                self._total -= len(self._bytes.popitem(last=False)[1])
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            data = self._bytes.get(key)
+            if data is not None:
+                self._bytes.move_to_end(key)
+            return data
+
+    def drop(self, key: str, *, below: bool = False) -> None:
+        with self._lock:
+            doomed = [k for k in self._bytes if k == key or below and k.startswith(key + "/")]
+            for k in doomed:
+                self._total -= len(self._bytes.pop(k))
+
+
 class S3Storage(Storage):
     """``Storage`` on one S3 bucket, below one key prefix (``""``: the whole bucket).
 
@@ -106,6 +164,9 @@ class S3Storage(Storage):
     thread-safe). Across processes and hosts, ``create`` and the root lease are decided by
     the server's conditional writes; ``reading`` holds are per process (module docstring).
     """
+
+    #: Requests are latency-bound (a round trip each): many in flight at once.
+    concurrent_requests = 16
 
     def __init__(self, bucket: str, prefix: str = "", *,
                  storage_options: Mapping[str, Any] | None = None,
@@ -125,6 +186,7 @@ class S3Storage(Storage):
         self.client = s3_client(storage_options)
         self._holds: dict[str, int] = {}
         self._holds_lock = threading.Lock()
+        self._small = _SmallObjects()
 
     def __repr__(self) -> str:
         return f"S3Storage({self.bucket!r}, {self.prefix!r})"
@@ -142,21 +204,86 @@ class S3Storage(Storage):
         return key
 
     # --- whole objects -------------------------------------------------------------------
-    def write(self, path: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data)
+    def write(self, path: str, data: bytes | bytearray) -> None:
+        key = self.key(path)
+        self._small.drop(key)
+        if len(data) > MULTIPART_OVER:
+            self._write_multipart(key, data)
+            return
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        if _SmallObjects.keeps(key, len(data)):
+            self._small.put(key, bytes(data))
+
+    def _write_multipart(self, key: str, data: bytes | bytearray) -> None:
+        """One object in parts, ``PART_THREADS`` in flight; aborted on any failure (a
+        process killed meanwhile leaves it to ``discard_incomplete_uploads``)."""
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        view = memoryview(data)
+
+        def send(number: int) -> dict[str, Any]:
+            start = (number - 1) * PART_BYTES
+            body = bytes(view[start:start + PART_BYTES])
+            response = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload,
+                                               PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": response["ETag"]}
+
+        try:
+            numbers = range(1, -(-len(data) // PART_BYTES) + 1)
+            with concurrent.futures.ThreadPoolExecutor(
+                    max_workers=PART_THREADS, thread_name_prefix="jaxckpt-s3-part") as pool:
+                parts = list(pool.map(send, numbers))
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload,
+                                                  MultipartUpload={"Parts": parts})
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key,
+                                                   UploadId=upload)
+            raise
+
+    def copy(self, src: str, dst: str) -> None:
+        """Server-side copy (boto3's managed copy: multipart for big objects)."""
+        self._small.drop(self.key(dst))
+        try:
+            self.client.copy({"Bucket": self.bucket, "Key": self.key(src)}, self.bucket,
+                             self.key(dst))
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", src) from exc
+            raise
+
+    def discard_incomplete_uploads(self, prefix: str) -> list[str]:
+        keys = []
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(prefix) + "/"):
+            for upload in page.get("Uploads", ()):
+                with contextlib.suppress(Exception):  # finished or aborted meanwhile
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                keys.append(self.url(upload["Key"]))
+        return keys
 
     def create(self, path: str, data: bytes) -> None:
+        self._small.drop(self.key(path))
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data,
                                    IfNoneMatch="*")
         except Exception as exc:
-            if is_precondition_failed(exc):
-                raise FileExistsError(17, "already exists", path) from exc
-            raise
+            if not is_precondition_failed(exc):
+                raise
+            # A retry of our own PUT whose answer was lost (the first try landed) is refused
+            # the same way as a rival's: the object holding exactly our bytes tells them
+            # apart (a manifest records its creation time, so a rival's never matches).
+            with contextlib.suppress(OSError):
+                if self.read(path) == bytes(data):
+                    return
+            raise FileExistsError(17, "already exists", path) from exc
 
     def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
         if length == 0:
             return b""
+        known = self._small.get(self.key(path))
+        if known is not None:
+            return known[offset:] if length is None else known[offset:offset + length]
         extra = {}
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
@@ -172,6 +299,31 @@ class S3Storage(Storage):
         with contextlib.closing(response["Body"]) as body:
             return body.read()
 
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
+        """One GET (ranged past the start), its body streamed into ``out``."""
+        if not len(out):
+            return 0
+        # From the start: a plain GET, read as far as ``out`` goes (no Range: servers that
+        # cut a range out of the whole object, moto among them, do less).
+        extra = {"Range": f"bytes={offset}-{offset + len(out) - 1}"} if offset else {}
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key(path),
+                                              **extra)
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", path) from exc
+            if _code(exc) == "InvalidRange":  # offset at or past the end
+                return 0
+            raise
+        got = 0
+        with contextlib.closing(response["Body"]) as body:
+            while got < len(out):
+                count = body.readinto(out[got:])
+                if not count:
+                    break
+                got += count
+        return got
+
     def size(self, path: str) -> int:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self.key(path))
@@ -182,7 +334,13 @@ class S3Storage(Storage):
         return int(head["ContentLength"])
 
     def checksum(self, path: str, algorithm: str, *, sync: bool = False) -> tuple[int, str]:
-        """One GET, streamed in pieces (``sync`` needs nothing: the object is durable)."""
+        """One GET, streamed in pieces. ``sync`` (the commit, right after the write; the
+        object is durable already): none for a small object this storage just wrote, whose
+        bytes it kept (``_SmallObjects``). Otherwise (a verification) the object is always
+        read from the server, and a small one's bytes are kept for the read that follows."""
+        known = self._small.get(self.key(path)) if sync else None
+        if known is not None:
+            return len(known), f"{extend(algorithm, 0, known):08x}"
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self.key(path))
         except Exception as exc:
@@ -190,10 +348,15 @@ class S3Storage(Storage):
                 raise FileNotFoundError(2, "no such object", path) from exc
             raise
         crc = size = 0
+        pieces: list[bytes] = []
         with contextlib.closing(response["Body"]) as body:
             for piece in body.iter_chunks(_READ_PIECE):
                 crc = extend(algorithm, crc, piece)
                 size += len(piece)
+                if size <= _SmallObjects.MAX_OBJECT:
+                    pieces.append(piece)
+        if _SmallObjects.keeps(self.key(path), size):
+            self._small.put(self.key(path), b"".join(pieces))
         return size, f"{crc:08x}"
 
     def exists(self, path: str) -> bool:
@@ -230,10 +393,12 @@ class S3Storage(Storage):
 
     def delete(self, path: str) -> None:
         # Deleting a missing key succeeds on S3.
+        self._small.drop(self.key(path))
         self.client.delete_object(Bucket=self.bucket, Key=self.key(path))
 
     def delete_prefix(self, prefix: str) -> None:
         key = self.key(prefix)
+        self._small.drop(key, below=True)
         keys = [entry["Key"] for page in self._pages(key + "/")
                 for entry in page.get("Contents", ())]
         keys.append(key)  # an object at the prefix's own name, if any
@@ -276,5 +441,6 @@ class S3Storage(Storage):
         with self._holds_lock:  # held while deleting, so no hold starts in between
             if self._holds.get(key):
                 return False
+            self._small.drop(key)
             self.client.delete_object(Bucket=self.bucket, Key=key)
         return True

@@ -71,6 +71,7 @@ from .manifest import (
 )
 from .read_claims import ReadClaims
 from .roots import foreign_entries
+from . import store_objects
 from .storage import PosixStorage, RootLease, RootLock, Storage
 
 __all__ = ["CheckpointStore", "Entry", "Status"]
@@ -94,10 +95,10 @@ class Entry:
 
 
 def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
-                entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """The problems ``check`` finds in manifest ``entries``, in order, a few at a time
+                entries: list[tuple[str, dict[str, Any]]], workers: int) -> list[str]:
+    """The problems ``check`` finds in manifest ``entries``, in order, ``workers`` at a time
     (checksums release the GIL and overlap I/O)."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         return [problem for problem in pool.map(check, entries) if problem]
 
 
@@ -279,7 +280,8 @@ class CheckpointStore:
             counted.add(info.get("size", 0))
             return problem
 
-        problems = _run_checks(check, sorted(manifest.files.items()))
+        problems = _run_checks(check, sorted(manifest.files.items()),
+                               self.storage.concurrent_requests)
         present = {rel for rel in listed if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
@@ -303,7 +305,8 @@ class CheckpointStore:
     def verify_entries(self, path: str, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
         """Problems in these manifest entries of ``path`` (size and checksum), a few files
         at a time."""
-        return _run_checks(lambda item: self._check_file(path, *item, checksums=True), entries)
+        return _run_checks(lambda item: self._check_file(path, *item, checksums=True), entries,
+                           self.storage.concurrent_requests)
 
     def _classify(self, step: int, path: str, *, checksums: bool,
                   defer_over: int | None = None) -> Entry:
@@ -414,7 +417,7 @@ class CheckpointStore:
                 return 0, "link"
             return self.storage.checksum(full, algorithm, sync=True)
 
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        with ThreadPoolExecutor(max_workers=self.storage.concurrent_requests) as pool:
             return dict(zip(rels, pool.map(summarise, rels), strict=True))
 
     # --- reading and deletion ----------------------------------------------------------------
@@ -439,7 +442,7 @@ class CheckpointStore:
     def cleanup_partial(self) -> list[str]:
         """Remove recovery directories without a commit marker and stray temp entries, as a
         job starts (under the root lock, so no other job can be writing them)."""
-        removed = []
+        removed = self.storage.discard_incomplete_uploads(self.root)
         for _, path in self._step_dirs():
             if not self.storage.exists(os.path.join(path, COMMIT_MARKER)):
                 self.storage.delete_prefix(path)
@@ -448,6 +451,11 @@ class CheckpointStore:
             for version in self.item_versions(name, committed_only=False):
                 path = self.item_path(name, version)
                 if not self.storage.exists(os.path.join(path, COMMIT_MARKER)):
+                    self.storage.delete_prefix(path)
+                    removed.append(path)
+        if not isinstance(self.storage, PosixStorage):  # exports commit with a marker there
+            for _, path in self._export_dirs():
+                if not self.is_committed(path):
                     self.storage.delete_prefix(path)
                     removed.append(path)
         for parent in (self.recover_dir, self.export_dir):
@@ -469,16 +477,18 @@ class CheckpointStore:
 
     def quarantine(self, path: str, reason: str) -> str:
         """Move a checkpoint that must not stay at its name (corrupt, or from a discarded
-        future) to ``recover/superseded/``, keeping it for inspection instead of deleting.
-        POSIX only (a rename)."""
+        future) to ``recover/superseded/``, keeping it for inspection instead of deleting:
+        a rename on POSIX, copy-then-delete on an object store (``store_objects``)."""
         target = os.path.join(self.recover_dir, SUPERSEDED, superseded_name(
             os.path.basename(path), reason, int(time.time()), uuid.uuid4().hex[:6]))
-        self._posix("quarantine").rename_posix(path, target)
+        if isinstance(self.storage, PosixStorage):
+            self.storage.rename_posix(path, target)
+        else:
+            store_objects.copy_then_delete(self, path, target)
         return target
 
     # --- exports ------------------------------------------------------------------------
-    def export_entries(self) -> list[tuple[int, str]]:
-        """(global_step, path) of every completed export, oldest first."""
+    def _export_dirs(self) -> list[tuple[int, str]]:
         found = []
         for name in self.storage.list_names(self.export_dir):
             parsed = parse_export_dirname(name.rstrip("/"))
@@ -486,13 +496,27 @@ class CheckpointStore:
                 found.append((parsed[2], os.path.join(self.export_dir, name.rstrip("/"))))
         return sorted(found)
 
+    def export_entries(self) -> list[tuple[int, str]]:
+        """(global_step, path) of every completed export, oldest first (on an object store:
+        those with a commit marker, ``store_objects``)."""
+        if isinstance(self.storage, PosixStorage):
+            return self._export_dirs()
+        return [(step, path) for step, path in self._export_dirs() if self.is_committed(path)]
+
     def export_tmp_path(self, name: str) -> str:
+        """Where the exporter writes the export ``name``: a temporary directory beside the
+        exports, or a local one for an object store (``store_objects.export_staging``)."""
+        if not isinstance(self.storage, PosixStorage):
+            return store_objects.export_staging(name)
         return os.path.join(self.export_dir, tmp_name(name, uuid.uuid4().hex[:8]))
 
     def publish_export(self, tmp: str, final: str) -> None:
         """Give the export written in ``tmp`` (``export_tmp_path``) its name ``final``,
-        replacing an export already there (from a discarded attempt at the step). POSIX only
-        (a rename)."""
+        replacing an export already there (from a discarded attempt at the step): a rename on
+        POSIX, an upload and a commit marker on an object store."""
+        if not isinstance(self.storage, PosixStorage):
+            store_objects.publish_export(self, tmp, final)
+            return
         posix = self._posix("publish_export")
         if os.path.lexists(final):  # POSIX only anyway: a link counts as an entry too
             self.delete_export(final)
@@ -500,8 +524,11 @@ class CheckpointStore:
 
     def delete_export(self, path: str) -> None:
         """Delete an export: renamed to a temp name first (so a crash midway leaves debris
-        that start-up cleanup removes, never a half model under a valid name). POSIX only
-        (a rename)."""
+        that start-up cleanup removes, never a half model under a valid name); on an object
+        store, its commit marker first."""
+        if not isinstance(self.storage, PosixStorage):
+            self.delete(path)
+            return
         doomed = self.export_tmp_path(os.path.basename(path) + ".deleting")
         try:
             self._posix("delete_export").rename_posix(path, doomed)

@@ -84,7 +84,9 @@ __all__ = [
     "data_offset",
     "metadata_text",
     "parse_metadata",
+    "INDEX_BYTES",
     "read_chunk",
+    "shard_index",
     "supported",
     "tree_metadata_text",
     "checkpoint_metadata_text",
@@ -102,7 +104,8 @@ PIECE = 8 << 20
 ZERO_COPY_MIN = 1 << 20
 _HOST_ALIGN = 64  # jax adopts host memory aligned this far without a copy (CPU)
 _ATTRIBUTE = "jaxckpt"  # our key in zarr.json's attributes
-_INDEX_BYTES = 20  # offset u64, length u64, crc32c u32
+#: Bytes of the shard index after the data: offset u64, length u64, crc32c u32.
+INDEX_BYTES = 20
 
 #: dtypes stored one element per ``itemsize`` bytes, as numpy holds them, that Orbax's
 #: tensorstore writes with exactly this layout (checked by tests/integration/test_zarr_io.py).
@@ -195,7 +198,8 @@ def _crc32c(data: bytes) -> int:
     return extend("crc32c", 0, data)
 
 
-def _shard_index(nbytes: int, offset: int = 0) -> bytes:
+def shard_index(nbytes: int, offset: int = 0) -> bytes:
+    """The shard index that ends a chunk file: where its one chunk starts and its length."""
     head = struct.pack("<QQ", offset, nbytes)
     return head + struct.pack("<I", _crc32c(head))
 
@@ -347,7 +351,7 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
     if not 0 <= offset < ALIGN:
         raise ValueError(f"offset {offset} is outside 0..{ALIGN - 1}")
     flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    image = _FileImage(flat, offset, np.frombuffer(_shard_index(flat.size, offset), np.uint8))
+    image = _FileImage(flat, offset, np.frombuffer(shard_index(flat.size, offset), np.uint8))
     dev = os.stat(os.path.dirname(path) or ".").st_dev
     fd, is_direct = _open_for_write(path, direct and dev not in _no_direct)
     try:
@@ -465,10 +469,10 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
         fd = os.open(path, flags)
     try:
         size = os.fstat(fd).st_size
-        if size != offset + nbytes + _INDEX_BYTES:
+        if size != offset + nbytes + INDEX_BYTES:
             raise CheckpointCorruptError(
                 f"{path} has {size} bytes; an array of {nbytes} bytes at offset {offset} is "
-                f"stored in {offset + nbytes + _INDEX_BYTES}. The checkpoint is damaged; "
+                f"stored in {offset + nbytes + INDEX_BYTES}. The checkpoint is damaged; "
                 "restore another one.")
         buffer = aligned_blocks(size)
         crc = 0
@@ -501,7 +505,7 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
 def array_bytes(path: str, content: np.ndarray, nbytes: int, offset: int = 0) -> np.ndarray:
     """The array's bytes in the chunk file ``content`` read from ``path``, after checking
     that its shard index describes them (CheckpointCorruptError otherwise)."""
-    if bytes(content[offset + nbytes:]) != _shard_index(nbytes, offset):
+    if bytes(content[offset + nbytes:]) != shard_index(nbytes, offset):
         raise CheckpointCorruptError(
             f"{path}: its shard index does not describe one chunk of {nbytes} bytes at "
             f"offset {offset} (damaged, or not written in the layout its zarr.json names). "

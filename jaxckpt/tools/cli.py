@@ -310,6 +310,10 @@ def _info_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _info(opts: argparse.Namespace) -> int:
+    from .remote_cli import is_url, remote_info
+
+    if is_url(opts.path):
+        return remote_info(opts)
     located = _locate("info", opts.path)
     if isinstance(located, int):
         return located
@@ -317,14 +321,14 @@ def _info(opts: argparse.Namespace) -> int:
     return _info_root(path, opts) if kind == "root" else _info_checkpoint(path, opts)
 
 
-def _info_root(path: str, opts: argparse.Namespace) -> int:
+def _info_root(path: str, opts: argparse.Namespace, store: Any = None) -> int:
     """A root: how many checkpoints in which state, the latest valid one, where to look next
-    (sizes checked, not checksums: as ``ls``)."""
+    (sizes checked, not checksums: as ``ls``). ``store``: the root's (object stores)."""
     import json
 
     from jaxckpt.store import CheckpointStore
 
-    store = CheckpointStore(path)
+    store = CheckpointStore(path) if store is None else store
     entries = store.entries()
     counts = {status: sum(e.status == status for e in entries)
               for status in ("committed", "partial", "corrupt")}
@@ -348,9 +352,10 @@ def _info_root(path: str, opts: argparse.Namespace) -> int:
     return _bad_if(entries)
 
 
-def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
+def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> int:
     """What a checkpoint holds, read from its JSON files only (never from array data, and
-    never from a backend's own binary metadata); file sizes are checked against the manifest."""
+    never from a backend's own binary metadata); file sizes are checked against the manifest.
+    ``store``: the one holding ``path`` (object stores)."""
     import json
 
     from jaxckpt.driver import read_driver
@@ -358,7 +363,7 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     from jaxckpt.layout import DRIVER_FILE
     from jaxckpt.store import CheckpointStore
 
-    store = CheckpointStore(os.path.dirname(path))
+    store = CheckpointStore(os.path.dirname(path)) if store is None else store
     info: dict = {"path": path}
     try:
         manifest = store.read_manifest(path)
@@ -385,7 +390,7 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
         info["rng"] = sorted((local.get("rng") or {}).keys())
     except (OSError, ValueError, AttributeError, CheckpointError) as exc:
         info["driver_error"] = f"{DRIVER_FILE}: {exc}"
-    _add_leaves(info, path)
+    _add_leaves(info, path, store.storage)
     if opts.json:
         print(json.dumps(info, indent=1, default=str))
     else:
@@ -393,15 +398,16 @@ def _info_checkpoint(path: str, opts: argparse.Namespace) -> int:
     return EXIT_OK if info["status"] == "committed" else EXIT_BAD_CHECKPOINT
 
 
-def _add_leaves(info: dict, path: str) -> None:
+def _add_leaves(info: dict, path: str, storage: Any) -> None:
     from jaxckpt.errors import CheckpointError
     from jaxckpt.layout import STATE_DIR, TREE_FILE
-    from jaxckpt.tree_record import leaf_nbytes, read_tree_record
+    from jaxckpt.tree_record import leaf_nbytes, parse_tree_record
 
     state_dir = os.path.join(path, STATE_DIR)
-    if os.path.exists(os.path.join(state_dir, TREE_FILE)):
+    if storage.exists(os.path.join(state_dir, TREE_FILE)):
         try:
-            leaves = read_tree_record(state_dir)["leaves"]
+            text = storage.read(os.path.join(state_dir, TREE_FILE))
+            leaves = parse_tree_record(text, state_dir)["leaves"]
             info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
                                "dtype": leaf.get("dtype"), "bytes": leaf_nbytes(leaf)}
                               for leaf in leaves]
@@ -622,10 +628,19 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one round: checks that every row runs (CI)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--root", default=None,
+                        help="an s3://BUCKET/PREFIX to measure instead: save and restore "
+                             "against a raw upload and download through the same client "
+                             "(endpoint and credentials from the AWS_* environment)")
 
 
 def _bench(opts: argparse.Namespace) -> int:
     import json
+
+    if opts.root is not None:
+        from .bench_remote import bench_command
+
+        return bench_command(opts)
 
     from .bench import BenchConfig, format_table, run_bench
 

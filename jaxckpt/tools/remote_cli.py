@@ -1,6 +1,6 @@
-"""``jaxckpt ls`` and ``jaxckpt verify`` for roots on object storage (``s3://``, ``gs://``).
+"""``jaxckpt ls``, ``verify`` and ``info`` for roots on object storage (``s3://``, ``gs://``).
 
-Owns: the object-store side of those two commands, and the refusal (exit 2) that every other
+Owns: the object-store side of those three commands, and the refusal (exit 2) that every other
 command gives an object-store path. They ask the questions of ``jaxckpt.tools.cli`` through
 ``CheckpointStore`` over the ``Storage`` that ``jaxckpt.root_url.parse_root`` makes, and
 print what the local commands print. The endpoint and credentials come from the standard
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["is_url", "refuse_url", "remote_ls", "remote_verify"]
+__all__ = ["is_url", "refuse_url", "remote_info", "remote_ls", "remote_verify"]
 
 EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_USAGE, EXIT_NOT_JAXCKPT = 0, 1, 2, 3
 
@@ -30,12 +30,14 @@ def is_url(path: str) -> bool:
 def refuse_url(command: str, path: str) -> int:
     """Exit 2 for a command that cannot use an object-store path yet, saying why."""
     from jaxckpt.errors import CheckpointRootError
-    from jaxckpt.root_url import OBJECT_STORE_ARRAYS_UNSUPPORTED, root_scheme
+    from jaxckpt.root_url import root_scheme
 
     try:
         root_scheme(path)
-        message = (f"{path!r}: `jaxckpt {command}` does not read object storage yet (only "
-                   f"`ls` and `verify` do). " + OBJECT_STORE_ARRAYS_UNSUPPORTED.format(url=path))
+        message = (f"{path!r}: `jaxckpt {command}` does not take object-storage paths yet "
+                   f"(`ls`, `verify` and `info` do, and jaxckpt.CheckpointManager writes "
+                   f"s3:// roots). Copy the checkpoint to a local directory first (e.g. `aws "
+                   f"s3 cp --recursive {path} DIR`: the layout is the same).")
     except CheckpointRootError as exc:
         message = str(exc)
     print(f"jaxckpt {command}: {message}", file=sys.stderr)
@@ -145,3 +147,20 @@ def remote_verify(opts: argparse.Namespace) -> int:
         for problem in entry.problems:
             print(f"  {problem}")
     return EXIT_BAD_CHECKPOINT if any(e.status != "committed" for e in entries) else EXIT_OK
+
+
+def remote_info(opts: argparse.Namespace) -> int:
+    from .cli import _info_checkpoint, _info_root
+
+    try:
+        opened = _open("info", opts.path)
+        if isinstance(opened, int):
+            return opened
+        store, paths = opened
+        if paths:
+            return _info_checkpoint(paths[0], opts, store=store)
+        return _info_root(store.root, opts, store=store)
+    except Exception as exc:
+        if type(exc).__module__.startswith("botocore"):
+            return _environment_error("info", exc)
+        raise

@@ -115,7 +115,7 @@ def stored_chunk(directory: Path, rel: str) -> tuple[int, bytes]:
     content = (directory / rel).read_bytes()
     assert len(content) == offset + nbytes + 20, rel
     assert content[:offset] == bytes(offset), rel
-    assert content[offset + nbytes:] == zarr_io._shard_index(nbytes, offset), rel
+    assert content[offset + nbytes:] == zarr_io.shard_index(nbytes, offset), rel
     return offset, content[offset:offset + nbytes]
 
 
@@ -271,7 +271,7 @@ def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, direct, past_page, o
                                     offset=offset)
     content = path.read_bytes()
     assert size == len(content) == offset + nbytes + 20
-    assert content == bytes(offset) + data.tobytes() + zarr_io._shard_index(nbytes, offset)
+    assert content == bytes(offset) + data.tobytes() + zarr_io.shard_index(nbytes, offset)
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
 
     read, checksum = zarr_io.read_chunk(str(path), nbytes, algorithm=ALGORITHM, offset=offset)

@@ -1,14 +1,14 @@
 """A tiny pure-JAX training worker for the crash-consistency harness
 (tests/system/test_crash_harness.py).
 
-Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...``. It trains a
-two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches,
-with dropout drawn from a typed JAX PRNG key and a per-step noise scale drawn from Python's
-and NumPy's global RNGs (so an exact resume needs the arrays, the key, the loader position AND
-both global RNG states). ``--ballast K`` adds K extra array leaves, updated every step, that
-make each save write many more files: the background write, the commit pass (checksum + fsync
-per file) and retention deletion then take long enough for a randomly timed SIGKILL to land
-inside them.
+Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...`` (R may be an
+``s3://`` URL; ``--storage-options JSON`` then configures the client and the lease). It
+trains a two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader``
+batches, with dropout drawn from a typed JAX PRNG key and a per-step noise scale drawn from
+Python's and NumPy's global RNGs (so an exact resume needs the arrays, the key, the loader
+position AND both global RNG states). ``--ballast K`` adds K extra array leaves, updated every step, that make each save
+write many more files: the background write, the commit pass (checksum + fsync per file) and
+retention deletion then take long enough for a randomly timed SIGKILL to land inside them.
 The ballast changes the state tree, so a reference run must use the same ``--ballast``; the
 save mode does not change numerics (a chain may switch it between segments).
 
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local", default=None)
     parser.add_argument("--local-every", type=int, default=2)
     parser.add_argument("--local-keep-last-n", type=int, default=1)
+    parser.add_argument("--storage-options", type=json.loads, default=None,
+                        help="JSON storage_options for an s3:// root (e.g. a short lease)")
     opts = parser.parse_args(argv)
 
     import jax
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                       keep_last_n=opts.keep_last_n),
         mode=opts.mode, backend=seam_backend(),
         on_report=lambda report: emit(f"REPORTED{tag(report)} {report.step}"),
-        preemption_signals=())
+        preemption_signals=(), storage_options=opts.storage_options)
     with mgr, open(opts.log, "a") as log:
         recovered = mgr.recover(like, stateful={"loader": loader})
         if recovered is None:

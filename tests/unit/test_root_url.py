@@ -1,7 +1,7 @@
 """Roots are parsed in one place (jaxckpt/root_url.py): a URL is never taken for a relative
-path. Unknown schemes are refused up front naming the scheme; s3:// and gs:// roots are
-refused by the managers (the array backends cannot write there yet) with nothing created
-locally."""
+path. Unknown schemes are refused up front naming the scheme; an s3:// or gs:// root never
+creates anything locally, and the DCP manager refuses one (its backend cannot write there
+yet).
 
 import os
 
@@ -67,12 +67,26 @@ def test_a_gs_root_becomes_a_gcs_storage_of_its_bucket_and_prefix(monkeypatch):
     with pytest.raises(ValueError, match="unknown keys"):
         parse_root("gs://my-bucket/run", {"endpont_url": "typo"})
 
-@pytest.mark.parametrize("root", ["s3://bucket/run", "gs://bucket/run", "GS://bucket/run"])
-def test_checkpoint_manager_refuses_url_roots_and_creates_nothing(root, tmp_path, monkeypatch):
+
+def test_checkpoint_manager_refuses_unknown_url_roots_and_creates_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointRootError, match="not supported by the array backends yet"):
-        CheckpointManager(root)
-    assert os.listdir(tmp_path) == []  # no "s3:" or "gs:" directory
+    with pytest.raises(CheckpointRootError, match="the az:// scheme is not supported"):
+        CheckpointManager("az://bucket/run")
+    assert os.listdir(tmp_path) == []  # no "az:" directory
+
+
+def test_an_unreachable_s3_root_is_refused_naming_the_fix_and_creates_nothing(tmp_path,
+                                                                             monkeypatch):
+    # s3:// roots are written by the Orbax backend (tests/integration/test_s3_manager.py);
+    # one whose endpoint does not answer is refused before anything is created anywhere.
+    pytest.importorskip("boto3")
+    monkeypatch.chdir(tmp_path)
+    options = {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1",
+               "aws_access_key_id": "a", "aws_secret_access_key": "b", "max_attempts": 1,
+               "connect_timeout": 1}
+    with pytest.raises(CheckpointRootError, match="listing it failed.*AWS_ENDPOINT_URL"):
+        CheckpointManager("s3://bucket/run", storage_options=options)
+    assert os.listdir(tmp_path) == []  # no "s3:" directory
 
 
 def test_dcp_checkpoint_manager_refuses_s3_roots_and_creates_nothing(tmp_path, monkeypatch):

@@ -1,0 +1,92 @@
+"""Where the Orbax backend's files live: a local path or an object store, and the limits there.
+
+Owns: which ``ArrayFiles`` the native writer and reader use for a directory
+(``files_for``: zarr_io on a local disk, the attached storage for a URL, none where Orbax
+does the work), the directory as a path object (``path_for``), the checks that keep
+object-store locations on the native path (``check_arrays``) and the error for a checkpoint
+it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write ``s3://`` (it finalizes by renaming
+directories, and it creates a local ``./s3:`` directory), so on an object store every array
+goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout: one process,
+dtypes zarr_io stores. Anything else is refused before a byte is written, naming the leaf
+and what to do.
+
+Must not import: torch.
+
+Concurrency contract: stateless functions; safe from any thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from jaxckpt import zarr_io
+from jaxckpt._orbax_options import OrbaxOptions
+from jaxckpt.array_files import (
+    ArrayFiles,
+    LocalArrayFiles,
+    StorageArrayFiles,
+    StoragePath,
+)
+from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
+
+__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign"]
+
+
+def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
+    """``directory`` as an ``epath.Path``, or a URL of the attached storage as a
+    ``StoragePath`` (epath would reach for s3fs, and Orbax's paths are not ours there)."""
+    if remote is not None and "://" in directory:
+        return StoragePath(remote.storage, directory)
+    return epath.Path(directory)
+
+
+def files_for(remote: StorageArrayFiles | None, directory: str,
+              options: OrbaxOptions) -> ArrayFiles | None:
+    """Where the native writer and reader put ``directory``'s files: the attached storage
+    for a URL (always: Orbax cannot write there), zarr_io for a local path with
+    ``native_io`` in a single process, else None (Orbax does the work)."""
+    process_count = jax.process_count()
+    if remote is not None and "://" in directory:
+        _check_single_process(directory, process_count)
+        return remote
+    if options.native_io and process_count == 1 and "://" not in directory:
+        return LocalArrayFiles(direct=options.direct_io)
+    return None
+
+
+def _check_single_process(directory: str, process_count: int) -> None:
+    """``CheckpointRootError`` for a run of several processes on an object store (their
+    shards would need Orbax, which cannot write there)."""
+    if process_count != 1:
+        raise CheckpointRootError(
+            f"{directory}: the Orbax backend writes object storage from a single process "
+            f"only so far; this run has {process_count} processes. Fix: use a shared "
+            f"filesystem root for multi-process runs.")
+
+
+def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
+    """``CheckpointRootError`` naming every stored array zarr_io cannot write (sub-byte or
+    big-endian dtypes, zero-size arrays outside packs): on an object store there is no
+    Orbax to hand them to."""
+    bad = [f"{name}: {getattr(array, 'dtype', type(array).__name__)} "
+           f"{getattr(array, 'shape', '')}" for name, array in sorted(arrays.items())
+           if not (isinstance(array, np.ndarray) and zarr_io.supported(array))]
+    if bad:
+        raise CheckpointRootError(
+            f"{directory}: these stored arrays cannot be written to object storage (only "
+            f"dtypes {sorted(zarr_io.SUPPORTED_DTYPES)} with at least one element are): "
+            f"{'; '.join(bad)}. Nothing was written. Fix: cast such leaves (e.g. int4 to "
+            f"int8) or save to a filesystem root.")
+
+
+def refuse_foreign(directory: str) -> None:
+    """A checkpoint on an object store whose arrays are not in zarr_io's layout (written by
+    Orbax itself, or damaged): nothing here can read it."""
+    raise CheckpointCorruptError(
+        f"{directory}: its arrays are not stored in the single-chunk zarr3 layout jaxckpt "
+        f"reads from object storage (written by another tool, or damaged). Copy it to a "
+        f"local disk to read it with Orbax, or restore another checkpoint.")

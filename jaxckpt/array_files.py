@@ -1,0 +1,272 @@
+"""Where the native Orbax-layout writer and reader keep their files: a local directory, or
+objects of a ``jaxckpt.storage.Storage``.
+
+Owns: ``ArrayFiles``, the few operations the native writer (``_orbax_write``) and reader
+(``_orbax_read``) need from the place an ``arrays/`` directory lives, and its two
+implementations:
+
+- ``LocalArrayFiles``: a local filesystem through ``jaxckpt.zarr_io`` (O_DIRECT, checksums
+  on the way, data offsets that line up with the array's memory), written under a temporary
+  directory that is renamed into place once complete. This is the path every local root
+  took before object stores existed, call for call.
+- ``StorageArrayFiles``: one object per file through a ``Storage`` (``S3Storage``): one PUT
+  per chunk file (the storage switches to a multipart upload for big ones), reads by GET,
+  big chunk files in ranged GETs on a few threads. Objects are written at their final
+  names: an object store has no rename, and the checkpoint's commit marker, written after
+  them, is what makes them part of a checkpoint. ``StoragePath`` lets the backend's code
+  for a checkpoint directory (``tree.json``, listing) run on such a location.
+
+Both write the same bytes under the same names (``StorageArrayFiles`` always at data offset
+0: tensorstore's own layout), so a checkpoint copied from an object store to a disk (``aws
+s3 cp --recursive``) is a valid local checkpoint, and the other way round.
+
+Must not import: jax, orbax, torch.
+
+Concurrency contract: every method may be called from several threads at once on different
+paths (the writer and reader run one file per I/O thread).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+
+from . import zarr_io
+from .checksum import default_algorithm, extend
+from .errors import CheckpointCorruptError
+from .storage import Storage
+
+__all__ = [
+    "RANGED_READ_OVER",
+    "ArrayFiles",
+    "LocalArrayFiles",
+    "StorageArrayFiles",
+    "StoragePath",
+]
+
+#: Chunk objects larger than this are read in ranged GETs of at most this size (equal
+#: parts), several at once. Not smaller: some servers (moto among them) read a whole object
+#: for every range of it.
+RANGED_READ_OVER = 64 << 20
+
+
+class ArrayFiles(Protocol):
+    """What the native writer and reader need from where an ``arrays/`` directory lives.
+    Paths are locations of that place (a filesystem path, or a URL of the storage)."""
+
+    def start(self, final: str) -> str:
+        """Where to write the files of the directory ``final`` (a new temporary directory,
+        or ``final`` itself where nothing can be renamed)."""
+
+    def finish(self, base: str, final: str) -> None:
+        """Make what was written under ``base`` appear at ``final``."""
+
+    def abandon(self, base: str) -> None:
+        """A write into ``base`` failed: remove what it wrote, where that is cheap."""
+
+    def chunk_offset(self, array: np.ndarray, base: str) -> int:
+        """Where ``array``'s bytes start in its chunk file (``zarr_io.data_offset``)."""
+
+    def make_parent(self, path: str) -> None:
+        """Prepare the directories above ``path`` (nothing on an object store)."""
+
+    def write_small(self, path: str, text: str) -> tuple[int, str] | None:
+        """Write a small metadata file; its (size, checksum) when it is already durable
+        and checksummed (then the commit neither reads nor syncs it), else None."""
+
+    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
+                    offset: int) -> tuple[int, str]:
+        """Write one array's chunk file, durably; (size, checksum with ``algorithm``)."""
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        """The first ``limit`` bytes of a small file; ``OSError`` when it cannot be read."""
+
+    def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
+                   offset: int) -> tuple[np.ndarray, str | None]:
+        """A chunk file whole, in an aligned buffer, and its checksum (``zarr_io.read_chunk``)."""
+
+
+class LocalArrayFiles:
+    """``ArrayFiles`` on a local filesystem: ``zarr_io`` with O_DIRECT where ``direct``."""
+
+    def __init__(self, *, direct: bool):
+        self.direct = direct
+
+    def start(self, final: str) -> str:
+        base = f"{final}.tmp-{os.getpid()}-{time.time_ns()}"
+        os.mkdir(base)
+        return base
+
+    def finish(self, base: str, final: str) -> None:
+        os.rename(base, final)
+
+    def abandon(self, base: str) -> None:
+        shutil.rmtree(base, ignore_errors=True)
+
+    def chunk_offset(self, array: np.ndarray, base: str) -> int:
+        return zarr_io.data_offset(array, base, direct=self.direct)
+
+    def make_parent(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path))
+
+    def write_small(self, path: str, text: str) -> tuple[int, str] | None:
+        # No fsync of its own: the commit fsyncs (and checksums) every such file.
+        with open(path, "x", encoding="utf-8") as stream:
+            stream.write(text)
+        return None
+
+    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
+                    offset: int) -> tuple[int, str]:
+        return zarr_io.write_chunk(path, array, algorithm=algorithm, direct=self.direct,
+                                   offset=offset)
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        with open(path, "rb") as stream:
+            return stream.read(limit)
+
+    def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
+                   offset: int) -> tuple[np.ndarray, str | None]:
+        return zarr_io.read_chunk(path, nbytes, algorithm=algorithm, direct=self.direct,
+                                  offset=offset)
+
+
+class StorageArrayFiles:
+    """``ArrayFiles`` as objects of ``storage`` (see the module docstring).
+
+    ``read_threads``: ranged GETs in flight for one big chunk object. The pool is this
+    object's own (the reader calls ``read_chunk`` from its pool's threads already, and a
+    task waiting on tasks of its own pool can starve it)."""
+
+    def __init__(self, storage: Storage, *, read_threads: int = 8):
+        self.storage = storage
+        self._read_threads = read_threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the ranged-read threads (a later read starts new ones)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=wait)
+
+    def start(self, final: str) -> str:
+        return final
+
+    def finish(self, base: str, final: str) -> None:
+        """Nothing to move: the objects are at their names, and only the checkpoint's commit
+        marker (written later, by the store) makes them count."""
+
+    def abandon(self, base: str) -> None:
+        """Left to the manager, which removes an uncommitted checkpoint whole."""
+
+    def chunk_offset(self, array: np.ndarray, base: str) -> int:
+        return 0  # no O_DIRECT on a network write: tensorstore's own layout
+
+    def make_parent(self, path: str) -> None:
+        """Object stores have no directories."""
+
+    def write_small(self, path: str, text: str) -> tuple[int, str]:
+        data = text.encode("utf-8")
+        self.storage.write(path, data)
+        return len(data), f"{extend(default_algorithm(), 0, data):08x}"
+
+    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
+                    offset: int) -> tuple[int, str]:
+        # The object is built in one buffer (one copy of the array): a PUT needs its bytes,
+        # and its checksum is taken from exactly the bytes sent.
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        index = zarr_io.shard_index(flat.size, offset)
+        image = bytearray(offset + flat.size + len(index))
+        view = np.frombuffer(image, np.uint8)
+        view[offset:offset + flat.size] = flat
+        view[offset + flat.size:] = np.frombuffer(index, np.uint8)
+        crc = extend(algorithm, 0, view)
+        self.storage.write(path, image)
+        return len(image), f"{crc:08x}"
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        return self.storage.read(path, length=limit)
+
+    def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
+                   offset: int) -> tuple[np.ndarray, str | None]:
+        size = offset + nbytes + zarr_io.INDEX_BYTES
+        # One byte more than expected is asked for: an object that is longer than its
+        # zarr.json says shows up without a separate size request.
+        wanted = size + 1
+        buffer = zarr_io.aligned_blocks(wanted)  # streamed into: no copy of the bytes
+        view = buffer.data
+        part = -(-wanted // -(-wanted // RANGED_READ_OVER))  # equal parts, none tiny
+        ranges = [(start, min(part, wanted - start)) for start in range(0, wanted, part)]
+
+        def fetch(piece: tuple[int, int]) -> int:
+            start, length = piece
+            return self.storage.read_into(path, view[start:start + length], offset=start)
+
+        if len(ranges) == 1:
+            counts = [fetch(ranges[0])]
+        else:
+            counts = list(self._readers().map(fetch, ranges))
+        total = sum(counts)
+        if total != size:
+            raise CheckpointCorruptError(
+                f"{path} has {total if total <= size else 'more than ' + str(size)} bytes; an "
+                f"array of {nbytes} bytes at offset {offset} is stored in {size}. The "
+                "checkpoint is damaged; restore another one.")
+        content = buffer[:size]
+        crc = None if algorithm is None else f"{extend(algorithm, 0, content):08x}"
+        return content, crc
+
+    def _readers(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self._read_threads, thread_name_prefix="jaxckpt-get")
+            return self._pool
+
+
+class StoragePath:
+    """A location of a ``Storage`` with the few members of ``epath.Path`` the Orbax backend
+    uses on a checkpoint directory (``/``, ``exists``, ``iterdir``, ``mkdir``,
+    ``read_bytes``, ``write_text``, ``os.fspath``), so that its code for a directory runs
+    unchanged on an object store. Stateless; safe from any thread."""
+
+    def __init__(self, storage: Storage, location: str):
+        self.storage = storage
+        self.location = location.rstrip("/")
+
+    def __truediv__(self, name: str) -> StoragePath:
+        return StoragePath(self.storage, f"{self.location}/{name}")
+
+    def __fspath__(self) -> str:
+        return self.location
+
+    def __str__(self) -> str:
+        return self.location
+
+    def __repr__(self) -> str:
+        return f"StoragePath({self.storage!r}, {self.location!r})"
+
+    def exists(self) -> bool:
+        """An object at this location, or objects below it."""
+        return self.storage.exists(self.location) or self.storage.is_prefix(self.location)
+
+    def iterdir(self) -> Iterator[StoragePath]:
+        for name in self.storage.list_names(self.location):
+            yield self / name.rstrip("/")
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Object stores have no directories: nothing to make."""
+
+    def read_bytes(self) -> bytes:
+        return self.storage.read(self.location)
+
+    def write_text(self, text: str) -> None:
+        self.storage.write(self.location, text.encode("utf-8"))

@@ -1,0 +1,77 @@
+"""The steps of the commit protocol that take another form on an object store, which has no
+rename.
+
+Owns: quarantine by copy-then-delete (``copy_then_delete``), and exports on an object store
+(``export_staging``, ``publish_export``): the user's exporter writes into a local temporary
+directory, whose files are then uploaded under the export's name and vouched for by a
+``COMMITTED`` manifest written create-only, last, exactly as a recovery checkpoint is. An
+export prefix without that marker is debris (a crash mid-upload): never listed, removed by
+the next primary's start-up cleanup. ``CheckpointStore`` calls these for storages other
+than ``PosixStorage``, which renames instead.
+
+Why copy-then-delete for quarantine rather than a marker object: the step's name must be
+freed for the step about to be written again, and a checkpoint set aside must stay readable
+for inspection, so its objects are copied (on the server: no bytes through this host) to
+``recover/superseded/...`` and only then deleted, marker first. A crash in between leaves
+the checkpoint committed at its name (nothing lost; the copy is debris under
+``superseded/``) or partial (cleaned at the next start).
+
+Must not import: jax, orbax, torch.
+
+Concurrency contract: called by the primary process only, under the root lock, from one
+thread at a time per checkpoint (the store's contract).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from .checksum import default_algorithm, extend
+from .layout import parse_export_dirname
+
+if TYPE_CHECKING:
+    from .store import CheckpointStore
+
+__all__ = ["copy_then_delete", "export_staging", "publish_export"]
+
+
+def copy_then_delete(store: CheckpointStore, path: str, target: str) -> None:
+    """Copy every object below ``path`` to the same name below ``target``, then delete
+    ``path`` (its commit marker first). ``FileNotFoundError`` when nothing is at ``path``."""
+    files = store.storage.list_files(path)
+    if not files:
+        raise FileNotFoundError(2, "nothing to move", path)
+    for rel in sorted(files):
+        store.storage.copy(f"{path}/{rel}", f"{target}/{rel}")
+    store.delete(path)
+
+
+def export_staging(name: str) -> str:
+    """A new local temporary directory the exporter writes the export ``name`` into."""
+    return tempfile.mkdtemp(prefix=f"jaxckpt-export-{name}-")
+
+
+def publish_export(store: CheckpointStore, tmp: str, final: str) -> None:
+    """Upload the export written in the local directory ``tmp`` to ``final`` (replacing an
+    export already there), then commit it with a manifest of the checksums computed from
+    the local files; ``tmp`` is removed whatever happens."""
+    try:
+        if store.storage.is_prefix(final):
+            store.delete(final)
+        algorithm = default_algorithm()
+        known: dict[str, dict[str, Any]] = {}
+        for dirpath, _, filenames in os.walk(tmp):
+            for filename in sorted(filenames):
+                local = os.path.join(dirpath, filename)
+                rel = os.path.relpath(local, tmp).replace(os.sep, "/")
+                with open(local, "rb") as stream:
+                    data = stream.read()
+                store.storage.write(f"{final}/{rel}", data)
+                known[rel] = {"size": len(data), algorithm: f"{extend(algorithm, 0, data):08x}"}
+        parsed = parse_export_dirname(os.path.basename(final))
+        store.commit(final, parsed[2] if parsed else 0, known=known)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

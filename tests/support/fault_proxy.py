@@ -1,0 +1,100 @@
+"""A fault-injecting HTTP proxy on 127.0.0.1 between an S3 client and the test's server.
+
+``FaultProxy(target, seed=..., rates=...)`` forwards every request to ``target`` and, per
+request, by a seeded draw, instead answers 503 (throttled), drops the connection before
+forwarding (the request never reached the server), drops it after forwarding (the server
+acted but the answer is lost: the client's retry must cope with its own first attempt,
+e.g. a create-only PUT that already landed), or waits before forwarding (a slow server).
+``counts`` says how many of each it did. Imports nothing from the library.
+
+Concurrency: a threading HTTP server; the counters are guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import random
+import threading
+import time
+from urllib.parse import urlsplit
+
+FAULTS = ("unavailable", "drop_before", "drop_after", "slow")
+
+
+class FaultProxy:
+    """See the module docstring. ``rates``: probability of each fault per request."""
+
+    def __init__(self, target: str, *, seed: int = 0, rates: dict[str, float] | None = None,
+                 slow_s: float = 0.3):
+        self.rates = dict(rates or {})
+        self.counts = {name: 0 for name in ("forwarded", *FAULTS)}
+        self.enabled = True
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+        proxy = self
+        target_host = urlsplit(target).netloc
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fault = proxy._draw()
+                if fault == "unavailable":
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if fault == "drop_before":
+                    self.close_connection = True
+                    return
+                if fault == "slow":
+                    time.sleep(slow_s)
+                upstream = http.client.HTTPConnection(target_host, timeout=60)
+                try:
+                    upstream.request(self.command, self.path, body=body,
+                                     headers=dict(self.headers))
+                    answer = upstream.getresponse()
+                    data = answer.read()
+                finally:
+                    upstream.close()
+                if fault == "drop_after":
+                    self.close_connection = True
+                    return
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("content-length", "transfer-encoding",
+                                            "connection", "server", "date"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _draw(self) -> str:
+        with self._lock:
+            fault = "forwarded"
+            if self.enabled:
+                value, edge = self._random.random(), 0.0
+                for name in FAULTS:
+                    edge += self.rates.get(name, 0.0)
+                    if value < edge:
+                        fault = name
+                        break
+            self.counts[fault] += 1
+            return fault
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
