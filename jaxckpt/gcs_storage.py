@@ -249,7 +249,7 @@ class GCSStorage(Storage):
             checksum=None if ranged else "auto", timeout=self.timeout, retry=self.retry())
 
     # --- whole objects -------------------------------------------------------------------
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: bytes | bytearray) -> None:
         self.upload(self.name(path), data)
 
     def create(self, path: str, data: bytes) -> None:

@@ -1,7 +1,7 @@
 """Roots are parsed in one place (jaxckpt/root_url.py): a URL is never taken for a relative
 path. Unknown schemes are refused up front naming the scheme; an s3:// or gs:// root never
 creates anything locally, and the DCP manager refuses one (its backend cannot write there
-yet).
+yet)."""
 
 import os
 
@@ -48,7 +48,6 @@ def test_an_s3_root_becomes_an_s3_storage_of_its_bucket_and_prefix():
         parse_root("s3://my-bucket")
     with pytest.raises(ValueError, match="unknown keys"):
         parse_root("s3://my-bucket/run", {"endpont_url": "typo"})
-
 
 
 def test_a_gs_root_becomes_a_gcs_storage_of_its_bucket_and_prefix(monkeypatch):
