@@ -250,7 +250,7 @@ class GCSStorage(Storage):
 
     # --- whole objects -------------------------------------------------------------------
     def write(self, path: str, data: bytes | bytearray) -> None:
-        self.upload(self.name(path), data)
+        self.upload(self.name(path), bytes(data) if isinstance(data, bytearray) else data)
 
     def create(self, path: str, data: bytes) -> None:
         from google.api_core.exceptions import NotFound, PreconditionFailed
