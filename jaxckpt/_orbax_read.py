@@ -15,7 +15,9 @@ Which reader runs is the backend's decision (``orbax_backend``). Must not import
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -254,6 +256,23 @@ def limit_claims(claims: ReadClaims | None, directory: str, arrays: epath.Path |
         return
     claims.limit(directory, [] if arrays is None
                  else [os.fspath(arrays / name) for name in restore_args])
+
+
+@contextlib.contextmanager
+def unreadable_is_corrupt(directory: str) -> Iterator[None]:
+    """Any failure of the block but running out of memory (or an interrupt) becomes a
+    ``CheckpointCorruptError``: Orbax and tensorstore report damaged metadata or chunks with
+    their own types (ValueError, UnicodeDecodeError, DATA_LOSS...), and to the caller this is
+    one thing, a checkpoint that cannot be read, so recovery can fall back."""
+    try:
+        yield
+    except (CheckpointCorruptError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        raise CheckpointCorruptError(
+            f"{directory}: array data cannot be read ({type(error).__name__}: "
+            f"{error}). The checkpoint is damaged; restore another one "
+            f"(recover() falls back to the previous valid checkpoint).") from error
 
 
 def restore_request(restore_args: dict[str, Any], partial: bool) -> Any:

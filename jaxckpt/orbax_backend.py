@@ -85,7 +85,6 @@ from jaxckpt._orbax_write import (
 )
 from jaxckpt.array_files import ArrayFiles, StorageArrayFiles
 from jaxckpt.backend import BackendFeatures
-from jaxckpt.errors import CheckpointCorruptError
 
 if TYPE_CHECKING:
     from jaxckpt.read_claims import ReadClaims
@@ -490,7 +489,7 @@ class OrbaxBackend:
         ``native_io`` applies and the files are in its layout, else by Orbax (told, with
         ``partial``, that the saved arrays outside ``restore_args`` stay unread). Any failure
         but running out of memory is a damaged checkpoint (CheckpointCorruptError)."""
-        try:
+        with _orbax_read.unreadable_is_corrupt(directory):
             restored = None
             files = self._files_for(directory)
             if files is not None:
@@ -504,16 +503,6 @@ class OrbaxBackend:
             if restored is None:
                 restored = self._sync.restore(
                     arrays_dir, args=_orbax_read.restore_request(restore_args, partial))
-        except (CheckpointCorruptError, MemoryError, KeyboardInterrupt):
-            raise
-        except Exception as error:
-            # Orbax and tensorstore report damaged metadata or chunks with their own
-            # types (ValueError, UnicodeDecodeError, DATA_LOSS...): to the caller this is
-            # one thing, a checkpoint that cannot be read, so recovery can fall back.
-            raise CheckpointCorruptError(
-                f"{directory}: array data cannot be read ({type(error).__name__}: "
-                f"{error}). The checkpoint is damaged; restore another one "
-                f"(recover() falls back to the previous valid checkpoint).") from error
         return restored
 
     # ---------------------------------------------------------------------- the rest

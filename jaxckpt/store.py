@@ -123,6 +123,33 @@ def _committable(rel: str) -> bool:
     return rel != COMMIT_MARKER and not is_tmp_name(rel.rsplit("/", 1)[-1])
 
 
+def _check_file(storage: Storage, path: str, rel: str, info: dict[str, Any], *,
+                checksums: bool, listed: dict[str, int] | None = None) -> str | None:
+    """What is wrong with one manifest entry in ``storage`` (None: nothing): a path that
+    leaves the checkpoint, a missing or unreadable file, a size or (when asked) checksum
+    mismatch. ``listed``: sizes from a listing of ``path`` just taken (saves asking the
+    storage for each file's size)."""
+    full = os.path.join(path, *rel.split("/"))
+    if not storage.resolves_inside(full, path):
+        return outside_problem(rel)
+    size = None if listed is None else listed.get(rel)
+    if size is None:
+        try:
+            size = storage.size(full)
+        except FileNotFoundError:
+            return missing_problem(rel)
+        except OSError as exc:
+            return unreadable_problem(rel, exc)
+    problem = size_problem(rel, info, size)
+    if problem or not checksums:
+        return problem
+    try:
+        _, crc = storage.checksum(full, algorithm_of(info))
+    except OSError as exc:
+        return unreadable_problem(rel, exc)
+    return checksum_problem(rel, info, crc)
+
+
 class CheckpointStore:
     """Checkpoint directories of one root: ``{root}/recover`` and ``{root}/export``.
 
@@ -227,32 +254,6 @@ class CheckpointStore:
                 f"(the job stopped while saving); it is not restorable")
         return manifest
 
-    def _check_file(self, path: str, rel: str, info: dict[str, Any], *, checksums: bool,
-                    listed: dict[str, int] | None = None) -> str | None:
-        """What is wrong with one manifest entry in storage (None: nothing): a path that
-        leaves the checkpoint, a missing or unreadable file, a size or (when asked) checksum
-        mismatch. ``listed``: sizes from a listing of ``path`` just taken (saves asking the
-        storage for each file's size)."""
-        full = os.path.join(path, *rel.split("/"))
-        if not self.storage.resolves_inside(full, path):
-            return outside_problem(rel)
-        size = None if listed is None else listed.get(rel)
-        if size is None:
-            try:
-                size = self.storage.size(full)
-            except FileNotFoundError:
-                return missing_problem(rel)
-            except OSError as exc:
-                return unreadable_problem(rel, exc)
-        problem = size_problem(rel, info, size)
-        if problem or not checksums:
-            return problem
-        try:
-            _, crc = self.storage.checksum(full, algorithm_of(info))
-        except OSError as exc:
-            return unreadable_problem(rel, exc)
-        return checksum_problem(rel, info, crc)
-
     def verify(self, path: str, *, checksums: bool = True, defer_over: int | None = None,
                progress: Callable[[int, int], None] | None = None) -> list[str]:
         """Problems found in a committed checkpoint (empty when it is valid).
@@ -276,7 +277,7 @@ class CheckpointStore:
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
             crc = checksums and (defer_over is None or not deferrable(rel, info, defer_over))
-            problem = self._check_file(path, rel, info, checksums=crc, listed=listed)
+            problem = _check_file(self.storage, path, rel, info, checksums=crc, listed=listed)
             counted.add(info.get("size", 0))
             return problem
 
@@ -305,8 +306,9 @@ class CheckpointStore:
     def verify_entries(self, path: str, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
         """Problems in these manifest entries of ``path`` (size and checksum), a few files
         at a time."""
-        return _run_checks(lambda item: self._check_file(path, *item, checksums=True), entries,
-                           self.storage.concurrent_requests)
+        storage = self.storage
+        return _run_checks(lambda item: _check_file(storage, path, *item, checksums=True),
+                           entries, storage.concurrent_requests)
 
     def _classify(self, step: int, path: str, *, checksums: bool,
                   defer_over: int | None = None) -> Entry:
