@@ -280,7 +280,7 @@ def test_checkpoint_store_commits_verifies_and_deletes_on_gcs(storage, base):
         lease.release()
 
 
-def test_cli_ls_and_verify_read_a_gs_root(storage, base, options, capsys, tmp_path,
+def test_cli_ls_verify_and_info_read_a_gs_root(storage, base, options, capsys, tmp_path,
                                           monkeypatch):
     from jaxckpt.tools.cli import main
 
@@ -300,10 +300,12 @@ def test_cli_ls_and_verify_read_a_gs_root(storage, base, options, capsys, tmp_pa
     assert "CORRUPT " + store.step_path(2) in out and "contents altered" in out
     assert main(["ls", f"{base}/not-a-root"]) == 3
     assert "is not a jaxckpt checkpoint root" in capsys.readouterr().err
-    assert main(["info", base]) == 2
-    assert "does not read object storage yet" in capsys.readouterr().err
+    assert main(["info", f"{base}/recover/step_00000001"]) == 0
+    info = capsys.readouterr().out
+    assert info.startswith(f"path           {base}/recover/step_00000001") and "committed" in info
+    assert main(["export-hf", base, "out"]) == 2
+    assert "does not take object-storage paths yet" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # nothing local was created
-
 
 
 def test_which_failures_are_transient():
