@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS := jax,torch,hf,grain,notebooks,test
 
-.PHONY: demo test install clean
+.PHONY: demo test wheels install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+# The wheel installed alone per extra set (base, jax, torch, hf) in fresh venvs, each running
+# a save/restore smoke program: minutes of installs, so CI runs it beside `make test`.
+wheels: $(VENV)/.installed
+	JAXCKPT_WHEELS=1 $(BIN)/python -m pytest -q -m wheels tests/system/test_wheel_extras.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

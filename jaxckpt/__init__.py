@@ -27,6 +27,7 @@ from .errors import (
 )
 from .manager import CheckpointManager, Recovered, SaveReport
 from .orbax_import import import_orbax
+from .sampler import IndexSampler
 
 __all__ = [
     "__version__",
@@ -38,6 +39,7 @@ __all__ = [
     "Versioned",
     "CheckpointManager",
     "import_orbax",
+    "IndexSampler",
     "SaveReport",
     "Recovered",
     "CheckpointError",

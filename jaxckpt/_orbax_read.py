@@ -1,11 +1,13 @@
 """The Orbax backend's read path: matching a ``like`` tree to tree.json, and the way back.
 
 Owns: what each ``like`` leaf asks for (:class:`Target`), the comparison of ``like`` with
-the saved leaves by tree path (every mismatch at once), the restore arguments handed to
-Orbax (shardings, typed keys' data), the native reader (``jaxckpt.zarr_io``, checking the
-deferred checksums of the files it reads as it reads them: ``store.ReadClaims``), and
-turning what was read into ``like``'s leaves (packed leaves cut out of their packs, arrays
-stored as bytes viewed as their dtype, keys wrapped, numpy and Python scalars converted).
+the saved leaves by tree path (every mismatch at once; with ``partial``, like may be a
+subtree, and the scope of its deferred checks is limited to what it reads), the restore
+arguments handed to Orbax (shardings, typed keys' data), the native reader
+(``jaxckpt.zarr_io``, checking the deferred checksums of the files it reads as it reads
+them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves (packed leaves
+cut out of their packs, arrays stored as bytes viewed as their dtype, keys wrapped, numpy
+and Python scalars converted).
 
 Which reader runs is the backend's decision (``orbax_backend``). Must not import: torch.
 """
@@ -42,8 +44,8 @@ from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, Tree
 if TYPE_CHECKING:
     from jaxckpt.read_claims import ReadClaims
 
-__all__ = ["Target", "match_like", "arrays_dir", "restore_args_for", "read_native", "unpack",
-           "to_like_leaves"]
+__all__ = ["Target", "match_like", "arrays_dir", "restore_args_for", "limit_claims",
+           "restore_request", "read_native", "unpack", "to_like_leaves"]
 
 
 # ---------------------------------------------------------------------------- like leaves
@@ -170,8 +172,11 @@ def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:
     return targets, like_treedef
 
 
-def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf]) -> list[str]:
-    """Every difference between like and the checkpoint, one line per tree path."""
+def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf], *,
+            partial: bool = False) -> list[str]:
+    """Every difference between like and the checkpoint, one line per tree path. With
+    ``partial`` (like is a subtree of what was saved) saved leaves outside like are not
+    differences: they are simply not read."""
     problems = []
     like_paths = set()
     for path, target in targets:
@@ -183,7 +188,7 @@ def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf]) -> l
             problems.append(f"{path}: expected {target.describe()}, checkpoint has "
                             f"{entry.describe()}")
     for path, entry in saved.items():
-        if path not in like_paths:
+        if not partial and path not in like_paths:
             problems.append(f"{path}: not in like (checkpoint has {entry.describe()})")
     # Sorted by path so that related problems (a renamed subtree) read side by side.
     return sorted(problems)
@@ -193,26 +198,33 @@ def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf]) -> l
 # --------------------------------------------------------------------------- the read
 
 
-def match_like(root: epath.Path, directory: str,
-               like: Any) -> tuple[dict[str, SavedLeaf], list[tuple[str, Target]], Any]:
+def match_like(root: epath.Path, directory: str, like: Any, *, partial: bool = False,
+               ) -> tuple[dict[str, SavedLeaf], list[tuple[str, Target]], Any]:
     """The saved leaves of ``directory`` by tree path, the targets of ``like`` and its
     treedef, once ``like`` matches the checkpoint. Raises CheckpointNotFoundError for a
     missing directory, CheckpointCorruptError for an unreadable tree.json, TypeError for
     like leaves that describe no array, and one TreeMismatchError listing every mismatch
-    (missing, extra, shape, dtype, key impl); nothing has been read from ``arrays/`` then."""
+    (missing, extra, shape, dtype, key impl); nothing has been read from ``arrays/`` then.
+    ``partial``: like may leave saved leaves out (see ``compare``)."""
     if not root.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {directory}: the directory does "
                                       "not exist")
     saved = read_tree_json(root, directory)
     targets, like_treedef = like_targets(like)
-    problems = compare(targets, saved)
+    problems = compare(targets, saved, partial=partial)
     if problems:
+        fix = ("build like as a subtree of the saved tree (the same paths, shapes and "
+               "dtypes for what it keeps; `jaxckpt info PATH --tree` lists every saved "
+               "path)" if partial else
+               "build like with the same code and configuration that produced the "
+               "checkpoint (e.g. nnx.eval_shape of the same model and optimizer)")
+        if not partial and all(": not in like " in line for line in problems):
+            fix += "; to read only the part like describes, pass partial=True"
         raise TreeMismatchError(
             f"cannot restore {directory} into like: {len(problems)} tree path(s) do not "
-            "match:\n" + "\n".join(f"  {line}" for line in problems) + "\nFix: build "
-            "like with the same code and configuration that produced the checkpoint "
-            "(e.g. nnx.eval_shape of the same model and optimizer), or read with a like "
-            f"that matches {directory}/{TREE_FILE} and convert the result yourself.",
+            "match:\n" + "\n".join(f"  {line}" for line in problems) + f"\nFix: {fix}, "
+            f"or read with a like that matches {directory}/{TREE_FILE} and convert the "
+            "result yourself.",
             problems)
     return saved, targets, like_treedef
 
@@ -225,6 +237,31 @@ def arrays_dir(root: epath.Path, directory: str) -> epath.Path:
             f"checkpoint {directory} has {TREE_FILE} but no {ARRAYS_DIR}/ directory: "
             "its write did not finish. Fix: restore an older, committed checkpoint.")
     return found
+
+
+def limit_claims(claims: ReadClaims | None, directory: str, arrays: epath.Path | None,
+                 restore_args: dict[str, Any], *, partial: bool) -> None:
+    """A partial read's scope: the deferred checks of ``directory`` are limited to the
+    array directories it reads (``arrays`` / each name of ``restore_args``; none when
+    ``arrays`` is None), so that files nothing is restored from are not read to be
+    checked. A packed leaf's whole pack is read (a few small leaves share one file), and
+    is checked. With OCDBT, whose data files each hold many arrays, nothing is withdrawn:
+    every data file is checked."""
+    if not partial or claims is None:
+        return
+    if arrays is not None and ocp.type_handlers.is_ocdbt_checkpoint(arrays):
+        return
+    claims.limit(directory, [] if arrays is None
+                 else [os.fspath(arrays / name) for name in restore_args])
+
+
+def restore_request(restore_args: dict[str, Any], partial: bool) -> Any:
+    """Orbax's restore arguments for ``restore_args``; with ``partial`` the saved arrays
+    outside them are left unread (Orbax otherwise insists on the whole saved tree)."""
+    if not partial:
+        return ocp.args.PyTreeRestore(restore_args=restore_args)
+    return ocp.args.PyTreeRestore(item=dict.fromkeys(restore_args, 0),
+                                  restore_args=restore_args, partial_restore=True)
 
 
 def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,

@@ -134,10 +134,15 @@ class Backend(Protocol):
         tree path of a value that cannot be written.
         """
 
-    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
+    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+             partial: bool = False) -> Any:
         """Read the state in ``directory`` into the structure, shapes, dtypes and placement of
         ``like`` (concrete or abstract leaves). Raises ``TreeMismatchError`` listing every
         mismatching tree path. Blocks until the data is read.
+
+        ``partial``: ``like`` is a subtree of what was saved; what it leaves out is not read
+        (and not a mismatch), a path of ``like`` that was never saved still is. A backend
+        that reads whole files per array limits ``claims`` to them (``ReadClaims.limit``).
 
         ``claims``: given only to a backend with ``features.verifies_reads`` (None
         otherwise); the backend claims the files it checks itself and must ``close`` the

@@ -8,6 +8,12 @@ files in a checkpoint: ``driver.json`` (written by the primary: global facts plu
 primary's local state) and ``driver.p{index:05d}.json`` (each other process's local state:
 per-process data-loader positions and RNGs differ across hosts).
 
+Scope of a stateful object's state: per process by default (process i restores what process
+i saved). An object whose class says ``jaxckpt_state_scope = "global"`` (its state is the same
+on every process, e.g. ``jaxckpt.IndexSampler``) is restored on every process from the
+primary's copy, so a run resumed on more processes than saved it gives the new ones that
+state too.
+
 Everything goes through :mod:`jaxckpt.codec`: never pickle. A key missing from an older
 checkpoint is optional on restore and produces a ``CheckpointWarning``, not a KeyError.
 
@@ -53,10 +59,16 @@ __all__ = [
     "read_driver",
     "local_filename",
     "clean_metrics",
+    "STATE_SCOPE_ATTR",
+    "has_global_state",
 ]
 
 DRIVER_FORMAT = "jaxckpt.driver/1"
 LOCAL_FORMAT = "jaxckpt.local/1"
+
+#: The class attribute by which a stateful object declares its state the same on every
+#: process ("global"); anything else, or no attribute, means per process.
+STATE_SCOPE_ATTR = "jaxckpt_state_scope"
 
 _PROTOCOL_HELP = (
     "A stateful object needs state_dict()/load_state_dict(d) (PyTorch style), or "
@@ -131,18 +143,27 @@ def capture_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def has_global_state(obj: Any) -> bool:
+    """True when ``obj`` declares its state the same on every process (``STATE_SCOPE_ATTR``)."""
+    return getattr(obj, STATE_SCOPE_ATTR, None) == "global"
+
+
 def restore_stateful(stateful: Mapping[str, Any] | None, saved: Mapping[str, Any],
-                     where: str) -> None:
-    """Restore each given object in place; a name missing on either side warns."""
+                     where: str, *, primary: Mapping[str, Any] | None = None) -> None:
+    """Restore each given object in place; a name missing on either side warns.
+
+    ``saved`` is this process's saved state; ``primary``, when given, the primary process's:
+    objects with global state (``has_global_state``) are restored from it."""
     stateful = stateful or {}
     for name, obj in stateful.items():
-        if name not in saved:
+        source = primary if primary is not None and has_global_state(obj) else saved
+        if name not in source:
             warnings.warn(
                 f"stateful[{name!r}] has no saved state in {where} (it was added after that "
                 f"checkpoint was written); it keeps its current state.",
                 CheckpointWarning, stacklevel=3)
             continue
-        _set_state(name, obj, codec.decode(saved[name], f"stateful[{name!r}]"))
+        _set_state(name, obj, codec.decode(source[name], f"stateful[{name!r}]"))
     extra = sorted(set(saved) - set(stateful))
     if extra:
         warnings.warn(

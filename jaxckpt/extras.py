@@ -28,6 +28,8 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "torch": frozenset({"torch", "torchdata"}),
     "hf": frozenset({"safetensors", "transformers", "tokenizers"}),
     "grain": frozenset({"grain"}),
+    # google-cloud-storage lives in the "google" namespace package (google.cloud.storage).
+    "gcs": frozenset({"google"}),
 }
 
 

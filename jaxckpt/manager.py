@@ -192,11 +192,12 @@ class CheckpointManager:
         self._ctx.pins.unpin(step)
 
     def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None,
-                items: Mapping[str, Any] | None = None) -> Recovered | None:
+                items: Mapping[str, Any] | None = None,
+                partial: bool = False) -> Recovered | None:
         """Resume from the latest valid recovery checkpoint, or return None when there is
         none (or recovery is off). ``stateful`` objects are restored in place and remembered
         as the default for later saves. ``items`` maps item names to ``like`` trees: each is
-        restored at the version the checkpoint refers to."""
+        restored at the version the checkpoint refers to. ``partial``: as in ``restore``."""
         self._check_usable()
         if stateful is not None:
             drv.capture_stateful(stateful)  # validate early: a bad object fails now, not at the first save
@@ -206,16 +207,23 @@ class CheckpointManager:
         self._pipeline.drain()
         self._pipeline.raise_unraised()
         result = self._recovery.restore(like, stateful=stateful, step=None, required=False,
-                                        items=items)
+                                        items=items, partial=partial)
         if result is not None:
             self._last_completed = result.step_info  # what save() records with no step
         return result
 
     def restore(self, like: Any, *, step: int | None = None,
                 stateful: Mapping[str, Any] | None = None,
-                items: Mapping[str, Any] | None = None) -> Recovered:
+                items: Mapping[str, Any] | None = None,
+                partial: bool = False) -> Recovered:
         """Restore a recovery checkpoint (``step=None``: the latest valid one), whatever the
-        recover mode. Raises ``CheckpointNotFoundError`` when there is none."""
+        recover mode. Raises ``CheckpointNotFoundError`` when there is none.
+
+        ``partial=True``: ``like`` is a subtree of what was saved (e.g. ``{"model": model}``
+        of a checkpoint of model and optimizer); only its arrays are read and checksummed,
+        the result has exactly its keys, and a path of it that was never saved raises
+        ``TreeMismatchError`` naming it. Stateful objects given are restored; the global
+        RNGs are left alone (docs/guarantees.md)."""
         self._check_usable()
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ConfigError(f"restore(step=...) takes a global step (an int >= 0) or None for "
@@ -223,7 +231,7 @@ class CheckpointManager:
         self._pipeline.drain()
         self._pipeline.raise_unraised()
         result = self._recovery.restore(like, stateful=stateful, step=step, required=True,
-                                        items=items)
+                                        items=items, partial=partial)
         assert result is not None
         # Not a resume point: restore() also serves evaluation and inspection, so it leaves
         # the last completed step (what save() records with no step) to maybe_save/recover.

@@ -417,7 +417,8 @@ class OrbaxBackend:
 
     # -------------------------------------------------------------------------- read
 
-    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
+    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+             partial: bool = False) -> Any:
         """Read ``directory`` into the structure, shapes, dtypes and shardings of ``like``.
 
         Leaves are matched by tree path. Every mismatch (missing, extra, shape, dtype, key
@@ -435,11 +436,14 @@ class OrbaxBackend:
         ``claims`` (a restore's deferred checksums, ``store.ReadClaims``): the array files
         read with ``native_io`` are claimed and checksummed as they are read, so nobody
         reads them a second time to verify them; claims are closed before the bulk read.
+
+        ``partial``: ``like`` is a subtree of what was saved; the rest is neither matched
+        nor read, nor checked (``_orbax_read.limit_claims``).
         """
         if nnx_live.holds_live(like):
             return nnx_live.read_into(
-                like, lambda pure: self._read(directory, pure, claims=claims))
-        return self._read(directory, like, claims=claims)
+                like, lambda pure: self._read(directory, pure, claims=claims, partial=partial))
+        return self._read(directory, like, claims=claims, partial=partial)
 
     @staticmethod
     def finish_read(value: Any) -> Any:
@@ -455,24 +459,30 @@ class OrbaxBackend:
         that called save) that ``saved`` leaves out, or None (``nnx_live.left_out``)."""
         return nnx_live.left_out(saved, scope)
 
-    def _read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
+    def _read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+              partial: bool = False) -> Any:
         """:meth:`read` of a ``like`` without live NNX objects."""
         root = self._path(directory)
-        saved, targets, like_treedef = _orbax_read.match_like(root, directory, like)
+        saved, targets, like_treedef = _orbax_read.match_like(root, directory, like,
+                                                              partial=partial)
         if not targets:
+            _orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
             return jax.tree_util.tree_unflatten(like_treedef, [])
         arrays_dir = _orbax_read.arrays_dir(root, directory)
         restore_args, placements, move_after = _orbax_read.restore_args_for(targets, saved)
+        _orbax_read.limit_claims(claims, directory, arrays_dir, restore_args, partial=partial)
         with _gc_paused(self.options.pause_gc):
-            restored = self._restore(directory, arrays_dir, restore_args, claims)
+            restored = self._restore(directory, arrays_dir, restore_args, claims,
+                                     partial=partial)
             values = _orbax_read.unpack(directory, targets, saved, restored, placements)
         leaves = _orbax_read.to_like_leaves(targets, saved, values, move_after)
         return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
-                 claims: ReadClaims | None) -> dict[str, Any]:
+                 claims: ReadClaims | None, *, partial: bool = False) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where
-        ``native_io`` applies and the files are in its layout, else by Orbax. Any failure
+        ``native_io`` applies and the files are in its layout, else by Orbax (told, with
+        ``partial``, that the saved arrays outside ``restore_args`` stay unread). Any failure
         but running out of memory is a damaged checkpoint (CheckpointCorruptError)."""
         try:
             restored = None
@@ -487,7 +497,7 @@ class OrbaxBackend:
                 _orbax_remote.refuse_foreign(directory)
             if restored is None:
                 restored = self._sync.restore(
-                    arrays_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+                    arrays_dir, args=_orbax_read.restore_request(restore_args, partial))
         except (CheckpointCorruptError, MemoryError, KeyboardInterrupt):
             raise
         except Exception as error:

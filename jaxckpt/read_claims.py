@@ -2,7 +2,9 @@
 
 Owns: ``ReadClaims``, the hand-over by which a backend that reads a file whole checks that
 file's deferred checksum (``manifest.DEFER_CHECKSUMS_OVER``) from the bytes it read, so that
-the file is not read twice, while the manager's checking thread checks the rest.
+the file is not read twice, while the manager's checking thread checks the rest; and, for a partial restore, the scope that a
+backend gives of the files its read can touch (``limit``), outside which nothing is checked,
+since nothing there is read.
 
 Must not import: jax, orbax, torch.
 """
@@ -46,6 +48,18 @@ class ReadClaims:
             for rel, info in entries:
                 full = os.path.realpath(os.path.join(path, *rel.split("/")))
                 self._offered[full] = (path, rel, info)
+
+    def limit(self, directory: str, prefixes: list[str]) -> None:
+        """A partial restore's read of ``directory`` touches no file outside ``prefixes``
+        (directories): the offered entries of ``directory`` outside them are withdrawn, as
+        nothing restored comes from them (a backend calls this before ``close``; without it
+        every offered file is checked)."""
+        inside = os.path.realpath(directory) + os.sep
+        scope = tuple(os.path.realpath(prefix).rstrip(os.sep) + os.sep for prefix in prefixes)
+        with self._lock:
+            for full in list(self._offered):
+                if full.startswith(inside) and not full.startswith(scope):
+                    del self._offered[full]
 
     def claim(self, file: str) -> tuple[str, str] | None:
         """Take over the check of ``file``: its (algorithm, expected checksum), or None when

@@ -60,12 +60,18 @@ class Recovery:
         self._verifier = Verifier(ctx.store, primary=ctx.primary)
 
     def restore(self, like: Any, *, stateful: Mapping[str, Any] | None, step: int | None,
-                required: bool, items: Mapping[str, Any] | None = None) -> Recovered | None:
+                required: bool, items: Mapping[str, Any] | None = None,
+                partial: bool = False) -> Recovered | None:
         """Restore ``step`` (None: the latest valid checkpoint, falling back past unusable
         ones), or return None when there is none and it is not ``required``. Call it from
-        the manager's public method, with no save in flight (warnings point two frames up)."""
+        the manager's public method, with no save in flight (warnings point two frames up).
+
+        ``partial``: ``like`` is a subtree of the saved state; only it is read (and only
+        its files checksummed, ``verification.plan``). The stateful objects given are
+        restored; the process-global RNGs (Python, NumPy, the backend's) are not: they are
+        no part of ``like``, and an evaluation or fine-tuning job keeps its own seeds."""
         ctx = self._ctx
-        checks = verification.plan(ctx.recover_config, ctx.backend, items)
+        checks = verification.plan(ctx.recover_config, ctx.backend, items, partial=partial)
         bad: list[Entry] = []
         limit: int | None = None
         while True:
@@ -90,8 +96,8 @@ class Recovery:
                 return None
             path = ctx.store.step_path(chosen)
             try:
-                body, state, versions, restored_items = self._read_checkpoint(path, like, items,
-                                                                              chosen, checks)
+                body, state, versions, restored_items = self._read_checkpoint(
+                    path, like, items, chosen, checks, partial=partial)
             except DeferredChecksumsFailed as failed:
                 # What was read went with the exception; nothing else was touched yet. The
                 # same outcome as when these checksums fail up front: an explicit step is an
@@ -119,7 +125,8 @@ class Recovery:
                           + " | ".join(skipped), CheckpointWarning, stacklevel=3)
         # Local state only once the arrays are in: never a half-restored loader or RNG.
         local = body.get("local") if ctx.primary else self._read_local(path)
-        self._restore_local(local, stateful, path)
+        self._restore_local(local, stateful, path, (body.get("local") or {}).get("stateful"),
+                            rngs=not partial)
         self._set_aside(bad)
         step_info = StepInfo.from_json(body["step_info"])
         # Training goes on from the restored step: saves made before it are history, and a
@@ -198,7 +205,7 @@ class Recovery:
         return ctx.backend.broadcast_int(chosen) if ctx.process_count > 1 else chosen
 
     def _read_checkpoint(self, path: str, like: Any, items: Mapping[str, Any] | None,
-                         step: int, checks: Verification,
+                         step: int, checks: Verification, *, partial: bool = False,
                          ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
         """Driver, arrays and requested items of one checkpoint, under a reader lock that
         keeps retention away from it.
@@ -219,7 +226,7 @@ class Recovery:
                 try:
                     body = self._read_driver(path)
                     state = self._ctx.backend.read(os.path.join(path, STATE_DIR), like,
-                                                   claims=claims)
+                                                   claims=claims, partial=partial)
                     versions = {name: int(ref["version"])
                                 for name, ref in (body.get("items") or {}).items()}
                     result = body, state, versions, self._read_items(items, versions, path)
@@ -290,7 +297,9 @@ class Recovery:
                 f"{self._ctx.process_count}: "
                 f"arrays are resharded; each process restores the local state (data-loader "
                 f"position, RNG) saved by the process of the same index, and processes with no "
-                f"saved counterpart keep their fresh local state. Check your data sharding.",
+                f"saved counterpart keep their fresh local state; objects with global state "
+                f"(jaxckpt.IndexSampler) take the primary's on every process. Check your data "
+                f"sharding.",
                 CheckpointWarning, stacklevel=5)  # the user's call: past the read and the manager
         return body
 
@@ -302,14 +311,25 @@ class Recovery:
             return None
 
     def _restore_local(self, local: Mapping[str, Any] | None,
-                       stateful: Mapping[str, Any] | None, path: str) -> None:
+                       stateful: Mapping[str, Any] | None, path: str,
+                       primary: Mapping[str, Any] | None, *, rngs: bool = True) -> None:
+        """This process's saved state into its stateful objects, and with ``rngs`` the
+        process-global RNGs; objects with global state (an IndexSampler) take the primary's
+        copy, also on a process that has no saved counterpart (the run grew)."""
+        primary = primary or {}
         if local is None:
-            if stateful:
+            shared = {name: obj for name, obj in (stateful or {}).items()
+                      if drv.has_global_state(obj)}
+            drv.restore_stateful(shared, {}, path, primary=primary)
+            fresh = sorted(set(stateful or {}) - set(shared))
+            if fresh:
                 warnings.warn(f"{path} has no local state for process {self._ctx.process_index}; "
-                              f"stateful objects keep their fresh state.", CheckpointWarning,
-                              stacklevel=4)
+                              f"stateful objects {fresh} keep their fresh state.",
+                              CheckpointWarning, stacklevel=4)
             return
-        drv.restore_stateful(stateful, local.get("stateful") or {}, path)
+        drv.restore_stateful(stateful, local.get("stateful") or {}, path, primary=primary)
+        if not rngs:
+            return
         if self._ctx.recover_config.restore_global_rng:
             drv.restore_global_rng(local.get("rng") or {}, path)
         backend_rng = local.get("backend_rng")

@@ -1,14 +1,13 @@
 """What a root string names: a local path or an object-store URL, decided in one place.
 
-Owns: ``parse_root`` (a root -> ("local", path) or ("s3", S3Storage)), ``root_scheme`` (the
-same decision without building a client) and ``local_root`` (for code that writes local
-paths only: a local path, or ``CheckpointRootError`` for a URL).
-Every scheme other than ``s3://`` (``gs://`` included) is refused up front, naming the
-scheme and what is supported, so that a URL is never taken for a relative path (which would
-create a directory named ``s3:`` in the working directory).
+Owns: ``parse_root`` (a root -> ("local", path), ("s3", S3Storage) or ("gs", GCSStorage)),
+``root_scheme`` (the same decision without building a client) and ``local_root`` (for code
+that writes local paths only: a local path, or ``CheckpointRootError`` for a URL). Every scheme other than ``s3://`` and ``gs://`` is refused up front, naming
+the scheme and what is supported, so that a URL is never taken for a relative path (which
+would create a directory named ``s3:`` in the working directory).
 
-Must not import: jax, orbax, torch, boto3 (``jaxckpt.s3_storage`` is imported only for an
-``s3://`` root).
+Must not import: jax, orbax, torch, boto3, google (``jaxckpt.s3_storage`` and
+``jaxckpt.gcs_storage`` are imported only for a root of their scheme).
 """
 
 from __future__ import annotations
@@ -24,17 +23,17 @@ from .storage import Storage
 __all__ = ["parse_root", "root_scheme", "local_root", "is_url",
            "OBJECT_STORE_ARRAYS_UNSUPPORTED"]
 
-RootKind = Literal["local", "s3"]
+RootKind = Literal["local", "s3", "gs"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_SUPPORTED = "local paths and s3://BUCKET/PREFIX"
+_SUPPORTED = "local paths, s3://BUCKET/PREFIX and gs://BUCKET/PREFIX"
 
 OBJECT_STORE_ARRAYS_UNSUPPORTED = (
     "Object-storage roots are not supported by the array backends yet: Orbax and "
     "torch.distributed.checkpoint cannot write a jaxckpt checkpoint to {url} (Orbax's "
     "finalize renames directories, which S3 cannot do). Train against a local or network "
     "filesystem root and copy committed checkpoints to object storage; `jaxckpt ls` and "
-    "`jaxckpt verify` read s3:// roots.")
+    "`jaxckpt verify` read s3:// and gs:// roots.")
 
 
 def is_url(root: str | os.PathLike[str]) -> bool:
@@ -43,7 +42,8 @@ def is_url(root: str | os.PathLike[str]) -> bool:
 
 
 def root_scheme(root: str | os.PathLike[str]) -> RootKind:
-    """"local" or "s3" for a root; ``CheckpointRootError`` for any other ``scheme://``."""
+    """"local", "s3" or "gs" for a root; ``CheckpointRootError`` for any other
+    ``scheme://``."""
     if not isinstance(root, str):
         return "local"  # an os.PathLike is a path
     match = _SCHEME.match(root)
@@ -52,41 +52,64 @@ def root_scheme(root: str | os.PathLike[str]) -> RootKind:
     scheme = match.group(1).lower()
     if scheme == "s3":
         return "s3"
+    if scheme == "gs":
+        return "gs"
     raise CheckpointRootError(
         f"{root!r}: the {scheme}:// scheme is not supported; jaxckpt takes {_SUPPORTED}. "
         f"Nothing was written.")
 
 
 def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-               ) -> tuple[Literal["local"], str] | tuple[Literal["s3"], Storage]:
-    """("local", path) or ("s3", an ``S3Storage`` serving the URL's bucket and prefix, the
-    root itself being the URL, without a trailing "/"). ``storage_options`` (the client's
-    endpoint, region, credentials: ``jaxckpt.s3_storage.s3_client``; and ``lease_s``,
-    ``heartbeat_s`` of the root lease: ``S3Storage``) are for object-store roots only."""
+               ) -> tuple[Literal["local"], str] | tuple[Literal["s3", "gs"], Storage]:
+    """("local", path), or ("s3", an ``S3Storage``) / ("gs", a ``GCSStorage``) serving the
+    URL's bucket and prefix, the root itself being the URL, without a trailing "/".
+    ``storage_options`` (the client's endpoint, credentials...: ``jaxckpt.s3_storage.s3_client``,
+    ``jaxckpt.gcs_storage.gcs_client``; and ``lease_s``, ``heartbeat_s`` of the root lease)
+    are for object-store roots only."""
     kind = root_scheme(root)
     if kind == "local":
         if storage_options:
             raise CheckpointRootError(
                 f"storage_options={dict(storage_options)!r} were given for the local root "
-                f"{os.fspath(root)!r}; they apply to s3:// roots only")
+                f"{os.fspath(root)!r}; they apply to s3:// and gs:// roots only")
         return "local", os.fspath(root)
+    if kind == "gs":
+        return "gs", _gcs_storage(str(root), storage_options)
     from .s3_storage import S3Storage, split_s3_url
 
     bucket, prefix = split_s3_url(str(root))
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(s3://{bucket}/PREFIX), not the whole bucket")
-    options = dict(storage_options or {})
-    lease = {name: float(options.pop(name)) for name in ("lease_s", "heartbeat_s")
-             if name in options}
+    options, lease = _lease_options(storage_options)
     return "s3", S3Storage(bucket, prefix, storage_options=options, **lease)
 
 
 def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
     """``root`` unchanged when it is a local path; ``CheckpointRootError`` for an ``s3://``
-    root (the array backends cannot write there yet) and for any other scheme. Called first
-    thing by the managers, so nothing is created for a root they cannot use."""
-    if root_scheme(root) == "s3":
+    or ``gs://`` root and for any other scheme: for code that writes local paths only, called
+    before it creates anything."""
+    if root_scheme(root) in ("s3", "gs"):
         raise CheckpointRootError(f"{root!r}: " + OBJECT_STORE_ARRAYS_UNSUPPORTED.format(
             url=root) + " Nothing was written.")
     return root
+
+
+def _gcs_storage(root: str, storage_options: Mapping[str, Any] | None) -> Storage:
+    from .gcs_storage import GCSStorage, split_gs_url
+
+    bucket, prefix = split_gs_url(root)
+    if not prefix:
+        raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
+                                  f"(gs://{bucket}/PREFIX), not the whole bucket")
+    options, lease = _lease_options(storage_options)
+    return GCSStorage(bucket, prefix, storage_options=options, **lease)
+
+
+def _lease_options(storage_options: Mapping[str, Any] | None
+                   ) -> tuple[dict[str, Any], dict[str, float]]:
+    """``storage_options`` split into the client's options and the root lease's timing."""
+    options = dict(storage_options or {})
+    lease = {name: float(options.pop(name)) for name in ("lease_s", "heartbeat_s")
+             if name in options}
+    return options, lease

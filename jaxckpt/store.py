@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -99,6 +100,21 @@ def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
     (checksums release the GIL and overlap I/O)."""
     with ThreadPoolExecutor(max_workers=4) as pool:
         return [problem for problem in pool.map(check, entries) if problem]
+
+
+class _Counter:
+    """Bytes checked so far, reported to a ``progress(done, total)`` callable (thread-safe)."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None):
+        self.total, self.done, self.progress = total, 0, progress
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: Any) -> None:
+        if self.progress is None:
+            return
+        with self._lock:
+            self.done += int(nbytes) if isinstance(nbytes, int) else 0
+            self.progress(self.done, self.total)
 
 
 def _committable(rel: str) -> bool:
@@ -237,8 +253,8 @@ class CheckpointStore:
             return unreadable_problem(rel, exc)
         return checksum_problem(rel, info, crc)
 
-    def verify(self, path: str, *, checksums: bool = True,
-               defer_over: int | None = None) -> list[str]:
+    def verify(self, path: str, *, checksums: bool = True, defer_over: int | None = None,
+               progress: Callable[[int, int], None] | None = None) -> list[str]:
         """Problems found in a committed checkpoint (empty when it is valid).
 
         Every listed file must exist inside the directory with its listed size (and checksum
@@ -246,7 +262,8 @@ class CheckpointStore:
         ``defer_over``: leave out the checksums of bulk-data files larger than this many bytes
         (see ``DEFER_CHECKSUMS_OVER``; everything else, their sizes included, is still
         checked); :meth:`verify_deferred` checks exactly those later. None (the default)
-        checks every checksum here.
+        checks every checksum here. ``progress(done, total)``: called (from worker threads)
+        with the bytes of the listed files checked so far, after each file.
 
         Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
@@ -254,10 +271,14 @@ class CheckpointStore:
         manifest = self._committed_manifest(path)
         listed = self.storage.list_files(path)
 
+        counted = _Counter(manifest.total_bytes, progress)
+
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
             crc = checksums and (defer_over is None or not deferrable(rel, info, defer_over))
-            return self._check_file(path, rel, info, checksums=crc, listed=listed)
+            problem = self._check_file(path, rel, info, checksums=crc, listed=listed)
+            counted.add(info.get("size", 0))
+            return problem
 
         problems = _run_checks(check, sorted(manifest.files.items()))
         present = {rel for rel in listed if _committable(rel)}
@@ -311,10 +332,17 @@ class CheckpointStore:
             entry = dataclasses.replace(entry, step=entry.manifest.step)
         return entry
 
-    def entries(self, *, checksums: bool = False) -> list[Entry]:
-        """Every step directory, oldest first, with its status."""
-        return [self._classify(step, path, checksums=checksums)
-                for step, path in self._step_dirs()]
+    def entries(self, *, checksums: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> list[Entry]:
+        """Every step directory, oldest first, with its status. ``progress(done, total)``:
+        called with the count of directories classified so far, after each."""
+        found = self._step_dirs()
+        entries = []
+        for step, path in found:
+            entries.append(self._classify(step, path, checksums=checksums))
+            if progress is not None:
+                progress(len(entries), len(found))
+        return entries
 
     def committed_steps(self) -> list[int]:
         """Steps with a commit marker (not re-verified; cheap), oldest first."""

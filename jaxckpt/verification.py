@@ -76,16 +76,22 @@ class DeferredChecksumsFailed(Exception):
             f"valid one).")
 
 
-def plan(config: RecoverConfig, backend: Any, items: Mapping[str, Any] | None) -> Verification:
+def plan(config: RecoverConfig, backend: Any, items: Mapping[str, Any] | None, *,
+         partial: bool = False) -> Verification:
     """How one restore checks checkpoints. With checksums on, the checksums of bulk array
     files are checked alongside the read (the read brings the same bytes in from disk,
     so the two share one pass) and the restored values are thrown away if it fails. A
     backend that reads into the caller's live objects (``reads_in_place``, e.g. DCP)
-    could not take its values back, so it gets every checksum before the read."""
+    could not take its values back, so it gets every checksum before the read.
+
+    ``partial`` (a restore of a subtree): every data file's checksum waits for the read,
+    whatever its size, so that the backend can withdraw those of the files it does not
+    read (``ReadClaims.limit``): a partial restore checksums what it restores, and only
+    sizes and metadata of the rest."""
     checksums = config.verify == "checksums"
     overlap = checksums and not backend.features.reads_in_place
-    return Verification(checksums=checksums,
-                        defer_over=DEFER_CHECKSUMS_OVER if overlap else None,
+    defer_over = (0 if partial else DEFER_CHECKSUMS_OVER) if overlap else None
+    return Verification(checksums=checksums, defer_over=defer_over,
                         deferred_items=frozenset(items or ()) if overlap else frozenset())
 
 

@@ -646,7 +646,8 @@ class DcpBackend:
 
     # --------------------------------------------------------------------------- read
 
-    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None) -> Any:
+    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+             partial: bool = False) -> Any:
         """Load ``directory`` into the live objects of ``like`` and return ``like``.
 
         Modules, optimizers, schedulers/Stateful objects and tensor entries are loaded in
@@ -655,6 +656,11 @@ class DcpBackend:
         values. Entries and tensors are matched by name and tree path; every mismatch
         (missing, extra, kind, shape, dtype) is collected first and raised as one
         ``TreeMismatchError`` before any tensor is read.
+
+        ``partial``: ``like`` may leave out saved entries (``{"model": model}`` of a
+        checkpoint of model, optimizer and scheduler) and saved tensors of an entry; DCP
+        then reads only the tensors ``like`` holds. An entry or tensor of ``like`` that was
+        never saved is still a mismatch, named in the error.
 
         ``claims``: this backend checks no checksum itself (``features.verifies_reads`` is
         False), so it claims nothing and closes any claims it is given at once.
@@ -671,13 +677,15 @@ class DcpBackend:
                 f"saved state), got {type(like).__module__}.{type(like).__qualname__}. Fix: "
                 "recover({'model': model, 'optimizer': optimizer, ...}).")
         entries = _entries(like)
-        problems = _compare(entries, saved)
+        problems = _compare(entries, saved, partial=partial)
         if problems:
+            hint = ("" if partial or not all(": not in like " in line for line in problems)
+                    else " To load only the entries like holds, pass partial=True.")
             raise TreeMismatchError(
                 f"cannot restore {directory} into like: {len(problems)} path(s) do not "
                 "match:\n" + "\n".join(f"  {line}" for line in problems) + "\nFix: build the "
                 "model, optimizer and other entries with the same code and configuration as "
-                "the run that saved the checkpoint, under the same names.", problems)
+                "the run that saved the checkpoint, under the same names." + hint, problems)
         targets = {}
         for entry in entries:
             for path, tensor in entry.split.tensors.items():
@@ -697,6 +705,8 @@ class DcpBackend:
         for entry in entries:
             record = saved[entry.name]
             skeleton = codec.decode(record["skeleton"], f"state[{entry.name!r}]")
+            if partial:  # saved tensors that like leaves out were not read: no place for them
+                skeleton = _prune(skeleton, _saved_paths(record) - set(entry.split.tensors))
             value = _fill(skeleton, entry.split.tensors)
             if entry.kind == "module":
                 api.set_model_state_dict(like[entry.name], value)
@@ -857,8 +867,31 @@ def _read_objects(directory: str) -> dict[str, Any]:
     return entries
 
 
-def _compare(entries: list[_Entry], saved: Mapping[str, Any]) -> list[str]:
-    """Every difference between the live entries and the checkpoint, one line per path."""
+def _saved_paths(record: Mapping[str, Any]) -> set[tuple[Any, ...]]:
+    """The tree paths of the tensors of one saved entry (objects.json)."""
+    return {tuple(codec.decode(item["path"], "path")) for item in record.get("tensors", [])}
+
+
+def _prune(skeleton: Any, drop: set[tuple[Any, ...]], path: tuple[Any, ...] = ()) -> Any:
+    """``skeleton`` without the dict keys at the tree paths in ``drop`` (tensors a partial
+    restore leaves out); list and tuple slots stay, since removing one would shift the
+    rest."""
+    if not drop:
+        return skeleton
+    if isinstance(skeleton, dict):
+        return {key: _prune(item, drop, path + (key,)) for key, item in skeleton.items()
+                if path + (key,) not in drop}
+    if isinstance(skeleton, list):
+        return [_prune(item, drop, path + (index,)) for index, item in enumerate(skeleton)]
+    if isinstance(skeleton, tuple):
+        return tuple(_prune(item, drop, path + (index,)) for index, item in enumerate(skeleton))
+    return skeleton
+
+
+def _compare(entries: list[_Entry], saved: Mapping[str, Any], *,
+             partial: bool = False) -> list[str]:
+    """Every difference between the live entries and the checkpoint, one line per path.
+    With ``partial``, saved entries and tensors that ``entries`` leave out are none."""
     problems = []
     names = set()
     for entry in entries:
@@ -887,10 +920,12 @@ def _compare(entries: list[_Entry], saved: Mapping[str, Any]) -> list[str]:
                 problems.append(f"{where}: expected shape {tuple(shape)} {dtype}, checkpoint "
                                 f"has shape {tuple(found[0])} {found[1]}")
         for path, (shape, dtype) in saved_tensors.items():
+            if partial:
+                break
             problems.append(f"{_describe_path(entry.name, path)}: not in like (checkpoint has "
                             f"shape {tuple(shape)} {dtype})")
     for name, record in saved.items():
-        if name not in names:
+        if not partial and name not in names:
             problems.append(f"state[{name!r}]: not in like (checkpoint has a "
                             f"{record.get('kind')})")
     return sorted(problems)

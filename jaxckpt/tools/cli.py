@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .progress import make_progress, wanted
+
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 EXIT_OK = 0
@@ -111,6 +113,12 @@ def _ls_arguments(parser: argparse.ArgumentParser) -> None:
                                      "checkpoint directory")
     parser.add_argument("--checksums", action="store_true",
                         help="re-read every file against its checksum (slower; default: sizes)")
+    _progress_argument(parser)
+
+
+def _progress_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="show progress on stderr (default: when stderr is a terminal)")
 
 
 def _ls(opts: argparse.Namespace) -> int:
@@ -128,7 +136,12 @@ def _ls(opts: argparse.Namespace) -> int:
         entries = [CheckpointStore(os.path.dirname(path)).entry(path, checksums=opts.checksums)]
     else:
         store = CheckpointStore(path)
-        entries = store.entries(checksums=opts.checksums)
+        bar = make_progress("ls: checkpoints checked", wanted(opts.progress), unit="count")
+        try:
+            entries = store.entries(checksums=opts.checksums, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
         if not entries:
             print(f"no checkpoints under {store.recover_dir}")
             return EXIT_OK
@@ -211,6 +224,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
                                      "verify every checkpoint under it")
     parser.add_argument("--sizes-only", action="store_true",
                         help="compare file sizes only, skip checksums")
+    _progress_argument(parser)
 
 
 def _verify(opts: argparse.Namespace) -> int:
@@ -235,21 +249,26 @@ def _verify(opts: argparse.Namespace) -> int:
             print(f"no checkpoints under {store.recover_dir} (nothing to verify)")
             return EXIT_OK
     bad = 0
-    for target in targets:
+    show = wanted(opts.progress)
+    for number, target in enumerate(targets, 1):
         if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
             bad += 1
             print(f"PARTIAL {target}")
             print(f"  no {COMMIT_MARKER} marker: this checkpoint never finished committing "
                   f"(the job stopped while saving, or is saving now); it is not restorable")
             continue
+        bar = make_progress(f"verify {number}/{len(targets)} {os.path.basename(target)}", show)
         try:
             problems = CheckpointStore(os.path.dirname(target)).verify(
-                target, checksums=not opts.sizes_only)
+                target, checksums=not opts.sizes_only, progress=bar)
         except CheckpointNotFoundError:  # deleted meanwhile (retention of a running job)
             print(f"GONE    {target} (deleted while this command ran)")
             continue
         except CheckpointCorruptError as exc:
             problems = [str(exc)]
+        finally:
+            if bar is not None:
+                bar.close()
         if problems:
             bad += 1
             print(f"CORRUPT {target}")

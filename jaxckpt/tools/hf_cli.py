@@ -3,7 +3,7 @@
 Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Face model
 directory, and a Hugging Face directory into a recovery checkpoint that
 ``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
-else one updating stderr line). Argument parsing lives in ``jaxckpt.tools.cli``.
+else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in ``jaxckpt.tools.cli``.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the
@@ -19,8 +19,6 @@ import ast
 import json
 import os
 import re
-import sys
-import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -36,6 +34,8 @@ from torch_bridge.hf import (
     load_hf,
     resolve_architecture,
 )
+
+from .progress import make_progress
 
 __all__ = [
     "export_checkpoint_to_hf",
@@ -92,56 +92,6 @@ def parse_size(text: str | int) -> int:
     if value < 1:
         raise ConfigError(f"size {text!r} must be at least one byte.")
     return int(value)
-
-
-class _LineProgress:
-    """A one-line stderr progress display for when tqdm is not installed."""
-
-    def __init__(self, total: int, desc: str):
-        self.total = max(total, 1)
-        self.desc = desc
-        self._last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < 0.2:
-            return
-        self._last = now
-        self.total = max(total, 1)
-        sys.stderr.write(f"\r{self.desc}: {100 * done / self.total:5.1f}% "
-                         f"({done / 2**20:.1f}/{self.total / 2**20:.1f} MiB)")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-class _TqdmProgress:
-    def __init__(self, tqdm: Any, total: int, desc: str):
-        self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                         file=sys.stderr)
-        self._done = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if self._bar.total != total:
-            self._bar.total = total
-        self._bar.update(done - self._done)
-        self._done = done
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-def make_progress(desc: str, enabled: bool = True) -> Any:
-    """A ``progress(done, total)`` callable with ``close()``; None when disabled."""
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _LineProgress(0, desc)
-    return _TqdmProgress(tqdm, 0, desc)
 
 
 def _close(progress: Any) -> None:

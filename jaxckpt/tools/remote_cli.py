@@ -1,11 +1,11 @@
-"""``jaxckpt ls``, ``verify`` and ``info`` for roots on object storage (``s3://``).
+"""``jaxckpt ls``, ``verify`` and ``info`` for roots on object storage (``s3://``, ``gs://``).
 
 Owns: the object-store side of those three commands, and the refusal (exit 2) that every other
 command gives an object-store path. They ask the questions of ``jaxckpt.tools.cli`` through
 ``CheckpointStore`` over the ``Storage`` that ``jaxckpt.root_url.parse_root`` makes, and
 print what the local commands print. The endpoint and credentials come from the standard
-environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ...): the CLI takes no
-``storage_options``.
+environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ... for S3; ``STORAGE_EMULATOR_HOST``,
+``GOOGLE_APPLICATION_CREDENTIALS`` ... for GCS): the CLI takes no ``storage_options``.
 
 Must not import: jax, orbax, torch.
 """
@@ -58,6 +58,10 @@ def _open(command: str, url: str):
     except (CheckpointRootError, ImportError, ValueError) as exc:
         print(f"jaxckpt {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:  # no credentials found (google.auth), before any request
+        if _is_client_error(exc):
+            return _environment_error(command, exc)
+        raise
     parent, _, name = url.rpartition("/")
     if name == RECOVER:
         url, parent, name = parent, *parent.rpartition("/")[::2]
@@ -72,9 +76,21 @@ def _open(command: str, url: str):
     return store, None
 
 
+# The modules whose errors mean "the store could not be reached or refused us" (endpoint,
+# credentials, permissions) rather than a bug: botocore for s3://, the google and requests
+# stacks for gs://.
+_CLIENT_ERROR_MODULES = ("botocore", "google.", "requests", "urllib3")
+
+
+def _is_client_error(exc: Exception) -> bool:
+    return type(exc).__module__.startswith(_CLIENT_ERROR_MODULES)
+
+
 def _environment_error(command: str, exc: Exception) -> int:
-    print(f"jaxckpt {command}: object storage request failed: {exc} (check AWS_ENDPOINT_URL, "
-          f"AWS_REGION and the credentials)", file=sys.stderr)
+    print(f"jaxckpt {command}: object storage request failed: {exc} (check the endpoint "
+          f"and the credentials: AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID for s3://; "
+          f"STORAGE_EMULATOR_HOST or GOOGLE_APPLICATION_CREDENTIALS for gs://)",
+          file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -90,8 +106,8 @@ def remote_ls(opts: argparse.Namespace) -> int:
                    else store.entries(checksums=opts.checksums))
         sizes = [entry.manifest.total_bytes if entry.manifest is not None
                  else store.size_of(entry.path) for entry in entries]
-    except Exception as exc:  # botocore's errors: unreachable endpoint, no credentials
-        if type(exc).__module__.startswith("botocore"):
+    except Exception as exc:  # the client's errors: unreachable endpoint, no credentials
+        if _is_client_error(exc):
             return _environment_error("ls", exc)
         raise
     if not entries:
@@ -115,7 +131,7 @@ def remote_verify(opts: argparse.Namespace) -> int:
         entries = ([store.entry(path, checksums=not opts.sizes_only) for path in paths]
                    if paths else store.entries(checksums=not opts.sizes_only))
     except Exception as exc:
-        if type(exc).__module__.startswith("botocore"):
+        if _is_client_error(exc):
             return _environment_error("verify", exc)
         raise
     if not entries:

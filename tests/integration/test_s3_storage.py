@@ -274,8 +274,8 @@ def test_cli_refuses_what_it_cannot_read_on_object_storage(base, s3_environment,
     monkeypatch.chdir(tmp_path)
     assert main(["export-hf", base, "out"]) == 2
     assert "does not take object-storage paths yet" in capsys.readouterr().err
-    assert main(["ls", "gs://bucket/run"]) == 2
-    assert "the gs:// scheme is not supported" in capsys.readouterr().err
+    assert main(["ls", "az://bucket/run"]) == 2
+    assert "the az:// scheme is not supported" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
 
 

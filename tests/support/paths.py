@@ -12,3 +12,4 @@ REPO = TESTS.parent
 CRASH_WORKER = SUPPORT / "crash_worker.py"
 NNX_WORKER = SUPPORT / "nnx_worker.py"
 TORCH_WORKER = SUPPORT / "torch_worker.py"
+SAMPLER_WORKER = SUPPORT / "sampler_worker.py"

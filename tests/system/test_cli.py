@@ -147,6 +147,37 @@ def test_verify_of_a_root_checks_every_checkpoint(root, capsys):
         "OK", "OK", "PARTIAL"]
 
 
+def test_ls_and_verify_show_progress_on_stderr_only_when_asked(root, capsys):
+    """A big root takes minutes to check: --progress draws on stderr while stdout keeps the
+    report alone; without the flag progress shows only on a terminal (pytest's is not)."""
+    code, out = run_cli(capsys, "ls", str(root))
+    assert code == 1 and "checked" not in out
+    code = cli.main(["ls", "--checksums", "--progress", str(root)])
+    captured = capsys.readouterr()
+    assert code == 1 and "checked" not in captured.out
+    assert "ls: checkpoints checked" in captured.err and "3/3" in captured.err
+    code = cli.main(["verify", "--progress", str(root)])
+    captured = capsys.readouterr()
+    assert [line.split()[0] for line in captured.out.splitlines()
+            if not line.startswith(" ")] == ["OK", "OK", "PARTIAL"]
+    for number, step in ((1, 0), (2, 1)):
+        assert f"verify {number}/3 {step_dir(root, step).name}" in captured.err
+    assert "100%" in captured.err
+
+
+def test_verify_reports_the_bytes_checked_up_to_the_whole_checkpoint(root):
+    from jaxckpt.store import CheckpointStore
+
+    store = CheckpointStore(root)
+    checkpoint = str(step_dir(root, 1))
+    seen: list[tuple[int, int]] = []
+    assert store.verify(checkpoint, progress=lambda done, total: seen.append((done, total))) == []
+    total = store.read_manifest(checkpoint).total_bytes
+    assert len(seen) == len(store.read_manifest(checkpoint).files)
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+    assert seen[-1] == (total, total) and {t for _, t in seen} == {total}
+
+
 def test_verify_of_a_missing_path_exits_3(tmp_path, capsys):
     code, out = run_cli(capsys, "verify", str(tmp_path / "nope"))
     assert code == 3 and "no such file or directory" in out

@@ -10,13 +10,14 @@ from jaxckpt import CheckpointManager, CheckpointRootError
 from jaxckpt.root_url import local_root, parse_root, root_scheme
 
 
-@pytest.mark.parametrize("root", ["gs://bucket/run", "hdfs://namenode/run", "GS://b/r",
+@pytest.mark.parametrize("root", ["gcs://bucket/run", "hdfs://namenode/run", "AZ://b/r",
                                   "file:///tmp/run", "az://container/run"])
 def test_other_schemes_are_refused_naming_the_scheme_and_what_is_supported(root):
     scheme = root.split("://")[0].lower()
     for call in (root_scheme, parse_root, local_root):
         with pytest.raises(CheckpointRootError, match=f"the {scheme}:// scheme is not "
-                                                      f"supported.*s3://BUCKET/PREFIX"):
+                                                      f"supported.*s3://BUCKET/PREFIX and "
+                                                      f"gs://BUCKET/PREFIX"):
             call(root)
 
 
@@ -29,7 +30,7 @@ def test_local_paths_are_local(root, tmp_path):
 
 
 def test_storage_options_are_refused_for_a_local_root():
-    with pytest.raises(CheckpointRootError, match="apply to s3:// roots only"):
+    with pytest.raises(CheckpointRootError, match="apply to s3:// and gs:// roots only"):
         parse_root("runs/a", {"endpoint_url": "http://127.0.0.1:1"})
 
 
@@ -48,11 +49,28 @@ def test_an_s3_root_becomes_an_s3_storage_of_its_bucket_and_prefix():
         parse_root("s3://my-bucket/run", {"endpont_url": "typo"})
 
 
+def test_a_gs_root_becomes_a_gcs_storage_of_its_bucket_and_prefix(monkeypatch):
+    pytest.importorskip("google.cloud.storage")
+    from jaxckpt.gcs_storage import GCSStorage
+
+    # An emulator's endpoint: anonymous credentials, and no request is made to build it.
+    kind, storage = parse_root("gs://my-bucket/some/run/", {"endpoint_url": "http://127.0.0.1:1"})
+    assert kind == "gs" and isinstance(storage, GCSStorage)
+    assert (storage.bucket_name, storage.prefix) == ("my-bucket", "some/run")
+    assert storage.client.api_endpoint == "http://127.0.0.1:1"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:2")
+    assert parse_root("GS://other/run")[1].client.api_endpoint == "http://127.0.0.1:2"
+    with pytest.raises(CheckpointRootError, match="give a prefix below the bucket"):
+        parse_root("gs://my-bucket")
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_root("gs://my-bucket/run", {"endpont_url": "typo"})
+
+
 def test_checkpoint_manager_refuses_unknown_url_roots_and_creates_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointRootError, match="the gs:// scheme is not supported"):
-        CheckpointManager("gs://bucket/run")
-    assert os.listdir(tmp_path) == []  # no "gs:" directory
+    with pytest.raises(CheckpointRootError, match="the az:// scheme is not supported"):
+        CheckpointManager("az://bucket/run")
+    assert os.listdir(tmp_path) == []  # no "az:" directory
 
 
 def test_an_unreachable_s3_root_is_refused_naming_the_fix_and_creates_nothing(tmp_path,

@@ -1,0 +1,359 @@
+"""GCSStorage keeps the Storage contract (tests/support/storage_contract.py) against a GCS
+emulator this module starts on 127.0.0.1, reached through a proxy that enforces generation
+preconditions as GCS does (the emulator ignores them: tests/support/gcs_server.py). Plus
+what only an object store has: the preconditions a client sends, create-only and the root
+lease decided by them (refused, expired, taken over by exactly one), retries, the commit
+protocol of CheckpointStore and the CLI over gs://."""
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from support import storage_contract
+
+pytest.importorskip("google.cloud.storage")
+pytest.importorskip("gcp_storage_emulator")
+
+from support.gcs_server import PreconditionProxy, emulator  # noqa: E402
+
+from jaxckpt import RootLockedError  # noqa: E402
+from jaxckpt.gcs_storage import GCSStorage  # noqa: E402
+from jaxckpt.layout import COMMIT_MARKER  # noqa: E402
+from jaxckpt.storage import Storage  # noqa: E402
+from jaxckpt.store import CheckpointStore  # noqa: E402
+
+BUCKET = "jaxckpt-test"
+PREFIX = "runs"
+# Leases of a few seconds keep the tests short; the heartbeat (0.5 s) leaves a margin for a
+# loaded machine. Short backoff: the tests that fail requests on purpose wait less.
+SHORT_LEASE = {"lease_s": 3.0, "heartbeat_s": 0.5}
+FAST_RETRIES = {"max_attempts": 4, "backoff_s": 0.05, "max_backoff_s": 0.2}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with emulator(BUCKET) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def proxy(server):
+    front = PreconditionProxy(server)
+    try:
+        yield front
+    finally:
+        front.close()
+
+
+@pytest.fixture
+def options(proxy):
+    proxy.fail_before = proxy.fail_after = 0
+    proxy.requests.clear()
+    return {"endpoint_url": proxy.url, **FAST_RETRIES}
+
+
+@pytest.fixture
+def storage(options):
+    return GCSStorage(BUCKET, PREFIX, storage_options=options, **SHORT_LEASE)
+
+
+@pytest.fixture
+def base():
+    return f"gs://{BUCKET}/{PREFIX}/{uuid.uuid4().hex}"
+
+
+def spawn_source(options) -> str:
+    return ("from jaxckpt.gcs_storage import GCSStorage\n"
+            f"storage = GCSStorage({BUCKET!r}, {PREFIX!r}, storage_options={options!r}, "
+            f"**{SHORT_LEASE!r})")
+
+
+@pytest.mark.parametrize("check", storage_contract.CHECKS, ids=lambda check: check.__name__)
+def test_contract(check, storage, base):
+    check(storage, base)
+
+
+def test_contract_lock(storage, base, options):
+    storage_contract.check_lock_excludes_a_second_holder(storage, base, spawn_source(options))
+
+
+def test_gcs_storage_is_a_storage_and_refuses_locations_outside_its_prefix(storage):
+    assert isinstance(storage, Storage)
+    for outside in (f"gs://other-bucket/{PREFIX}/x", f"gs://{BUCKET}/elsewhere/x",
+                    f"gs://{BUCKET}/{PREFIX}x/y", f"s3://{BUCKET}/{PREFIX}/x", "/local/path"):
+        with pytest.raises(ValueError):
+            storage.read(outside)
+    with pytest.raises(ValueError, match="unknown keys"):
+        GCSStorage(BUCKET, PREFIX, storage_options={"endpont_url": "typo"})
+
+
+def test_create_only_writes_carry_if_generation_match_zero(storage, base, proxy):
+    store = CheckpointStore(base, storage=storage)
+    path = store.step_path(1)
+    store.write_file(path, "driver.json", b"{}")
+    store.commit(path, 1)
+    marker = storage.name(f"{path}/{COMMIT_MARKER}")
+    assert [u.query.get("ifGenerationMatch") for u in proxy.uploads(marker)] == ["0"]
+    data = storage.name(f"{path}/driver.json")
+    assert [u.query.get("ifGenerationMatch") for u in proxy.uploads(data)] == [None]
+
+
+def test_create_only_race_has_exactly_one_winner(storage, base):
+    path = f"{base}/COMMITTED"
+    outcomes: list[str] = []
+    start = threading.Barrier(12)
+
+    def create(index: int) -> None:
+        start.wait()
+        try:
+            storage.create(path, f"writer {index}".encode())
+            outcomes.append(f"won {index}")
+        except FileExistsError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [o for o in outcomes if o.startswith("won")]
+    assert len(outcomes) == 12 and len(winners) == 1
+    assert storage.read(path) == f"writer {winners[0].split()[1]}".encode()
+
+
+def test_a_create_whose_answer_was_lost_is_retried_and_counts_as_created(storage, base, proxy):
+    # The first try is stored but its answer is a 503; the retry then fails its condition
+    # (412) on the object the first try wrote: that is a success, not "already exists".
+    proxy.fail_after = 1
+    storage.create(f"{base}/COMMITTED", b"ours")
+    assert [u.answered for u in proxy.uploads(storage.name(f"{base}/COMMITTED"))] == [503, 412]
+    assert storage.read(f"{base}/COMMITTED") == b"ours"
+    # Someone else's object behind the 412 is still "already exists".
+    storage.write(f"{base}/other", b"theirs")
+    proxy.fail_before = 1
+    with pytest.raises(FileExistsError):
+        storage.create(f"{base}/other", b"ours")
+
+
+def test_transient_server_errors_are_retried_a_bounded_number_of_times(storage, base, proxy):
+    marker = f"{base}/COMMITTED"
+    storage.write(f"{base}/warm-up", b"")  # the client's first look at the bucket, uncounted
+
+    def tries() -> list[int]:
+        return [r.answered for r in proxy.requests if r.name == storage.name(marker)]
+
+    proxy.fail_before = 3  # three 503s, then the fourth try goes through
+    storage.create(marker, b"m")
+    assert tries() == [503, 503, 503, 200]
+    proxy.fail_before, proxy.requests[:] = 2, []
+    assert storage.read(marker) == b"m"
+    assert tries() == [503, 503, 200]
+    proxy.fail_before, proxy.requests[:] = -1, []  # the server never recovers: give up
+    with pytest.raises(Exception, match="503"):
+        storage.read(marker)
+    assert tries() == [503] * FAST_RETRIES["max_attempts"]
+
+
+def _plant_expired_lease(storage, base) -> int:
+    """A lease left by a holder that stopped renewing 1 s leases; its generation."""
+    blob = storage.upload(storage.name(f"{base}/.lock"),
+                          b'{"holder": "dead", "host": "gone", "pid": 1, "lease_s": 1}')
+    time.sleep(2.5)
+    return int(blob.generation)
+
+
+def test_lease_requests_are_conditional_on_the_generation_they_read(storage, base, proxy):
+    generation = _plant_expired_lease(storage, base)
+    proxy.requests.clear()
+    lease = storage.lock_root(base)
+    time.sleep(1.5)  # a few renewals
+    lease.release()
+    name = storage.name(f"{base}/.lock")
+    writes = [r for r in proxy.requests if r.name == name and r.method in ("POST", "DELETE")]
+    conditions = [(r.method, r.query.get("ifGenerationMatch"), r.answered) for r in writes]
+    assert conditions[:2] == [("POST", "0", 412), ("POST", str(generation), 200)]
+    assert len(conditions) >= 4 and conditions[-1][0] == "DELETE"
+    for previous, current in itertools.pairwise(writes[1:]):  # renewals, then the release
+        assert current.query.get("ifGenerationMatch") not in (None, "0", str(generation))
+        assert current.query["ifGenerationMatch"] != previous.query["ifGenerationMatch"]
+        assert current.answered in (200, 204)
+    assert not storage.exists(f"{base}/.lock")
+
+
+def test_two_takers_of_an_expired_lease_exactly_one_wins(storage, base):
+    _plant_expired_lease(storage, base)
+    won, refused = [], []
+    start = threading.Barrier(6)
+
+    def take() -> None:
+        start.wait()
+        try:
+            won.append(storage.lock_root(base))
+        except RootLockedError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(won) == 1 and len(refused) == 5
+    finally:
+        for lease in won:
+            lease.release()
+
+
+def test_a_lease_is_renewed_while_held_and_a_lost_answer_does_not_lose_it(storage, base,
+                                                                          proxy):
+    proxy.fail_after = 1  # the create's answer is lost: the lease must still be ours
+    lease = storage.lock_root(base)
+    try:
+        time.sleep(SHORT_LEASE["lease_s"] * 2)  # several heartbeats, past one lease length
+        with pytest.raises(RootLockedError, match="in use by another running job"):
+            storage.lock_root(base)
+        assert not lease.lost
+    finally:
+        lease.release()
+    storage.lock_root(base).release()
+
+
+def test_the_lease_of_a_killed_holder_is_taken_over_after_it_expires(storage, base, options):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", spawn_source(options) + "\n"
+         f"lease = storage.lock_root({base!r})\nprint('held', flush=True)\n"
+         "import time\ntime.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RootLockedError, match=f"pid {holder.pid}"):
+            storage.lock_root(base)  # alive: refused
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                lease = storage.lock_root(base)
+                break
+            except RootLockedError:
+                assert time.monotonic() < deadline, "the dead holder's lease never expired"
+                time.sleep(0.25)
+        lease.release()
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait(timeout=30)
+
+
+def test_checkpoint_store_commits_verifies_and_deletes_on_gcs(storage, base):
+    store = CheckpointStore(base, storage=storage)
+    store.ensure_dirs()
+    lease = store.lock()
+    try:
+        for step in (1, 2, 3):
+            path = store.step_path(step)
+            store.write_file(path, "driver.json", b'{"step": %d}' % step)
+            store.write_file(path, "state/arrays/leaf", bytes(range(256)) * (step * 100))
+            if step < 3:  # step 3 stays partial (its writer "crashed" before the commit)
+                store.commit(path, step)
+        assert store.verify(store.step_path(2)) == []
+        assert [e.status for e in store.entries()] == ["committed", "committed", "partial"]
+        with pytest.raises(FileExistsError):  # committing twice is refused by the server
+            store.commit(store.step_path(2), 2)
+        storage.write(f"{store.step_path(2)}/state/arrays/leaf", bytes(51200))
+        assert any("contents altered" in p for p in store.verify(store.step_path(2)))
+        assert store.latest_valid()[0].step == 1
+        with store.reading(store.step_path(1)):
+            assert store.delete(store.step_path(1)) is False
+        assert store.delete(store.step_path(1)) is True
+        assert store.committed_steps() == [2]
+        assert store.cleanup_partial() == [store.step_path(3)]
+        assert storage.list_files(store.step_path(3)) == {}
+    finally:
+        lease.release()
+
+
+def test_cli_ls_and_verify_read_a_gs_root(storage, base, options, capsys, tmp_path,
+                                          monkeypatch):
+    from jaxckpt.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", options["endpoint_url"])
+    store = CheckpointStore(base, storage=storage)
+    for step in (1, 2):
+        store.write_file(store.step_path(step), "state/leaf", bytes(range(256)) * 4)
+        store.commit(store.step_path(step), step)
+    assert main(["ls", base]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000001" in out and "step_00000002" in out and "committed" in out
+    storage.write(f"{store.step_path(2)}/state/leaf", bytes(1024))  # same size, other bytes
+    assert main(["verify", base]) == 1
+    out = capsys.readouterr().out
+    assert "OK      " + store.step_path(1) in out
+    assert "CORRUPT " + store.step_path(2) in out and "contents altered" in out
+    assert main(["ls", f"{base}/not-a-root"]) == 3
+    assert "is not a jaxckpt checkpoint root" in capsys.readouterr().err
+    assert main(["info", base]) == 2
+    assert "does not read object storage yet" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # nothing local was created
+
+
+
+def test_which_failures_are_transient():
+    import requests
+    from google.api_core import exceptions as api
+
+    from jaxckpt.gcs_storage import is_transient
+
+    retried = [api.ServiceUnavailable("x"), api.TooManyRequests("x"), api.InternalServerError("x"),
+               api.GatewayTimeout("x"), requests.ConnectionError("reset"), requests.ReadTimeout(),
+               ConnectionResetError(), TimeoutError()]
+    final = [api.PreconditionFailed("x"), api.NotFound("x"), api.Forbidden("x"),
+             api.BadRequest("x"), ValueError("x")]
+    assert [is_transient(e) for e in retried] == [True] * len(retried)
+    assert [is_transient(e) for e in final] == [False] * len(final)
+
+
+def test_cli_says_which_environment_to_check_when_no_credentials_are_found(
+        capsys, tmp_path, monkeypatch):
+    from jaxckpt.tools.cli import main
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["ls", f"gs://{BUCKET}/{PREFIX}/run"]) == 2
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_gcs_extra_names_the_extra(tmp_path):
+    # A fresh interpreter in which the google namespace cannot be imported, as where
+    # google-cloud-storage was never installed.
+    from support.paths import REPO, TESTS
+
+    program = (
+        "import sys\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'google':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+        "from jaxckpt.root_url import parse_root\n"
+        "try:\n"
+        "    parse_root('gs://bucket/run')\n"
+        "except ImportError as exc:\n"
+        "    print('EXTRA', getattr(exc, 'extra', None), exc)\n"
+        "from jaxckpt.tools.cli import main\n"
+        "print('EXIT', main(['ls', 'gs://bucket/run']))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120, check=False)
+    assert "EXTRA gcs" in done.stdout and "pip install 'jaxckpt[gcs]'" in done.stdout
+    assert "EXIT 2" in done.stdout and "jaxckpt[gcs]" in done.stderr
+    assert os.listdir(tmp_path) == []
