@@ -82,18 +82,7 @@ class Recovery:
             if chosen == _FAIL_CLOSED:
                 raise self._no_valid_checkpoint(skipped)
             if chosen < 0:
-                if skipped:
-                    warnings.warn("no valid checkpoint to resume from; unusable ones: "
-                                  + " | ".join(skipped), CheckpointWarning, stacklevel=3)
-                if ctx.primary and not required:
-                    self._set_aside(bad)
-                if required:
-                    raise CheckpointNotFoundError(
-                        f"no valid recovery checkpoint under {ctx.store.recover_dir}"
-                        + (f" (unusable: {' | '.join(skipped)})" if skipped else "")
-                        + ". Train from scratch, or point the manager at the root that holds "
-                          "the checkpoints.")
-                return None
+                return self._nothing_valid(skipped, bad, required)
             path = ctx.store.step_path(chosen)
             try:
                 body, state, versions, restored_items = self._read_checkpoint(
@@ -140,6 +129,23 @@ class Recovery:
                          metrics=dict(body.get("metrics") or {}), skipped=tuple(skipped),
                          items=restored_items, item_versions=versions,
                          saved_process_count=int(body.get("process_count", 1)))
+
+    def _nothing_valid(self, skipped: list[str], bad: list[Entry], required: bool) -> None:
+        """No checkpoint to restore: warn about the unusable ones, set them aside (a resume
+        only), and raise ``CheckpointNotFoundError`` when one was ``required``."""
+        ctx = self._ctx
+        if skipped:
+            warnings.warn("no valid checkpoint to resume from; unusable ones: "
+                          + " | ".join(skipped), CheckpointWarning, stacklevel=4)
+        if ctx.primary and not required:
+            self._set_aside(bad)
+        if required:
+            raise CheckpointNotFoundError(
+                f"no valid recovery checkpoint under {ctx.store.recover_dir}"
+                + (f" (unusable: {' | '.join(skipped)})" if skipped else "")
+                + ". Train from scratch, or point the manager at the root that holds "
+                  "the checkpoints.")
+        return None
 
     def _set_aside(self, bad: Sequence[Entry]) -> None:
         """Unusable checkpoints would collide with the steps about to be (re)done, and

@@ -77,7 +77,9 @@ class FileGroupBackend(SingleProcess):
             np.save(os.path.join(directory, f"{name}.p{self.process_index}.npy"), np.asarray(value))
         return _Written()
 
-    def read(self, directory: str, like: Any, *, claims: Any = None) -> Any:
+    def read(self, directory: str, like: Any, *, claims: Any = None,
+             partial: bool = False) -> Any:
+        # Every name of ``like`` is read whether or not ``partial``: a subtree is just fewer.
         if claims is not None:
             claims.close()
         return {name: np.load(os.path.join(directory, f"{name}.p0.npy")) for name in like}
