@@ -28,7 +28,7 @@ from jaxckpt._orbax_options import OrbaxOptions
 from jaxckpt.array_files import ArrayFiles, LocalArrayFiles, StorageArrayFiles, StoragePath
 from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
 
-__all__ = ["files_for", "path_for", "check_arrays", "refuse_foreign"]
+__all__ = ["files_for", "path_for", "check_arrays", "writes_natively", "refuse_foreign"]
 
 
 def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
@@ -77,6 +77,16 @@ def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
             f"{'; '.join(bad)}. Nothing was written. Fix: cast such leaves (e.g. int4 to "
             f"int8) or save to a filesystem root.")
 
+
+
+def writes_natively(files: ArrayFiles | None, remote: StorageArrayFiles | None,
+                    directory: str, arrays: dict[str, Any]) -> bool:
+    """Whether a write of ``arrays`` goes through ``files`` (every array of a dtype and
+    size zarr_io stores as Orbax would); a URL's arrays must (``check_arrays``)."""
+    if files is not None and files is remote:
+        check_arrays(directory, arrays)
+    return files is not None and all(
+        isinstance(array, np.ndarray) and zarr_io.supported(array) for array in arrays.values())
 
 def refuse_foreign(directory: str) -> None:
     """A checkpoint on an object store whose arrays are not in zarr_io's layout (written by

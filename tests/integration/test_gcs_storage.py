@@ -299,8 +299,10 @@ def test_cli_ls_and_verify_read_a_gs_root(storage, base, options, capsys, tmp_pa
     assert "CORRUPT " + store.step_path(2) in out and "contents altered" in out
     assert main(["ls", f"{base}/not-a-root"]) == 3
     assert "is not a jaxckpt checkpoint root" in capsys.readouterr().err
-    assert main(["info", base]) == 2
-    assert "does not read object storage yet" in capsys.readouterr().err
+    assert main(["info", base]) == 0  # info reads object-store roots too
+    assert "2 committed" in capsys.readouterr().out
+    assert main(["export-hf", base, "out"]) == 2
+    assert "does not take object-storage paths yet" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # nothing local was created
 
 
