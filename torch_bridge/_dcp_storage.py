@@ -40,6 +40,7 @@ from jaxckpt.errors import (
     CheckpointWriteError,
 )
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
+from jaxckpt.checksum import default_algorithm, extend
 from jaxckpt.storage import Storage, fsync_dir
 
 from . import _dcp_metadata
@@ -113,6 +114,11 @@ class LocalDcpFiles:
         return _dcp().FileSystemWriter(staging, sync_files=sync_files)
 
     @staticmethod
+    def known_checksums(writer: Any, directory: str) -> None:
+        """None: DCP computes no checksums on a local disk; the commit reads the files."""
+        return None
+
+    @staticmethod
     def publish(staging: str, directory: str) -> None:
         """Primary: move the finished staging directory to its final name."""
         os.rename(staging, directory)
@@ -164,6 +170,15 @@ class StorageDcpFiles:
     def publish(staging: str, directory: str) -> None:
         """Nothing: the data was written at its final location."""
 
+    @staticmethod
+    def known_checksums(writer: Any, directory: str) -> dict[str, dict[str, Any]] | None:
+        """Manifest entries of the files ``writer`` uploaded below ``directory`` (computed
+        from the bytes sent; an upload is durable once it returns), by relative path: the
+        commit takes them instead of reading the files back."""
+        prefix = directory.rstrip("/") + "/"
+        return {path[len(prefix):]: entry for path, entry in writer.fs.written.items()
+                if path.startswith(prefix)} or None
+
     def read_document(self, directory: str) -> bytes:
         try:
             document = self.storage.read(f"{directory}/{OBJECTS_FILE}")
@@ -180,18 +195,27 @@ class StorageDcpFiles:
 
 
 class _UploadStream(io.BytesIO):
-    """A file DCP writes (it needs ``tell``); uploaded whole when DCP closes it."""
+    """A file DCP writes (it needs ``tell``); uploaded whole when DCP closes it, its
+    manifest entry (size and checksum of the bytes sent) kept in ``written``."""
 
-    def __init__(self, storage: Storage, path: str):
+    def __init__(self, storage: Storage, path: str, written: dict[str, dict[str, Any]]):
         super().__init__()
         self._storage = storage
         self._path = path
+        self._written = written
 
     def close(self) -> None:
         if not self.closed:
             data = self.getvalue()
             super().close()  # frees the buffer before the upload's own copies
             self._storage.write(self._path, data)
+            self._written[self._path] = _entry(data)
+
+
+def _entry(data: bytes) -> dict[str, Any]:
+    """The manifest entry of ``data`` in the commit's algorithm."""
+    algorithm = default_algorithm()
+    return {"size": len(data), algorithm: f"{extend(algorithm, 0, data):08x}"}
 
 
 class _RangeFile(io.RawIOBase):
@@ -258,11 +282,13 @@ def _storage_fs_class() -> type:
             self.storage = storage
             #: path -> [(offset, bytes)] fetched ahead of a read (_StorageReader.read_data).
             self.prefetched: dict[str, list[tuple[int, bytes]]] = {}
+            #: path -> manifest entry of each file uploaded (the commit need not read it back).
+            self.written: dict[str, dict[str, Any]] = {}
 
         def create_stream(self, path: Any, mode: str) -> Any:
             # Unbuffered on purpose: a buffer's read-ahead would GET past the fetched ranges.
             if mode == "wb":
-                return _UploadStream(self.storage, str(path))
+                return _UploadStream(self.storage, str(path), self.written)
             if mode == "rb":
                 return _RangeFile(self.storage, str(path), self.prefetched.get(str(path), []))
             raise ValueError(f"object storage streams are 'wb' or 'rb', not {mode!r}")
@@ -317,8 +343,10 @@ def _storage_writer_class() -> type:
                                      for batch in results for result in batch}
             metadata.storage_meta = self.storage_meta()
             rank = self.rank if not self.use_collectives and self.rank is not None else None
-            self.fs.storage.write(str(self._get_metadata_path(rank)),
-                                  _dcp_metadata.dump_metadata(metadata))
+            path = str(self._get_metadata_path(rank))
+            data = _dcp_metadata.dump_metadata(metadata)
+            self.fs.storage.write(path, data)
+            self.fs.written[path] = _entry(data)
 
     return _StorageWriter
 

@@ -358,10 +358,10 @@ class DcpWriteHandle:
     """
 
     __slots__ = ("directory", "nbytes", "_backend", "_future", "_staging_dir", "_finished",
-                 "_error")
+                 "_error", "_writer")
 
     def __init__(self, backend: DcpBackend, directory: str, staging_dir: str, nbytes: int,
-                 future: Any = None):
+                 future: Any = None, writer: Any = None):
         #: the directory this write fills.
         self.directory = directory
         #: bytes of tensor data this process handed to DCP (local shards), known at staging
@@ -372,11 +372,17 @@ class DcpWriteHandle:
         self._staging_dir = staging_dir
         self._finished = future is None
         self._error: BaseException | None = None
+        self._writer = writer
 
     @property
-    def checksums(self) -> None:
-        """None: DCP computes no checksums, so the commit checksums every file."""
-        return None
+    def checksums(self) -> dict[str, dict[str, Any]] | None:
+        """On an object store, the manifest entries of the files this process uploaded
+        (computed from the bytes sent); else None: DCP computes no checksums, so the commit
+        checksums every file."""
+        if not self._finished or self._error is not None or self._writer is None:
+            return None
+        return self._backend._files_for(self.directory).known_checksums(self._writer,
+                                                                       self.directory)
 
     def done(self) -> bool:
         """Whether the write is known to have finished (successfully or not)."""
@@ -565,7 +571,7 @@ class DcpBackend:
                           no_dist=not self._distributed)
             if not asynchronous:
                 dcp.save(flat, **common)
-                handle = DcpWriteHandle(self, directory, staging_dir, nbytes)
+                handle = DcpWriteHandle(self, directory, staging_dir, nbytes, writer=writer)
                 self._publish(handle)
                 return handle
             response = dcp.async_save(flat, async_checkpointer_type=self._checkpointer_type(
@@ -579,7 +585,7 @@ class DcpBackend:
             if hasattr(response, "staging_completion"):
                 response.staging_completion.result()
                 upload = response.upload_completion
-            handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload)
+            handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload, writer)
             self._pending = handle
             return handle
 

@@ -1,8 +1,8 @@
 """DcpCheckpointManager on object storage: s3:// against a moto server and gs:// against a
 GCS emulator, both started by this module on 127.0.0.1 (tests/support/s3_server.py,
 gcs_server.py). Model, optimizer, scheduler and a stateful loader round-trip bit-exact in
-sync and async mode, in the layout a local root has, with nothing created locally and no
-server-side copy; a partial restore fetches only the bytes of what it loads; a planted
+sync and async mode, in the layout a local root has, with nothing created locally, no
+server-side copy and no DCP file read back by the commit; a partial restore fetches only the bytes of what it loads; a planted
 ``.metadata`` pickle is refused, never run."""
 
 from __future__ import annotations
@@ -91,11 +91,17 @@ def test_round_trip_on_s3_is_bit_exact_in_the_local_layout(options, root, mode, 
     real_copy = s3_storage.S3Storage.copy
     monkeypatch.setattr(s3_storage.S3Storage, "copy",
                         lambda self, src, dst: copies.append((src, dst)) or real_copy(self, src, dst))
+    reads: list[str] = []
+    real_read = s3_storage.S3Storage.read
+    monkeypatch.setattr(s3_storage.S3Storage, "read", lambda self, path, **kw: reads.append(path)
+                        or real_read(self, path, **kw))
     state, loader, batches = training()
     saved = tensors_of(state)
     with manager(root, options, mode=mode) as mgr:
         mgr.save(STEP, state, stateful={"loader": loader})
         mgr.wait()
+    # The commit took the checksums of the bytes uploaded: no DCP file was read back.
+    assert not [path for path in reads if path.endswith((".distcp", ".metadata"))], reads
     expected_next = [next(batches) for _ in range(2)]
 
     fresh, fresh_loader, _ = training(seed=5)
