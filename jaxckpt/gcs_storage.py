@@ -249,8 +249,9 @@ class GCSStorage(Storage):
             checksum=None if ranged else "auto", timeout=self.timeout, retry=self.retry())
 
     # --- whole objects -------------------------------------------------------------------
-    def write(self, path: str, data: bytes) -> None:
-        self.upload(self.name(path), data)
+    def write(self, path: str, data: bytes | bytearray) -> None:
+        # The client uploads bytes only; the array writers hand over bytearrays.
+        self.upload(self.name(path), data if isinstance(data, bytes) else bytes(data))
 
     def create(self, path: str, data: bytes) -> None:
         from google.api_core.exceptions import NotFound, PreconditionFailed
