@@ -211,3 +211,15 @@ def test_round_trip_on_gs_is_bit_exact(tmp_path, monkeypatch):
     assert tensors_of(fresh) == saved
     assert torch.equal(next(iter(fresh_loader)), expected)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_object_store_bench_compares_with_raw_transfers_and_cleans_up(options, root):
+    from jaxckpt.tools.bench_dcp_remote import ROWS, dcp_remote_rows, format_rows
+
+    result = dcp_remote_rows(root, options, nbytes=1 << 20, tensors=4, repeats=1)
+    assert set(result["rows"]) == set(ROWS)
+    assert all(row["mib_per_s"] > 0 for row in result["rows"].values())
+    assert result["save_vs_upload"] > 0 and result["restore_vs_download"] > 0
+    assert "save / raw upload" in format_rows(result)
+    _, storage = parse_root(root, options)
+    assert storage.list_files(root) == {}  # the bench deleted what it wrote
