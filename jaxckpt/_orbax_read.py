@@ -278,14 +278,18 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     buffers without a copy on CPU.
     """
     plans: list[tuple[str, tuple[int, ...], np.dtype, int, Any, str]] = []
-    for name, args in restore_args.items():
-        if not STORAGE_NAME.match(name):
-            return None
+    if not all(STORAGE_NAME.match(name) for name in restore_args):
+        return None
+
+    def metadata(name: str) -> tuple[tuple[int, ...], np.dtype, int] | None:
         try:
-            parsed = zarr_io.parse_metadata(files.read_small(f"{base}/{name}/{ZARR_JSON}",
-                                                             1 << 16))
+            return zarr_io.parse_metadata(files.read_small(f"{base}/{name}/{ZARR_JSON}",
+                                                           1 << 16))
         except OSError:
             return None
+
+    # On the I/O threads: on an object store each is a round trip.
+    for (name, args), parsed in zip(restore_args.items(), pool.map(metadata, restore_args)):
         if parsed is None:
             return None
         shape, dtype, offset = parsed

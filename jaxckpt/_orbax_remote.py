@@ -25,10 +25,15 @@ from etils import epath
 
 from jaxckpt import zarr_io
 from jaxckpt._orbax_options import OrbaxOptions
-from jaxckpt.array_files import ArrayFiles, LocalArrayFiles, StorageArrayFiles, StoragePath
+from jaxckpt.array_files import (
+    ArrayFiles,
+    LocalArrayFiles,
+    StorageArrayFiles,
+    StoragePath,
+)
 from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
 
-__all__ = ["files_for", "path_for", "check_arrays", "writes_natively", "refuse_foreign"]
+__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign", "writes_natively"]
 
 
 def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:

@@ -3,9 +3,10 @@
 Owns: the handle a write returns (:class:`OrbaxWriteHandle`), the host buffers a save copies
 into and reuses (:class:`HostBuffers`), the Orbax type handlers the backend writes with
 (numpy arrays not deep-copied a second time), and the native writer: the files Orbax's
-``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes, written with
-``jaxckpt.zarr_io`` (O_DIRECT, checksums computed on the way) under a temporary name that is
-renamed into place once complete (:func:`write_native`). Also the small-file writers of the
+``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes, written through a
+``jaxckpt.array_files.ArrayFiles`` (:func:`write_native`): locally with ``jaxckpt.zarr_io``
+(O_DIRECT, checksums computed on the way) under a temporary name renamed into place once
+complete, on an object store as objects at their names. Also the small-file writers of the
 state directory (``tree.json``).
 
 Which writer runs, on which thread, is the backend's decision (``orbax_backend``); this
@@ -26,9 +27,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import zarr_io
-from jaxckpt.array_files import ArrayFiles
 from jaxckpt._orbax_plan import WritePlan, fill_pack, pack_length
 from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
+from jaxckpt.array_files import ArrayFiles
 from jaxckpt.checksum import default_algorithm
 from jaxckpt.errors import CheckpointWriteError
 

@@ -28,9 +28,11 @@ and returns. In a single process every array is staged as a host array (a CPU ja
 a zero-copy view: it is immutable), async writes run on the backend's own writer thread,
 and on a local filesystem that thread writes Orbax's files itself (``jaxckpt.zarr_io``:
 the same bytes tensorstore would write, moved with O_DIRECT and checksummed on the way;
-``native_io``), which restores read back the same way. Orbax writes and reads everything
-else: several processes (its AsyncCheckpointer writes each process's shards), remote
-paths, dtypes zarr_io does not store, arrays in another layout. docs/performance.md has
+``native_io``), which restores read back the same way. On an object-store root the
+manager hands the backend its storage (``attach_storage``) and the same files go there as
+objects (``jaxckpt.array_files``, ``_orbax_remote``). Orbax writes and reads everything
+else: several processes (its AsyncCheckpointer writes each process's shards), dtypes
+zarr_io does not store, arrays in another layout. docs/performance.md has
 the measurements behind each of these choices.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and

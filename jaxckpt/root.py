@@ -31,7 +31,7 @@ from .roots import check_root
 from .storage import PosixStorage, RootLease
 from .store import CheckpointStore
 
-__all__ = ["open_store", "attach_backend", "prepare_root"]
+__all__ = ["attach_backend", "open_store", "prepare_root"]
 
 log = logging.getLogger("jaxckpt")
 

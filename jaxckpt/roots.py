@@ -19,7 +19,6 @@ import re
 from typing import Literal
 
 from .errors import CheckpointRootError
-from .storage import Storage
 from .layout import (
     COMMIT_MARKER,
     DRIVER_FILE,
@@ -34,6 +33,7 @@ from .layout import (
     parse_step_dirname,
     parse_version_dirname,
 )
+from .storage import Storage
 
 __all__ = ["PathKind", "foreign_entries", "foreign_objects", "check_root", "classify_path"]
 

@@ -15,10 +15,13 @@ PUT with ``If-None-Match: *``, decided by the server (a second creator gets
 ``FileExistsError``, however many race); listings are paged; ``delete_prefix`` deletes in
 batches of 1000 keys; ``copy`` is a server-side copy (no bytes through this host);
 ``discard_incomplete_uploads`` aborts the multipart uploads a killed writer left (their
-parts are billed, and invisible to listings). Transient failures (5xx, throttling,
+parts are billed, and invisible to listings). Small checkpoint objects this storage wrote
+are not read back by the commit, and those a verification read are not read again by the
+restore that follows (``_SmallObjects``). Transient failures (5xx, throttling,
 timeouts, dropped connections) are retried by botocore with backoff, a bounded number of
-times (``max_attempts``). No operation here renames: the POSIX-only extras
-(``PosixStorage.rename_posix``) have no equivalent, and the store refuses those operations.
+times (``max_attempts``). No operation here renames: the POSIX-only extra
+(``PosixStorage.rename_posix``) has no equivalent, and the store does quarantine and export
+publishing another way there (``jaxckpt.store_objects``).
 
 ``reading`` holds are kept in this process only: a checkpoint being restored by this process
 is never deleted by it, but another process's deleter does not see them (on an object store
@@ -29,6 +32,7 @@ Must not import: jax, orbax, torch. Imports boto3 lazily, when a storage is made
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import threading
@@ -109,6 +113,50 @@ def is_precondition_failed(exc: Exception) -> bool:
         _status(exc) in (409, 412)
 
 
+class _SmallObjects:
+    """The bytes of small checkpoint objects this storage wrote or checksummed, so that the
+    commit does not GET what was just PUT, and a restore does not GET twice what it verified
+    and then parses (zarr.json, tree.json, driver.json). Only objects below a ``recover/`` or
+    ``export/`` prefix are kept: those are written once per save attempt (a second attempt at
+    the same name writes or deletes through this storage, which replaces or drops them), by
+    the one process that holds the root's lease. Bounded (LRU). Thread-safe."""
+
+    MAX_OBJECT = 1 << 20
+    MAX_TOTAL = 64 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._total = 0
+
+    @staticmethod
+    def keeps(key: str, size: int) -> bool:
+        return size <= _SmallObjects.MAX_OBJECT and ("/recover/" in key or "/export/" in key)
+
+    def put(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._total -= len(self._bytes.pop(key, b""))
+            if not self.keeps(key, len(data)):
+                return
+            self._bytes[key] = data
+            self._total += len(data)
+            while self._total > self.MAX_TOTAL:
+                self._total -= len(self._bytes.popitem(last=False)[1])
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            data = self._bytes.get(key)
+            if data is not None:
+                self._bytes.move_to_end(key)
+            return data
+
+    def drop(self, key: str, *, below: bool = False) -> None:
+        with self._lock:
+            doomed = [k for k in self._bytes if k == key or below and k.startswith(key + "/")]
+            for k in doomed:
+                self._total -= len(self._bytes.pop(k))
+
+
 class S3Storage(Storage):
     """``Storage`` on one S3 bucket, below one key prefix (``""``: the whole bucket).
 
@@ -116,6 +164,9 @@ class S3Storage(Storage):
     thread-safe). Across processes and hosts, ``create`` and the root lease are decided by
     the server's conditional writes; ``reading`` holds are per process (module docstring).
     """
+
+    #: Requests are latency-bound (a round trip each): many in flight at once.
+    concurrent_requests = 16
 
     def __init__(self, bucket: str, prefix: str = "", *,
                  storage_options: Mapping[str, Any] | None = None,
@@ -135,6 +186,7 @@ class S3Storage(Storage):
         self.client = s3_client(storage_options)
         self._holds: dict[str, int] = {}
         self._holds_lock = threading.Lock()
+        self._small = _SmallObjects()
 
     def __repr__(self) -> str:
         return f"S3Storage({self.bucket!r}, {self.prefix!r})"
@@ -153,10 +205,14 @@ class S3Storage(Storage):
 
     # --- whole objects -------------------------------------------------------------------
     def write(self, path: str, data: bytes | bytearray) -> None:
+        key = self.key(path)
+        self._small.drop(key)
         if len(data) > MULTIPART_OVER:
-            self._write_multipart(self.key(path), data)
+            self._write_multipart(key, data)
             return
-        self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data)
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        if _SmallObjects.keeps(key, len(data)):
+            self._small.put(key, bytes(data))
 
     def _write_multipart(self, key: str, data: bytes | bytearray) -> None:
         """One object in parts, ``PART_THREADS`` in flight; aborted on any failure (a
@@ -186,6 +242,7 @@ class S3Storage(Storage):
 
     def copy(self, src: str, dst: str) -> None:
         """Server-side copy (boto3's managed copy: multipart for big objects)."""
+        self._small.drop(self.key(dst))
         try:
             self.client.copy({"Bucket": self.bucket, "Key": self.key(src)}, self.bucket,
                              self.key(dst))
@@ -206,6 +263,7 @@ class S3Storage(Storage):
         return keys
 
     def create(self, path: str, data: bytes) -> None:
+        self._small.drop(self.key(path))
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data,
                                    IfNoneMatch="*")
@@ -223,6 +281,9 @@ class S3Storage(Storage):
     def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
         if length == 0:
             return b""
+        known = self._small.get(self.key(path))
+        if known is not None:
+            return known[offset:] if length is None else known[offset:offset + length]
         extra = {}
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
@@ -238,6 +299,29 @@ class S3Storage(Storage):
         with contextlib.closing(response["Body"]) as body:
             return body.read()
 
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
+        """One ranged GET, its body streamed into ``out``."""
+        if not len(out):
+            return 0
+        try:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=self.key(path),
+                Range=f"bytes={offset}-{offset + len(out) - 1}")
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(2, "no such object", path) from exc
+            if _code(exc) == "InvalidRange":  # offset at or past the end
+                return 0
+            raise
+        got = 0
+        with contextlib.closing(response["Body"]) as body:
+            while got < len(out):
+                count = body.readinto(out[got:])
+                if not count:
+                    break
+                got += count
+        return got
+
     def size(self, path: str) -> int:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self.key(path))
@@ -248,7 +332,13 @@ class S3Storage(Storage):
         return int(head["ContentLength"])
 
     def checksum(self, path: str, algorithm: str, *, sync: bool = False) -> tuple[int, str]:
-        """One GET, streamed in pieces (``sync`` needs nothing: the object is durable)."""
+        """One GET, streamed in pieces. ``sync`` (the commit, right after the write; the
+        object is durable already): none for a small object this storage just wrote, whose
+        bytes it kept (``_SmallObjects``). Otherwise (a verification) the object is always
+        read from the server, and a small one's bytes are kept for the read that follows."""
+        known = self._small.get(self.key(path)) if sync else None
+        if known is not None:
+            return len(known), f"{extend(algorithm, 0, known):08x}"
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self.key(path))
         except Exception as exc:
@@ -256,10 +346,15 @@ class S3Storage(Storage):
                 raise FileNotFoundError(2, "no such object", path) from exc
             raise
         crc = size = 0
+        pieces: list[bytes] = []
         with contextlib.closing(response["Body"]) as body:
             for piece in body.iter_chunks(_READ_PIECE):
                 crc = extend(algorithm, crc, piece)
                 size += len(piece)
+                if size <= _SmallObjects.MAX_OBJECT:
+                    pieces.append(piece)
+        if _SmallObjects.keeps(self.key(path), size):
+            self._small.put(self.key(path), b"".join(pieces))
         return size, f"{crc:08x}"
 
     def exists(self, path: str) -> bool:
@@ -296,10 +391,12 @@ class S3Storage(Storage):
 
     def delete(self, path: str) -> None:
         # Deleting a missing key succeeds on S3.
+        self._small.drop(self.key(path))
         self.client.delete_object(Bucket=self.bucket, Key=self.key(path))
 
     def delete_prefix(self, prefix: str) -> None:
         key = self.key(prefix)
+        self._small.drop(key, below=True)
         keys = [entry["Key"] for page in self._pages(key + "/")
                 for entry in page.get("Contents", ())]
         keys.append(key)  # an object at the prefix's own name, if any
@@ -342,5 +439,6 @@ class S3Storage(Storage):
         with self._holds_lock:  # held while deleting, so no hold starts in between
             if self._holds.get(key):
                 return False
+            self._small.drop(key)
             self.client.delete_object(Bucket=self.bucket, Key=key)
         return True

@@ -10,7 +10,9 @@ no rename: object stores cannot rename a prefix atomically (or cheaply), so the 
 never relies on it. Atomic whole-object writes, create-only writes and a durability barrier
 are what it relies on instead. ``PosixStorage`` uses temp + rename internally where a
 filesystem needs it for atomicity, and offers moving a directory (``rename_posix``) only as
-a POSIX-only extra, outside the interface.
+a POSIX-only extra, outside the interface. The interface also has, with defaults that serve
+a filesystem: ``copy`` (server-side on an object store), ``read_into`` (streaming into a
+caller's buffer), ``discard_incomplete_uploads`` and ``concurrent_requests``.
 
 Must not import: jax, orbax, torch.
 """
@@ -55,9 +57,13 @@ class Storage(abc.ABC):
     that holds nothing, ``FileExistsError`` for a create-only write that found something.
     """
 
+    #: How many whole-object operations (checksums, small reads) callers should run at
+    #: once: a few on a disk, more where each one waits on a network round trip.
+    concurrent_requests: int = 4
+
     # --- whole objects -------------------------------------------------------------------
     @abc.abstractmethod
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: bytes | bytearray) -> None:
         """Store ``data`` at ``path``, replacing what was there (``path``'s prefix prepared
         with ``make_prefix``).
 
@@ -79,6 +85,15 @@ class Storage(abc.ABC):
     def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
         """The bytes of the object at ``path`` (``length`` bytes from ``offset``, or to its
         end; fewer at the end of the object). ``FileNotFoundError`` when there is none."""
+
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
+        """Read the object at ``path`` from ``offset`` into the writable buffer ``out`` (up
+        to its length; fewer bytes at the end of the object); returns how many were read.
+        ``FileNotFoundError`` when there is none. Object stores stream into ``out`` without
+        an intermediate copy; this default reads, then copies."""
+        data = self.read(path, offset=offset, length=len(out))
+        out[:len(data)] = data
+        return len(data)
 
     @abc.abstractmethod
     def size(self, path: str) -> int:
@@ -192,7 +207,7 @@ class PosixStorage(Storage):
     atomic for readers, but exclusive only against a creator holding the root lock.
     """
 
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: bytes | bytearray) -> None:
         atomic_write(path, data)
 
     def create(self, path: str, data: bytes) -> None:
@@ -354,7 +369,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
+def atomic_write(path: str, data: bytes | bytearray) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, and
     the new one survives a power loss once this returns: temp file, fsync, rename, dir fsync."""
     directory = os.path.dirname(path) or "."

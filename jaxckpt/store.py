@@ -95,10 +95,10 @@ class Entry:
 
 
 def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
-                entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """The problems ``check`` finds in manifest ``entries``, in order, a few at a time
+                entries: list[tuple[str, dict[str, Any]]], workers: int) -> list[str]:
+    """The problems ``check`` finds in manifest ``entries``, in order, ``workers`` at a time
     (checksums release the GIL and overlap I/O)."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         return [problem for problem in pool.map(check, entries) if problem]
 
 
@@ -280,7 +280,8 @@ class CheckpointStore:
             counted.add(info.get("size", 0))
             return problem
 
-        problems = _run_checks(check, sorted(manifest.files.items()))
+        problems = _run_checks(check, sorted(manifest.files.items()),
+                               self.storage.concurrent_requests)
         present = {rel for rel in listed if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
@@ -304,7 +305,8 @@ class CheckpointStore:
     def verify_entries(self, path: str, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
         """Problems in these manifest entries of ``path`` (size and checksum), a few files
         at a time."""
-        return _run_checks(lambda item: self._check_file(path, *item, checksums=True), entries)
+        return _run_checks(lambda item: self._check_file(path, *item, checksums=True), entries,
+                           self.storage.concurrent_requests)
 
     def _classify(self, step: int, path: str, *, checksums: bool,
                   defer_over: int | None = None) -> Entry:
@@ -534,5 +536,5 @@ def _summarise(storage: Storage, path: str, rels: list[str],
             return 0, "link"
         return storage.checksum(full, algorithm, sync=True)
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=storage.concurrent_requests) as pool:
         return dict(zip(rels, pool.map(summarise, rels)))

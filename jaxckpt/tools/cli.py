@@ -616,10 +616,19 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one round: checks that every row runs (CI)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--root", default=None,
+                        help="an s3://BUCKET/PREFIX to measure instead: save and restore "
+                             "against a raw upload and download through the same client "
+                             "(endpoint and credentials from the AWS_* environment)")
 
 
 def _bench(opts: argparse.Namespace) -> int:
     import json
+
+    if opts.root is not None:
+        from .bench_remote import bench_command
+
+        return bench_command(opts)
 
     from .bench import BenchConfig, format_table, run_bench
 

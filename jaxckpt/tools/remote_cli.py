@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["is_url", "refuse_url", "remote_ls", "remote_verify", "remote_info"]
+__all__ = ["is_url", "refuse_url", "remote_info", "remote_ls", "remote_verify"]
 
 EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_USAGE, EXIT_NOT_JAXCKPT = 0, 1, 2, 3
 

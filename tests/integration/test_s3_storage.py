@@ -215,9 +215,13 @@ def test_checkpoint_store_commits_verifies_and_deletes_on_s3(storage, base):
         assert storage.list_files(store.step_path(1)) == {}
         assert store.committed_steps() == [2]
         assert store.cleanup_partial() == [store.step_path(3)]
-        with pytest.raises(NotImplementedError, match="S3Storage"):
-            store.quarantine(store.step_path(2), "corrupt")
-        assert storage.exists(f"{store.step_path(2)}/{COMMIT_MARKER}")
+        # No rename on S3: quarantine copies on the server, then deletes (marker first).
+        before = storage.list_files(store.step_path(2))
+        moved = store.quarantine(store.step_path(2), "corrupt")
+        assert "/recover/superseded/" in moved
+        assert storage.list_files(moved) == before
+        assert not storage.is_prefix(store.step_path(2))
+        assert store.committed_steps() == []
     finally:
         lease.release()
 

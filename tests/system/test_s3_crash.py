@@ -24,11 +24,12 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from jaxckpt.layout import COMMIT_MARKER, parse_step_dirname  # noqa: E402
-from jaxckpt.root_url import parse_root  # noqa: E402
-from support.harness import Worker, repo_env  # noqa: E402
-from support.paths import REPO  # noqa: E402
-from support.s3_server import moto_s3, server_env  # noqa: E402
+from support.harness import Worker, repo_env
+from support.paths import REPO
+from support.s3_server import moto_s3, server_env
+
+from jaxckpt.layout import COMMIT_MARKER, parse_step_dirname
+from jaxckpt.root_url import parse_root
 
 BUCKET = "jaxckpt-crash"
 STEPS, SAVE_EVERY, KEEP, BALLAST = 12, 3, 1, 4
