@@ -91,17 +91,18 @@ def test_round_trip_on_s3_is_bit_exact_in_the_local_layout(options, root, mode, 
     real_copy = s3_storage.S3Storage.copy
     monkeypatch.setattr(s3_storage.S3Storage, "copy",
                         lambda self, src, dst: copies.append((src, dst)) or real_copy(self, src, dst))
-    reads: list[str] = []
-    real_read = s3_storage.S3Storage.read
-    monkeypatch.setattr(s3_storage.S3Storage, "read", lambda self, path, **kw: reads.append(path)
-                        or real_read(self, path, **kw))
+    summed: list[str] = []  # files the commit reads back to checksum them
+    real_checksum = s3_storage.S3Storage.checksum
+    monkeypatch.setattr(s3_storage.S3Storage, "checksum", lambda self, path, *a, **kw:
+                        summed.append(path) or real_checksum(self, path, *a, **kw))
     state, loader, batches = training()
     saved = tensors_of(state)
     with manager(root, options, mode=mode) as mgr:
         mgr.save(STEP, state, stateful={"loader": loader})
         mgr.wait()
     # The commit took the checksums of the bytes uploaded: no DCP file was read back.
-    assert not [path for path in reads if path.endswith((".distcp", ".metadata"))], reads
+    assert not [path for path in summed if path.endswith((".distcp", ".metadata"))], summed
+    assert any(path.endswith("objects.json") for path in summed)  # the seam is the right one
     expected_next = [next(batches) for _ in range(2)]
 
     fresh, fresh_loader, _ = training(seed=5)
