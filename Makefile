@@ -4,9 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := jax,torch,hf,grain,notebooks,test
+EXTRAS := jax,torch,hf,grain,notebooks,test,lint
+# What `make lint` checks with ruff; mypy checks the packages named in pyproject.toml.
+LINT_PATHS := jaxckpt torch_bridge tests
 
-.PHONY: demo test wheels install clean
+.PHONY: demo test lint wheels install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +24,12 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/jaxckpt demo
 
-test: $(VENV)/.installed
+# Lint and types first: a finding fails the run before the (long) suite starts.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # The wheel installed alone per extra set (base, jax, torch, hf) in fresh venvs, each running
@@ -31,4 +38,4 @@ wheels: $(VENV)/.installed
 	JAXCKPT_WHEELS=1 $(BIN)/python -m pytest -q -m wheels tests/system/test_wheel_extras.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -10,7 +10,15 @@ raises ``MissingExtraError`` (an ``ImportError``) naming the ``pip install`` tha
 """
 
 from ._version import __version__
-from .config import Every, ExportConfig, KeepBest, RecoverConfig, StepInfo, Versioned
+from .config import (
+    Every,
+    ExportConfig,
+    KeepBest,
+    LocalTier,
+    RecoverConfig,
+    StepInfo,
+    Versioned,
+)
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -36,6 +44,7 @@ __all__ = [
     "RecoverConfig",
     "ExportConfig",
     "KeepBest",
+    "LocalTier",
     "Versioned",
     "CheckpointManager",
     "import_orbax",

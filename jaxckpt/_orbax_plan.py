@@ -6,10 +6,10 @@ array of its own and which goes into a pack at which offset, and how each leaf's
 fetched (:class:`WritePlan`, built by :func:`build_plan`); and the key that tells two
 layouts apart (:func:`layout_key`), by which the backend reuses plans.
 
-Why packs: Orbax spends about 2 ms of Python per leaf whatever its size (docs/design.md, "Measured facts"),
-so a state of thousands of small leaves (optimizer states, biases, norms) would cost
-seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes that this
-process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays, typed
+Why packs: Orbax spends about 2 ms of Python per leaf whatever its size (docs/design.md,
+"Measured facts"), so a state of thousands of small leaves (optimizer states, biases,
+norms) would cost seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes
+that this process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays, typed
 keys' data) are copied into a few 1-D arrays per dtype (``pack_float32_000``, each at most
 ``pack_bytes`` bytes) and written as ordinary Orbax arrays. tree.json records, for every
 packed leaf, the pack and the element offset; a read cuts the leaves out by tree path
@@ -179,6 +179,7 @@ def build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) -> 
                 scalars.append((index, dtype, path if layout.python_type == "int" else None))
             elif isinstance(data, np.ndarray):
                 numpy_leaves.append(index)
+        assert stored_shape is not None  # keys and arrays stored as bytes carry data_shape
         # Sizes from the shape: jax.Array's size and nbytes properties cost microseconds.
         count = prod(stored_shape)
         nbytes = count * dtype.itemsize
@@ -206,7 +207,7 @@ def build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) -> 
 
     entries: list[SavedLeaf] = []
     unpacked: list[tuple[int, str]] = []
-    for index, (path, layout) in enumerate(zip(paths, layouts)):
+    for index, (path, layout) in enumerate(zip(paths, layouts, strict=True)):
         placed = placements.get(index)
         if placed is None:
             name, offset = f"leaf_{index:06d}", None

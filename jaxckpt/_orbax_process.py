@@ -80,8 +80,10 @@ def host_copy(state: Any) -> Any:
         if isinstance(leaf, jax.Array):
             if is_key_dtype(leaf.dtype):
                 impl = str(jax.random.key_impl(leaf))
-                return jax.random.wrap_key_data(to_host(jax.random.key_data(leaf)),
-                                                impl=impl)
+                # jax annotates jax.Array; it takes any array (numpy here) at run time.
+                return jax.random.wrap_key_data(
+                    to_host(jax.random.key_data(leaf)),  # type: ignore[arg-type]
+                    impl=impl)
             return to_host(leaf)
         if isinstance(leaf, (np.ndarray, np.generic)):
             return np.array(leaf, copy=True) if isinstance(leaf, np.ndarray) else leaf

@@ -311,7 +311,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
         nbytes = prod(shape) * dtype.itemsize
         algorithm = expected.get(file)
         content, checksum = files.read_chunk(file, nbytes, algorithm=algorithm, offset=offset)
-        if claims is not None and algorithm is not None:
+        if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
             claims.settle(file, checksum)
         return zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
 
@@ -319,7 +319,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     arrays = list(pool.map(read, plans))
     restored: dict[str, Any] = {}
     placed: list[tuple[str, np.ndarray, Any]] = []
-    for (name, _, _, _, args, _), array in zip(plans, arrays):
+    for (name, _, _, _, args, _), array in zip(plans, arrays, strict=True):
         if isinstance(args, ocp.ArrayRestoreArgs):
             placed.append((name, array, args.sharding))
         else:
@@ -328,7 +328,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
         # One batched transfer; on CPU jax adopts the aligned buffers as they are.
         values = jax.device_put([array for _, array, _ in placed],
                                 [sharding for _, _, sharding in placed])
-        restored.update((name, value) for (name, _, _), value in zip(placed, values))
+        restored.update((name, value) for (name, _, _), value in zip(placed, values, strict=True))
     return restored
 
 
@@ -375,15 +375,16 @@ def unpack(directory: str, targets: list[tuple[str, Target]],
             values.append(None)
         else:  # spans processes: every process holds the pack, each places its shards
             values.append(jax.make_array_from_callback(
-                data.shape, sharding, lambda index, data=data: data[index]))
+                data.shape, sharding, data.__getitem__))
     # One batched transfer for all packed leaves instead of one call per leaf.
-    for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings)):
+    for slot, value in zip(batch_slots, jax.device_put(batch_data, batch_shardings), strict=True):
         values[slot] = value
     return values
 
 
 def _cut(directory: str, path: str, entry: SavedLeaf, pack: np.ndarray) -> np.ndarray:
     """The stored data of the packed leaf ``entry`` (a view into its pack)."""
+    assert entry.offset is not None  # callers cut packed leaves only
     count = int(np.prod(entry.stored_shape, dtype=np.int64))
     if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
         raise CheckpointCorruptError(
@@ -399,7 +400,7 @@ def to_like_leaves(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf
     keys wrapped (and moved where their data's sharding could not be derived), numpy and
     Python targets converted to their types."""
     leaves = []
-    for (path, target), value in zip(targets, values):
+    for (path, target), value in zip(targets, values, strict=True):
         entry = saved[path]
         if entry.kind == "key":
             value = jax.random.wrap_key_data(value, impl=entry.impl)

@@ -31,7 +31,6 @@ from jaxckpt.tree_record import (
     parse_tree_record,
 )
 
-
 ARRAYS_DIR = "arrays"
 ZARR_JSON = "zarr.json"
 PACK_PREFIX = "pack_"
@@ -258,7 +257,7 @@ def classify_leaf(path: str, leaf: Any) -> tuple[Layout, Any]:
     for type_name, py_type in PY_SCALAR_TYPES.items():
         if type(leaf) is py_type:
             dtype = PY_SCALAR_DTYPES[type_name]
-            if py_type is int:
+            if type(leaf) is int:  # py_type; spelled so that type checkers narrow ``leaf``
                 check_int64(path, leaf)
             return Layout(kind="scalar", shape=(), dtype=dtype.name,
                           python_type=type_name), np.asarray(leaf, dtype)
@@ -317,13 +316,14 @@ def check_packs(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> None:
     listed: dict[str, tuple[np.dtype, int]] = {}
     for pack in packs:
         name, size = pack["name"], pack["size"]
-        if not isinstance(name, str) or not name.startswith(PACK_PREFIX) or not STORAGE_NAME.match(name):
+        if (not isinstance(name, str) or not name.startswith(PACK_PREFIX)
+                or not STORAGE_NAME.match(name)):
             raise ValueError(f"pack name {name!r} is not a pack name this backend writes")
         if type(size) is not int or size < 0:
             raise ValueError(f"pack {name} has size {size!r}, not an integer >= 0")
         listed[name] = (np.dtype(pack["dtype"]), size)
     for entry in entries:
-        if not entry.packed:
+        if entry.offset is None:  # not packed
             continue
         if entry.name not in listed:
             raise ValueError(f"leaf {entry.path} is packed into {entry.name}, which is not in "

@@ -157,7 +157,7 @@ class HostBuffers:
         # blocking transfer per leaf; on CPU this copies nothing.
         host = list(sources)
         fetched = host_arrays([sources[index] for index in plan.on_device])
-        for index, array in zip(plan.on_device, fetched):
+        for index, array in zip(plan.on_device, fetched, strict=True):
             host[index] = array
         arrays: dict[str, Any] = {}
         for name, (dtype, members, size) in plan.packs.items():

@@ -43,7 +43,7 @@ try:  # the C extension only: see the module docstring
 
     _HAVE_CRC32C = getattr(_crc32c_module, "implementation", "") == "c"
 except ImportError:  # pragma: no cover - a dependency; absent only in broken installs
-    _crc32c_module = None
+    _crc32c_module = None  # type: ignore[assignment]  # checked by _check_available
     _HAVE_CRC32C = False
 
 
@@ -56,7 +56,7 @@ def _unlocked_crc32c() -> Any:
     try:
         import ctypes
 
-        from google_crc32c import _crc32c  # type: ignore[attr-defined]
+        from google_crc32c import _crc32c
 
         # dlsym on the extension also searches the library it links (crc32c_extend).
         function = ctypes.CDLL(_crc32c.__file__).crc32c_extend
@@ -95,8 +95,9 @@ def _extend(algorithm: str, crc: int, view: np.ndarray) -> int:
                 and view.flags.c_contiguous):
             # ``view`` is held here for the whole call, so its memory stays valid.
             return int(_crc32c_unlocked(crc, view.ctypes.data, view.nbytes))
-        return int(_crc32c_module.extend(crc, view))  # type: ignore[union-attr]
-    return zlib.crc32(view, crc)  # zlib releases the GIL itself
+        return int(_crc32c_module.extend(crc, view))
+    # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12.
+    return zlib.crc32(view, crc)  # type: ignore[arg-type]  # zlib releases the GIL itself
 
 
 def extend(algorithm: str, crc: int, data: Any) -> int:

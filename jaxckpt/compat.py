@@ -32,17 +32,18 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
-from .config import Every, ExportConfig, RecoverConfig
+from .config import Every, ExportConfig, RecoverConfig, RecoverMode, SaveMode
 from .errors import CheckpointWarning, ConfigError
 
 __all__ = ["ManagerSpec", "load_config", "from_areal", "from_torchtune"]
 
-_AREAL_MODES = {"on": "on", "auto": "auto", "off": "off", "disabled": "disabled",
-                # Older AReaL spellings. "fault" resumed only after a failure, which is what
-                # resuming whenever a valid checkpoint exists amounts to for a fresh job.
-                "fault": "auto", "resume": "on"}
+_AREAL_MODES: dict[str, RecoverMode] = {
+    "on": "on", "auto": "auto", "off": "off", "disabled": "disabled",
+    # Older AReaL spellings. "fault" resumed only after a failure, which is what
+    # resuming whenever a valid checkpoint exists amounts to for a fresh job.
+    "fault": "auto", "resume": "on"}
 _AREAL_TIMER = {"freq_epochs", "freq_steps", "freq_secs", "experiment_name", "trial_name",
                 "fileroot"}
 _AREAL_IGNORED = {"no_save_optim", "no_load_optim"}
@@ -59,11 +60,11 @@ class ManagerSpec:
     """Checkpoint root (None when the config does not say; pass one to ``manager``)."""
     recover: RecoverConfig
     """Recovery settings."""
-    mode: str = "auto"
+    mode: SaveMode = "auto"
     """Save mode for recovery checkpoints."""
     export_every: Every | None = None
     """Cadence of model exports (AReaL's saver); needs an exporter to become an ExportConfig."""
-    export_mode: str = "auto"
+    export_mode: SaveMode = "auto"
     """Save mode of exports."""
     ignored: tuple[str, ...] = ()
     """Known fields that have no meaning in jaxckpt (e.g. ``recover.no_save_optim``)."""
@@ -77,7 +78,8 @@ class ManagerSpec:
 
     def manager(self, root: str | None = None, *, exporter: Any = None, **kwargs: Any):
         """A CheckpointManager (JAX) built from these settings; ``kwargs`` pass through
-        (e.g. ``backend=``). For torch use ``torch_bridge.DcpCheckpointManager(**spec.kwargs())``."""
+        (e.g. ``backend=``). For torch use
+        ``torch_bridge.DcpCheckpointManager(**spec.kwargs())``."""
         from .manager import CheckpointManager
 
         return CheckpointManager(**self.kwargs(root, exporter=exporter), **kwargs)
@@ -139,13 +141,15 @@ def from_areal(config: Mapping[str, Any]) -> ManagerSpec:
     recover_config = RecoverConfig(mode=_AREAL_MODES[raw_mode],
                                    every=_every(recover, "recover", config),
                                    keep_last_n=1, retries=retries)
-    export_every, export_mode = None, "auto"
+    export_every: Every | None = None
+    export_mode: SaveMode = "auto"
     if saver is not None:
         _check_known(saver, _AREAL_TIMER | {"mode"}, "saver")
         export_every = _every(saver, "saver", config)
-        export_mode = str(_resolve(saver.get("mode", "auto"), config))
-        if export_mode not in ("auto", "sync", "async"):
-            raise ConfigError(f"saver.mode={export_mode!r}: use 'auto', 'sync' or 'async'.")
+        raw_export_mode = str(_resolve(saver.get("mode", "auto"), config))
+        if raw_export_mode not in ("auto", "sync", "async"):
+            raise ConfigError(f"saver.mode={raw_export_mode!r}: use 'auto', 'sync' or 'async'.")
+        export_mode = cast(SaveMode, raw_export_mode)
     fileroot = _resolve(recover.get("fileroot") or (config.get("cluster") or {}).get("fileroot")
                         or config.get("fileroot"), config)
     experiment = _resolve(recover.get("experiment_name") or config.get("experiment_name"), config)
@@ -173,7 +177,8 @@ def from_torchtune(config: Mapping[str, Any]) -> ManagerSpec:
         raise ConfigError(f"enable_async_checkpointing must be true or false, got {async_on!r}.")
     try:
         every = Every(steps=merged.get("save_every_n_steps"),
-                      epochs=merged.get("save_every_n_epochs", None if merged.get("save_every_n_steps") else 1))
+                      epochs=merged.get("save_every_n_epochs",
+                                        None if merged.get("save_every_n_steps") else 1))
         recover = RecoverConfig(mode="auto", every=every, keep_last_n=keep)
     except ConfigError as exc:
         raise ConfigError(f"torchtune config: {exc} (from keep_last_n_checkpoints / "

@@ -1,8 +1,8 @@
 """User-facing configuration: triggers, step counters, recovery and export settings.
 
 Owns: the frozen, validated config dataclasses of the public API (``Every``, ``StepInfo``,
-``RecoverConfig``, ``ExportConfig``) and the literal types of their modes. Validation happens
-once, in ``__post_init__``, and never rewrites another field.
+``RecoverConfig``, ``ExportConfig``, ``LocalTier``) and the literal types of their modes.
+Validation happens once, in ``__post_init__``, and never rewrites another field.
 
 Must not import: jax, orbax, torch (this module is part of the pure layer).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -24,6 +25,7 @@ __all__ = [
     "KeepBest",
     "RecoverConfig",
     "ExportConfig",
+    "LocalTier",
     "SaveMode",
     "RecoverMode",
     "SAVE_MODES",
@@ -56,7 +58,8 @@ class Every:
     steps: int | None = None
     """Due after every ``steps`` completed global steps (``(global_step + 1) % steps == 0``)."""
     epochs: int | None = None
-    """Due at the end of every ``epochs``-th epoch (``epoch_end`` and ``(epoch + 1) % epochs == 0``)."""
+    """Due at the end of every ``epochs``-th epoch (``epoch_end`` and
+    ``(epoch + 1) % epochs == 0``)."""
     seconds: float | None = None
     """Due when this many seconds (monotonic clock) passed since the last save of this kind."""
 
@@ -116,7 +119,8 @@ class StepInfo:
                 raise ConfigError(
                     f"StepInfo.epoch_step={self.epoch_step} must be < steps_per_epoch={spe}.")
         for key, value in self.counters.items():
-            if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if (not isinstance(key, str) or isinstance(value, bool)
+                    or not isinstance(value, (int, float))):
                 raise ConfigError(
                     f"StepInfo.counters[{key!r}] must map str to int or float, got {value!r}.")
 
@@ -366,3 +370,44 @@ class ExportConfig:
             )
         _check_mode("ExportConfig", "mode", self.mode, SAVE_MODES)
         _check_keep_last_n("ExportConfig", self.keep_last_n)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalTier:
+    """A fast local tier under the durable root: frequent recovery checkpoints on local disk.
+
+    ``CheckpointManager(root, recover=..., local=LocalTier(path, every=Every(steps=50)))``
+    writes a recovery checkpoint to ``path`` whenever ``every`` is due and the durable
+    root's own ``RecoverConfig.every`` is not (at a step where both are due only the durable
+    root is written). ``recover`` restores the newest checkpoint that verifies in either
+    tier (see docs/design.md, "Two tiers"). ``path`` is a root of its own (same layout and
+    commit protocol, its own lock) and must be a local filesystem path apart from the
+    durable root.
+    """
+
+    path: str | os.PathLike[str]
+    """The local root, e.g. a directory on the machine's NVMe disk (created if missing)."""
+    _: dataclasses.KW_ONLY
+    every: Every = dataclasses.field(default_factory=lambda: Every(steps=50))
+    """When a local checkpoint is due (any-of); never all None."""
+    keep_last_n: int = 1
+    """How many local checkpoints to keep (>= 1): local disk is small and the durable root
+    holds the history."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ConfigError(f"LocalTier.path must be a directory path (str or "
+                              f"os.PathLike), got {self.path!r}.")
+        if "://" in str(os.fspath(self.path)):
+            raise ConfigError(
+                f"LocalTier.path must be a local filesystem path, got {self.path!r}: the local "
+                f"tier is the machine's own disk; put object storage in the durable root.")
+        _check_every("LocalTier", self.every)
+        if self.every.never:
+            raise ConfigError(
+                f"LocalTier.every={self.every} never fires, so the local tier would never be "
+                f"written. Write e.g. every=jaxckpt.Every(steps=50), or drop local=.")
+        value = self.keep_last_n
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"LocalTier.keep_last_n must be an int >= 1 (how many local "
+                              f"checkpoints to keep), got {value!r}.")

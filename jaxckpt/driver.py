@@ -86,7 +86,8 @@ def _get_state(name: str, obj: Any) -> Any:
         return {"kind": "numpy.Generator", "state": obj.bit_generator.state}
     if isinstance(obj, random.Random):
         return {"kind": "random.Random", "state": obj.getstate()}
-    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+    if (callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))):
         return {"kind": "state_dict", "state": obj.state_dict()}
     if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
         return {"kind": "get_state", "state": obj.get_state()}
@@ -100,7 +101,8 @@ def _set_state(name: str, obj: Any, saved: Any) -> None:
         expected = "numpy.Generator"
     elif isinstance(obj, random.Random):
         expected = "random.Random"
-    elif callable(getattr(obj, "load_state_dict", None)) and callable(getattr(obj, "state_dict", None)):
+    elif (callable(getattr(obj, "load_state_dict", None))
+          and callable(getattr(obj, "state_dict", None))):
         expected = "state_dict"
     elif callable(getattr(obj, "set_state", None)) and callable(getattr(obj, "get_state", None)):
         expected = "get_state"
@@ -110,7 +112,8 @@ def _set_state(name: str, obj: Any, saved: Any) -> None:
     if kind != expected:
         raise ConfigError(
             f"stateful[{name!r}]: the checkpoint holds {kind!r} state but the object given is a "
-            f"{type(obj).__qualname__} ({expected!r}). Pass the same kind of object that was saved.")
+            f"{type(obj).__qualname__} ({expected!r}). Pass the same kind of object that was "
+            f"saved.")
     if expected == "numpy.Generator":
         obj.bit_generator.state = state
     elif expected == "random.Random":
@@ -132,8 +135,8 @@ def capture_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Any]:
     if stateful is None:
         return {}
     if not isinstance(stateful, Mapping):
-        raise ConfigError(f"stateful must be a dict of name -> object, got {type(stateful).__name__}."
-                          f" Write stateful={{'loader': loader}}.")
+        raise ConfigError(f"stateful must be a dict of name -> object, got "
+                          f"{type(stateful).__name__}. Write stateful={{'loader': loader}}.")
     out = {}
     for name, obj in stateful.items():
         if not isinstance(name, str):
@@ -221,7 +224,8 @@ def build_local(*, process_index: int, stateful_state: Mapping[str, Any],
 
 def build_driver(*, kind: str, reason: str, step: StepInfo, backend_name: str,
                  backend_versions: Mapping[str, str], process_count: int,
-                 metrics: Mapping[str, Any], local: Mapping[str, Any], saved_at: float) -> dict:
+                 metrics: Mapping[str, Any] | None, local: Mapping[str, Any],
+                 saved_at: float) -> dict:
     return {
         "format": DRIVER_FORMAT,
         "kind": kind,

@@ -26,9 +26,9 @@ from typing import Any
 from .config import ExportConfig, StepInfo
 from .context import ManagerContext
 from .errors import CheckpointWarning, ConfigError
+from .layout import export_dirname
 from .pipeline import SavePipeline
 from .policy import steps_to_delete
-from .layout import export_dirname
 from .reports import SaveReport
 
 __all__ = ["Exporter", "export_record"]
@@ -68,12 +68,15 @@ class Exporter:
         report.blocking_s = time.perf_counter() - start
         ctx.last["export"] = report
 
+        exporter = config.exporter
+        assert exporter is not None  # ExportConfig refuses None
+
         def finish() -> None:
             if not ctx.primary:
                 return
             tmp = ctx.store.export_tmp_path(name)
             ctx.store.storage.make_prefix(tmp)
-            written = config.exporter(source, tmp)
+            written = exporter(source, tmp)
             # Replaces an export of this step from a discarded attempt, if there is one.
             ctx.store.publish_export(tmp, final)
             report.bytes = written if isinstance(written, int) else ctx.store.size_of(final)

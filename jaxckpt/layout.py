@@ -5,6 +5,7 @@ Owns the layout of a root, and nothing but strings::
     {root}/
       .lock                                     the root lock (storage.RootLock)
       pins.json                                 checkpoints pinned by hand (jaxckpt.pins)
+      tier.json                                 a local tier's durable root (jaxckpt.tiers)
       recover/
         step_{global_step:08d}/                 one recovery checkpoint
           COMMITTED                             the manifest (jaxckpt.manifest), written last
@@ -34,8 +35,8 @@ import re
 
 __all__ = [
     "RECOVER", "EXPORT", "ITEMS", "SUPERSEDED", "STATE_DIR", "TMP_PREFIX", "LOCK_FILE",
-    "PINS_FILE", "COMMIT_MARKER", "DRIVER_FILE", "TREE_FILE", "OBJECTS_FILE", "ROOT_NAMES",
-    "SYSTEM_NAMES",
+    "PINS_FILE", "TIER_FILE", "COMMIT_MARKER", "DRIVER_FILE", "TREE_FILE", "OBJECTS_FILE",
+    "ROOT_NAMES", "SYSTEM_NAMES",
     "step_dirname", "parse_step_dirname", "version_dirname", "parse_version_dirname",
     "is_item_dirname", "export_dirname", "parse_export_dirname", "local_driver_filename",
     "parse_local_driver_filename", "done_marker_name", "parse_done_marker_name",
@@ -53,6 +54,8 @@ TMP_PREFIX = ".tmp-"
 LOCK_FILE = ".lock"
 #: The steps pinned by hand, never deleted by retention (jaxckpt.pins).
 PINS_FILE = "pins.json"
+#: In a local tier's root only: the durable root it belongs to (jaxckpt.tiers).
+TIER_FILE = "tier.json"
 COMMIT_MARKER = "COMMITTED"
 DRIVER_FILE = "driver.json"
 #: Written by the Orbax backend into its directory (jaxckpt/orbax_backend.py).
@@ -64,7 +67,7 @@ OBJECTS_FILE = "objects.json"
 #: and export/, see ``allowed_in_recover``/``allowed_in_export``) means another tool owns the
 #: directory: jaxckpt then refuses the root rather than write beside, or clean up, files it
 #: does not understand. A new file or directory written into a root must be added here.
-ROOT_NAMES = frozenset({RECOVER, EXPORT, LOCK_FILE, PINS_FILE})
+ROOT_NAMES = frozenset({RECOVER, EXPORT, LOCK_FILE, PINS_FILE, TIER_FILE})
 #: Entries the filesystem or the OS put into any directory (a mount point's lost+found).
 SYSTEM_NAMES = frozenset({"lost+found", ".DS_Store"})
 

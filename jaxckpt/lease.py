@@ -165,10 +165,11 @@ class Lease:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             with self._mutex:
-                if self._stop.is_set():
-                    return
+                version = self._version
+                if self._stop.is_set() or version is None:
+                    return  # released, or never held: a renewal must never create one
                 try:
-                    self._version = self._claim(self._version)
+                    self._version = self._claim(version)
                 except LeaseConflict:
                     self.lost = True
                     log.error("jaxckpt: lost the root lease %s: another job took it over "

@@ -305,7 +305,8 @@ def _rope_tables(positions: jax.Array, head_dim: int, theta: float,
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: jax.Array | float) -> jax.Array:
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                      scale: jax.Array | float) -> jax.Array:
     """q (b, t, h, d), k/v (b, t, kv, d) -> (b, t, h, d). Softmax in float32."""
     groups = q.shape[2] // k.shape[2]
     if groups > 1:  # query head j reads kv head j // groups, as transformers' repeat_kv
@@ -391,7 +392,8 @@ class GPT2MLP(nnx.Module):
     """proj(act(fc(x))), GPT-2's MLP (transformers' Conv1D c_fc / c_proj)."""
 
     def __init__(self, hidden: int, inner: int, *, act: str, param_dtype: Any, rngs: nnx.Rngs):
-        self.fc = nnx.Linear(hidden, inner, kernel_init=_normal(), param_dtype=param_dtype, rngs=rngs)
+        self.fc = nnx.Linear(hidden, inner, kernel_init=_normal(), param_dtype=param_dtype,
+                             rngs=rngs)
         self.proj = nnx.Linear(inner, hidden, kernel_init=_normal(), param_dtype=param_dtype,
                                rngs=rngs)
         self.act = act
@@ -536,7 +538,7 @@ class GPT2(nnx.Module):
         x = self.wte(input_ids) + self.wpe(_positions(input_ids, positions))
         head_dim = spec.hidden_size // spec.num_heads
         scale = head_dim ** -0.5 if spec.scale_attn_weights else 1.0
-        layer_scale = np.full((spec.num_layers,), scale, np.float32)
+        layer_scale: np.ndarray = np.full((spec.num_layers,), scale, np.float32)
         if spec.scale_attn_by_inverse_layer_idx:
             layer_scale = layer_scale / np.arange(1, spec.num_layers + 1, dtype=np.float32)
         x = _run_layers(self.layers, x, jnp.asarray(layer_scale), self.scan_layers,

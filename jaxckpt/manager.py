@@ -8,10 +8,12 @@ save records), and composing the parts that do the work, which share a ``Manager
 ``pipeline`` (the background thread and the propagation of failures), ``saving`` (one
 recovery save, snapshot to committed marker to retention), ``exports``, ``recovery`` and
 ``verification`` (discover, verify, fall back, read), ``preemption`` (signal handlers),
-``root`` (layout, lock and crash debris at start-up) and ``reports`` (what calls return).
+``root`` (layout, lock and crash debris at start-up), ``reports`` (what calls return) and
+``tiers`` (the optional fast local tier, ``local=LocalTier(...)``, and recovery across it).
 
 Concurrency contract: a manager is used from one training thread. It owns one background
-thread, which runs commits, exports and deletions strictly in order. A failure there is
+thread, which runs commits, exports and deletions strictly in order (a local tier has a
+second one for its own saves, see ``tiers``). A failure there is
 recorded on its report and raised (as ``CheckpointWriteError`` chained to the cause, naming
 the step and path) by the next manager call, or only warned when
 ``on_write_error="warn"``. Across jobs: one job per root (an exclusive lock); across
@@ -35,13 +37,13 @@ from typing import Any, Literal
 from . import driver as drv
 from .arguments import check_arguments, check_step_info
 from .backend import Backend
-from .config import Every, ExportConfig, RecoverConfig, StepInfo, check_item_cadences
+from .config import Every, ExportConfig, LocalTier, RecoverConfig, StepInfo, check_item_cadences
 from .context import ManagerContext
 from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
+from .pins import Pins
 from .pipeline import SavePipeline
 from .policy import SaveTrigger, resolve_mode, writes_periodic
-from .pins import Pins
 from .preemption import Preemption
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
@@ -49,6 +51,7 @@ from .root import attach_backend, open_store, prepare_root
 from .saving import RecoverySaver, resolve_state
 from .storage import RootLease
 from .store import CheckpointStore
+from .tiers import LocalTierSet, check_local
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
@@ -71,12 +74,16 @@ class CheckpointManager:
     ``maybe_save``/``save``: its version is derived from the step and it is written only the
     first time a checkpoint needs that version (``jaxckpt.Versioned(version, tree)`` gives the
     version explicitly instead). Every checkpoint restores the version current when it was taken.
-    ``root`` is a local path or an object-store URL ``s3://bucket/prefix`` (nothing is then
-    created locally); ``storage_options`` configure the object store's client
-    (``endpoint_url``, ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``,
-    ``max_attempts``... and ``lease_s``/``heartbeat_s`` of the root lease), each taken from
-    the standard environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``...) when not given
+    ``root`` is a local path or an object-store URL ``s3://bucket/prefix`` or
+    ``gs://bucket/prefix`` (nothing is then created locally); ``storage_options`` configure
+    the object store's client (``endpoint_url``, credentials, ``max_attempts``... and
+    ``lease_s``/``heartbeat_s`` of the root lease), each taken from the standard environment
+    (``AWS_ENDPOINT_URL``, ``AWS_REGION``..., ``STORAGE_EMULATOR_HOST``) when not given
     (docs/cloud.md).
+
+    ``local``: a fast local tier (``jaxckpt.LocalTier``) that takes frequent recovery
+    checkpoints between the durable root's; ``recover`` resumes from the newest valid one of
+    either (see ``jaxckpt.tiers``). Single-process runs only for now.
 
     Concurrency contract: see the module docstring (one training thread; one background
     thread; one job per root; the primary decides and commits).
@@ -91,13 +98,15 @@ class CheckpointManager:
                  preemption_signals: Sequence[int] = (signal.SIGTERM,),
                  items: Mapping[str, Every] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 storage_options: Mapping[str, Any] | None = None):
+                 storage_options: Mapping[str, Any] | None = None,
+                 local: LocalTier | None = None):
         recover = RecoverConfig() if recover is None else recover
         signals = check_arguments(root, recover=recover, export=export, backend=backend,
                                    on_report=on_report, on_write_error=on_write_error,
                                    commit_timeout_s=commit_timeout_s,
                                    preemption_signals=preemption_signals)
         check_item_cadences(items or {}, recover)
+        check_local(local, root)  # before anything is created
         # Before anything is created or written (no backend, no lock, no recover/): an
         # unknown scheme, and a root holding another tool's files, are refused whole.
         store = open_store(root, storage_options, backend)
@@ -137,6 +146,7 @@ class CheckpointManager:
         self._exporter = (None if export_mode is None
                           else Exporter(ctx, self._pipeline, mode=export_mode))
         self._recovery = Recovery(ctx)
+        self._local: LocalTierSet | None = None
         self._closed = False
         # The last step the loop reported as completed (maybe_save) or resumed from (recover):
         # what save() records when given no step, and what it checks a given step against.
@@ -146,6 +156,16 @@ class CheckpointManager:
         self._preemption = Preemption(process_count=count, timed=timed,
                                       broadcast=lambda bits: backend.broadcast_int(bits))
         self._preemption.install(signals)
+        if local is not None:
+            try:  # its own backend when this manager made its own: never queued behind durable
+                self._local = LocalTierSet(
+                    local, durable=ctx, backend=_default_backend() if self._owns_backend
+                    else backend, owns_backend=self._owns_backend, mode=save_mode,
+                    on_report=on_report, clock=clock, commit_timeout_s=commit_timeout_s,
+                    item_cadences=items or {}, export_record=record)
+            except BaseException:
+                self.close()
+                raise
 
     # --- public API ---------------------------------------------------------------------
     @property
@@ -184,12 +204,16 @@ class CheckpointManager:
         last = self._ctx.last.get("recover")
         if last is not None and last.step == step:
             self.wait()
-        self._ctx.pins.pin(step)
+        pins = self._ctx.pins
+        assert pins is not None  # a manager's context always has its root's pins
+        pins.pin(step)
 
     def unpin(self, step: int) -> None:
         """Undo ``pin(step)``; retention may delete it after the next save."""
         self._check_usable()
-        self._ctx.pins.unpin(step)
+        pins = self._ctx.pins
+        assert pins is not None  # a manager's context always has its root's pins
+        pins.unpin(step)
 
     def recover(self, like: Any, *, stateful: Mapping[str, Any] | None = None,
                 items: Mapping[str, Any] | None = None,
@@ -200,14 +224,17 @@ class CheckpointManager:
         restored at the version the checkpoint refers to. ``partial``: as in ``restore``."""
         self._check_usable()
         if stateful is not None:
-            drv.capture_stateful(stateful)  # validate early: a bad object fails now, not at the first save
+            # Validate early: a bad object fails now, not at the first save.
+            drv.capture_stateful(stateful)
             self._ctx.default_stateful = stateful
+            if self._local is not None:
+                self._local.set_default_stateful(stateful)
         if not self.recover_config.enabled:
             return None
         self._pipeline.drain()
         self._pipeline.raise_unraised()
-        result = self._recovery.restore(like, stateful=stateful, step=None, required=False,
-                                        items=items, partial=partial)
+        result = self._restore(like, stateful=stateful, step=None, required=False, items=items,
+                               partial=partial)
         if result is not None:
             self._last_completed = result.step_info  # what save() records with no step
         return result
@@ -230,8 +257,8 @@ class CheckpointManager:
                               f"the latest valid checkpoint, got {step!r}.")
         self._pipeline.drain()
         self._pipeline.raise_unraised()
-        result = self._recovery.restore(like, stateful=stateful, step=step, required=True,
-                                        items=items, partial=partial)
+        result = self._restore(like, stateful=stateful, step=step, required=True, items=items,
+                               partial=partial)
         assert result is not None
         # Not a resume point: restore() also serves evaluation and inspection, so it leaves
         # the last completed step (what save() records with no step) to maybe_save/recover.
@@ -260,11 +287,15 @@ class CheckpointManager:
         if self.recover_config.enabled and writes_periodic(self.recover_config.keep_last_n):
             recover_reason = self._ctx.recover_trigger.due(step_info, epoch_end=epoch_end)
         export_reason = None
-        export_trigger = self._ctx.export_trigger
-        if export_trigger is not None and writes_periodic(self.export_config.keep_last_n):
+        export_trigger, export = self._ctx.export_trigger, self.export_config
+        if (export_trigger is not None and export is not None
+                and writes_periodic(export.keep_last_n)):
             export_reason = export_trigger.due(step_info, epoch_end=epoch_end)
         recover_reason, export_reason, preempt = self._preemption.agree(
             recover_reason, export_reason, self._preemption.requested)
+        local_reason = None  # a local save only where the durable root takes none
+        if self._local is not None and self.recover_config.enabled:
+            local_reason = self._local.due(step_info, epoch_end=epoch_end)
         if preempt:
             self._preemption.mark_preempted()
             if self.recover_config.enabled:
@@ -273,12 +304,18 @@ class CheckpointManager:
                 warnings.warn("preemption requested but recovery is off: no checkpoint written.",
                               CheckpointWarning, stacklevel=2)
         reports = []
-        if recover_reason or export_reason:
+        if recover_reason or export_reason or local_reason:
             state = resolve_state(state)
-        if recover_reason and not self._saver.scope_checked:
+        if (recover_reason or local_reason) and not self._saver.scope_checked:
             self._saver.warn_left_out(state, items, sys._getframe(1))
         if recover_reason:
             reports.append(self._saver.save(step_info, state, stateful, metrics, recover_reason,
+                                            items=items, epoch_end=epoch_end))
+            if self._local is not None:
+                self._local.durable_saved()
+        elif local_reason:
+            assert self._local is not None
+            reports.append(self._local.save(step_info, state, stateful, metrics, local_reason,
                                             items=items, epoch_end=epoch_end))
         if export_reason:
             assert self._exporter is not None
@@ -346,11 +383,15 @@ class CheckpointManager:
         self._check_usable()
         check_step_info(step_info)
         if self._exporter is None:
-            raise ConfigError("export() needs CheckpointManager(export=ExportConfig(exporter=...)).")
+            raise ConfigError(
+                "export() needs CheckpointManager(export=ExportConfig(exporter=...)).")
         return self._exporter.save(step_info, state, "forced")
 
     def wait(self) -> None:
-        """Block until every save started so far committed; raise the first failure."""
+        """Block until every save started so far committed; raise the first failure (of the
+        durable root: a failed local save is only warned)."""
+        if self._local is not None:
+            self._local.wait()
         self._pipeline.drain()
         self._pipeline.raise_unraised()
 
@@ -364,6 +405,8 @@ class CheckpointManager:
             self._closed = True
             self._preemption.restore()
             self._pipeline.shutdown()
+            if self._local is not None:
+                self._local.close()
             if self._owns_backend:
                 self._ctx.backend.close()
             self._release_lock()
@@ -381,6 +424,12 @@ class CheckpointManager:
             self.close()
         except Exception as close_exc:  # noqa: BLE001 - reported, original error wins
             log.error("jaxckpt: error while closing after %s: %s", exc_type.__name__, close_exc)
+
+    def _restore(self, like: Any, **kwargs: Any) -> Recovered | None:
+        """``Recovery.restore``, across both tiers when there is a local one."""
+        if self._local is None:
+            return self._recovery.restore(like, **kwargs)
+        return self._local.restore(self._recovery, like, **kwargs)
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -151,10 +151,12 @@ class Manifest:
         try:
             body = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"{where}: commit marker is not valid JSON ({exc})") from exc
-        if not isinstance(body, dict) or body.get("format") not in READABLE_MANIFEST_FORMATS:
             raise CheckpointCorruptError(
-                f"{where}: commit marker has format {body.get('format') if isinstance(body, dict) else body!r}, "
+                f"{where}: commit marker is not valid JSON ({exc})") from exc
+        if not isinstance(body, dict) or body.get("format") not in READABLE_MANIFEST_FORMATS:
+            found = body.get("format") if isinstance(body, dict) else body
+            raise CheckpointCorruptError(
+                f"{where}: commit marker has format {found!r}, "
                 f"expected one of {', '.join(READABLE_MANIFEST_FORMATS)}")
         files = body.get("files")
         if not isinstance(files, dict):
@@ -162,10 +164,12 @@ class Manifest:
         _check_entries(files, body["format"], where)
         step, created = body.get("step"), body.get("created", 0.0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointCorruptError(f"{where}: commit marker has step {step!r}, not an int >= 0")
+            raise CheckpointCorruptError(
+                f"{where}: commit marker has step {step!r}, not an int >= 0")
         if (isinstance(created, bool) or not isinstance(created, (int, float))
                 or not math.isfinite(created)):
-            raise CheckpointCorruptError(f"{where}: commit marker has created={created!r}, not a time")
+            raise CheckpointCorruptError(
+                f"{where}: commit marker has created={created!r}, not a time")
         if not files:
             raise CheckpointCorruptError(
                 f"{where}: commit marker lists no files; a real checkpoint always has some, so "

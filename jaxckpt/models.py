@@ -42,7 +42,8 @@ class MLP(nnx.Module):
         if not 0.0 <= dropout_rate < 1.0:
             raise ValueError(f"MLP dropout_rate must be in [0, 1), got {dropout_rate!r}.")
         self.sizes = sizes
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                                for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -125,8 +125,9 @@ class _Split:
         nnx = _nnx()
         types = _live_types(nnx)
         stop = (*types, nnx.State)  # a State holds Variables, never live objects
-        self.leaves, self.treedef = jax.tree_util.tree_flatten(
+        self.leaves, treedef = jax.tree_util.tree_flatten(
             tree, is_leaf=lambda node: isinstance(node, stop))
+        self.treedef: Any = treedef  # jaxlib's PyTreeDef, a type mypy cannot resolve
         self.slots = [index for index, leaf in enumerate(self.leaves) if isinstance(leaf, types)]
         self.objects = [self.leaves[index] for index in self.slots]
 
@@ -167,7 +168,7 @@ class PendingUpdate:
         nnx.update(list(split.objects),
                    nnx.State({number: parts[index] for number, index in enumerate(split.slots)}))
         leaves = list(parts)
-        for index, obj in zip(split.slots, split.objects):
+        for index, obj in zip(split.slots, split.objects, strict=True):
             leaves[index] = obj
         return split.treedef.unflatten(leaves)
 

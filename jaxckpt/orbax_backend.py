@@ -69,8 +69,11 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
 
 from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, nnx_live
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
-from jaxckpt._orbax_plan import WritePlan, layout_key
-from jaxckpt._orbax_plan import build_plan as _build_plan  # a module global tests replace
+from jaxckpt._orbax_plan import (
+    WritePlan,
+    build_plan as _build_plan,  # a module global tests replace
+    layout_key,
+)
 from jaxckpt._orbax_tree import ARRAYS_DIR, TREE_FILE, TREE_FORMAT, TREE_FORMAT_VERSION
 from jaxckpt._orbax_write import (
     HostBuffers,
@@ -98,7 +101,8 @@ _MAX_PLANS = 4
 
 @contextlib.contextmanager
 def _gc_paused(enabled: bool) -> Iterator[None]:
-    """Pause the cyclic GC: with thousands of leaves it costs 10-20% (docs/design.md, "Measured facts")."""
+    """Pause the cyclic GC: with thousands of leaves it costs 10-20% (docs/design.md,
+    "Measured facts")."""
     if not enabled or not gc.isenabled():
         yield
         return
@@ -389,8 +393,8 @@ class OrbaxBackend:
         for handle in queued:
             with contextlib.suppress(BaseException):
                 handle.wait()  # noqa: BLE001 - the error belongs to whoever waits on it
-        handle, self._pending = self._pending, None
-        if handle is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
         error: BaseException | None = None
         try:
@@ -398,7 +402,7 @@ class OrbaxBackend:
         except BaseException as raised:  # noqa: BLE001 - handed to whoever waits on it
             error = raised
         finally:
-            handle.record_outcome(error)
+            pending.record_outcome(error)
 
     def close(self) -> None:
         """Wait for an in-flight write (its error stays on its handle) and release Orbax's

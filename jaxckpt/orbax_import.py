@@ -231,9 +231,11 @@ def _restore_json(path: str, name: str, filename: str | None) -> Any:
 def _non_numeric(value: Any, where: str) -> list[str]:
     """Paths in a JSON value whose leaves are not int, float or bool."""
     if isinstance(value, dict):
-        return [bad for key, child in value.items() for bad in _non_numeric(child, f"{where}[{key!r}]")]
+        return [bad for key, child in value.items()
+                for bad in _non_numeric(child, f"{where}[{key!r}]")]
     if isinstance(value, list):
-        return [bad for i, child in enumerate(value) for bad in _non_numeric(child, f"{where}[{i}]")]
+        return [bad for i, child in enumerate(value)
+                for bad in _non_numeric(child, f"{where}[{i}]")]
     return [] if isinstance(value, (int, float, bool)) else [where or "(the whole item)"]
 
 

@@ -97,7 +97,11 @@ class SavePipeline:
             self.submit(housekeeping)
             self.raise_unraised(stacklevel=5)  # past run, the part's save and the manager
         else:
-            self.submit(lambda: (job(), housekeeping()))
+            def job_then_housekeeping() -> None:
+                job()
+                housekeeping()
+
+            self.submit(job_then_housekeeping)
 
     def submit(self, job: Callable[[], Any]) -> None:
         """Queue ``job`` on the background thread, after everything queued before it."""

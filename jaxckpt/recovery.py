@@ -29,8 +29,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import driver as drv
-from . import verification
+from . import driver as drv, verification
 from .config import StepInfo
 from .context import ManagerContext
 from .errors import (
@@ -40,9 +39,9 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointWarning,
 )
-from .reports import Recovered
 from .layout import STATE_DIR
 from .read_claims import ReadClaims
+from .reports import Recovered
 from .store import Entry
 from .verification import DeferredChecksumsFailed, Verification, Verifier
 
@@ -82,7 +81,8 @@ class Recovery:
             if chosen == _FAIL_CLOSED:
                 raise self._no_valid_checkpoint(skipped)
             if chosen < 0:
-                return self._nothing_valid(skipped, bad, required)
+                self._nothing_valid(skipped, bad, required)  # raises when required
+                return None
             path = ctx.store.step_path(chosen)
             try:
                 body, state, versions, restored_items = self._read_checkpoint(

@@ -38,11 +38,14 @@ class SaveReport:
     completion event is set; read them after ``wait()`` or in the ``on_report`` callback.
     """
 
-    __slots__ = ("kind", "step", "path", "mode", "reason", "blocking_s", "total_s", "bytes",
-                 "error", "_done", "_delivered")
+    __slots__ = ("kind", "step", "path", "mode", "reason", "tier", "blocking_s", "total_s",
+                 "bytes", "error", "_done", "_delivered")
 
-    def __init__(self, *, kind: str, step: int, path: str, mode: str, reason: str):
+    def __init__(self, *, kind: str, step: int, path: str, mode: str, reason: str,
+                 tier: str = "durable"):
         self.kind = kind  #: "recover" or "export"
+        #: where a recovery checkpoint went: "durable" (the root) or "local" (LocalTier)
+        self.tier = tier
         self.step = step  #: global step saved
         self.path = path  #: directory of the checkpoint or export
         self.mode = mode  #: "sync" or "async"
@@ -86,7 +89,7 @@ class SaveReport:
 
     def __repr__(self) -> str:
         state = "failed" if self.error else ("done" if self.done() else "in flight")
-        return (f"SaveReport({self.kind} step={self.step} {self.mode} {state} "
+        return (f"SaveReport({self.kind} step={self.step} {self.tier} {self.mode} {state} "
                 f"blocking_s={self.blocking_s:.4f} total_s={self.total_s} bytes={self.bytes} "
                 f"path={self.path!r})")
 
@@ -139,3 +142,5 @@ class Recovered:
     saved_process_count: int = 1
     """How many processes wrote the checkpoint (compare with yours to detect a world-size
     change, e.g. to re-deal the rest of an epoch's samples)."""
+    tier: str = "durable"
+    """Where it was restored from: "durable" (the root) or "local" (``LocalTier``)."""

@@ -96,8 +96,8 @@ def run_command(argv: Sequence[str], policy: RetryPolicy = RetryPolicy(), *,
         attempt = 0
         while True:
             env = dict(os.environ, **{ATTEMPT_ENV: str(attempt)})
-            child["proc"] = subprocess.Popen(list(argv), env=env)
-            code = child["proc"].wait()
+            child["proc"] = proc = subprocess.Popen(list(argv), env=env)
+            code = proc.wait()
             child["proc"] = None
             status = 128 - code if code < 0 else code
             if code == 0:

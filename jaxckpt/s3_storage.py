@@ -371,7 +371,7 @@ class S3Storage(Storage):
 
     def list_names(self, prefix: str) -> list[str]:
         below = self.key(prefix) + "/"
-        names = set()
+        names: set[str] = set()
         for page in self._pages(below, Delimiter="/"):
             names.update(entry["Prefix"][len(below):] for entry in page.get("CommonPrefixes", ()))
             names.update(entry["Key"][len(below):] for entry in page.get("Contents", ()))

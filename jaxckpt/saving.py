@@ -47,10 +47,10 @@ from . import driver as drv
 from .config import Every, StepInfo, Versioned, check_item_name, item_version
 from .context import ManagerContext
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
-from .pipeline import SavePipeline
-from .retention import CheckpointFacts, RetentionRules, decide
-from .reports import SaveReport, mark_done
 from .layout import DRIVER_FILE, STATE_DIR
+from .pipeline import SavePipeline
+from .reports import SaveReport, mark_done
+from .retention import CheckpointFacts, RetentionRules, decide
 
 __all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
 
@@ -61,8 +61,10 @@ class RecoverySaver:
     """Writes, commits and retains the recovery checkpoints of one manager."""
 
     def __init__(self, ctx: ManagerContext, pipeline: SavePipeline, *, mode: str,
-                 item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None):
+                 item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None,
+                 tier: str = "durable"):
         self._ctx = ctx
+        self._tier = tier  # named on every report ("durable" or "local", see jaxckpt.tiers)
         self._pipeline = pipeline
         self._mode = mode  # the manager's save mode ("sync" or "async")
         self._item_cadences = dict(item_cadences)
@@ -121,12 +123,13 @@ class RecoverySaver:
             self._make_room(path)
         ctx.barrier(f"jaxckpt.save.{step.global_step}", 600.0)
         report = SaveReport(kind="recover", step=step.global_step, path=path, mode=mode,
-                            reason=reason)
+                            reason=reason, tier=self._tier)
         ctx.recover_trigger.mark_saved()
         try:
             handle, item_writes = self._start_writes(path, state, item_versions, mode)
         except (CheckpointError, TypeError):
-            raise  # bad input (a tree the backend refuses): the caller's to fix, not a write failure
+            raise  # bad input (a tree the backend refuses): the caller's to fix, not a write
+            # failure
         except Exception as exc:  # the filesystem failed under the training thread
             return self._pipeline.failed_to_start(
                 report, exc, start, functools.partial(self._discard_partial, path))
@@ -242,7 +245,8 @@ class RecoverySaver:
             return None
         if manifest is None:
             return None
-        report = SaveReport(kind="recover", step=step, path=path, mode=mode, reason=reason)
+        report = SaveReport(kind="recover", step=step, path=path, mode=mode, reason=reason,
+                            tier=self._tier)
         report.total_s, report.bytes = 0.0, manifest.total_bytes
         mark_done(report)
         self._ctx.last["recover"] = report
@@ -374,8 +378,9 @@ def resolve_state(state: Any) -> Any:
 
 def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
     """Manifest entries a backend's write handle offers for the files it wrote (its
-    ``checksums``, None when it computed none: by path relative to the directory it wrote, ``STATE_DIR``), as paths
-    relative to the checkpoint; the commit then does not read those files back."""
+    ``checksums``, None when it computed none: by path relative to the directory it wrote,
+    ``STATE_DIR``), as paths relative to the checkpoint; the commit then does not read those
+    files back."""
     try:
         entries = handle.checksums
     except AttributeError:

@@ -153,7 +153,7 @@ class Storage(abc.ABC):
         """Whether ``path`` is a prefix that may hold objects: a directory (even an empty
         one) on a filesystem, a prefix with at least one object below it on an object store."""
 
-    def make_prefix(self, prefix: str) -> None:
+    def make_prefix(self, prefix: str) -> None:  # noqa: B027 - a no-op unless overridden
         """Prepare ``prefix`` to have objects written below it (a filesystem creates the
         directories; object stores need nothing). Idempotent."""
 

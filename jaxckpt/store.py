@@ -537,4 +537,4 @@ def _summarise(storage: Storage, path: str, rels: list[str],
         return storage.checksum(full, algorithm, sync=True)
 
     with ThreadPoolExecutor(max_workers=storage.concurrent_requests) as pool:
-        return dict(zip(rels, pool.map(summarise, rels)))
+        return dict(zip(rels, pool.map(summarise, rels), strict=True))

@@ -108,8 +108,8 @@ _ATTRIBUTE = "jaxckpt"  # our key in zarr.json's attributes
 INDEX_BYTES = 20
 
 #: dtypes stored one element per ``itemsize`` bytes, as numpy holds them, that Orbax's
-#: tensorstore writes with exactly this layout (checked by tests/integration/test_zarr_io.py). Sub-byte
-#: types (int4, float4) and anything else go through Orbax.
+#: tensorstore writes with exactly this layout (checked by tests/integration/test_zarr_io.py).
+#: Sub-byte types (int4, float4) and anything else go through Orbax.
 SUPPORTED_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
@@ -414,7 +414,7 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
             image.fill(memory, position)
         crc = extend(algorithm, crc, memory)
         try:
-            _pwrite_all(fd, memoryview(memory), position)
+            _pwrite_all(fd, memory.data, position)
         except OSError as error:
             if position == start and error.errno == errno.EINVAL:
                 raise _DirectRefused() from error
@@ -423,22 +423,22 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     rest = image.piece(whole, image.size)
     crc = extend(algorithm, crc, rest)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    _pwrite_all(fd, memoryview(head), 0)
-    _pwrite_all(fd, memoryview(rest), whole)
+    _pwrite_all(fd, head.data, 0)
+    _pwrite_all(fd, rest.data, whole)
     return f"{crc:08x}"
 
 
 def _write_buffered(fd: int, image: _FileImage, algorithm: str) -> str:
     head = np.zeros(image.offset, np.uint8)
     crc = extend(algorithm, 0, head)
-    _pwrite_all(fd, memoryview(head), 0)
+    _pwrite_all(fd, head.data, 0)
     flat = image.flat
     for start in range(0, flat.size, PIECE):
         piece = flat[start:start + PIECE]
         crc = extend(algorithm, crc, piece)  # numpy: checksummed without the GIL
-        _pwrite_all(fd, memoryview(piece), image.offset + start)
+        _pwrite_all(fd, piece.data, image.offset + start)
     crc = extend(algorithm, crc, image.tail)
-    _pwrite_all(fd, memoryview(image.tail), image.end)
+    _pwrite_all(fd, image.tail.data, image.end)
     return f"{crc:08x}"
 
 
@@ -482,7 +482,7 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
         while offset < size:
             piece = buffer[offset:offset + PIECE]
             try:
-                got = os.preadv(fd, [memoryview(piece)], offset)
+                got = os.preadv(fd, [piece.data], offset)
             except OSError as error:
                 if not is_direct or error.errno != errno.EINVAL:
                     raise

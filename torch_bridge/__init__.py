@@ -14,9 +14,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily below
-    from .dcp_backend import DcpBackend
-    from .hf import ARCHITECTURES, HFExporter, HFMismatchError, export_hf, hf_exporter, load_hf
-    from .manager import DcpCheckpointManager
+    # `X as X` marks a re-export (linters cannot read the computed __all__ below).
+    from .dcp_backend import DcpBackend as DcpBackend
+    from .hf import (
+        ARCHITECTURES as ARCHITECTURES,
+        HFExporter as HFExporter,
+        HFMismatchError as HFMismatchError,
+        export_hf as export_hf,
+        hf_exporter as hf_exporter,
+        load_hf as load_hf,
+    )
+    from .manager import DcpCheckpointManager as DcpCheckpointManager
 
 # name -> submodule that defines it
 _EXPORTS = {

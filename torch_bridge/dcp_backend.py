@@ -288,7 +288,7 @@ def _entries(state: Any) -> list[_Entry]:
         raise ConfigError(f"state keys must be non-empty str without '/', got {bad_names!r}.")
     kinds = {name: _kind_of(name, value) for name, value in state.items()}
     pairs = _pair_optimizers(state)
-    api = None
+    api: Any = None  # torch's state-dict functions, imported on first need
     out = []
     for name, value in state.items():
         kind = kinds[name]
@@ -717,7 +717,9 @@ class DcpBackend:
             _dcp().load(targets, checkpoint_id=directory, storage_reader=files.reader(directory),
                         planner=safe_planner(), process_group=self._io_group,
                         no_dist=not self._distributed)
-        api = _state_dict_api() if any(e.kind in ("module", "optimizer") for e in entries) else None
+        api: Any = None  # torch's state-dict functions, imported only if needed
+        if any(e.kind in ("module", "optimizer") for e in entries):
+            api = _state_dict_api()
         for entry in entries:
             record = saved[entry.name]
             skeleton = codec.decode(record["skeleton"], f"state[{entry.name!r}]")
@@ -773,7 +775,7 @@ class DcpBackend:
 
     def versions(self) -> dict[str, str]:
         """Versions of the libraries a checkpoint is written with."""
-        found = {"torch": torch.__version__}
+        found: dict[str, str] = {"torch": torch.__version__}
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found["torchdata"] = importlib.metadata.version("torchdata")
         return found

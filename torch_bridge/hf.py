@@ -20,8 +20,9 @@ A table (:class:`Architecture`) is a tuple of :class:`HFTensor` rows, one per HF
 - ``when``: the row exists only when a config flag holds (``"attention_bias"``,
   ``"not tie_word_embeddings"``), or always/never (True/False).
 - ``tied_to``: the HF tensor this one equals when the embeddings are tied. transformers loads a
-  present-but-different LM head UNTIED with only a warning (docs/design.md, "Measured facts"), so ``load_hf``
-  compares the two, and export refuses a tree whose tied/untied state contradicts the config.
+  present-but-different LM head UNTIED with only a warning (docs/design.md, "Measured facts"),
+  so ``load_hf`` compares the two, and export refuses a tree whose tied/untied state
+  contradicts the config.
 
 Adding an architecture means adding one table to ``ARCHITECTURES`` (or passing an
 ``Architecture`` as ``arch=``); the engine has no per-architecture code.
@@ -229,8 +230,9 @@ class Architecture:
             rows.append((" | ".join(row.parts), row.hf, "(" + ", ".join(row.shape) + ")",
                          ", ".join(layout)))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.ljust(widths[2])}  {d}".rstrip()
-                         for a, b, c, d in rows)
+        return "\n".join(
+            f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.ljust(widths[2])}  {d}".rstrip()
+            for a, b, c, d in rows)
 
 
 def _llama_dims(c: Mapping[str, Any]) -> dict[str, int]:
@@ -264,22 +266,38 @@ def _llama_family(*, name: str, model_type: str, hf_class: str, qkv_bias: bool |
         defaults=defaults,
         tensors=(
             HFTensor("embed.embedding", "model.embed_tokens.weight", ("V", "D")),
-            HFTensor("layers.{i}.input_norm.scale", "model.layers.{i}.input_layernorm.weight", ("D",)),
-            HFTensor("layers.{i}.attn.q_proj.kernel", "model.layers.{i}.self_attn.q_proj.weight", ("Q", "D"), transpose=True),
-            HFTensor("layers.{i}.attn.q_proj.bias", "model.layers.{i}.self_attn.q_proj.bias", ("Q",), when=qkv_bias),
-            HFTensor("layers.{i}.attn.k_proj.kernel", "model.layers.{i}.self_attn.k_proj.weight", ("KV", "D"), transpose=True),
-            HFTensor("layers.{i}.attn.k_proj.bias", "model.layers.{i}.self_attn.k_proj.bias", ("KV",), when=qkv_bias),
-            HFTensor("layers.{i}.attn.v_proj.kernel", "model.layers.{i}.self_attn.v_proj.weight", ("KV", "D"), transpose=True),
-            HFTensor("layers.{i}.attn.v_proj.bias", "model.layers.{i}.self_attn.v_proj.bias", ("KV",), when=qkv_bias),
-            HFTensor("layers.{i}.attn.o_proj.kernel", "model.layers.{i}.self_attn.o_proj.weight", ("D", "Q"), transpose=True),
-            HFTensor("layers.{i}.attn.o_proj.bias", "model.layers.{i}.self_attn.o_proj.bias", ("D",), when=o_bias),
-            HFTensor("layers.{i}.post_attn_norm.scale", "model.layers.{i}.post_attention_layernorm.weight", ("D",)),
-            HFTensor("layers.{i}.mlp.gate_proj.kernel", "model.layers.{i}.mlp.gate_proj.weight", ("F", "D"), transpose=True),
-            HFTensor("layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.gate_proj.bias", ("F",), when=mlp_bias),
-            HFTensor("layers.{i}.mlp.up_proj.kernel", "model.layers.{i}.mlp.up_proj.weight", ("F", "D"), transpose=True),
-            HFTensor("layers.{i}.mlp.up_proj.bias", "model.layers.{i}.mlp.up_proj.bias", ("F",), when=mlp_bias),
-            HFTensor("layers.{i}.mlp.down_proj.kernel", "model.layers.{i}.mlp.down_proj.weight", ("D", "F"), transpose=True),
-            HFTensor("layers.{i}.mlp.down_proj.bias", "model.layers.{i}.mlp.down_proj.bias", ("D",), when=mlp_bias),
+            HFTensor("layers.{i}.input_norm.scale", "model.layers.{i}.input_layernorm.weight",
+                     ("D",)),
+            HFTensor("layers.{i}.attn.q_proj.kernel", "model.layers.{i}.self_attn.q_proj.weight",
+                     ("Q", "D"), transpose=True),
+            HFTensor("layers.{i}.attn.q_proj.bias", "model.layers.{i}.self_attn.q_proj.bias",
+                     ("Q",), when=qkv_bias),
+            HFTensor("layers.{i}.attn.k_proj.kernel", "model.layers.{i}.self_attn.k_proj.weight",
+                     ("KV", "D"), transpose=True),
+            HFTensor("layers.{i}.attn.k_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
+                     ("KV",), when=qkv_bias),
+            HFTensor("layers.{i}.attn.v_proj.kernel", "model.layers.{i}.self_attn.v_proj.weight",
+                     ("KV", "D"), transpose=True),
+            HFTensor("layers.{i}.attn.v_proj.bias", "model.layers.{i}.self_attn.v_proj.bias",
+                     ("KV",), when=qkv_bias),
+            HFTensor("layers.{i}.attn.o_proj.kernel", "model.layers.{i}.self_attn.o_proj.weight",
+                     ("D", "Q"), transpose=True),
+            HFTensor("layers.{i}.attn.o_proj.bias", "model.layers.{i}.self_attn.o_proj.bias",
+                     ("D",), when=o_bias),
+            HFTensor("layers.{i}.post_attn_norm.scale",
+                     "model.layers.{i}.post_attention_layernorm.weight", ("D",)),
+            HFTensor("layers.{i}.mlp.gate_proj.kernel", "model.layers.{i}.mlp.gate_proj.weight",
+                     ("F", "D"), transpose=True),
+            HFTensor("layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.gate_proj.bias",
+                     ("F",), when=mlp_bias),
+            HFTensor("layers.{i}.mlp.up_proj.kernel", "model.layers.{i}.mlp.up_proj.weight",
+                     ("F", "D"), transpose=True),
+            HFTensor("layers.{i}.mlp.up_proj.bias", "model.layers.{i}.mlp.up_proj.bias",
+                     ("F",), when=mlp_bias),
+            HFTensor("layers.{i}.mlp.down_proj.kernel", "model.layers.{i}.mlp.down_proj.weight",
+                     ("D", "F"), transpose=True),
+            HFTensor("layers.{i}.mlp.down_proj.bias", "model.layers.{i}.mlp.down_proj.bias",
+                     ("D",), when=mlp_bias),
             HFTensor("norm.scale", "model.norm.weight", ("D",)),
             HFTensor("lm_head.kernel", "lm_head.weight", ("V", "D"), transpose=True,
                    when="not tie_word_embeddings", tied_to="model.embed_tokens.weight"),
@@ -308,9 +326,12 @@ GPT2 = Architecture(
         HFTensor("wpe.embedding", "transformer.wpe.weight", ("P", "D")),
         HFTensor("layers.{i}.ln_1.scale", "transformer.h.{i}.ln_1.weight", ("D",)),
         HFTensor("layers.{i}.ln_1.bias", "transformer.h.{i}.ln_1.bias", ("D",)),
-        HFTensor(tuple(f"{p}.kernel" for p in _GPT2_QKV), "transformer.h.{i}.attn.c_attn.weight", ("D", "3D")),
-        HFTensor(tuple(f"{p}.bias" for p in _GPT2_QKV), "transformer.h.{i}.attn.c_attn.bias", ("3D",)),
-        HFTensor("layers.{i}.attn.o_proj.kernel", "transformer.h.{i}.attn.c_proj.weight", ("D", "D")),
+        HFTensor(tuple(f"{p}.kernel" for p in _GPT2_QKV), "transformer.h.{i}.attn.c_attn.weight",
+                 ("D", "3D")),
+        HFTensor(tuple(f"{p}.bias" for p in _GPT2_QKV), "transformer.h.{i}.attn.c_attn.bias",
+                 ("3D",)),
+        HFTensor("layers.{i}.attn.o_proj.kernel", "transformer.h.{i}.attn.c_proj.weight",
+                 ("D", "D")),
         HFTensor("layers.{i}.attn.o_proj.bias", "transformer.h.{i}.attn.c_proj.bias", ("D",)),
         HFTensor("layers.{i}.ln_2.scale", "transformer.h.{i}.ln_2.weight", ("D",)),
         HFTensor("layers.{i}.ln_2.bias", "transformer.h.{i}.ln_2.bias", ("D",)),
@@ -424,17 +445,20 @@ def _dims(arch: Architecture, flags: Mapping[str, Any]) -> dict[str, int]:
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ConfigError(
             f"the config lacks what the {arch.name!r} table needs ({type(exc).__name__}: "
-            f"{exc}); pass the model's complete transformers config (or config.json dict).") from None
+            f"{exc}); pass the model's complete transformers config (or config.json dict)."
+        ) from None
     if arch.layers not in dims:
         raise ConfigError(f"table {arch.name!r}: dims gives no {arch.layers!r} (layer count)")
     return dims
 
 
 def _fmt_shape(shape: Iterable[int]) -> str:
-    return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(tuple(shape)) == 1 else "") + ")"
+    dims = [str(int(s)) for s in shape]  # once: ``shape`` may be an iterator
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
-def _mismatch_error(lead: str, arch: Architecture, problems: list[str], hint: str) -> HFMismatchError:
+def _mismatch_error(lead: str, arch: Architecture, problems: list[str],
+                    hint: str) -> HFMismatchError:
     problems = sorted(problems)
     counts = {kind: sum(line.startswith(kind) for line in problems)
               for kind in ("missing", "unexpected", "mis-shaped")}
@@ -654,8 +678,9 @@ def _write_safetensors(path: str, items: list[_Planned],
 
     The header is known from the plan (shapes, dtypes, offsets) before any data exists, so
     each tensor is converted, written and freed in turn, the next one converted while this
-    one is written: the extra memory is two tensors at most, whatever the shard size. The file is then opened with safetensors itself, so a
-    file that library would reject is never reported as written."""
+    one is written: the extra memory is two tensors at most, whatever the shard size. The file
+    is then opened with safetensors itself, so a file that library would reject is never
+    reported as written."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for item in items:
@@ -686,7 +711,7 @@ def _write_safetensors(path: str, items: list[_Planned],
                                       f"{array.dtype}, planned {item.shape} {item.dtype}")
             data = array.reshape(-1).view(np.uint8)
             for start in range(0, data.size, _WRITE_CHUNK):
-                handle.write(data[start:start + _WRITE_CHUNK])
+                handle.write(data[start:start + _WRITE_CHUNK].data)
             del array, data
             on_tensor(item)
         handle.flush()
@@ -712,6 +737,8 @@ def _plan_export(flat: Mapping[str, Any], arch: Architecture, flags: Mapping[str
     checked: set[str] = set()
     planned: list[_Planned] = []
     for entry in active:
+        # Sized: _dims above gave every size (or raised).
+        assert entry.part_shapes is not None and entry.hf_shape is not None
         sources = []
         for index, expected in enumerate(entry.part_shapes):
             key = entry.stacked[index] if stacked and entry.layer is not None else entry.flax[index]
@@ -733,14 +760,14 @@ def _plan_export(flat: Mapping[str, Any], arch: Architecture, flags: Mapping[str
             planned.append(_Planned(hf=entry.hf, shape=entry.hf_shape, dtype=np.dtype(out_dtype),
                                     sources=tuple(sources), transpose=entry.row.transpose,
                                     fuse_axis=entry.row.fuse_axis))
-    why_inactive = {}
+    why_inactive: dict[str, bool | str] = {}
     for entry in inactive:
         for key in (*entry.flax, *entry.stacked):
             why_inactive[key] = entry.row.when
     for key in sorted(set(flat) - used):
         line = f"unexpected {key}: found {_fmt_shape(flat[key].shape)} {np.dtype(flat[key].dtype)}"
-        if key in why_inactive:
-            flag, truth = _flag(why_inactive[key])
+        flag, _ = _flag(why_inactive.get(key, False))
+        if flag is not None:  # a row the config turns off (not one that never exists)
             line += (f" (not part of the model: the config has {flag}={flags.get(flag)!r}; "
                      f"set {flag}={not flags.get(flag)} if the model uses this param)")
         problems.append(line)
@@ -819,7 +846,8 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
                   provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
     """Write an HF model into the existing, empty ``directory``; return the bytes written."""
     table = resolve_architecture(arch)
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+    if (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
+            or max_shard_bytes <= 0):
         raise ConfigError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}.")
     cast = _resolve_dtype(dtype)
     config_body = _config_dict(config)
@@ -831,7 +859,7 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
     by_dtype: dict[str, int] = {}
     for item in planned:
         by_dtype[item.dtype.name] = by_dtype.get(item.dtype.name, 0) + item.nbytes
-    dtype_name = cast.name if cast is not None else max(by_dtype, key=by_dtype.get)
+    dtype_name = cast.name if cast is not None else max(by_dtype, key=by_dtype.__getitem__)
     config_text, generation_text = config_files(
         _hf_config_body(config_body, table, flags), hf_class=table.hf_class,
         dtype_name=dtype_name, generation_config=generation_config)
@@ -843,7 +871,7 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
     done = 0
     written = 0
     weight_map: dict[str, str] = {}
-    for shard, name in zip(shards, names):
+    for shard, name in zip(shards, names, strict=True):
 
         def on_tensor(item: _Planned, name: str = name) -> None:
             nonlocal done
@@ -1096,7 +1124,8 @@ def _scan_directory(path: str) -> dict[str, _Stored]:
 
 
 def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: bool = False,
-            dtype: Any = None, progress: Progress | None = None) -> tuple[dict[Any, Any], dict[str, Any]]:
+            dtype: Any = None,
+            progress: Progress | None = None) -> tuple[dict[Any, Any], dict[str, Any]]:
     """Read an HF model directory into a Flax param tree; return ``(params, config)``.
 
     ``params`` is a nested dict of numpy arrays in the layout of ``jaxckpt.llm``'s models
@@ -1133,8 +1162,9 @@ def load_hf(path: str | os.PathLike[str], *, arch: str | Architecture, stacked: 
     notes: list[str] = []
     model_type = config.get("model_type")
     wrong_type = model_type is not None and model_type not in table.model_types
+    dims: dict[str, int] | None
     try:
-        dims: dict[str, int] | None = _dims(table, flags)
+        dims = _dims(table, flags)
         num_layers = dims[table.layers]
     except ConfigError as exc:
         # Still list every tensor the table wants (shapes by name) so the report is complete.
@@ -1271,6 +1301,7 @@ def _read_entries(entries: list[_Entry], stored: Mapping[str, _Stored], *, stack
                 array = handle.get_tensor(stored[entry.hf].key)
                 row = entry.row
                 if len(row.parts) > 1:
+                    assert entry.hf_shape is not None  # sized: dims given
                     sizes = _part_sizes(row, entry.hf_shape, dims)
                     cuts = np.cumsum(sizes)[:-1]
                     pieces = np.split(array, cuts, axis=row.fuse_axis)

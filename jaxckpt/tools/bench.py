@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -51,10 +52,12 @@ import numpy as np
 from jaxckpt.extras import requires_extra
 from jaxckpt.storage import fsync_file
 
+from .bench_local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
+
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset.
-SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux")
+SECTIONS = ("jax", "many", "torch", "hf", "train", "memory", "aux", "local")
 
 _MiB = 1 << 20
 
@@ -110,7 +113,7 @@ class BenchConfig:
     @classmethod
     def quick(cls, **changes: Any) -> BenchConfig:
         """The tiny size CI runs to keep the benchmark working (well under a minute)."""
-        base = dict(size_mb=8, leaves=8, many_leaves=256, repeats=1, train_steps=41,
+        base: dict[str, Any] = dict(size_mb=8, leaves=8, many_leaves=256, repeats=1, train_steps=41,
                     train_sizes=(16, 64, 64, 16), train_batch=32, memory_saves=6,
                     hf_shard_mb=2)
         base.update(changes)
@@ -220,7 +223,7 @@ _ROWS: tuple[_Row, ...] = (
     _Row(key="train_ckpt_orbax_io",
          label="training loop, the same with Orbax's own writer (native_io=False)",
          section="train"),
-)
+) + tuple(_Row(key=key, label=label, section="local") for key, label in LOCAL_ROWS)
 
 _TARGETS: tuple[_Target, ...] = (
     _Target(label="async blocking / host copy", numerator="jx_blocking", denominator="copy",
@@ -257,7 +260,7 @@ _TARGETS: tuple[_Target, ...] = (
     _Target(label="  floor: with raw write + fsync / without, minus 1",
             numerator="train_raw", denominator="train_plain", op="<=", limit=0.03,
             note="the least an async checkpoint of this state costs on this machine"),
-)
+) + tuple(_Target(**target) for target in LOCAL_TARGETS)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -288,7 +291,7 @@ class BenchResult:
             ways = [self.samples.get(key) for key in (kind, f"{kind}_files", f"{kind}_direct")]
             ways = [way for way in ways if way]
             if len(ways) >= 2:
-                self.samples[f"{kind}_best"] = [min(times) for times in zip(*ways)]
+                self.samples[f"{kind}_best"] = [min(times) for times in zip(*ways, strict=False)]
 
     def median(self, key: str) -> float | None:
         values = self.samples.get(key)
@@ -299,7 +302,7 @@ class BenchResult:
         num, den = self.samples.get(target.numerator), self.samples.get(target.denominator)
         if not num or not den:
             return None
-        pairs = list(zip(num, den))
+        pairs = list(zip(num, den, strict=False))
         if target.numerator in ("train_ckpt", "train_raw"):  # overhead, not a ratio
             return statistics.median(n / d - 1.0 for n, d in pairs)
         if target.invert:
@@ -388,7 +391,8 @@ def format_table(result: BenchResult) -> str:
 
 def _columns(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()
+            for r in [header, *rows]]
 
 
 def _size(nbytes: int | None) -> str:
@@ -405,6 +409,10 @@ def _settle() -> None:
     files it deleted (ext4 -o discard) are not this row's cost."""
     gc.collect()
     os.sync()
+
+
+def _host_copies(arrays: list[Any]) -> list[np.ndarray]:
+    return [np.array(a, copy=True) for a in arrays]
 
 
 def _timed(action: Callable[[], Any]) -> float:
@@ -450,7 +458,7 @@ def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for array in arrays:
-            view = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            view = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
             while view:
                 written = os.write(fd, view[:64 * _MiB])
                 view = view[written:]
@@ -473,7 +481,7 @@ def _raw_write_direct(path: str, block: np.ndarray) -> None:
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        view = memoryview(block)
+        view = block.data
         for offset in range(0, len(view), PIECE):
             _pwrite_all(fd, view[offset:offset + PIECE], offset)
         os.fsync(fd)
@@ -490,7 +498,7 @@ def _raw_read_direct(path: str, nbytes: int) -> np.ndarray:
     try:
         offset = 0
         while offset < nbytes:
-            got = os.preadv(fd, [memoryview(out[offset:offset + PIECE])], offset)
+            got = os.preadv(fd, [out[offset:offset + PIECE].data], offset)
             if got <= 0:
                 break
             offset += got
@@ -525,7 +533,7 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
     8 MiB reads: one giant read() was several times slower here on some runs."""
     out = np.empty(nbytes, np.uint8)
     with open(path, "rb", buffering=0) as handle:
-        view = memoryview(out)
+        view = out.data
         while view:
             got = handle.readinto(view[:8 * _MiB])
             if not got:
@@ -651,14 +659,18 @@ class _Bench:
 
         self.blocks = [aligned_blocks(a.nbytes) for a in self.arrays]
         self.reused = [block[:a.nbytes].view(a.dtype).reshape(a.shape)
-                       for block, a in zip(self.blocks, self.arrays)]
+                       for block, a in zip(self.blocks, self.arrays, strict=True)]
 
     # --- floors, Orbax defaults, jaxckpt on the main state ----------------------------------
     def floors(self) -> None:
         result = self.result
         result.add("copy", _timed(lambda: [np.array(a, copy=True) for a in self.arrays]))
-        result.add("copy_reused",
-                   _timed(lambda: [np.copyto(b, a) for a, b in zip(self.arrays, self.reused)]))
+
+        def copy_reused() -> None:
+            for a, b in zip(self.arrays, self.reused, strict=True):
+                np.copyto(b, a)
+
+        result.add("copy_reused", _timed(copy_reused))
         path = self.fresh("raw")
         result.add("write", _timed(lambda: _raw_write(path, self.arrays)))
         self.before_read()
@@ -856,6 +868,7 @@ class _Bench:
         report = manager.save(jaxckpt.StepInfo(0, step, step), state)
         report.wait()
         manager.wait()
+        assert report.total_s is not None  # set when the save finished (waited for above)
         self.result.add("dcpm_blocking", report.blocking_s)
         self.result.add("dcpm_async", report.total_s)
         self.before_read()
@@ -905,7 +918,7 @@ class _Bench:
                 "target": "HF export peak extra memory / shard size", "op": "<=",
                 "value": export_peak / shard, "limit": 1.5, "met": export_peak <= 1.5 * shard,
                 "note": "peak of numpy/Python allocations during export_hf (tracemalloc)"})
-        del tensors
+        tensors.clear()  # frees the copies; the closure above keeps the (now empty) dict
         for directory in os.listdir(self.workdir):
             if directory.startswith(("hf-", "safetensors-")):
                 shutil.rmtree(os.path.join(self.workdir, directory), ignore_errors=True)
@@ -931,8 +944,9 @@ class _Bench:
             ckpt = runs["train_ckpt"]
             blocking.append(sum(ckpt["blocking_s"]) / runs["train_plain"]["loop_s"])
             facts.update(state_bytes=ckpt["state_bytes"], saves_per_run=len(ckpt["blocking_s"]))
-        facts["step_ms"] = round(1000 * self.result.median("train_plain")
-                                 / max(1, config.train_steps - 1), 2)
+        plain_s = self.result.median("train_plain")
+        assert plain_s is not None  # added every round above
+        facts["step_ms"] = round(1000 * plain_s / max(1, config.train_steps - 1), 2)
         facts["blocking_share_of_loop"] = round(statistics.median(blocking), 4)
         self.result.facts["train"] = facts
 
@@ -942,7 +956,7 @@ class _Bench:
         manager = self.jaxckpt_manager(name)
         rss = []
         step_state = self.state
-        for index in range(self.config.memory_saves):
+        for _ in range(self.config.memory_saves):
             # A changed leaf per save, as in training (the arrays are new every step).
             first = next(iter(step_state))
             step_state = {**step_state, first: {"w": step_state[first]["w"] + 0}}
@@ -995,6 +1009,7 @@ def _aux_rows(state: dict[str, Any], workdir: str, result: BenchResult) -> None:
             manager.wait()
             # Version v = (step + 1) // every is new at step 0 and when (step+1) % every == 0.
             fresh = index == 0 or (index + 1) % every == 0
+            assert report.bytes is not None  # set when the save finished (waited for above)
             (changed if fresh else unchanged).append((report.bytes, report.blocking_s))
     finally:
         manager.close()
@@ -1231,14 +1246,15 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                     bench.jaxckpt_rows(bench.state, "")
                 if "many" in sections and bench.many_state is not None:
                     many = jax_leaves(bench.many_state)
-                    result.add("many_copy", _timed(lambda: [np.array(a, copy=True)
-                                                            for a in many]))
+                    result.add("many_copy", _timed(functools.partial(_host_copies, many)))
                     bench.orbax_defaults(bench.many_state, "many_")
                     bench.jaxckpt_rows(bench.many_state, "many_")
                 if "torch" in sections:
                     bench.torch_rows()
                 if "hf" in sections:
                     bench.hf_rows()
+                if "local" in sections:
+                    local_tier_rows(bench.state, workdir, result)
             if "train" in sections:
                 log("jaxckpt bench: training loop")
                 bench.train_rows()

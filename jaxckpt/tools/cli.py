@@ -83,7 +83,7 @@ def _dir_bytes(path: str) -> int:
 def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], None]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        out("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        out("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip())
 
 
 # ------------------------------------------------------------------- ls, verify, info
@@ -333,7 +333,7 @@ def _info_root(path: str, opts: argparse.Namespace, store: Any = None) -> int:
     counts = {status: sum(e.status == status for e in entries)
               for status in ("committed", "partial", "corrupt")}
     latest = next((e for e in reversed(entries) if e.status == "committed"), None)
-    info = {"path": path, "kind": "root", "checkpoints": len(entries), **counts,
+    info: dict[str, Any] = {"path": path, "kind": "root", "checkpoints": len(entries), **counts,
             "latest_valid": None if latest is None else {"step": latest.step, "path": latest.path},
             "exports": len(store.export_entries()), "items": store.item_names()}
     if opts.json:
@@ -380,9 +380,11 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
         info["files"], info["bytes"] = len(manifest.files), manifest.total_bytes
     try:
         driver = read_driver(store, path)
-        for key in ("kind", "reason", "backend", "process_count", "step_info", "metrics", "versions"):
+        for key in ("kind", "reason", "backend", "process_count", "step_info", "metrics",
+                    "versions"):
             info[key] = driver.get(key)
-        info["saved_at"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(driver.get("saved_at", 0)))
+        info["saved_at"] = time.strftime("%Y-%m-%d %H:%M:%S",
+                                         time.localtime(driver.get("saved_at", 0)))
         local = driver.get("local") or {}
         info["stateful"] = sorted((local.get("stateful") or {}).keys())
         info["rng"] = sorted((local.get("rng") or {}).keys())
@@ -448,7 +450,8 @@ def _bytes_cell(nbytes: int | None) -> str:
 
 
 def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint root (latest valid step) or a recover/step_N directory")
+    parser.add_argument("checkpoint",
+                        help="checkpoint root (latest valid step) or a recover/step_N directory")
     parser.add_argument("out_dir", help="Hugging Face model directory to write")
     parser.add_argument("--arch", choices=("llama", "qwen2", "gpt2"),
                         help="architecture table (default: the one the checkpoint records, "
@@ -459,7 +462,8 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params-path", help="tree path of the params in the saved state, "
                                               "e.g. model/params or 0 (default: recorded, "
                                               "else found)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast every tensor")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="cast every tensor")
     parser.add_argument("--max-shard-size", default="5GiB", help="e.g. 5GiB, 500MB (default 5GiB)")
     parser.add_argument("--tokenizer-dir", help="directory whose tokenizer files are copied")
     parser.add_argument("--generation-config", help="generation_config.json (or its directory)")
@@ -470,6 +474,7 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _export_hf(opts: argparse.Namespace) -> int:
     from jaxckpt.errors import CheckpointError
+
     from .hf_cli import export_checkpoint_to_hf, parse_size
 
     located = _locate("export-hf", opts.checkpoint)
@@ -482,7 +487,8 @@ def _export_hf(opts: argparse.Namespace) -> int:
             max_shard_bytes=parse_size(opts.max_shard_size), tokenizer_dir=opts.tokenizer_dir,
             generation_config=opts.generation_config, overwrite=opts.overwrite,
             verify="sizes" if opts.sizes_only else "checksums", progress=not opts.no_progress)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:  # not found, exists, config, mismatch
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        # not found, exists, config, mismatch
         print(f"jaxckpt export-hf: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except CheckpointError as exc:  # corrupt checkpoint
@@ -499,7 +505,8 @@ def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=0, help="global step to record (default 0)")
     parser.add_argument("--stacked", action="store_true",
                         help="stack layers on a leading axis (models built with scan_layers=True)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast every tensor")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="cast every tensor")
     parser.add_argument("--state-key", help="nest the params under this key of the saved state")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -533,8 +540,12 @@ def _import_orbax_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _import_orbax(opts: argparse.Namespace) -> int:
-    from jaxckpt.errors import (CheckpointCorruptError, CheckpointNotFoundError,
-                                CheckpointRootError, ConfigError)
+    from jaxckpt.errors import (
+        CheckpointCorruptError,
+        CheckpointNotFoundError,
+        CheckpointRootError,
+        ConfigError,
+    )
 
     try:
         from jaxckpt.orbax_import import import_orbax
@@ -566,7 +577,8 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before the first restart, doubling each time (default 1)")
     parser.add_argument("--max-backoff", type=float, default=60.0,
                         help="cap on the wait between restarts (default 60)")
-    parser.add_argument("--final-exit-codes", type=lambda s: tuple(int(c) for c in s.split(",") if c),
+    parser.add_argument("--final-exit-codes",
+                        type=lambda s: tuple(int(c) for c in s.split(",") if c),
                         default=(2, 78), help="comma-separated exit codes never retried "
                                               "(default 2,78: usage and configuration errors)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -632,7 +644,7 @@ def _bench(opts: argparse.Namespace) -> int:
 
     from .bench import BenchConfig, format_table, run_bench
 
-    changes = {name: value for name, value in (
+    changes: dict[str, Any] = {name: value for name, value in (
         ("directory", opts.dir), ("size_mb", opts.size_mb), ("leaves", opts.leaves),
         ("many_leaves", opts.many_leaves), ("repeats", opts.repeats),
         ("sections", tuple(s for s in (opts.sections or "").split(",") if s) or None))
@@ -673,7 +685,8 @@ COMMANDS: tuple[_Command, ...] = (
                                 "disk, Orbax, torch and safetensors, in one run",
              add_arguments=_bench_arguments, handler=_bench),
     _Command(name="run", help="run a training command, restarting it from its latest "
-                              "checkpoint when it crashes: jaxckpt run --retries 3 -- python train.py",
+                              "checkpoint when it crashes: "
+                              "jaxckpt run --retries 3 -- python train.py",
              add_arguments=_run_arguments, handler=_run),
 )
 

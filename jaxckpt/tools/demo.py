@@ -151,7 +151,8 @@ def save_final_npz(state: Any, path: str) -> None:
     arrays = _state_arrays(state)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as handle:
-        np.savez(handle, **arrays)
+        # numpy's stub types **kwds like its allow_pickle flag; they are arrays by name.
+        np.savez(handle, **arrays)  # type: ignore[arg-type]
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
@@ -498,7 +499,8 @@ def _print_verdict(tmp: str, ref_lines: list[str], steps: int, mismatches: list[
     if blocking:
         out(f"  saves in the reference run: {len(blocking)}, training loop blocked "
             f"{1e3 * sum(blocking) / len(blocking):.1f} ms on average (max "
-            f"{1e3 * max(blocking):.1f} ms), total per save {1e3 * sum(totals) / len(totals):.1f} ms")
+            f"{1e3 * max(blocking):.1f} ms), total per save "
+            f"{1e3 * sum(totals) / len(totals):.1f} ms")
     if mismatches:
         out(f"  LOSSES DIFFER at {len(mismatches)} place(s):")
         for line in mismatches[:20]:

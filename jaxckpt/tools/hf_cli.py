@@ -3,7 +3,8 @@
 Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Face model
 directory, and a Hugging Face directory into a recovery checkpoint that
 ``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
-else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in ``jaxckpt.tools.cli``.
+else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in
+``jaxckpt.tools.cli``.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the
@@ -23,7 +24,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-
 from torch_bridge.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -137,7 +137,7 @@ def _attrs_node() -> type:
             _Attrs,
             lambda node: ([(jax.tree_util.GetAttrKey(k), v) for k, v in node.children.items()],
                           tuple(node.children)),
-            lambda names, values: _Attrs(dict(zip(names, values))))
+            lambda names, values: _Attrs(dict(zip(names, values, strict=True))))
         _ATTRS_REGISTERED = True
     return _Attrs
 
@@ -154,8 +154,10 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
     import jax
     import jax.numpy as jnp
 
+    from jaxckpt.layout import TREE_FILE
     from jaxckpt.tree_record import read_tree_record
 
+    tree_file = os.path.join(state_dir, TREE_FILE)  # named in the errors below
     document = read_tree_record(state_dir)  # export-hf reads Orbax-backend checkpoints only
     attrs = _attrs_node()
     root: dict[Any, Any] = {}
@@ -166,6 +168,7 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
         tokens = _parse_keystr(entry["path"])
         if not tokens:
             raise CheckpointCorruptError(f"{tree_file}: a leaf at the root is not supported")
+        leaf: Any
         if entry["kind"] == "key":
             leaf = jax.ShapeDtypeStruct(tuple(entry["shape"]),
                                         jax.random.key(0, impl=entry["impl"]).dtype)

@@ -62,6 +62,7 @@ def _open(command: str, url: str):
         if _is_client_error(exc):
             return _environment_error(command, exc)
         raise
+    assert not isinstance(storage, str)  # a URL (is_url sent it here), so never a local path
     parent, _, name = url.rpartition("/")
     if name == RECOVER:
         url, parent, name = parent, *parent.rpartition("/")[::2]
@@ -114,7 +115,7 @@ def remote_ls(opts: argparse.Namespace) -> int:
         print(f"no checkpoints under {store.recover_dir}")
         return EXIT_OK
     rows = [[str(entry.step), entry.status, _human_bytes(size), "-",
-             entry.path.rsplit("/", 1)[-1]] for entry, size in zip(entries, sizes)]
+             entry.path.rsplit("/", 1)[-1]] for entry, size in zip(entries, sizes, strict=True)]
     _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"], print)
     for entry in entries:
         for problem in entry.problems:

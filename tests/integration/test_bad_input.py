@@ -47,7 +47,8 @@ TREE_FIX = ("Fix: build like with the same code",)
 
 
 def state(value: float = 1.0) -> dict:
-    return {"params": {"w": jnp.full((4, 3), value, jnp.float32), "b": jnp.zeros((3,), jnp.float32)},
+    return {"params": {"w": jnp.full((4, 3), value, jnp.float32),
+                       "b": jnp.zeros((3,), jnp.float32)},
             "step": jnp.int32(7), "key": jax.random.key(0)}
 
 
@@ -86,7 +87,8 @@ def saved_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bad-input") / "root"
     with manager(root, mode="sync", recover=RecoverConfig(keep_last_n=None)) as mgr:
         for step in (0, 1):
-            mgr.save(StepInfo(0, step, step), state(float(step)), stateful={"loader": Loader(5 + step)})
+            mgr.save(StepInfo(0, step, step), state(float(step)),
+                     stateful={"loader": Loader(5 + step)})
     return root
 
 
@@ -328,7 +330,8 @@ CASES: dict[str, Case] = {
                             ConfigError, ("ExportConfig.mode", "'later'"), ("'sync', 'async'",)),
     "export-keep-fraction": (lambda r, t: ExportConfig(exporter=print, keep_last_n=0.5),
                              ConfigError, ("ExportConfig.keep_last_n", "0.5"), ("positive int N",)),
-    "export-call-without-config": (lambda r, t: using(t / "x", lambda m: m.export(StepInfo(0, 0, 0), {})),
+    "export-call-without-config": (lambda r, t: using(t / "x",
+                                                      lambda m: m.export(StepInfo(0, 0, 0), {})),
                                    ConfigError, ("export()",), ("export=ExportConfig(",)),
     # --- manager arguments
     "manager-root-an-int": (lambda r, t: manager(3), ConfigError, ("root", "3"),
@@ -336,7 +339,8 @@ CASES: dict[str, Case] = {
     "manager-recover-an-every": (lambda r, t: manager(t / "x", recover=Every(steps=1)),
                                  ConfigError, ("recover", "Every"), ("jaxckpt.RecoverConfig",)),
     "manager-export-a-recover": (lambda r, t: manager(t / "x", export=RecoverConfig()),
-                                 ConfigError, ("export", "RecoverConfig"), ("ExportConfig or None",)),
+                                 ConfigError, ("export", "RecoverConfig"),
+                                 ("ExportConfig or None",)),
     "manager-mode-unknown": (lambda r, t: manager(t / "x", mode="fast"), ConfigError,
                              ("mode", "'fast'"), ("'sync', 'async', 'auto'",)),
     "manager-on-write-error-unknown": (lambda r, t: manager(t / "x", on_write_error="ignore"),
@@ -484,7 +488,7 @@ def test_root_held_by_another_running_job_is_refused_naming_the_holder(tmp_path)
 
 
 def test_rejected_constructor_does_not_keep_the_root_locked(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match="preemption_signals"):
         manager(tmp_path, preemption_signals=signal.SIGTERM)
     manager(tmp_path).close()  # RootLockedError today: the lock leaked
 

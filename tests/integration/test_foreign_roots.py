@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.tools import cli
 from jaxckpt.store import CheckpointStore, foreign_entries
+from jaxckpt.tools import cli
 
 
 def listing(root: Path) -> list[tuple[str, int]]:

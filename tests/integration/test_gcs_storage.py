@@ -15,18 +15,19 @@ import time
 import uuid
 
 import pytest
+
 from support import storage_contract
 
 pytest.importorskip("google.cloud.storage")
 pytest.importorskip("gcp_storage_emulator")
-
-from support.gcs_server import PreconditionProxy, emulator  # noqa: E402
 
 from jaxckpt import RootLockedError  # noqa: E402
 from jaxckpt.gcs_storage import GCSStorage  # noqa: E402
 from jaxckpt.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.storage import Storage  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
+
+from support.gcs_server import PreconditionProxy, emulator  # noqa: E402
 
 BUCKET = "jaxckpt-test"
 PREFIX = "runs"

@@ -215,7 +215,8 @@ def _with_extra_head(source: str, directory: str, *, equal: bool) -> str:
     tensors["lm_head.weight"] = embed.copy() if equal else (embed * 1.5 + 0.1).astype(embed.dtype)
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     for name in ("config.json", "generation_config.json"):
-        with open(os.path.join(source, name)) as src, open(os.path.join(directory, name), "w") as dst:
+        with (open(os.path.join(source, name)) as src,
+              open(os.path.join(directory, name), "w") as dst):
             dst.write(src.read())
     return directory
 
@@ -251,11 +252,13 @@ def test_head_that_differs_from_tied_embedding_loads_untied_like_transformers(hf
 def test_export_refuses_a_head_the_config_does_not_have(hf_dirs, tmp_path):
     qwen2, qwen2_config = hf.load_hf(hf_dirs["qwen2"], arch="qwen2")
     qwen2["lm_head"] = {"kernel": np.zeros((32, VOCAB), np.float32)}
-    with pytest.raises(hf.HFMismatchError, match=r"unexpected lm_head\.kernel.*tie_word_embeddings=True"):
+    with pytest.raises(hf.HFMismatchError,
+                       match=r"unexpected lm_head\.kernel.*tie_word_embeddings=True"):
         hf.export_hf(qwen2, str(tmp_path / "a"), arch="qwen2", config=qwen2_config)
     llama, llama_config = hf.load_hf(hf_dirs["llama"], arch="llama")
     del llama["lm_head"]
-    with pytest.raises(jaxckpt.TreeMismatchError, match=r"missing lm_head\.kernel: expected \(32, 128\)"):
+    with pytest.raises(jaxckpt.TreeMismatchError,
+                       match=r"missing lm_head\.kernel: expected \(32, 128\)"):
         hf.export_hf(llama, str(tmp_path / "b"), arch="llama", config=llama_config)
     assert not os.listdir(tmp_path)  # validation happens before any directory is made
 
@@ -434,7 +437,7 @@ def test_manager_exports_load_with_from_pretrained(mode, hf_dirs, tmp_path):
         assert all(r.bytes and r.bytes > 100_000 for r in reports)
     names = sorted(os.listdir(tmp_path / "run" / "export"))
     assert names == ["epoch0epochstep1globalstep1", "epoch0epochstep3globalstep3"]
-    for name, global_step in zip(names, (1, 3)):
+    for name, global_step in zip(names, (1, 3), strict=True):
         directory = str(tmp_path / "run" / "export" / name)
         _assert_loads_cleanly(directory)
         loaded, _ = hf.load_hf(directory, arch="gpt2")
@@ -534,6 +537,19 @@ def test_parse_size():
     assert hf_cli.parse_size(123) == 123
     with pytest.raises(jaxckpt.ConfigError, match="not understood"):
         hf_cli.parse_size("5 parsecs")
+
+
+@pytest.mark.parametrize("paths, problem", [
+    ([""], "a leaf at the root"),
+    (["['a']['x']", "['a'].b"], "mixes item and attribute keys"),
+])
+def test_export_hf_names_the_tree_file_of_an_unusable_tree_record(paths, problem, tmp_path):
+    leaves = [{"path": path, "kind": "array", "shape": [2], "dtype": "float32"} for path in paths]
+    (tmp_path / "tree.json").write_text(json.dumps(
+        {"format": "jaxckpt.orbax.tree", "version": 1, "leaves": leaves}))
+    with pytest.raises(jaxckpt.CheckpointCorruptError, match=problem) as caught:
+        hf_cli._like_from_tree_json(str(tmp_path))
+    assert str(tmp_path / "tree.json") in str(caught.value)
 
 
 def test_hf_modules_do_not_import_jax():

@@ -35,9 +35,9 @@ from jaxckpt import (
     StepInfo,
     Versioned,
 )
-from jaxckpt.tools.cli import main as cli
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER
+from jaxckpt.tools.cli import main as cli
 
 from support.loaders import Loader
 

@@ -8,8 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxckpt import (CheckpointManager, CheckpointWarning, ConfigError, Every, RecoverConfig,
-                     StepInfo, Versioned)
+from jaxckpt import (
+    CheckpointManager,
+    CheckpointWarning,
+    ConfigError,
+    Every,
+    RecoverConfig,
+    StepInfo,
+    Versioned,
+)
 
 LIKE = {"w": jax.ShapeDtypeStruct((64,), jnp.float32)}
 REF_EVERY = 4
@@ -44,7 +51,8 @@ def versions_on_disk(root):
     return sorted(os.listdir(os.path.join(root, "recover", "items", "ref")))
 
 
-def test_reference_is_written_only_when_it_changed_and_every_checkpoint_restores_its_version(tmp_path):
+def test_reference_is_written_only_when_it_changed_and_every_checkpoint_restores_its_version(
+        tmp_path):
     with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=2), keep_last_n=None),
                            items={"ref": Every(steps=REF_EVERY)}) as mgr:
         reports = train(mgr, 12)
@@ -88,13 +96,15 @@ def test_retention_prunes_versions_no_checkpoint_refers_to_but_keeps_the_newest(
 
 
 def test_explicit_versions(tmp_path):
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=1), keep_last_n=None)) as mgr:
+    with CheckpointManager(tmp_path,
+                           recover=RecoverConfig(every=Every(steps=1), keep_last_n=None)) as mgr:
         mgr.maybe_save(StepInfo(0, 0, 0), policy(0), items={"ref": Versioned(7, policy(70))})
         mgr.maybe_save(StepInfo(0, 1, 1), policy(1), items={"ref": Versioned(7, policy(999))})
         mgr.wait()
         r = mgr.restore(LIKE, step=1, items={"ref": LIKE})
     assert r.item_versions == {"ref": 7}
-    np.testing.assert_array_equal(r.items["ref"]["w"], np.full(64, 70.0))  # version 7 as first written
+    # version 7 as first written
+    np.testing.assert_array_equal(r.items["ref"]["w"], np.full(64, 70.0))
 
 
 def test_damaged_item_makes_its_checkpoints_fall_back(tmp_path):

@@ -74,7 +74,8 @@ def test_saves_on_trigger_and_reports_what_they_cost(tmp_path, mode):
 
 
 def test_epoch_trigger_fires_at_epoch_end(tmp_path):
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(epochs=1), keep_last_n=None)) as mgr:
+    with CheckpointManager(tmp_path,
+                           recover=RecoverConfig(every=Every(epochs=1), keep_last_n=None)) as mgr:
         saved, _ = run_steps(mgr, 9, spe=4)
     assert saved == [("recover", 3), ("recover", 7)]
 
@@ -117,7 +118,8 @@ def test_stateful_given_to_recover_is_saved_by_later_saves(tmp_path):
 
 @pytest.mark.parametrize("keep, expected", [(None, [1, 3, 5, 7]), (1, [7]), (2, [5, 7])])
 def test_retention_keeps_latest_n_committed(tmp_path, keep, expected):
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=2), keep_last_n=keep)) as mgr:
+    with CheckpointManager(tmp_path,
+                           recover=RecoverConfig(every=Every(steps=2), keep_last_n=keep)) as mgr:
         run_steps(mgr, 8)
     assert CheckpointManager.committed_steps.__get__(mgr)() == expected
     assert sorted(os.listdir(tmp_path / "recover")) == [f"step_{s:08d}" for s in expected]
@@ -171,14 +173,16 @@ def test_partial_checkpoint_is_cleaned_and_never_restored(tmp_path):
 
 
 def test_corrupt_newest_falls_back_with_a_warning_naming_it(tmp_path):
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=2), keep_last_n=3)) as mgr:
+    with CheckpointManager(tmp_path,
+                           recover=RecoverConfig(every=Every(steps=2), keep_last_n=3)) as mgr:
         run_steps(mgr, 4)
     newest = tmp_path / "recover" / "step_00000003"
     victim = next(p for p in (newest / "state").rglob("*") if p.is_file() and p.stat().st_size > 64)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=2), keep_last_n=3)) as mgr:
+    with CheckpointManager(tmp_path,
+                           recover=RecoverConfig(every=Every(steps=2), keep_last_n=3)) as mgr:
         with pytest.warns(CheckpointWarning, match=r"step_00000003.*crc32"):
             result = mgr.recover(like())
         assert result.step_info.global_step == 1
@@ -191,7 +195,8 @@ def test_corrupt_newest_falls_back_with_a_warning_naming_it(tmp_path):
 
 
 def test_restore_of_a_missing_step_lists_available_steps(tmp_path):
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=2), keep_last_n=None)) as mgr:
+    with CheckpointManager(tmp_path,
+                           recover=RecoverConfig(every=Every(steps=2), keep_last_n=None)) as mgr:
         run_steps(mgr, 4)
         with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint for step 2.*\[1, 3\]"):
             mgr.restore(like(), step=2)
@@ -205,7 +210,8 @@ def test_restore_with_nothing_saved_raises_not_found(tmp_path):
 
 
 def test_redoing_steps_after_restoring_an_older_one_keeps_the_discarded_future(tmp_path):
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=2), keep_last_n=None)) as mgr:
+    with CheckpointManager(tmp_path,
+                           recover=RecoverConfig(every=Every(steps=2), keep_last_n=None)) as mgr:
         run_steps(mgr, 4)
         mgr.restore(like(), step=1)
         with pytest.warns(CheckpointWarning, match="moved to"):
@@ -244,13 +250,15 @@ def test_export_runs_on_its_own_cadence_into_named_dirs(tmp_path):
         np.save(os.path.join(out_dir, "w.npy"), np.asarray(state["w"]), allow_pickle=False)
 
     config = ExportConfig(every=Every(steps=4), exporter=exporter, keep_last_n=1)
-    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=3)), export=config) as mgr:
+    with CheckpointManager(tmp_path, recover=RecoverConfig(every=Every(steps=3)),
+                           export=config) as mgr:
         saved, _ = run_steps(mgr, 8, spe=4)
     assert saved == [("recover", 2), ("export", 3), ("recover", 5), ("export", 7)]
     assert all(os.path.basename(c).startswith(".tmp-") for c in calls)
     assert sorted(os.listdir(tmp_path / "export")) == ["epoch1epochstep3globalstep7"]
-    np.testing.assert_array_equal(np.load(tmp_path / "export" / "epoch1epochstep3globalstep7" / "w.npy"),
-                                  np.full((8, 4), 7.0, np.float32))
+    np.testing.assert_array_equal(
+        np.load(tmp_path / "export" / "epoch1epochstep3globalstep7" / "w.npy"),
+        np.full((8, 4), 7.0, np.float32))
 
 
 def test_failing_exporter_surfaces_at_next_call_and_leaves_no_half_export(tmp_path):
@@ -261,7 +269,8 @@ def test_failing_exporter_surfaces_at_next_call_and_leaves_no_half_export(tmp_pa
     config = ExportConfig(every=Every(steps=1), exporter=exporter, mode="async")
     mgr = CheckpointManager(tmp_path, export=config)
     mgr.maybe_save(StepInfo(), tree())
-    with pytest.raises(jaxckpt.CheckpointWriteError, match="export save of step 0.*disk on fire") as info:
+    with pytest.raises(jaxckpt.CheckpointWriteError,
+                       match="export save of step 0.*disk on fire") as info:
         mgr.wait()
     assert isinstance(info.value.__cause__, OSError)
     mgr.close()
@@ -297,7 +306,8 @@ WRITE_FAILURE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("policy", ["raise", "warn"])
-def test_background_write_failure_is_raised_at_next_call_and_earlier_checkpoint_survives(tmp_path, policy):
+def test_background_write_failure_is_raised_at_next_call_and_earlier_checkpoint_survives(
+        tmp_path, policy):
     script = tmp_path / "fail.py"
     script.write_text(WRITE_FAILURE)
     root = tmp_path / "root"

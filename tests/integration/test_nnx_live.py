@@ -26,7 +26,6 @@ optax = pytest.importorskip("optax")
 from support.models import TinyNet  # noqa: E402  (needs flax)
 
 
-
 def build(seed):
     model = TinyNet(nnx.Rngs(seed, dropout=seed + 1))
     return {

@@ -22,6 +22,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 from jaxckpt.orbax_backend import OrbaxBackend
+
 from support.two_processes import jax_worker, run_two_workers
 
 
@@ -172,7 +173,7 @@ def test_flax_nnx_model_and_optimizer_roundtrip(backend, tmp_path):
 
     np.testing.assert_array_equal(fresh_model(inputs), model(inputs))
     for got, want in zip(jax.tree.leaves(nnx.state((fresh_model, fresh_optimizer))),
-                         jax.tree.leaves(nnx.state((model, optimizer)))):
+                         jax.tree.leaves(nnx.state((model, optimizer))), strict=True):
         if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
             got, want = jax.random.key_data(got), jax.random.key_data(want)
         assert_bitwise_equal(got, want)
@@ -192,7 +193,7 @@ def test_optax_state_of_plain_dict_roundtrip(backend, tmp_path):
 
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     assert restored["step"] == 1 and type(restored["step"]) is int
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         assert_bitwise_equal(got, want)
 
 
@@ -649,7 +650,7 @@ def test_packs_of_dtypes_with_underscores_or_sub_byte_sizes_restore(backend, tmp
 def assert_same_tree(restored, state):
     """Same structure, and every leaf the same type and bits (keys: impl and key data)."""
     assert jax.tree.structure(restored) == jax.tree.structure(state)
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         if isinstance(want, jax.Array) and jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
             assert str(jax.random.key_impl(got)) == str(jax.random.key_impl(want))
             assert_bitwise_equal(jax.random.key_data(got), jax.random.key_data(want))

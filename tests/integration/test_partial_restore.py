@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.orbax_backend import OrbaxBackend
@@ -260,7 +259,7 @@ def test_model_only_restore_into_a_live_nnx_model_without_optimizer(tmp_path, op
         restored = mgr.restore({"model": fresh}, partial=True)
     assert restored.state["model"] is fresh and list(restored.state) == ["model"]
     for mine, theirs in zip(jax.tree.leaves(nnx.state(fresh, nnx.Param)),
-                            jax.tree.leaves(nnx.state(model, nnx.Param))):
+                            jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):
         np.testing.assert_array_equal(mine, theirs)
     np.testing.assert_array_equal(fresh.norm.mean[...], model.norm.mean[...])
     assert not array_dirs_opened(opened, state_dir) & optimizer_only

@@ -62,7 +62,8 @@ def dcp_reads(monkeypatch):
 
         def recording(plan, planner):
             for item in plan.items:
-                seen.append((item.storage_index.fqn, reader.storage_data[item.storage_index].length))
+                index = item.storage_index
+                seen.append((index.fqn, reader.storage_data[index].length))
             return read_data(plan, planner)
 
         reader.read_data = recording

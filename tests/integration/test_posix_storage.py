@@ -4,10 +4,11 @@ filesystem has: links that must never be followed, temporary names, directory mo
 import os
 
 import pytest
-from support import storage_contract
 
 from jaxckpt.layout import TMP_PREFIX
 from jaxckpt.storage import PosixStorage, RootLock, Storage
+
+from support import storage_contract
 
 SPAWN = "from jaxckpt.storage import PosixStorage\nstorage = PosixStorage()"
 

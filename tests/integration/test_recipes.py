@@ -58,5 +58,5 @@ def test_linen_train_state_recipe(tmp_path):
     resumed, losses = run(20, tmp_path / "b")
     assert min(losses) == 10 and all(losses[g] == ref_losses[g] for g in losses)
     assert int(resumed.step) == int(reference.step) == 20
-    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(resumed)):
+    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

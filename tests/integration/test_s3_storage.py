@@ -13,6 +13,7 @@ import time
 import uuid
 
 import pytest
+
 from support import storage_contract
 
 pytest.importorskip("boto3")

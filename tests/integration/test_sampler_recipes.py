@@ -15,10 +15,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from support.harness import repo_env
 
 import jaxckpt
 from jaxckpt import Every, IndexSampler, RecoverConfig, StepInfo
+
+from support.harness import repo_env
 
 grain = pytest.importorskip("grain")
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")

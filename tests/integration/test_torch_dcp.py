@@ -117,7 +117,7 @@ def assert_bitwise(actual, expected, path="$"):
             assert_bitwise(actual[key], expected[key], f"{path}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert type(actual) is type(expected) and len(actual) == len(expected), path
-        for index, (a, e) in enumerate(zip(actual, expected)):
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_bitwise(a, e, f"{path}[{index}]")
     else:
         assert type(actual) is type(expected) and actual == expected, (path, actual, expected)
@@ -313,6 +313,35 @@ def test_auxiliary_item_rides_along_and_each_checkpoint_restores_its_version(tmp
                                     items={"ref": {"policy": like_ref}})
         assert recovered.items["ref"]["policy"] is like_ref
         assert_bitwise(like_ref.state_dict(), versions[version])
+
+
+def test_a_local_tier_takes_the_frequent_saves_and_recover_reads_the_newest(tmp_path):
+    # DcpCheckpointManager passes local= through to CheckpointManager (jaxckpt.tiers).
+    from jaxckpt import LocalTier
+
+    model, optimizer, scheduler = make(seed=0)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+
+    def open_manager():
+        return DcpCheckpointManager(
+            tmp_path / "durable", recover=RecoverConfig(every=Every(steps=4)), mode="async",
+            local=LocalTier(tmp_path / "local", every=Every(steps=2)), preemption_signals=())
+
+    with open_manager() as mgr:
+        info, saved = StepInfo(0, 0, 0, None), []
+        for step in range(6):
+            train_step(model, optimizer, scheduler, step)
+            saved += [(r.tier, r.step) for r in mgr.maybe_save(info, state)]
+            info = info.next()
+        mgr.wait()
+    assert saved == [("local", 1), ("durable", 3), ("local", 5)]
+    expected = snapshot(model, optimizer, scheduler)
+    fresh = make(seed=1)
+    with open_manager() as mgr:
+        names = ("model", "optimizer", "scheduler")
+        recovered = mgr.recover(dict(zip(names, fresh, strict=True)))
+    assert (recovered.tier, recovered.step_info.global_step) == ("local", 5)
+    assert_bitwise(snapshot(*fresh), expected)
 
 
 def test_damaged_data_of_a_requested_step_leaves_the_live_tensors_untouched(tmp_path):

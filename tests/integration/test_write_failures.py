@@ -46,7 +46,8 @@ CHILD = textwrap.dedent("""
     root, mode, policy = sys.argv[1:4]
 
     def state(v):
-        return {"w": jnp.full((256, 256), v, jnp.float32), "b": jnp.arange(8, dtype=jnp.int32) + int(v)}
+        return {"w": jnp.full((256, 256), v, jnp.float32),
+                "b": jnp.arange(8, dtype=jnp.int32) + int(v)}
 
     class Loader:  # this script runs in a child process, which cannot import support
         position = 0

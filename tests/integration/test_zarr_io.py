@@ -19,14 +19,14 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from test_integrity import flip_byte, step_dir
+from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same_tree, like_of
 
 from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo, zarr_io
 from jaxckpt.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import CheckpointStore, ReadClaims
-from test_integrity import flip_byte, step_dir
-from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same_tree, like_of
 
 ALGORITHM = default_algorithm()
 PIECE = zarr_io.PIECE

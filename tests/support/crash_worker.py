@@ -15,12 +15,17 @@ save mode does not change numerics (a chain may switch it between segments).
 Stdout protocol, one line each, written with a single ``os.write`` so lines from the
 training thread and the manager's background thread never interleave:
 
-    FRESH | RESUMED {"step": S}    at start (S: the checkpoint restored)
+    FRESH | RESUMED {"step": S, "tier": T}   at start (S: the checkpoint restored, T: from
+                                   which tier, "durable" or "local")
     STEP n                         step n finished; its loss is in the log file (fsynced)
     SAVING n                       maybe_save after step n started a recovery checkpoint
     WRITTEN n                      the backend's write of step n finished: the commit starts
     REPORTED n                     on_report: the save of step n committed (retention follows)
     DONE                           the run finished and its final state .npz is written
+
+With ``--local PATH`` (a fast local tier, ``jaxckpt.LocalTier(PATH, every=Every(steps=
+--local-every), keep_last_n=--local-keep-last-n)``) saves to that tier are announced as
+``SAVING_LOCAL n`` and ``REPORTED_LOCAL n`` instead.
 
 Log file: one JSON line per finished step, ``{"step": n, "loss": float.hex(loss)}``.
 """
@@ -113,7 +118,8 @@ def make_step():
         v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
         t = count.astype(jnp.float32)
         params = jax.tree.map(
-            lambda p, m, v: p - 0.01 * (m / (1 - 0.9 ** t)) / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8),
+            lambda p, m, v: (p - 0.01 * (m / (1 - 0.9 ** t))
+                             / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8)),
             state["params"], m, v)
         ballast = [b * 0.5 + loss * (i + 1) for i, b in enumerate(state["ballast"])]
         return {"params": params, "opt": {"m": m, "v": v, "count": count}, "key": key,
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--storage-options", type=json.loads, default=None,
                         help="JSON storage_options for an s3:// root (e.g. a short lease)")
+    parser.add_argument("--local", default=None)
+    parser.add_argument("--local-every", type=int, default=2)
+    parser.add_argument("--local-keep-last-n", type=int, default=1)
     opts = parser.parse_args(argv)
 
     import jax
@@ -163,13 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     train_step = make_step()
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
 
+    local = None if opts.local is None else jaxckpt.LocalTier(
+        opts.local, every=jaxckpt.Every(steps=opts.local_every),
+        keep_last_n=opts.local_keep_last_n)
+
+    def tag(report: Any) -> str:
+        return "_LOCAL" if report.tier == "local" else ""
+
     mgr = jaxckpt.CheckpointManager(
-        opts.root,
+        opts.root, local=local,
         recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=opts.save_every),
                                       keep_last_n=opts.keep_last_n),
         mode=opts.mode, backend=seam_backend(),
-        on_report=lambda report: emit(f"REPORTED {report.step}"), preemption_signals=(),
-        storage_options=opts.storage_options)
+        on_report=lambda report: emit(f"REPORTED{tag(report)} {report.step}"),
+        preemption_signals=(), storage_options=opts.storage_options)
     with mgr, open(opts.log, "a") as log:
         recovered = mgr.recover(like, stateful={"loader": loader})
         if recovered is None:
@@ -180,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             state = recovered.state
             last = recovered.step_info
             step = last.next()
-            emit("RESUMED " + json.dumps({"step": last.global_step}))
+            emit("RESUMED " + json.dumps({"step": last.global_step, "tier": recovered.tier}))
         while step.global_step < opts.steps:
             x, y = loader.next_batch()
             # Global RNGs feed the numerics: a resume that forgot them would diverge.
@@ -192,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             os.fsync(log.fileno())
             emit(f"STEP {step.global_step}")
             reports = mgr.maybe_save(step, state, metrics={"loss": loss_value})
-            if any(r.kind == "recover" for r in reports):
-                emit(f"SAVING {step.global_step}")
+            for report in reports:
+                if report.kind == "recover":
+                    emit(f"SAVING{tag(report)} {step.global_step}")
             last, step = step, step.next()
         if last is not None:
             mgr.save(last, state)  # no-op when that step was just saved or restored

@@ -109,11 +109,10 @@ def next_batch(rngs, images, labels):
 
 
 def final_arrays(live) -> dict[str, np.ndarray]:
-    from flax import nnx
-
     # The crash worker's flattening (typed keys as their key data), object by object; both
     # scripts run from tests/support, which is therefore first on sys.path.
     from crash_worker import final_arrays as arrays_of
+    from flax import nnx
 
     return {name + key: value for name, obj in live.items()
             for key, value in arrays_of(nnx.state(obj)).items()}

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from support.harness import Worker, repo_env, run_all
 
-
 _JAX_WORKER = """\
 import json, os, sys, threading, traceback, warnings
 index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -68,6 +67,6 @@ def run_two_workers(source: str, tmp_path: Path, *, dirname: str = "root",
     workers = [Worker([sys.executable, str(script), str(i), str(port), directory], env=env,
                       timeout_s=timeout) for i in range(2)]
     codes, outputs = run_all(workers)
-    for code, output in zip(codes, outputs):
+    for code, output in zip(codes, outputs, strict=True):
         assert code == 0 and "worker ok" in output, output[-4000:]
     return directory, outputs

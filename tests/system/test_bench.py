@@ -40,6 +40,12 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
     assert report["facts"]["aux"]["mib_written_when_unchanged"]
     assert report["facts"]["memory"]["saves"] == BenchConfig.quick().memory_saves
     assert report["facts"]["train"]["saves_per_run"] >= 1
+    # The local tier's rows: the loop's blocking time with and without it.
+    for key in ("local_loop_plain", "local_loop_tiered", "local_durable_plain",
+                "local_durable_tiered", "local_save"):
+        assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
+    assert report["facts"]["local_tier"]["saves_tiered"]["local"] >= 1
+    assert targets["durable save blocking with a local tier / without"]["value"] > 0
     assert not list(tmp_path.iterdir()), "the bench leaves no files behind"
 
 

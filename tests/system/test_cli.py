@@ -312,7 +312,7 @@ EXIT_CASES = [
 def test_ls_verify_info_exit_codes(make, codes, words, clean_root, tmp_path, capsys):
     path = make(tmp_path, clean_root)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    for command, expected in zip(("ls", "verify", "info"), codes):
+    for command, expected in zip(("ls", "verify", "info"), codes, strict=True):
         code, out = run_cli(capsys, command, str(path))
         assert code == expected, (command, out)
         word = words if isinstance(words, str) else words[("ls", "verify", "info").index(command)]

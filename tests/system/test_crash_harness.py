@@ -49,7 +49,6 @@ from jaxckpt.store import COMMIT_MARKER, CheckpointStore
 from support.harness import Worker
 from support.paths import CRASH_WORKER as WORKER
 
-
 STEPS = 30
 SAVE_EVERY = 3
 SAVE_STEPS = [s for s in range(STEPS) if (s + 1) % SAVE_EVERY == 0]
@@ -180,7 +179,7 @@ def classify(root: Path) -> str:
     partial = {s: d for s, d in steps.items() if s not in done}
     if any(s < newest for s in partial):
         return "retention-delete"
-    for s, d in partial.items():
+    for d in partial.values():
         names = [n for _, dn, fn in os.walk(d) for n in dn + fn]
         if any(".orbax-checkpoint-tmp" in n for n in names):
             return "background-write"
@@ -301,7 +300,8 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
                      f" plan {plan}); history {history}; last lines {seg.lines[-8:]}")
             history.append(f"{index}:{plan or 'to the end'}")
             if not seg.killed:
-                assert seg.code == 0 and "DONE" in seg.lines, f"{where}: exit {seg.code}\n{seg.stderr}"
+                assert seg.code == 0 and "DONE" in seg.lines, (
+                    f"{where}: exit {seg.code}\n{seg.stderr}")
 
             check_resume_and_losses(seg, log, ref_losses, resume_from, before, where)
 
@@ -327,8 +327,9 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
                 open_and_close(root)
                 left = debris(root)
                 assert not left, f"{where}: a manager start left debris: {left}"
-                assert committed(root) == after, f"{where}: start-up cleanup removed a " \
-                                                 f"committed checkpoint: {after} -> {committed(root)}"
+                assert committed(root) == after, (
+                    f"{where}: start-up cleanup removed a committed checkpoint: "
+                    f"{after} -> {committed(root)}")
     print(f"crash harness {tag}: {done_trials} kills over {chain} chains; "
           f"windows hit: {dict(sorted(hits.items()))}")
     return dict(hits)

@@ -61,9 +61,11 @@ else:
 
 
 @pytest.mark.parametrize(("blocked", "call", "extra", "feature"), [
-    pytest.param(JAX, "    import jaxckpt; jaxckpt.CheckpointManager(os.path.join(os.getcwd(), 'run'))",
+    pytest.param(JAX,
+                 "    import jaxckpt; jaxckpt.CheckpointManager(os.path.join(os.getcwd(), 'run'))",
                  "jax", "Orbax backend", id="CheckpointManager-without-jax"),
-    pytest.param(JAX, "    import jaxckpt.models", "jax", "Flax reference", id="models-without-jax"),
+    pytest.param(JAX, "    import jaxckpt.models", "jax", "Flax reference",
+                 id="models-without-jax"),
     pytest.param(TORCH, "    from torch_bridge import DcpCheckpointManager", "torch",
                  "DcpCheckpointManager", id="DcpCheckpointManager-without-torch"),
     pytest.param(TORCH, "    import torch_bridge; torch_bridge.DcpBackend", "torch",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import CheckpointManager, CheckpointWarning, Every, RecoverConfig
+from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig
 
 from support.loaders import Loader
 from support.two_processes import jax_worker, run_two_workers
@@ -61,8 +61,9 @@ WORKER = jax_worker('''
             if index == 0 and step.global_step == 1:
                 now[0] += 100.0
             ref = {"w": weights(100 + (step.global_step + 1) // 2)}  # changes every 2 steps
-            for report in mgr.maybe_save(step, {"w": weights(step.global_step), "n": step.global_step},
-                                         stateful={"loader": loader}, items={"ref": ref}):
+            saved = {"w": weights(step.global_step), "n": step.global_step}
+            for report in mgr.maybe_save(step, saved, stateful={"loader": loader},
+                                         items={"ref": ref}):
                 events.append([report.kind, report.step, report.reason])
             step = step.next()
         mgr.close()
@@ -76,7 +77,7 @@ WORKER = jax_worker('''
 @pytest.fixture(scope="module")
 def two_process_root(tmp_path_factory):
     root, outputs = run_two_workers(WORKER, tmp_path_factory.mktemp("mp"))
-    events = [json.loads(next(l for l in out.splitlines() if l.startswith("EVENTS "))[7:])
+    events = [json.loads(next(line for line in out.splitlines() if line.startswith("EVENTS "))[7:])
               for out in outputs]
     return root, events
 
@@ -221,8 +222,9 @@ DAMAGE_WORKER = jax_worker('''
 
 def test_damaged_bulk_data_makes_every_process_fall_back_or_raise_together(tmp_path):
     root, outputs = run_two_workers(DAMAGE_WORKER, tmp_path)
-    primary, other = [json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
-                      for out in outputs]
+    primary, other = [
+        json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        for out in outputs]
     rel = primary["damaged"]
     assert len(primary["chunks"]) == 4, primary["chunks"]  # one file per device shard
     # restore(step=1): both raise; the primary names the file, the other points to it.

@@ -71,7 +71,8 @@ def test_notebook_is_stored_without_outputs(path):
     dirty = [f"cell {i}: {len(cell.get('outputs', []))} output(s), execution_count "
              f"{cell.get('execution_count')!r}"
              for i, cell in enumerate(nb["cells"])
-             if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)]
+             if cell["cell_type"] == "code"
+             and (cell.get("outputs") or cell.get("execution_count") is not None)]
     assert not dirty, (f"{os.path.basename(path)} has outputs; clear them before committing "
                        f"(e.g. jupyter nbconvert --clear-output --inplace):\n" + "\n".join(dirty))
     first, second = nb["cells"][0], nb["cells"][1]
@@ -82,7 +83,8 @@ def test_notebook_is_stored_without_outputs(path):
 def test_kernel_runs_this_interpreter(tmp_path):
     nbformat, _ = _client_modules()
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("import os, sys\nprint(sys.executable)\nprint(os.getcwd())")]
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import os, sys\nprint(sys.executable)\nprint(os.getcwd())")]
     _execute(nb, str(tmp_path))
     lines = nb.cells[0].outputs[0]["text"].splitlines()
     assert os.path.realpath(lines[0]) == os.path.realpath(sys.executable)
@@ -99,5 +101,6 @@ def test_notebook_runs(path, tmp_path):
     _execute(nb, str(workdir))
     # The notebooks keep their files in a temporary directory of their own and remove it.
     assert os.listdir(workdir) == []
-    errors = [o for cell in nb.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    errors = [o for cell in nb.cells for o in cell.get("outputs", [])
+              if o.get("output_type") == "error"]
     assert not errors

@@ -100,7 +100,8 @@ def test_the_sdist_holds_every_source_file_and_nothing_local(dists):
                    "tests/support/crash_worker.py", "jaxckpt/py.typed", "torch_bridge/py.typed"):
         assert needed in names
     assert any(n.startswith("tests/integration/data/golden_root/") for n in names)
-    leaked = sorted(n for n in names if n in ARTEFACTS or n.split("/")[0] in (".venv", "build", "dist")
+    leaked = sorted(n for n in names
+                    if n in ARTEFACTS or n.split("/")[0] in (".venv", "build", "dist")
                     or "__pycache__" in n or n.endswith(".pyc") or ".ipynb_checkpoints" in n)
     assert leaked == []
 

@@ -21,7 +21,6 @@ import pytest
 from support.harness import Worker, repo_env
 from support.paths import REPO
 
-
 STEPS = 40
 SAVE_EVERY = 10
 STEPS_PER_EPOCH = 16  # epochs roll over at steps 16 and 32: the loader reshuffles mid-run
@@ -63,7 +62,8 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], dict[str, np.ndarray]]:
+def reference(
+        tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], dict[str, np.ndarray]]:
     tmp = tmp_path_factory.mktemp("reference")
     worker = start_worker(tmp / "ref.jsonl", tmp / "root")
     code = worker.run()

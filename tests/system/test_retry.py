@@ -1,6 +1,5 @@
 """Retries: real child processes that crash, get killed, or fail finally."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import textwrap
 import pytest
 
 from jaxckpt import ConfigError
-from jaxckpt.retry import ATTEMPT_ENV, RetryPolicy, run_command, run_with_retries
+from jaxckpt.retry import RetryPolicy, run_command, run_with_retries
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
@@ -92,7 +91,8 @@ def test_in_process_retries_resume_and_stop_on_final_errors():
     assert calls[-1] == ("bad", 0)
 
     with pytest.raises(OSError):
-        run_with_retries(lambda a: (_ for _ in ()).throw(OSError("x")), RetryPolicy(retries=1, **FAST))
+        run_with_retries(lambda a: (_ for _ in ()).throw(OSError("x")),
+                         RetryPolicy(retries=1, **FAST))
 
 
 def test_bad_policy_names_the_field():

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from jaxckpt import IndexSampler
+
 from support.harness import Worker, repo_env, run_all
 from support.paths import REPO, SAMPLER_WORKER
 from support.two_processes import free_port
-
-from jaxckpt import IndexSampler
 
 SAMPLES, GLOBAL_BATCH, SEED = 52, 8, 11  # as in support/sampler_worker.py
 EPOCH = SAMPLES // GLOBAL_BATCH

@@ -22,7 +22,6 @@ from support.harness import Worker, repo_env, run_all
 from support.paths import REPO, TORCH_WORKER as WORKER
 from support.two_processes import free_port
 
-
 TIMEOUT_S = 120
 STEPS_1, STEPS_2 = 16, 14  # single process: 12 steps/epoch; 2 ranks: 6 steps/epoch
 KILL_AT = 7  # right after the async save of step 7 started (saves every 4 steps: 3, 7, ...)

@@ -29,7 +29,6 @@ import pytest
 
 from support.paths import REPO
 
-
 PACKAGES = ("jaxckpt", "torch_bridge")
 TOOLS = "jaxckpt.tools"
 

@@ -7,8 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt import CodecError
-from jaxckpt import codec
+from jaxckpt import CodecError, codec
 
 
 def roundtrip(value):

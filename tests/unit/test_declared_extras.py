@@ -10,8 +10,9 @@ import importlib.metadata
 import json
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from support.paths import REPO
 

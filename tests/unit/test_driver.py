@@ -6,8 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from jaxckpt import CheckpointWarning, ConfigError, StepInfo
-from jaxckpt import driver as drv
+from jaxckpt import CheckpointWarning, ConfigError, StepInfo, driver as drv
 
 
 class Loader:
@@ -98,7 +97,8 @@ def test_rng_entry_missing_from_older_checkpoint_warns_and_keeps_state():
 
 
 def test_driver_records_versions_counters_and_metrics():
-    body = drv.build_driver(kind="recover", reason="steps", step=StepInfo(1, 2, 7, 5, tokens_seen=9),
+    body = drv.build_driver(kind="recover", reason="steps",
+                            step=StepInfo(1, 2, 7, 5, tokens_seen=9),
                             backend_name="orbax", backend_versions={"jax": "x"}, process_count=1,
                             metrics={"loss": np.float32(0.5)}, local={}, saved_at=0.0)
     assert body["versions"]["jaxckpt"] and body["versions"]["jax"] == "x"

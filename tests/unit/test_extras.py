@@ -3,9 +3,8 @@ real features in a fresh interpreter are in tests/system/test_missing_extras.py)
 
 from __future__ import annotations
 
-import tomllib
-
 import pytest
+import tomllib
 
 from jaxckpt.errors import CheckpointError, MissingExtraError
 from jaxckpt.extras import EXTRA_MODULES, check_extra, requires_extra

@@ -11,7 +11,8 @@ HEAVY = ("jax", "jaxlib", "orbax", "torch", "flax", "optax", "tensorstore")
 
 def imported_after(statement: str) -> list[str]:
     code = (f"import sys, json\n{statement}\n"
-            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({list(HEAVY)!r}))))")
+            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}}"
+            f" & set({list(HEAVY)!r}))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -22,7 +23,8 @@ def imported_after(statement: str) -> list[str]:
     [
         "import jaxckpt",
         "import jaxckpt.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, jaxckpt.codec",
-        "import jaxckpt.layout, jaxckpt.manifest, jaxckpt.storage, jaxckpt.roots, jaxckpt.read_claims",
+        "import jaxckpt.layout, jaxckpt.manifest, jaxckpt.storage, jaxckpt.roots, "
+        "jaxckpt.read_claims",
         "import jaxckpt.tree_record, jaxckpt.saving, jaxckpt.recovery, jaxckpt.pipeline",
         "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",

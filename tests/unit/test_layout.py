@@ -91,7 +91,8 @@ def test_fixed_names_are_the_on_disk_format():
     assert (layout.TREE_FILE, layout.OBJECTS_FILE, layout.TMP_PREFIX) == (
         "tree.json", "objects.json", ".tmp-")
     assert layout.PINS_FILE == "pins.json"
-    assert layout.ROOT_NAMES == {"recover", "export", ".lock", "pins.json"}
+    assert layout.TIER_FILE == "tier.json"  # a local tier's root only (jaxckpt.tiers)
+    assert layout.ROOT_NAMES == {"recover", "export", ".lock", "pins.json", "tier.json"}
 
 
 def test_other_modules_use_the_layout_names():

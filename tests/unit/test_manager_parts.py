@@ -12,17 +12,23 @@ import warnings
 
 import pytest
 
-from jaxckpt import CheckpointWarning, CheckpointWriteError, Every, ExportConfig, RecoverConfig
-from jaxckpt import StepInfo
+from jaxckpt import (
+    CheckpointWarning,
+    CheckpointWriteError,
+    Every,
+    ExportConfig,
+    RecoverConfig,
+    StepInfo,
+)
 from jaxckpt.backend import BackendFeatures, SingleProcess
 from jaxckpt.context import ManagerContext
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
 from jaxckpt.exports import Exporter
+from jaxckpt.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.pipeline import SavePipeline
 from jaxckpt.policy import SaveTrigger
 from jaxckpt.preemption import Preemption
 from jaxckpt.reports import SaveReport
-from jaxckpt.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.root import prepare_root
 from jaxckpt.saving import RecoverySaver
 from jaxckpt.store import CheckpointStore
@@ -292,7 +298,8 @@ def test_a_requested_step_that_was_never_committed_is_named_with_the_steps_there
     verifier = Verifier(ctx.store, primary=True)
     checks = plan(ctx.recover_config, ctx.backend, None)
     assert verifier.check_requested(2, checks) == 2
-    with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint for step 5 .* committed steps are \[2\]"):
+    with pytest.raises(CheckpointNotFoundError,
+                       match=r"no checkpoint for step 5 .* committed steps are \[2\]"):
         verifier.check_requested(5, checks)
     os.remove(os.path.join(ctx.store.step_path(2), "state", "data"))
     assert os.path.exists(os.path.join(ctx.store.step_path(2), COMMIT_MARKER))

@@ -22,7 +22,8 @@ def test_a_partial_restore_defers_every_data_checksum_to_the_read():
     assert plan(checks, SingleProcess(), None, partial=True).defer_over == 0
     # A backend that loads in place still gets every checksum first, partial or not.
     assert plan(checks, InPlace(), None, partial=True).defer_over is None
-    assert plan(RecoverConfig(verify="sizes"), SingleProcess(), None, partial=True).defer_over is None
+    sizes_only = RecoverConfig(verify="sizes")
+    assert plan(sizes_only, SingleProcess(), None, partial=True).defer_over is None
 
 
 def entry(size=10):

@@ -7,7 +7,12 @@ import json
 import pytest
 
 from jaxckpt.errors import CheckpointCorruptError, CheckpointFormatError
-from jaxckpt.tree_record import TREE_FORMAT, TREE_FORMAT_VERSION, parse_tree_record, read_tree_record
+from jaxckpt.tree_record import (
+    TREE_FORMAT,
+    TREE_FORMAT_VERSION,
+    parse_tree_record,
+    read_tree_record,
+)
 
 
 def doc(**changes) -> str:
