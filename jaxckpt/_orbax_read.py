@@ -15,6 +15,7 @@ Which reader runs is the backend's decision (``orbax_backend``). Must not import
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import zarr_io
-from jaxckpt.array_files import ArrayFiles
 from jaxckpt._orbax_tree import (
     ARRAYS_DIR,
     PACK_PREFIX,
@@ -39,6 +39,7 @@ from jaxckpt._orbax_tree import (
     from_bytes,
     read_tree_json,
 )
+from jaxckpt.array_files import ArrayFiles
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, TreeMismatchError
 
 if TYPE_CHECKING:
@@ -289,7 +290,8 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
             return None
 
     # On the I/O threads: on an object store each is a round trip.
-    for (name, args), parsed in zip(restore_args.items(), pool.map(metadata, restore_args)):
+    for (name, args), parsed in zip(restore_args.items(), pool.map(metadata, restore_args),
+                                    strict=True):
         if parsed is None:
             return None
         shape, dtype, offset = parsed

@@ -3,12 +3,12 @@
 Owns: which ``ArrayFiles`` the native writer and reader use for a directory
 (``files_for``: zarr_io on a local disk, the attached storage for a URL, none where Orbax
 does the work), the directory as a path object (``path_for``), the checks that keep
-object-store locations on the native path (``check_arrays``) and the error for a checkpoint
-it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write ``s3://`` (it finalizes by renaming
-directories, and it creates a local ``./s3:`` directory), so on an object store every array
-goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout: one process,
-dtypes zarr_io stores. Anything else is refused before a byte is written, naming the leaf
-and what to do.
+object-store locations on the native path (``check_arrays``, ``writes_natively``) and the
+error for a checkpoint it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write
+``s3://`` (it finalizes by renaming directories, and it creates a local ``./s3:``
+directory), so on an object store every array goes through
+``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout: one process, dtypes zarr_io
+stores. Anything else is refused before a byte is written, naming the leaf and what to do.
 
 Must not import: torch.
 

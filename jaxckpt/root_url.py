@@ -2,9 +2,10 @@
 
 Owns: ``parse_root`` (a root -> ("local", path), ("s3", S3Storage) or ("gs", GCSStorage)),
 ``root_scheme`` (the same decision without building a client) and ``local_root`` (for code
-that writes local paths only: a local path, or ``CheckpointRootError`` for a URL). Every scheme other than ``s3://`` and ``gs://`` is refused up front, naming
-the scheme and what is supported, so that a URL is never taken for a relative path (which
-would create a directory named ``s3:`` in the working directory).
+that writes local paths only: a local path, or ``CheckpointRootError`` for a URL). Every
+scheme other than ``s3://`` and ``gs://`` is refused up front, naming the scheme and what is
+supported, so that a URL is never taken for a relative path (which would create a directory
+named ``s3:`` in the working directory).
 
 Must not import: jax, orbax, torch, boto3, google (``jaxckpt.s3_storage`` and
 ``jaxckpt.gcs_storage`` are imported only for a root of their scheme).
@@ -110,6 +111,6 @@ def _lease_options(storage_options: Mapping[str, Any] | None
                    ) -> tuple[dict[str, Any], dict[str, float]]:
     """``storage_options`` split into the client's options and the root lease's timing."""
     options = dict(storage_options or {})
-    lease = {name: float(options.pop(name)) for name in ("lease_s", "heartbeat_s")
-             if name in options}
+    lease: dict[str, float] = {name: float(options.pop(name))
+                               for name in ("lease_s", "heartbeat_s") if name in options}
     return options, lease

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from . import store_objects
 from .checksum import default_algorithm
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 from .layout import (
@@ -71,7 +72,6 @@ from .manifest import (
 )
 from .read_claims import ReadClaims
 from .roots import foreign_entries
-from . import store_objects
 from .storage import PosixStorage, RootLease, RootLock, Storage
 
 __all__ = ["CheckpointStore", "Entry", "Status"]

@@ -34,13 +34,13 @@ import os
 import shutil
 from typing import Any
 
+from jaxckpt.checksum import default_algorithm, extend
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
-from jaxckpt.checksum import default_algorithm, extend
 from jaxckpt.storage import Storage, fsync_dir
 
 from . import _dcp_metadata
@@ -345,8 +345,9 @@ def _storage_writer_class() -> type:
             rank = self.rank if not self.use_collectives and self.rank is not None else None
             path = str(self._get_metadata_path(rank))
             data = _dcp_metadata.dump_metadata(metadata)
-            self.fs.storage.write(path, data)
-            self.fs.written[path] = _entry(data)
+            fs: Any = self.fs  # the _StorageFileSystem set in __init__
+            fs.storage.write(path, data)
+            fs.written[path] = _entry(data)
 
     return _StorageWriter
 

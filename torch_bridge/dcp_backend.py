@@ -574,8 +574,8 @@ class DcpBackend:
                 handle = DcpWriteHandle(self, directory, staging_dir, nbytes, writer=writer)
                 self._publish(handle)
                 return handle
-            response = dcp.async_save(flat, async_checkpointer_type=self._checkpointer_type(
-                                          files is self._remote_files),
+            response = dcp.async_save(flat, async_checkpointer_type=_checkpointer_type(
+                                          self._checkpointer, files is self._remote_files),
                                       async_stager=self._get_stager(), **common)
             # torch 2.13 returns a plain Future when staging is synchronous (our stager's
             # setting: the copy is done when async_save returns) and an AsyncSaveResponse
@@ -588,13 +588,6 @@ class DcpBackend:
             handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload, writer)
             self._pending = handle
             return handle
-
-    def _checkpointer_type(self, remote: bool) -> Any:
-        """DCP's executor; a thread for an object store, whose writer holds the storage's
-        client (DCP's checkpoint process would need it pickled)."""
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        return getattr(AsyncCheckpointerType, "THREAD" if remote else self._checkpointer.upper())
 
     def _get_stager(self) -> Any:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -802,6 +795,15 @@ class DcpBackend:
             warnings.warn("the checkpoint has no torch CPU RNG state; the CPU generator keeps "
                           "its current state.", CheckpointWarning, stacklevel=2)
         _restore_cuda_rng(state.get("cuda"), torch.cuda)
+
+
+def _checkpointer_type(choice: str, remote: bool) -> Any:
+    """DCP's executor for ``choice`` ("thread"/"process"); a thread for an object store,
+    whose writer holds the storage's client (DCP's checkpoint process would need it
+    pickled)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    return getattr(AsyncCheckpointerType, "THREAD" if remote else choice.upper())
 
 
 def _copy_tensors(value: Any) -> Any:

@@ -2,8 +2,9 @@
 GCS emulator, both started by this module on 127.0.0.1 (tests/support/s3_server.py,
 gcs_server.py). Model, optimizer, scheduler and a stateful loader round-trip bit-exact in
 sync and async mode, in the layout a local root has, with nothing created locally, no
-server-side copy and no DCP file read back by the commit; a partial restore fetches only the bytes of what it loads; a planted
-``.metadata`` pickle is refused, never run."""
+server-side copy and no DCP file read back by the commit; a partial restore fetches only the
+bytes of what it loads; a planted ``.metadata`` pickle is refused, never run; the bench's
+object-store rows run and clean up after themselves."""
 
 from __future__ import annotations
 
@@ -19,13 +20,18 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
-from jaxckpt import Every, RecoverConfig, StepInfo  # noqa: E402
-from jaxckpt import s3_storage  # noqa: E402
+from jaxckpt import (  # noqa: E402
+    Every,
+    RecoverConfig,
+    StepInfo,
+    s3_storage,  # noqa: E402
+)
 from jaxckpt.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.root_url import parse_root  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
-from support.s3_server import moto_s3  # noqa: E402
 from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
+
+from support.s3_server import moto_s3  # noqa: E402
 
 BUCKET = "jaxckpt-dcp"
 LEASE = {"lease_s": 3.0, "heartbeat_s": 0.5}
@@ -89,8 +95,8 @@ def test_round_trip_on_s3_is_bit_exact_in_the_local_layout(options, root, mode, 
     monkeypatch.chdir(tmp_path)
     copies: list[tuple[str, str]] = []
     real_copy = s3_storage.S3Storage.copy
-    monkeypatch.setattr(s3_storage.S3Storage, "copy",
-                        lambda self, src, dst: copies.append((src, dst)) or real_copy(self, src, dst))
+    monkeypatch.setattr(s3_storage.S3Storage, "copy", lambda self, src, dst:
+                        copies.append((src, dst)) or real_copy(self, src, dst))
     summed: list[str] = []  # files the commit reads back to checksum them
     real_checksum = s3_storage.S3Storage.checksum
     monkeypatch.setattr(s3_storage.S3Storage, "checksum", lambda self, path, *a, **kw:
@@ -149,7 +155,8 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
     finally:
         backend.close()
     assert all(torch.equal(a, b) for a, b in zip(fresh["model"].state_dict().values(),
-                                                  state["model"].state_dict().values()))
+                                                  state["model"].state_dict().values(),
+                                                  strict=True))
     assert 0 < sum(fetched) < 1_000_000, fetched  # the model's bytes, not the 4 MB tensor
 
     # Through the manager too: the model loads, the optimizer and the big tensor stay unread.

@@ -18,6 +18,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import jaxckpt  # noqa: E402
+
 from support.gcs_server import PreconditionProxy, emulator  # noqa: E402
 
 BUCKET = "jaxckpt-gcs-manager"

@@ -27,6 +27,7 @@ pytest.importorskip("torchdata")
 
 from jaxckpt.layout import COMMIT_MARKER, parse_step_dirname  # noqa: E402
 from jaxckpt.root_url import parse_root  # noqa: E402
+
 from support.harness import Worker, repo_env, run_all  # noqa: E402
 from support.paths import REPO, TORCH_WORKER  # noqa: E402
 from support.s3_server import moto_s3  # noqa: E402
