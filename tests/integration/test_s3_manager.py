@@ -17,15 +17,16 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp
-import ml_dtypes
-from support.fault_proxy import FAULTS, FaultProxy
-from support.s3_server import moto_s3
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
 
-import jaxckpt
-from jaxckpt import array_files, s3_storage
-from jaxckpt.errors import RootLockedError
-from jaxckpt.s3_storage import s3_client
+import jaxckpt  # noqa: E402
+from jaxckpt import array_files, s3_storage  # noqa: E402
+from jaxckpt.errors import RootLockedError  # noqa: E402
+from jaxckpt.s3_storage import s3_client  # noqa: E402
+
+from support.fault_proxy import FAULTS, FaultProxy  # noqa: E402
+from support.s3_server import moto_s3  # noqa: E402
 
 BUCKET = "jaxckpt-manager"
 LEASE = {"lease_s": 3.0, "heartbeat_s": 0.5}
@@ -86,7 +87,7 @@ def assert_bit_equal(got, want) -> None:
     got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
     want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
     assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
-    for (path, a), (_, b) in zip(got_leaves, want_leaves):
+    for (path, a), (_, b) in zip(got_leaves, want_leaves, strict=True):
         if isinstance(b, jax.Array) and jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         if isinstance(b, (int, float)):

@@ -20,7 +20,6 @@ pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
 from jaxckpt import RootLockedError  # noqa: E402
-from jaxckpt.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.s3_storage import S3Storage, s3_client  # noqa: E402
 from jaxckpt.storage import Storage  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402

@@ -2,13 +2,14 @@
 (tests/system/test_crash_harness.py).
 
 Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...`` (R may be an
-``s3://`` URL; ``--storage-options JSON`` then configures the client and the lease). It trains a
-two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader`` batches, with dropout drawn
-from a typed JAX PRNG key and a per-step noise scale drawn from Python's and NumPy's global
-RNGs (so an exact resume needs the arrays, the key, the loader position AND both global RNG
-states). ``--ballast K`` adds K extra array leaves, updated every step, that make each save
-write many more files: the background write, the commit pass (checksum + fsync per file) and
-retention deletion then take long enough for a randomly timed SIGKILL to land inside them.
+``s3://`` URL; ``--storage-options JSON`` then configures the client and the lease). It
+trains a two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader``
+batches, with dropout drawn from a typed JAX PRNG key and a per-step noise scale drawn from
+Python's and NumPy's global RNGs (so an exact resume needs the arrays, the key, the loader
+position AND both global RNG states). ``--ballast K`` adds K extra array leaves, updated every
+step, that make each save write many more files: the background write, the commit pass
+(checksum + fsync per file) and retention deletion then take long enough for a randomly timed
+SIGKILL to land inside them.
 The ballast changes the state tree, so a reference run must use the same ``--ballast``; the
 save mode does not change numerics (a chain may switch it between segments).
 

@@ -49,7 +49,7 @@ def moto_s3(*buckets: str, timeout_s: float = 30.0) -> Iterator[dict[str, Any]]:
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start (exit {proc.poll()})")
+                    raise RuntimeError(f"moto server did not start (exit {proc.poll()})") from None
                 time.sleep(0.1)
         client = s3_client(options)
         for bucket in buckets:

@@ -24,12 +24,12 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
+from jaxckpt.layout import COMMIT_MARKER, parse_step_dirname
+from jaxckpt.root_url import parse_root
+
 from support.harness import Worker, repo_env
 from support.paths import REPO
 from support.s3_server import moto_s3, server_env
-
-from jaxckpt.layout import COMMIT_MARKER, parse_step_dirname
-from jaxckpt.root_url import parse_root
 
 BUCKET = "jaxckpt-crash"
 STEPS, SAVE_EVERY, KEEP, BALLAST = 12, 3, 1, 4
