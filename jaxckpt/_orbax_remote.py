@@ -3,12 +3,12 @@
 Owns: which ``ArrayFiles`` the native writer and reader use for a directory
 (``files_for``: zarr_io on a local disk, the attached storage for a URL, none where Orbax
 does the work), the directory as a path object (``path_for``), the checks that keep
-object-store locations on the native path (``check_arrays``) and the error for a checkpoint
-it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write ``s3://`` (it finalizes
-by renaming directories, and it creates a local ``./s3:`` directory), so on an object store
-every array goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout: one process,
-dtypes zarr_io stores. Anything else is refused before a byte is written, naming the leaf
-and what to do.
+object-store locations on the native path (``check_arrays``, ``writes_natively``) and the
+error for a checkpoint it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write
+``s3://`` (it finalizes by renaming directories, and it creates a local ``./s3:``
+directory), so on an object store every array goes through
+``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout: one process, dtypes zarr_io
+stores. Anything else is refused before a byte is written, naming the leaf and what to do.
 
 Must not import: torch.
 
@@ -33,7 +33,7 @@ from jaxckpt.array_files import (
 )
 from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
 
-__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign"]
+__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign", "writes_natively"]
 
 
 def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
@@ -82,6 +82,16 @@ def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
             f"{'; '.join(bad)}. Nothing was written. Fix: cast such leaves (e.g. int4 to "
             f"int8) or save to a filesystem root.")
 
+
+
+def writes_natively(files: ArrayFiles | None, remote: StorageArrayFiles | None,
+                    directory: str, arrays: dict[str, Any]) -> bool:
+    """Whether a write of ``arrays`` goes through ``files`` (every array of a dtype and
+    size zarr_io stores as Orbax would); a URL's arrays must (``check_arrays``)."""
+    if files is not None and files is remote:
+        check_arrays(directory, arrays)
+    return files is not None and all(
+        isinstance(array, np.ndarray) and zarr_io.supported(array) for array in arrays.values())
 
 def refuse_foreign(directory: str) -> None:
     """A checkpoint on an object store whose arrays are not in zarr_io's layout (written by

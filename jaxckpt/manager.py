@@ -74,15 +74,16 @@ class CheckpointManager:
     ``maybe_save``/``save``: its version is derived from the step and it is written only the
     first time a checkpoint needs that version (``jaxckpt.Versioned(version, tree)`` gives the
     version explicitly instead). Every checkpoint restores the version current when it was taken.
+    ``root`` is a local path or an object-store URL ``s3://bucket/prefix`` or
+    ``gs://bucket/prefix`` (nothing is then created locally); ``storage_options`` configure
+    the object store's client (``endpoint_url``, credentials, ``max_attempts``... and
+    ``lease_s``/``heartbeat_s`` of the root lease), each taken from the standard environment
+    (``AWS_ENDPOINT_URL``, ``AWS_REGION``..., ``STORAGE_EMULATOR_HOST``) when not given
+    (docs/cloud.md).
+
     ``local``: a fast local tier (``jaxckpt.LocalTier``) that takes frequent recovery
     checkpoints between the durable root's; ``recover`` resumes from the newest valid one of
     either (see ``jaxckpt.tiers``). Single-process runs only for now.
-    ``root`` is a local path or an object-store URL ``s3://bucket/prefix`` (nothing is then
-    created locally); ``storage_options`` configure the object store's client
-    (``endpoint_url``, ``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``,
-    ``max_attempts``... and ``lease_s``/``heartbeat_s`` of the root lease), each taken from
-    the standard environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``...) when not given
-    (docs/cloud.md).
 
     Concurrency contract: see the module docstring (one training thread; one background
     thread; one job per root; the primary decides and commits).

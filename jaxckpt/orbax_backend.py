@@ -67,7 +67,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
     import orbax.checkpoint as ocp
     from etils import epath
 
-from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, nnx_live, zarr_io
+from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, nnx_live
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
 from jaxckpt._orbax_plan import (
     WritePlan,
@@ -124,6 +124,15 @@ def _library_versions() -> dict[str, str]:
             pass
     return found
 
+
+
+def _started(pool: concurrent.futures.ThreadPoolExecutor | None, workers: int,
+             prefix: str) -> concurrent.futures.ThreadPoolExecutor:
+    """``pool``, or a new pool of ``workers`` threads named ``prefix`` when there is none."""
+    if pool is None:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                     thread_name_prefix=prefix)
+    return pool
 
 class OrbaxBackend:
     """Writes and reads JAX pytrees with Orbax (see the module docstring for the layout).
@@ -359,24 +368,16 @@ class OrbaxBackend:
         return _orbax_remote.files_for(self._remote, directory, self.options)
 
     def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> bool:
-        """Whether this write goes through ``_files_for`` (every array of a dtype and size
-        zarr_io stores as Orbax would); a URL's arrays must (``check_arrays``)."""
-        files = self._files_for(directory)
-        if files is not None and files is self._remote:
-            _orbax_remote.check_arrays(directory, arrays)
-        return files is not None and all(
-            isinstance(array, np.ndarray) and zarr_io.supported(array) for array in arrays.values())
+        """Whether this write goes through ``_files_for`` (``_orbax_remote.writes_natively``)."""
+        return _orbax_remote.writes_natively(self._files_for(directory), self._remote,
+                                             directory, arrays)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._io_pool is None:
-            self._io_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.options.io_threads, thread_name_prefix="jaxckpt-io")
+        self._io_pool = _started(self._io_pool, self.options.io_threads, "jaxckpt-io")
         return self._io_pool
 
     def _readers(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._read_pool is None:
-            self._read_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.options.read_threads, thread_name_prefix="jaxckpt-read")
+        self._read_pool = _started(self._read_pool, self.options.read_threads, "jaxckpt-read")
         return self._read_pool
 
     def _finish(self, handle: OrbaxWriteHandle) -> None:

@@ -82,16 +82,14 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(s3://{bucket}/PREFIX), not the whole bucket")
-    options = dict(storage_options or {})
-    lease = {name: float(options.pop(name)) for name in ("lease_s", "heartbeat_s")
-             if name in options}
+    options, lease = _lease_options(storage_options)
     return "s3", S3Storage(bucket, prefix, storage_options=options, **lease)
 
 
 def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
     """``root`` unchanged when it is a local path; ``CheckpointRootError`` for an ``s3://``
-    or ``gs://`` root (the array backends cannot write there yet) and for any other scheme.
-    Called first thing by the managers, so nothing is created for a root they cannot use."""
+    or ``gs://`` root and for any other scheme: for code that writes local paths only, called
+    before it creates anything."""
     if root_scheme(root) in ("s3", "gs"):
         raise CheckpointRootError(f"{root!r}: " + OBJECT_STORE_ARRAYS_UNSUPPORTED.format(
             url=root) + " Nothing was written.")
@@ -105,4 +103,14 @@ def _gcs_storage(root: str, storage_options: Mapping[str, Any] | None) -> Storag
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(gs://{bucket}/PREFIX), not the whole bucket")
-    return GCSStorage(bucket, prefix, storage_options=storage_options)
+    options, lease = _lease_options(storage_options)
+    return GCSStorage(bucket, prefix, storage_options=options, **lease)
+
+
+def _lease_options(storage_options: Mapping[str, Any] | None
+                   ) -> tuple[dict[str, Any], dict[str, float]]:
+    """``storage_options`` split into the client's options and the root lease's timing."""
+    options = dict(storage_options or {})
+    lease: dict[str, float] = {name: float(options.pop(name))
+                               for name in ("lease_s", "heartbeat_s") if name in options}
+    return options, lease

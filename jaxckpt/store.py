@@ -391,7 +391,8 @@ class CheckpointStore:
                 raise ValueError(f"commit of {path}: the writer's checksum entry for {rel!r} "
                                  f"({info!r}) names no file of the checkpoint or is not "
                                  f"{{'size', {algorithm!r}}}")
-        sums = self._summarise(path, [rel for rel in files if rel not in known], algorithm)
+        sums = _summarise(self.storage, path, [rel for rel in files if rel not in known],
+                          algorithm)
         for rel, info in known.items():
             size = listed[rel]
             if size != info["size"]:
@@ -408,19 +409,6 @@ class CheckpointStore:
                                    for rel in files})
         self.storage.create(os.path.join(path, COMMIT_MARKER), manifest.to_bytes())
         return manifest
-
-    def _summarise(self, path: str, rels: list[str], algorithm: str) -> dict[str, tuple[int, str]]:
-        """(size, checksum) of each file, made durable in the same pass, a few at a time."""
-        def summarise(rel: str) -> tuple[int, str]:
-            full = os.path.join(path, rel)
-            # Our writers never make links; one found here is recorded, never followed, and
-            # verification refuses it.
-            if not self.storage.resolves_inside(full, path):
-                return 0, "link"
-            return self.storage.checksum(full, algorithm, sync=True)
-
-        with ThreadPoolExecutor(max_workers=self.storage.concurrent_requests) as pool:
-            return dict(zip(rels, pool.map(summarise, rels), strict=True))
 
     # --- reading and deletion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -537,3 +525,18 @@ class CheckpointStore:
         except FileNotFoundError:
             return
         self.storage.delete_prefix(doomed)
+
+
+def _summarise(storage: Storage, path: str, rels: list[str],
+               algorithm: str) -> dict[str, tuple[int, str]]:
+    """(size, checksum) of each file, made durable in the same pass, a few at a time."""
+    def summarise(rel: str) -> tuple[int, str]:
+        full = os.path.join(path, rel)
+        # Our writers never make links; one found here is recorded, never followed, and
+        # verification refuses it.
+        if not storage.resolves_inside(full, path):
+            return 0, "link"
+        return storage.checksum(full, algorithm, sync=True)
+
+    with ThreadPoolExecutor(max_workers=storage.concurrent_requests) as pool:
+        return dict(zip(rels, pool.map(summarise, rels), strict=True))

@@ -1,6 +1,8 @@
 """Loading DCP checkpoints without trusting them: the one place jaxckpt reads a pickle.
 
-Owns: the storage reader and load planner that ``DcpBackend.read`` gives ``dcp.load``.
+Owns: the storage reader and load planner that ``DcpBackend.read`` gives ``dcp.load`` (the
+object-store reader of ``_dcp_storage`` derives from this reader), and the bytes of a
+``.metadata`` file for the object-store writer (``dump_metadata``).
 
 torch.distributed.checkpoint stores its index (``.metadata``) as a pickle, and its default
 reader unpickles it with no restriction: a checkpoint copied from elsewhere could run code on
@@ -29,7 +31,8 @@ import torch
 
 from jaxckpt.errors import CheckpointCorruptError
 
-__all__ = ["ALLOWED_GLOBALS", "load_metadata", "safe_reader", "safe_planner"]
+__all__ = ["ALLOWED_GLOBALS", "dump_metadata", "load_metadata", "safe_planner", "safe_reader",
+           "safe_reader_class"]
 
 #: Every (module, name) a DCP ``.metadata`` pickle may name (dtypes are added below).
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
@@ -74,6 +77,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def dump_metadata(metadata: Any) -> bytes:
+    """A ``.metadata`` file's bytes, as DCP's own writer makes them (a pickle: DCP's format,
+    written from DCP's own objects; only ``load_metadata`` reads one back)."""
+    return pickle.dumps(metadata)
+
+
 def load_metadata(data: bytes, where: str) -> Any:
     """Decode a ``.metadata`` file's bytes, refusing anything but DCP's metadata classes."""
     try:
@@ -111,6 +120,12 @@ def _classes() -> tuple[type, type]:
                 f"was altered or written by another tool. Refusing to deserialize it.")
 
     return SafeReader, SafePlanner
+
+
+def safe_reader_class() -> type:
+    """The class of :func:`safe_reader`'s readers, for readers of other storages
+    (``_dcp_storage``) to build on: its ``read_metadata`` reads through ``self.fs``."""
+    return _classes()[0]
 
 
 def safe_reader(directory: str | pathlib.Path) -> Any:

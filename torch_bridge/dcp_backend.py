@@ -17,10 +17,13 @@ Layout of one written directory (the manager passes ``step_XXXXXXXX/state``)::
                                  (optimizer param groups, scheduler state) through the safe
                                  jaxckpt codec, and the path, shape and dtype of every tensor
 
-The directory is filled under the temporary name ``.tmp-{name}`` next to it and renamed into
-place by the primary once every process's data and DCP's metadata are written, so it only
-ever appears complete. (The manager's ``COMMITTED`` marker is still what makes a checkpoint
-valid.) Non-tensor values never reach DCP, so no pickle is written besides DCP's metadata.
+A local directory is filled under the temporary name ``.tmp-{name}`` next to it and renamed
+into place by the primary once every process's data and DCP's metadata are written, so it
+only ever appears complete. On an object store (an ``s3://`` or ``gs://`` root: the manager
+hands the backend its ``Storage`` with ``attach_storage``) the files are uploaded at their
+final names, since a store has no rename; either way the manager's ``COMMITTED`` marker is
+what makes a checkpoint valid. Where the files go is ``_dcp_storage``'s. Non-tensor values
+never reach DCP, so no pickle is written besides DCP's metadata.
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
 """
@@ -31,8 +34,6 @@ import contextlib
 import datetime
 import importlib.metadata
 import json
-import os
-import shutil
 import threading
 import warnings
 from collections.abc import Mapping
@@ -42,22 +43,22 @@ from jaxckpt import codec
 from jaxckpt.backend import BackendFeatures
 from jaxckpt.errors import (
     CheckpointCorruptError,
-    CheckpointNotFoundError,
     CheckpointWarning,
-    CheckpointWriteError,
     ConfigError,
     TreeMismatchError,
 )
 from jaxckpt.extras import requires_extra
-from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
+from jaxckpt.layout import OBJECTS_FILE
 from jaxckpt.read_claims import ReadClaims
-from jaxckpt.storage import fsync_dir
+from jaxckpt.storage import Storage
 
 with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, DcpBackend)"):
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.utils.data import DataLoader
+
+    from ._dcp_storage import LocalDcpFiles, StorageDcpFiles
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
 
@@ -67,8 +68,6 @@ OBJECTS_FORMAT = "jaxckpt.dcp.objects"
 OBJECTS_FORMAT_VERSION = 1
 
 _OBJECTS_FILE = OBJECTS_FILE
-_DCP_METADATA = ".metadata"
-_TMP_PREFIX = TMP_PREFIX  # temporary entries are cleaned up at start-up
 
 AsyncCheckpointer = Literal["auto", "thread", "process"]
 
@@ -359,10 +358,10 @@ class DcpWriteHandle:
     """
 
     __slots__ = ("directory", "nbytes", "_backend", "_future", "_staging_dir", "_finished",
-                 "_error")
+                 "_error", "_writer")
 
     def __init__(self, backend: DcpBackend, directory: str, staging_dir: str, nbytes: int,
-                 future: Any = None):
+                 future: Any = None, writer: Any = None):
         #: the directory this write fills.
         self.directory = directory
         #: bytes of tensor data this process handed to DCP (local shards), known at staging
@@ -373,11 +372,17 @@ class DcpWriteHandle:
         self._staging_dir = staging_dir
         self._finished = future is None
         self._error: BaseException | None = None
+        self._writer = writer
 
     @property
-    def checksums(self) -> None:
-        """None: DCP computes no checksums, so the commit checksums every file."""
-        return None
+    def checksums(self) -> dict[str, dict[str, Any]] | None:
+        """On an object store, the manifest entries of the files this process uploaded
+        (computed from the bytes sent); else None: DCP computes no checksums, so the commit
+        checksums every file."""
+        if not self._finished or self._error is not None or self._writer is None:
+            return None
+        return self._backend._files_for(self.directory).known_checksums(self._writer,
+                                                                       self.directory)
 
     def done(self) -> bool:
         """Whether the write is known to have finished (successfully or not)."""
@@ -419,8 +424,9 @@ class DcpBackend:
     #: Async writes. Exporters get state dicts (host copies), never live modules, in every
     #: mode. read() loads into the caller's live modules and tensors, which cannot be taken
     #: back: the manager verifies every checksum before reading rather than alongside.
+    #: Object-store roots through the storage the manager attaches.
     features = BackendFeatures(supports_async=True, export_needs_copy=True,
-                               reads_in_place=True)
+                               reads_in_place=True, object_storage=True)
 
     def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
                  reuse_staging_memory: bool = True, sync_files: bool = False,
@@ -471,6 +477,8 @@ class DcpBackend:
             self._control_group = self._io_group = None
             _quiet_single_process_notice()
         self._stager: Any = None
+        self._local_files = LocalDcpFiles()
+        self._remote_files: StorageDcpFiles | None = None  # attach_storage: an object store
         self._lock = threading.Lock()
         self._pending: DcpWriteHandle | None = None
         self._closed = False
@@ -521,6 +529,20 @@ class DcpBackend:
         dist.broadcast(tensor, src=0, group=self._control_group)
         return int(tensor.item())
 
+    def attach_storage(self, storage: Storage) -> None:
+        """Write and read URLs of ``storage`` (an object-store root) through it."""
+        self._remote_files = StorageDcpFiles(storage)
+
+    def _files_for(self, directory: str) -> LocalDcpFiles | StorageDcpFiles:
+        """Where ``directory`` lives: the attached storage for a URL, else the local disk."""
+        if "://" not in directory:
+            return self._local_files
+        if self._remote_files is None:
+            raise ConfigError(f"{directory}: this DcpBackend has no storage for URLs; the "
+                              "manager attaches one for an s3:// or gs:// root. Fix: use "
+                              "DcpCheckpointManager(url, storage_options=...).")
+        return self._remote_files
+
     # -------------------------------------------------------------------------- write
 
     def write(self, directory: str, state: Any, *, asynchronous: bool) -> DcpWriteHandle:
@@ -537,31 +559,23 @@ class DcpBackend:
         flat = _flat_tensors(entries)
         document = _objects_document(entries)  # validates every non-tensor value first
         nbytes = sum(_local_nbytes(tensor) for tensor in flat.values()) + len(document)
-        staging_dir = _staging_path(directory)
+        files = self._files_for(directory)
+        staging_dir = files.staging_path(directory)
         dcp = _dcp()
         with self._lock:
             self._drain_locked()
             if self._rank == 0:
-                if os.path.lexists(directory):
-                    raise CheckpointWriteError(
-                        f"checkpoint directory {directory} already exists; the DCP backend "
-                        "only writes into new directories. Fix: write to a fresh directory, "
-                        "or delete the stale one first.")
-                if os.path.lexists(staging_dir):  # debris of an attempt that crashed
-                    shutil.rmtree(staging_dir)
-                # exist_ok: another process's DCP writer may have created it already.
-                os.makedirs(staging_dir, exist_ok=True)
-                with open(os.path.join(staging_dir, _OBJECTS_FILE), "wb") as stream:
-                    stream.write(document)
-            writer = dcp.FileSystemWriter(staging_dir, sync_files=self._sync_files)
+                files.prepare(directory, staging_dir, document)
+            writer = files.writer(staging_dir, sync_files=self._sync_files)
             common = dict(storage_writer=writer, process_group=self._io_group,
                           no_dist=not self._distributed)
             if not asynchronous:
                 dcp.save(flat, **common)
-                handle = DcpWriteHandle(self, directory, staging_dir, nbytes)
+                handle = DcpWriteHandle(self, directory, staging_dir, nbytes, writer=writer)
                 self._publish(handle)
                 return handle
-            response = dcp.async_save(flat, async_checkpointer_type=self._checkpointer_type(),
+            response = dcp.async_save(flat, async_checkpointer_type=_checkpointer_type(
+                                          self._checkpointer, files is self._remote_files),
                                       async_stager=self._get_stager(), **common)
             # torch 2.13 returns a plain Future when staging is synchronous (our stager's
             # setting: the copy is done when async_save returns) and an AsyncSaveResponse
@@ -571,14 +585,9 @@ class DcpBackend:
             if hasattr(response, "staging_completion"):
                 response.staging_completion.result()
                 upload = response.upload_completion
-            handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload)
+            handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload, writer)
             self._pending = handle
             return handle
-
-    def _checkpointer_type(self) -> Any:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        return getattr(AsyncCheckpointerType, self._checkpointer.upper())
 
     def _get_stager(self) -> Any:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -603,8 +612,7 @@ class DcpBackend:
         every rank reported its data written: so the directory is complete here."""
         if self._rank != 0:
             return
-        os.rename(handle._staging_dir, handle.directory)
-        fsync_dir(os.path.dirname(handle.directory) or ".")
+        self._files_for(handle.directory).publish(handle._staging_dir, handle.directory)
 
     def _finish(self, handle: DcpWriteHandle) -> None:
         with self._lock:
@@ -670,7 +678,8 @@ class DcpBackend:
         self._check_open()
         with self._lock:
             self._drain_locked()
-        saved = _read_objects(directory)
+        files = self._files_for(directory)
+        saved = _parse_objects(directory, files.read_document(directory))
         if not isinstance(like, dict):
             raise TypeError(
                 f"like must be the dict of live objects to load into (the same names as the "
@@ -696,9 +705,9 @@ class DcpBackend:
         if targets:
             # The restricted reader/planner: a copied checkpoint's .metadata pickle and byte
             # items are never trusted (see _dcp_metadata).
-            from ._dcp_metadata import safe_planner, safe_reader
+            from ._dcp_metadata import safe_planner
 
-            _dcp().load(targets, checkpoint_id=directory, storage_reader=safe_reader(directory),
+            _dcp().load(targets, checkpoint_id=directory, storage_reader=files.reader(directory),
                         planner=safe_planner(), process_group=self._io_group,
                         no_dist=not self._distributed)
         api: Any = None  # torch's state-dict functions, imported only if needed
@@ -788,6 +797,15 @@ class DcpBackend:
         _restore_cuda_rng(state.get("cuda"), torch.cuda)
 
 
+def _checkpointer_type(choice: str, remote: bool) -> Any:
+    """DCP's executor for ``choice`` ("thread"/"process"); a thread for an object store,
+    whose writer holds the storage's client (DCP's checkpoint process would need it
+    pickled)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    return getattr(AsyncCheckpointerType, "THREAD" if remote else choice.upper())
+
+
 def _copy_tensors(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if hasattr(value, "full_tensor"):  # a DTensor: gather (collective)
@@ -835,27 +853,11 @@ def _has_process_checkpointer() -> bool:
     return hasattr(AsyncCheckpointerType, "PROCESS")
 
 
-def _staging_path(directory: str) -> str:
-    parent, name = os.path.split(os.path.normpath(directory))
-    return os.path.join(parent, f"{_TMP_PREFIX}{name}")
-
-
-def _read_objects(directory: str) -> dict[str, Any]:
-    if not os.path.isdir(directory):
-        raise CheckpointNotFoundError(f"no checkpoint at {directory}: the directory does not "
-                                      "exist")
-    file = os.path.join(directory, _OBJECTS_FILE)
-    if not os.path.exists(file):
-        raise CheckpointCorruptError(
-            f"{directory} has no {_OBJECTS_FILE}: it was not written by jaxckpt's DCP backend, "
-            "or its write did not finish. Fix: point at a checkpoint directory that "
-            "DcpBackend wrote completely.")
-    if not os.path.exists(os.path.join(directory, _DCP_METADATA)):
-        raise CheckpointCorruptError(f"{directory} has no DCP {_DCP_METADATA} file: its write "
-                                     "did not finish. Fix: restore an older checkpoint.")
+def _parse_objects(directory: str, data: bytes) -> dict[str, Any]:
+    """The entries of ``directory``'s objects.json (its bytes ``data``)."""
+    file = f"{directory}/{_OBJECTS_FILE}"
     try:
-        with open(file, "rb") as stream:
-            document = json.loads(stream.read())
+        document = json.loads(data)
         if document.get("format") != OBJECTS_FORMAT:
             raise ValueError(f"format is {document.get('format')!r}, not {OBJECTS_FORMAT!r}")
         if document.get("version", 0) > OBJECTS_FORMAT_VERSION:

@@ -113,9 +113,10 @@ def run_remote_bench(config: RemoteBenchConfig,
         for round_index in range(config.repeats):
             log(f"jaxckpt bench --root: round {round_index + 1} of {config.repeats}")
             one_round(pool)
-    ratios = {"save": [r / s for r, s in zip(seconds["raw_upload"], seconds["save"], strict=True)],
+    ratios = {"save": [r / s for r, s in zip(seconds["raw_upload"], seconds["save"],
+                                             strict=True)],
               "restore": [r / s for r, s in zip(seconds["raw_download"], seconds["restore"],
-                                                           strict=True)]}
+                                                strict=True)]}
     return {"root": config.root, "bytes": nbytes, "leaves": config.leaves,
             "repeats": config.repeats, "seconds": seconds, "ratios": ratios,
             "summary": {name: {"median": statistics.median(values), "min": min(values),

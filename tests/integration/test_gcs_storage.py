@@ -303,6 +303,8 @@ def test_cli_ls_verify_and_info_read_a_gs_root(storage, base, options, capsys, t
     assert main(["info", f"{base}/recover/step_00000001"]) == 0
     info = capsys.readouterr().out
     assert info.startswith(f"path           {base}/recover/step_00000001") and "committed" in info
+    assert main(["info", base]) == 0  # a root too
+    assert "2 committed" in capsys.readouterr().out
     assert main(["export-hf", base, "out"]) == 2
     assert "does not take object-storage paths yet" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []  # nothing local was created

@@ -8,10 +8,16 @@ sharded-table state, so the test can compare runs bit for bit.
 Phases:
   train    train to --steps from the latest checkpoint under --root (or from scratch),
            optionally after an uninterrupted reference run under --reference-root, and
-           optionally SIGKILL this process right after the save decision of step --kill-at.
+           optionally SIGKILL this process at --kill-point of the save of step --kill-at:
+           "saving" right after maybe_save started it (the default), "written" once the
+           backend's write finished (before the marker), "committed" once it is reported
+           (after the marker, while retention runs).
   reshard  restore a checkpoint that --world ranks saved in --new-world ranks (default one
            process), apply the documented world-size-change rule for the data position,
            and train to the end of the epoch.
+
+--root may be an s3:// or gs:// URL; --storage-options JSON then configures its client and
+lease.
 
 The loop follows docs/torch.md: the sampler and the loader each get their own
 torch.Generator (so creating a loader iterator never draws from the global RNG), a new
@@ -42,6 +48,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from jaxckpt import Every, RecoverConfig, StepInfo
 from torch_bridge import DcpBackend, DcpCheckpointManager
+from torch_bridge.dcp_backend import DcpWriteHandle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kill_points  # a sibling script: the workers run by path
@@ -188,6 +195,40 @@ def build(args, rank: int, world: int):
     return model, optimizer, scheduler, table
 
 
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAfterWrite:
+    """A write handle that SIGKILLs this process once the write finished, before the
+    manager can commit it."""
+
+    def __init__(self, handle: DcpWriteHandle):
+        self.handle = handle
+        self.directory = handle.directory
+        self.nbytes = handle.nbytes
+        self.checksums = handle.checksums
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def wait(self) -> None:
+        self.handle.wait()
+        die()
+
+
+class KillingBackend(DcpBackend):
+    """DcpBackend that kills the process after the write of step ``kill_step``."""
+
+    kill_step: int | None = None
+
+    def write(self, directory, state, *, asynchronous):
+        handle = super().write(directory, state, asynchronous=asynchronous)
+        if self.kill_step is not None and f"step_{self.kill_step:08d}" in directory:
+            return KillAfterWrite(handle)
+        return handle
+
+
 def train(args, root: str, label: str, kill_at: int | None) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if args.world > 1 else (0, 1)
     log = Log(args.out, label, rank)
@@ -197,10 +238,21 @@ def train(args, root: str, label: str, kill_at: int | None) -> None:
                                   distributed=args.sampler == "distributed")
     steps_per_epoch = SAMPLES // (BATCH * world)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "table": table}
-    backend = DcpBackend(collective_timeout_s=60, write_timeout_s=60)
+    backend = KillingBackend(collective_timeout_s=60, write_timeout_s=60)
+    point = args.kill_point if kill_at is not None else None
+    if point == "written":
+        backend.kill_step = kill_at
+
+    def on_report(report) -> None:
+        reported(report)
+        if point == "committed" and report.kind == "recover" and report.step == kill_at:
+            die()
+
     config = RecoverConfig(every=Every(steps=args.save_every), keep_last_n=2)
+    remote = args.storage_options if "://" in root else None
     mgr = DcpCheckpointManager(root, recover=config, mode=args.mode, backend=backend,
-                               on_report=reported, preemption_signals=())
+                               storage_options=remote, on_report=on_report,
+                               preemption_signals=())
     # Kill points (kill_points) apply to the run under test, never to the reference.
     kill_points.install(mgr, {k: v for k, v in os.environ.items()
                               if label != "reference" or k != "JAXCKPT_KILL_POINT"})
@@ -243,8 +295,8 @@ def train(args, root: str, label: str, kill_at: int | None) -> None:
             log.write(step=info.global_step, loss=loss.item().hex(), ids=ids.tolist())
             emit(f"STEP {info.global_step}")
             mgr.maybe_save(info, state)
-            if kill_at is not None and info.global_step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if point == "saving" and info.global_step == kill_at:
+                die()
             last = info
             info = info.next()
         if last is not None:
@@ -267,8 +319,9 @@ def reshard(args) -> None:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "table": table}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        remote = args.storage_options if "://" in args.root else None
         with DcpCheckpointManager(args.root, recover=RecoverConfig(every=Every(steps=1000)),
-                                  preemption_signals=()) as mgr:
+                                  storage_options=remote, preemption_signals=()) as mgr:
             recovered = mgr.recover(state, stateful={"loader": loader})
     full_table = table.full_tensor() if hasattr(table, "full_tensor") else table
     log.write(restored=recovered.step_info.to_json(),
@@ -304,6 +357,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--kill-point", choices=["saving", "written", "committed"],
+                        default="saving")
+    parser.add_argument("--storage-options", type=json.loads, default=None)
     parser.add_argument("--mode", default="async")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)

@@ -1,7 +1,6 @@
 """Roots are parsed in one place (jaxckpt/root_url.py): a URL is never taken for a relative
-path. Unknown schemes are refused up front naming the scheme; an s3:// or gs:// root never
-creates anything locally, and the DCP manager refuses one (its backend cannot write there
-yet)."""
+path. Unknown schemes are refused up front naming the scheme; an s3:// root never creates
+anything locally, for either manager."""
 
 import os
 
@@ -88,9 +87,16 @@ def test_an_unreachable_s3_root_is_refused_naming_the_fix_and_creates_nothing(tm
     assert os.listdir(tmp_path) == []  # no "s3:" directory
 
 
-def test_dcp_checkpoint_manager_refuses_s3_roots_and_creates_nothing(tmp_path, monkeypatch):
+def test_dcp_checkpoint_manager_refuses_an_unreachable_s3_root_and_creates_nothing(
+        tmp_path, monkeypatch):
+    # DCP writes s3:// roots too (tests/integration/test_dcp_object_storage.py); an endpoint
+    # that does not answer is refused before anything is created anywhere.
     torch_bridge = pytest.importorskip("torch_bridge")
+    pytest.importorskip("boto3")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointRootError, match="not supported by the array backends yet"):
-        torch_bridge.DcpCheckpointManager("s3://bucket/run")
+    options = {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1",
+               "aws_access_key_id": "a", "aws_secret_access_key": "b", "max_attempts": 1,
+               "connect_timeout": 1}
+    with pytest.raises(CheckpointRootError, match="listing it failed.*AWS_ENDPOINT_URL"):
+        torch_bridge.DcpCheckpointManager("s3://bucket/run", storage_options=options)
     assert os.listdir(tmp_path) == []

@@ -1,0 +1,414 @@
+"""Where the DCP backend's files live: a local directory, or prefixes of a jaxckpt ``Storage``.
+
+Owns: ``LocalDcpFiles`` (a directory filled under a temporary name and renamed into place,
+as the DCP backend always did) and ``StorageDcpFiles`` (an object store's prefix, written in
+place: the manager's ``COMMITTED`` marker is what makes it valid, and a store has no
+rename), with the one interface ``DcpBackend`` uses for either: prepare a write and put
+``objects.json``, the DCP storage writer and reader for a location, publish a finished
+write, read ``objects.json`` back. Also DCP's ``FileSystemBase`` over a ``Storage``, which
+the object-store writer and reader are built on.
+
+How bytes move on an object store: a DCP data file is assembled in memory and uploaded
+whole when DCP closes it (the storage splits big objects into parts sent on several
+threads); ``.metadata`` is uploaded once, at its final name (DCP's own ``finish`` writes a
+temporary name and renames it, which on an object store is a copy and a delete). A restore
+first gathers, per data file, the byte ranges its tensors occupy (merged where they are
+close), fetches them with ranged GETs on a few threads, and lets DCP read its tensors out
+of those ranges; a partial restore thus fetches only what it loads. ``.metadata`` is read
+with ``_dcp_metadata``'s restricted unpickler, as for a local directory.
+
+Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
+
+Concurrency contract: a ``*DcpFiles`` object is stateless beyond its storage and is used
+from the backend's threads (training thread, DCP's writer thread) at once; a writer or
+reader it makes serves one ``dcp.save``/``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import functools
+import io
+import os
+import shutil
+from typing import Any
+
+from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+)
+from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
+from jaxckpt.storage import Storage, fsync_dir
+
+from . import _dcp_metadata
+
+__all__ = ["DCP_METADATA", "LocalDcpFiles", "StorageDcpFiles"]
+
+DCP_METADATA = ".metadata"
+#: ranges of one file closer than this are fetched as one (a GET costs more than the gap).
+_MERGE_GAP = 1 << 20
+#: a fetched range longer than this is split into GETs of this size run in parallel.
+_FETCH_PIECE = 32 << 20
+_FETCH_THREADS = 8
+
+
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _missing(directory: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"no checkpoint at {directory}: the directory does not "
+                                   "exist")
+
+
+def _without_objects(directory: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{directory} has no {OBJECTS_FILE}: it was not written by jaxckpt's DCP backend, "
+        "or its write did not finish. Fix: point at a checkpoint directory that DcpBackend "
+        "wrote completely.")
+
+
+def _without_metadata(directory: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{directory} has no DCP {DCP_METADATA} file: its write "
+                                  "did not finish. Fix: restore an older checkpoint.")
+
+
+def _exists_error(directory: str) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"checkpoint directory {directory} already exists; the DCP backend only writes into "
+        "new directories. Fix: write to a fresh directory, or delete the stale one first.")
+
+
+# ------------------------------------------------------------------------- local disk
+
+
+class LocalDcpFiles:
+    """A local directory: filled under ``.tmp-{name}`` and renamed into place by the
+    primary once every process's data and DCP's metadata are written, so it only ever
+    appears complete."""
+
+    @staticmethod
+    def staging_path(directory: str) -> str:
+        parent, name = os.path.split(os.path.normpath(directory))
+        return os.path.join(parent, f"{TMP_PREFIX}{name}")
+
+    def prepare(self, directory: str, staging: str, document: bytes) -> None:
+        """Primary: refuse an existing ``directory``, clear a crashed attempt's staging
+        directory, create it and write ``objects.json`` there."""
+        if os.path.lexists(directory):
+            raise _exists_error(directory)
+        if os.path.lexists(staging):  # debris of an attempt that crashed
+            shutil.rmtree(staging)
+        # exist_ok: another process's DCP writer may have created it already.
+        os.makedirs(staging, exist_ok=True)
+        with open(os.path.join(staging, OBJECTS_FILE), "wb") as stream:
+            stream.write(document)
+
+    @staticmethod
+    def writer(staging: str, *, sync_files: bool) -> Any:
+        return _dcp().FileSystemWriter(staging, sync_files=sync_files)
+
+    @staticmethod
+    def known_checksums(writer: Any, directory: str) -> None:
+        """None: DCP computes no checksums on a local disk; the commit reads the files."""
+        return None
+
+    @staticmethod
+    def publish(staging: str, directory: str) -> None:
+        """Primary: move the finished staging directory to its final name."""
+        os.rename(staging, directory)
+        fsync_dir(os.path.dirname(directory) or ".")
+
+    @staticmethod
+    def read_document(directory: str) -> bytes:
+        """``objects.json``'s bytes, once the directory is known to hold DCP's metadata."""
+        if not os.path.isdir(directory):
+            raise _missing(directory)
+        file = os.path.join(directory, OBJECTS_FILE)
+        if not os.path.exists(file):
+            raise _without_objects(directory)
+        if not os.path.exists(os.path.join(directory, DCP_METADATA)):
+            raise _without_metadata(directory)
+        with open(file, "rb") as stream:
+            return stream.read()
+
+    @staticmethod
+    def reader(directory: str) -> Any:
+        return _dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
+
+
+# ---------------------------------------------------------------------- object storage
+
+
+class StorageDcpFiles:
+    """Prefixes (URLs) of ``storage``: written in place, no staging name, no rename."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    @staticmethod
+    def staging_path(directory: str) -> str:
+        return directory
+
+    def prepare(self, directory: str, staging: str, document: bytes) -> None:
+        """Primary: refuse a prefix that holds objects (the manager moves an earlier
+        attempt aside first) and put ``objects.json``."""
+        if self.storage.is_prefix(directory):
+            raise _exists_error(directory)
+        self.storage.write(f"{directory}/{OBJECTS_FILE}", document)
+
+    def writer(self, staging: str, *, sync_files: bool) -> Any:
+        # sync_files has no meaning here: an upload is durable once it returns.
+        return _storage_writer_class()(staging, self.storage)
+
+    @staticmethod
+    def publish(staging: str, directory: str) -> None:
+        """Nothing: the data was written at its final location."""
+
+    @staticmethod
+    def known_checksums(writer: Any, directory: str) -> dict[str, dict[str, Any]] | None:
+        """Manifest entries of the files ``writer`` uploaded below ``directory`` (computed
+        from the bytes sent; an upload is durable once it returns), by relative path: the
+        commit takes them instead of reading the files back."""
+        prefix = directory.rstrip("/") + "/"
+        return {path[len(prefix):]: entry for path, entry in writer.fs.written.items()
+                if path.startswith(prefix)} or None
+
+    def read_document(self, directory: str) -> bytes:
+        try:
+            document = self.storage.read(f"{directory}/{OBJECTS_FILE}")
+        except FileNotFoundError:
+            if not self.storage.is_prefix(directory):
+                raise _missing(directory) from None
+            raise _without_objects(directory) from None
+        if not self.storage.exists(f"{directory}/{DCP_METADATA}"):
+            raise _without_metadata(directory)
+        return document
+
+    def reader(self, directory: str) -> Any:
+        return _storage_reader_class()(directory, self.storage)
+
+
+class _UploadStream(io.BytesIO):
+    """A file DCP writes (it needs ``tell``); uploaded whole when DCP closes it, its
+    manifest entry (size and checksum of the bytes sent) kept in ``written``."""
+
+    def __init__(self, storage: Storage, path: str, written: dict[str, dict[str, Any]]):
+        super().__init__()
+        self._storage = storage
+        self._path = path
+        self._written = written
+
+    def close(self) -> None:
+        if not self.closed:
+            data = self.getvalue()
+            super().close()  # frees the buffer before the upload's own copies
+            self._storage.write(self._path, data)
+            self._written[self._path] = _entry(data)
+
+
+def _entry(data: bytes) -> dict[str, Any]:
+    """The manifest entry of ``data`` in the commit's algorithm."""
+    algorithm = default_algorithm()
+    return {"size": len(data), algorithm: f"{extend(algorithm, 0, data):08x}"}
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable view of one object: bytes inside the prefetched ranges come
+    from memory, anything else is fetched by a ranged GET."""
+
+    def __init__(self, storage: Storage, path: str, ranges: list[tuple[int, bytes]]):
+        super().__init__()
+        self._storage = storage
+        self._path = path
+        self._ranges = sorted(ranges, key=lambda item: item[0])
+        self._starts = [start for start, _ in self._ranges]
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            self._position = offset
+        elif whence == io.SEEK_CUR:
+            self._position += offset
+        else:
+            self._position = self._storage.size(self._path) + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = len(view)
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        data = b""
+        if index >= 0:
+            start, held = self._ranges[index]
+            inside = self._position - start
+            if inside < len(held):
+                data = held[inside:inside + wanted]
+        if not data:
+            data = self._storage.read(self._path, offset=self._position, length=wanted)
+        view[:len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def readall(self) -> bytes:
+        """The rest of the object in one GET (RawIOBase's would GET it 8 KiB at a time)."""
+        data = self._storage.read(self._path, offset=self._position)
+        self._position += len(data)
+        return data
+
+
+@functools.cache
+def _storage_fs_class() -> type:
+    """DCP's ``FileSystemBase`` over a jaxckpt ``Storage`` (paths are the storage's URLs),
+    built on first use so that torch.distributed.checkpoint is imported only then."""
+    from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+    class _StorageFileSystem(FileSystemBase):
+        def __init__(self, storage: Storage):
+            self.storage = storage
+            #: path -> [(offset, bytes)] fetched ahead of a read (_StorageReader.read_data).
+            self.prefetched: dict[str, list[tuple[int, bytes]]] = {}
+            #: path -> manifest entry of each file uploaded (the commit need not read it back).
+            self.written: dict[str, dict[str, Any]] = {}
+
+        def create_stream(self, path: Any, mode: str) -> Any:
+            # Unbuffered on purpose: a buffer's read-ahead would GET past the fetched ranges.
+            if mode == "wb":
+                return _UploadStream(self.storage, str(path), self.written)
+            if mode == "rb":
+                return _RangeFile(self.storage, str(path), self.prefetched.get(str(path), []))
+            raise ValueError(f"object storage streams are 'wb' or 'rb', not {mode!r}")
+
+        def concat_path(self, path: Any, suffix: str) -> str:
+            return f"{str(path).rstrip('/')}/{suffix}"
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            self.storage.copy(str(path), str(new_path))  # no rename on an object store
+            self.storage.delete(str(path))
+
+        def init_path(self, path: Any) -> str:
+            return str(path).rstrip("/")
+
+        def mkdir(self, path: Any) -> None:
+            self.storage.make_prefix(str(path))
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return "://" in str(checkpoint_id)
+
+        def exists(self, path: Any) -> bool:
+            return self.storage.exists(str(path))
+
+        def rm_file(self, path: Any) -> None:
+            self.storage.delete(str(path))
+
+        def ls(self, path: Any) -> list[str]:
+            return [self.concat_path(path, name.rstrip("/"))
+                    for name in self.storage.list_names(str(path))]
+
+    return _StorageFileSystem
+
+
+@functools.cache
+def _storage_writer_class() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    class _StorageWriter(FileSystemWriter):
+        """FileSystemWriter over a Storage; ``.metadata`` goes up once at its final name."""
+
+        def __init__(self, path: str, storage: Storage):
+            super().__init__(path, sync_files=False)
+            self.fs = _storage_fs_class()(storage)
+            self.path = self.fs.init_path(path)
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            # DCP's finish writes ".metadata.tmp" and renames it: a copy and a delete here.
+            metadata.version = CURRENT_DCP_VERSION
+            metadata.storage_data = {result.index: result.storage_data
+                                     for batch in results for result in batch}
+            metadata.storage_meta = self.storage_meta()
+            rank = self.rank if not self.use_collectives and self.rank is not None else None
+            path = str(self._get_metadata_path(rank))
+            data = _dcp_metadata.dump_metadata(metadata)
+            fs: Any = self.fs  # the _StorageFileSystem set in __init__
+            fs.storage.write(path, data)
+            fs.written[path] = _entry(data)
+
+    return _StorageWriter
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted (offset, end) spans merged where they overlap or lie within ``_MERGE_GAP``."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start - merged[-1][1] <= _MERGE_GAP:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
+           start: int, end: int) -> bytes:
+    """Bytes [start, end) of ``path``, in pieces of ``_FETCH_PIECE`` fetched on ``pool``."""
+    pieces = [(offset, min(end, offset + _FETCH_PIECE)) for offset in range(start, end,
+                                                                           _FETCH_PIECE)]
+    if len(pieces) == 1:
+        return storage.read(path, offset=start, length=end - start)
+    parts = pool.map(lambda span: storage.read(path, offset=span[0], length=span[1] - span[0]),
+                     pieces)
+    return b"".join(parts)
+
+
+@functools.cache
+def _storage_reader_class() -> type:
+    SafeReader = _dcp_metadata.safe_reader_class()
+
+    class _StorageReader(SafeReader):  # type: ignore[misc, valid-type]
+        """The safe reader over a Storage, fetching each file's needed ranges ahead."""
+
+        def __init__(self, path: str, storage: Storage):
+            super().__init__(path)
+            self.fs = _storage_fs_class()(storage)
+            self.path = self.fs.init_path(path)
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            spans: dict[str, list[tuple[int, int]]] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                spans.setdefault(info.relative_path, []).append(
+                    (info.offset, info.offset + info.length))
+            storage = self.fs.storage
+            fetched: dict[str, list[tuple[int, bytes]]] = {}
+            # Whole ranges on one pool, their pieces on another: no pool waits on itself.
+            with concurrent.futures.ThreadPoolExecutor(_FETCH_THREADS) as pool, \
+                    concurrent.futures.ThreadPoolExecutor(_FETCH_THREADS) as pieces:
+                jobs = {}
+                for relative, ranges in spans.items():
+                    path = self.fs.concat_path(self.path, relative)
+                    for start, end in _merge(ranges):
+                        jobs[path, start] = pool.submit(_fetch, storage, pieces, path, start, end)
+                for (path, start), job in jobs.items():
+                    fetched.setdefault(path, []).append((start, job.result()))
+            self.fs.prefetched = fetched
+            try:
+                return super().read_data(plan, planner)
+            finally:
+                self.fs.prefetched = {}
+
+    return _StorageReader
