@@ -252,7 +252,10 @@ def limit_claims(claims: ReadClaims | None, directory: str, arrays: epath.Path |
     every data file is checked."""
     if not partial or claims is None:
         return
-    if arrays is not None and ocp.type_handlers.is_ocdbt_checkpoint(arrays):
+    # Object stores hold only what the native writer wrote (never OCDBT), and Orbax's own
+    # check cannot open a URL (it would want s3fs).
+    if (arrays is not None and "://" not in os.fspath(arrays)
+            and ocp.type_handlers.is_ocdbt_checkpoint(arrays)):
         return
     claims.limit(directory, [] if arrays is None
                  else [os.fspath(arrays / name) for name in restore_args])

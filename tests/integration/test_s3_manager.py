@@ -284,6 +284,33 @@ def test_a_save_reads_no_array_back_and_its_requests_are_counted(root, options):
     assert not [c for c in calls if c.startswith("GetObject") and "/step_" in c], calls
 
 
+def test_a_partial_restore_on_s3_fetches_only_the_subtree(root, options):
+    """``restore(like, partial=True)`` on an object store: the arrays outside ``like`` are
+    never fetched (counted per GET), and the result has exactly ``like``'s keys."""
+    rng = np.random.default_rng(1)
+    state = {"params": {"w": jnp.asarray(rng.standard_normal(400_000), jnp.float32)},
+             "opt": {"mu": jnp.asarray(rng.standard_normal(400_000), jnp.float32),
+                     "nu": jnp.asarray(rng.standard_normal(400_000), jnp.float32)}}
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(step(1), state)
+    gets: list[str] = []
+    with manager(root, options) as mgr:
+        def record(params: dict, **kwargs) -> None:
+            gets.append(params.get("Key", ""))
+
+        mgr.store.storage.client.meta.events.register(
+            "before-parameter-build.s3.GetObject", record)
+        restored = mgr.restore({"params": like_of(state["params"])}, partial=True)
+    assert list(restored.state) == ["params"] and list(restored.state["params"]) == ["w"]
+    assert_bit_equal(restored.state["params"], state["params"])
+    # Three arrays of 1.6 MB each, stored one per array directory (leaf_NNNNNN): the data of
+    # exactly one of them is fetched (its values are checked above; every zarr.json is read).
+    arrays = [key.split("/state/arrays/")[1] for key in gets if "/state/arrays/" in key]
+    data = {name.split("/")[0] for name in arrays
+            if name.startswith("leaf_") and not name.endswith("zarr.json")}
+    assert len(data) == 1, arrays
+
+
 def test_verification_reads_the_server_not_what_this_process_wrote(root, options, client):
     state = {"w": jnp.arange(4.0)}
     with manager(root, options) as mgr:
