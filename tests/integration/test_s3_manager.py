@@ -311,6 +311,34 @@ def test_a_partial_restore_on_s3_fetches_only_the_subtree(root, options):
     assert len(data) == 1, arrays
 
 
+def test_a_local_tier_over_an_s3_root_resumes_from_the_newest_of_both(root, options,
+                                                                       tmp_path, client):
+    """LocalTier on the machine's disk over a durable s3:// root: the frequent saves stay
+    local, the durable cadence goes to the bucket, and a new machine (no local tier)
+    resumes from the bucket."""
+    config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=4), keep_last_n=2)
+    local = jaxckpt.LocalTier(tmp_path / "local", every=jaxckpt.Every(steps=1))
+    states = {n: {"w": jnp.full((64,), float(n))} for n in range(1, 7)}
+    with manager(root, options, recover=config, local=local, mode="sync") as mgr:
+        for n in range(1, 7):
+            mgr.maybe_save(step(n), states[n])
+    durable = sorted({key.split("/")[1] for key in keys_under(client, root)
+                      if key.startswith("recover/step_")})
+    assert len(durable) == 1  # one durable save in six steps; the rest went to the local tier
+    durable_step = int(durable[0].split("_")[1])
+    like = {"w": jax.ShapeDtypeStruct((64,), jnp.float32)}
+    with manager(root, options, recover=config, local=local) as mgr:
+        recovered = mgr.recover(like)
+    assert (recovered.tier, recovered.step_info.global_step) == ("local", 6)
+    assert_bit_equal(recovered.state, states[6])
+    fresh = jaxckpt.LocalTier(tmp_path / "new-machine", every=jaxckpt.Every(steps=1))
+    with pytest.warns(jaxckpt.CheckpointWarning), \
+            manager(root, options, recover=config, local=fresh) as mgr:
+        recovered = mgr.recover(like)
+    assert (recovered.tier, recovered.step_info.global_step) == ("durable", durable_step)
+    assert_bit_equal(recovered.state, states[durable_step])
+
+
 def test_verification_reads_the_server_not_what_this_process_wrote(root, options, client):
     state = {"w": jnp.arange(4.0)}
     with manager(root, options) as mgr:
