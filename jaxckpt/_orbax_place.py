@@ -21,7 +21,8 @@ Must not import: orbax, torch.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -42,7 +43,7 @@ def _fast_put() -> _Put | None:
         from jax._src.lib import xla_client
     except ImportError:
         return None
-    needed = (getattr(core, "shaped_abstractify", None),
+    needed: tuple[Any, ...] = (getattr(core, "shaped_abstractify", None),
               getattr(dispatch, "update_dp_aval", None),
               getattr(pxla, "global_aval_to_result_handler", None),
               getattr(xla_client, "batched_device_put", None),
@@ -62,6 +63,7 @@ def _fast_put() -> _Put | None:
         key = (array.shape, array.dtype, sharding)
         plan = plans.get(key)
         if plan is None:
+            device: Any
             (device,) = sharding.device_set
             try:
                 if (device.process_index != process or array.dtype == dtypes.float0
