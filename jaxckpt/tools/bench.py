@@ -662,10 +662,17 @@ def _leaf_arrays(data: np.ndarray, leaves: int) -> list[np.ndarray]:
 
 
 def _jax_state(arrays: list[np.ndarray]) -> dict[str, Any]:
-    """A two-level param-like tree of jax.Arrays (``{"layer_00017": {"w": ...}}``)."""
+    """A two-level param-like tree of jax.Arrays (``{"layer_00017": {"w": ...}}``), each
+    the output of a computation, as a training step's state is: XLA's own buffers. (Arrays
+    made by ``jnp.asarray`` from numpy wrote to disk 15-20% slower with O_DIRECT here, 1 GiB
+    in 64 leaves, for reasons of their memory, not of the writer: docs/performance.md,
+    Seventh round, item 6.)"""
+    import jax
     import jax.numpy as jnp
 
-    return {f"layer_{index:05d}": {"w": jnp.asarray(array)} for index, array in enumerate(arrays)}
+    state = {f"layer_{index:05d}": {"w": jnp.asarray(array) + 0}
+             for index, array in enumerate(arrays)}
+    return jax.block_until_ready(state)
 
 
 def _abstract(state: Any) -> Any:

@@ -130,13 +130,14 @@ def _first_save_worker() -> None:
     times = {"first_import": imported}
     started = time.perf_counter()
     saver = manager()
-    for key, step in (("first_save", 1), ("second_save", 2)):
-        report = saver.save(jaxckpt.StepInfo(0, step, step), state)
-        report.wait()
-        saver.wait()
-        times[key] = time.perf_counter() - started
-        _settle()
-        started = time.perf_counter()
+    saver.save(jaxckpt.StepInfo(0, 1, 1), state).wait()  # committed
+    times["first_save"] = time.perf_counter() - started  # the manager's making included
+    saver.wait()
+    _settle()
+    report = saver.save(jaxckpt.StepInfo(0, 2, 2), state)
+    report.wait()
+    # Its own time, as every save row reports it (not the deletion of the first one).
+    times["second_save"] = report.total_s
     saver.close()
     like = _abstract(state)
     del state
