@@ -15,6 +15,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from math import prod
 from typing import Any, NamedTuple
 
 import jax
@@ -61,6 +62,12 @@ def dtype_name(dtype: Any) -> str:
     # Key dtypes are not numpy dtypes; their str is e.g. "key<fry>" and differs per impl.
     return str(dtype) if is_key_dtype(dtype) else np.dtype(dtype).name
 
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_dtype(name: str) -> np.dtype:
+    # Asked per leaf on every read (~1 us uncached); a state has a handful of dtypes.
+    return np.dtype(name)
 
 
 # --------------------------------------------------------------------------- saved leaves
@@ -114,8 +121,8 @@ class SavedLeaf:
     def stored_dtype(self) -> np.dtype:
         """Dtype of the data as stored (a key's ``key_data`` dtype, uint8 for an array's
         bytes; the leaf's otherwise)."""
-        return np.dtype(self.data_dtype if self.kind == "key" or self.as_bytes
-                        else self.dtype)
+        return _stored_dtype(self.data_dtype if self.kind == "key" or self.as_bytes
+                             else self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"path": self.path, "name": self.name, "kind": self.kind,
@@ -298,12 +305,16 @@ def read_tree_json(root: epath.Path, directory: str) -> dict[str, SavedLeaf]:
     document = parse_tree_record(tree_file.read_bytes(), directory)
     try:
         entries = [SavedLeaf.from_json(entry) for entry in document["leaves"]]
+        checked: set[str] = set()  # packed leaves share a few names: match each once
         for entry in entries:
             # A storage name becomes a path under arrays/: only names this backend makes.
+            if type(entry.name) is str and entry.name in checked:
+                continue
             if not isinstance(entry.name, str) or not STORAGE_NAME.match(entry.name):
                 raise ValueError(f"leaf {entry.path!r} has storage name {entry.name!r}, which is "
                                  "not one this backend writes (leaf_N or pack_DTYPE_N); "
                                  "refusing a name that could point outside the checkpoint")
+            checked.add(entry.name)
         check_packs(entries, document.get("packs") or [])
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointCorruptError(f"{directory}/{TREE_FILE} is unreadable: {error}") \
@@ -329,7 +340,10 @@ def check_packs(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> None:
             raise ValueError(f"leaf {entry.path} is packed into {entry.name}, which is not in "
                              "the list of packs")
         dtype, size = listed[entry.name]
-        count = int(np.prod(entry.stored_shape, dtype=np.int64))
+        count = prod(entry.stored_shape)
+        if type(count) is not int or count < 0:
+            raise ValueError(f"leaf {entry.path} has stored shape {entry.stored_shape!r}, "
+                             "not a shape of integers >= 0")
         if dtype != entry.stored_dtype or entry.offset + count > size:
             raise ValueError(f"leaf {entry.path} ({count} x {entry.stored_dtype} at element "
                              f"{entry.offset}) does not fit pack {entry.name} ({size} x {dtype})")

@@ -160,12 +160,12 @@ class HostBuffers:
         for index, array in zip(plan.on_device, fetched, strict=True):
             host[index] = array
         arrays: dict[str, Any] = {}
-        for name, (dtype, members, size) in plan.packs.items():
-            pack = self._take(used, name, (pack_length(size),), dtype)
-            if size == 0:
-                pack[...] = 0  # the padding of a pack of zero-size leaves only
-            fill_pack(pack[:size], [host[index] for index in members])
-            arrays[name] = pack
+        for name, pack in plan.packs.items():
+            buffer = self._take(used, name, (pack_length(pack.size),), pack.dtype)
+            if pack.size == 0:
+                buffer[...] = 0  # the padding of a pack of zero-size leaves only
+            fill_pack(buffer[:pack.size], pack, [host[index] for index in pack.members])
+            arrays[name] = buffer
         for index, name in plan.unpacked:
             source = sources[index]
             if copy_numpy and isinstance(source, np.ndarray):  # the caller's, mutable

@@ -469,20 +469,24 @@ class OrbaxBackend:
               partial: bool = False) -> Any:
         """:meth:`read` of a ``like`` without live NNX objects."""
         root = self._path(directory)
-        saved, targets, like_treedef = _orbax_read.match_like(root, directory, like,
-                                                              partial=partial)
-        if not targets:
-            _orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
-            return jax.tree_util.tree_unflatten(like_treedef, [])
-        arrays_dir = _orbax_read.arrays_dir(root, directory)
-        restore_args, placements, move_after = _orbax_read.restore_args_for(targets, saved)
-        _orbax_read.limit_claims(claims, directory, arrays_dir, restore_args, partial=partial)
+        # The whole read with the GC paused: tree.json and like's paths make tens of
+        # thousands of objects with many leaves, and collections would walk them all.
         with _gc_paused(self.options.pause_gc):
+            saved, targets, like_treedef = _orbax_read.match_like(root, directory, like,
+                                                                  partial=partial)
+            if not targets:
+                _orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
+                return jax.tree_util.tree_unflatten(like_treedef, [])
+            arrays_dir = _orbax_read.arrays_dir(root, directory)
+            restore_args, placements, move_after = _orbax_read.restore_args_for(targets,
+                                                                                saved)
+            _orbax_read.limit_claims(claims, directory, arrays_dir, restore_args,
+                                     partial=partial)
             restored = self._restore(directory, arrays_dir, restore_args, claims,
                                      partial=partial)
             values = _orbax_read.unpack(directory, targets, saved, restored, placements)
-        leaves = _orbax_read.to_like_leaves(targets, saved, values, move_after)
-        return jax.tree_util.tree_unflatten(like_treedef, leaves)
+            leaves = _orbax_read.to_like_leaves(targets, saved, values, move_after)
+            return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
                  claims: ReadClaims | None, *, partial: bool = False) -> dict[str, Any]:

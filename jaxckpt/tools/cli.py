@@ -625,6 +625,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"rounds; figures are medians (default {default.repeats})")
     parser.add_argument("--sections", default=None,
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--leaves-mb", type=int, default=None,
+                        help=f"state size of the leaf-count comparison (8 vs 2,048 vs 10,000 "
+                             f"leaves), MiB (default {default.leaves_mb})")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one round: checks that every row runs (CI)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -632,6 +635,15 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an s3://BUCKET/PREFIX to measure instead: save and restore "
                              "against a raw upload and download through the same client "
                              "(endpoint and credentials from the AWS_* environment)")
+    parser.add_argument("--scale", action="store_true",
+                        help="instead: states from 128 MiB doubling up to --max-mb (or what "
+                             "memory and disk allow): save/restore time per GiB, blocking "
+                             "time, peak extra memory; then --saves consecutive saves")
+    parser.add_argument("--max-mb", type=int, default=None,
+                        help="--scale: the largest state, MiB (default 8192)")
+    parser.add_argument("--saves", type=int, default=None,
+                        help="--scale: consecutive async saves followed for flat memory and "
+                             "time, 0 to skip (default 50)")
 
 
 def _bench(opts: argparse.Namespace) -> int:
@@ -644,9 +656,12 @@ def _bench(opts: argparse.Namespace) -> int:
 
     from .bench import BenchConfig, format_table, run_bench
 
+    if opts.scale:
+        return _bench_scale(opts)
     changes: dict[str, Any] = {name: value for name, value in (
         ("directory", opts.dir), ("size_mb", opts.size_mb), ("leaves", opts.leaves),
         ("many_leaves", opts.many_leaves), ("repeats", opts.repeats),
+        ("leaves_mb", opts.leaves_mb),
         ("sections", tuple(s for s in (opts.sections or "").split(",") if s) or None))
         if value is not None}
     try:
@@ -657,6 +672,25 @@ def _bench(opts: argparse.Namespace) -> int:
     result = run_bench(config)
     print(json.dumps(result.to_json(), indent=1, default=str) if opts.json
           else format_table(result))
+    return EXIT_OK
+
+
+def _bench_scale(opts: argparse.Namespace) -> int:
+    """``jaxckpt bench --scale`` (``jaxckpt.tools.bench_scale``)."""
+    import json
+
+    from .bench_scale import ScaleConfig, format_scale, run_scale
+
+    changes = {name: value for name, value in (
+        ("directory", opts.dir), ("repeats", opts.repeats), ("max_mb", opts.max_mb),
+        ("saves", opts.saves)) if value is not None}
+    try:
+        config = ScaleConfig.quick(**changes) if opts.quick else ScaleConfig(**changes)
+    except ValueError as exc:
+        print(f"jaxckpt bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    result = run_scale(config)
+    print(json.dumps(result, indent=1, default=str) if opts.json else format_scale(result))
     return EXIT_OK
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jaxckpt.tools import cli
-from jaxckpt.tools.bench import BenchConfig, BenchResult, _Target, format_table
+from jaxckpt.tools.bench import BenchConfig, BenchResult, _Target, format_table, held
 
 
 def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
@@ -22,11 +22,14 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
                 "jx_async", "jx_restore", "jx_read", "jx_verify", "jx_read_bare",
                 "fresh_memory", "many_jx_sync",
                 "many_jx_restore", "many_orbax_save", "train_plain", "train_ckpt"]
+    jax_rows += ["lv_save_0", "lv_save_1", "lv_save_2", "lv_restore_0", "lv_restore_1",
+                 "lv_restore_2", "first_import", "first_save", "second_save", "first_restore"]
     for key in jax_rows:
         assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
+        assert rows[key]["spread_s"][0] <= rows[key]["median_s"] <= rows[key]["spread_s"][1]
     # torch and HF rows are measured, or say why not (torch_bridge is written elsewhere).
-    for key in ("torch_save", "dcp_save", "dcp_blocking", "dcpm_blocking", "st_save",
-                "hf_export"):
+    for key in ("torch_save", "dcp_save", "dcp_blocking", "dcpm_blocking", "dcpm_sync",
+                "st_save", "hf_export"):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     assert rows["jx_sync"]["gb_per_s"] > 0
     # The 2-process rows (bench_multiprocess): the same bytes saved by 1 process, then by 2.
@@ -39,6 +42,15 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
     targets = {t["target"]: t for t in report["targets"]}
     assert targets["async blocking / host copy"]["value"] is not None
     assert targets["restore throughput / bare read of its files, side by side"]["value"] > 0
+    counts = BenchConfig.quick().leaf_counts
+    for kind in ("save", "restore"):
+        for count in counts[1:]:
+            target = targets[f"{count} leaves {kind} / {counts[0]} leaves, same bytes"]
+            assert target["value"] > 0 and target["met_with_margin"] in (True, False)
+            assert target["spread"][0] <= target["value"] <= target["spread"][1]
+    for name in ("DcpCheckpointManager sync save throughput / dcp.save",
+                 "DcpCheckpointManager restore throughput / dcp.load"):
+        assert name in targets
     assert any("RSS growth" in name for name in targets)
     assert any("reference item" in name for name in targets)
     assert report["facts"]["aux"]["mib_written_when_unchanged"]
@@ -93,3 +105,31 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 def test_cli_reports_a_bad_setting_as_usage_error(capsys):
     assert cli.main(["bench", "--quick", "--sections", "jax,nope"]) == cli.EXIT_USAGE
     assert "nope" in capsys.readouterr().err
+
+
+def test_quick_scale_run_reports_every_size_memory_and_consecutive_saves(capsys, tmp_path):
+    code = cli.main(["bench", "--scale", "--quick", "--json", "--dir", str(tmp_path)])
+    captured = capsys.readouterr()
+
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert [size["mib"] for size in report["sizes"]] == [4, 8]
+    assert report["stopped"]
+    for size in report["sizes"]:
+        for key in ("save_s", "blocking_s", "restore_s", "save_extra", "restore_extra"):
+            assert len(size[key]) == 1 and size[key][0] >= 0, key
+    assert len(report["saves"]["rss"]) == 6 and len(report["saves"]["save_s"]) == 6
+    names = [target["target"] for target in report["targets"]]
+    assert any("time per GiB" in name for name in names)
+    assert any("peak extra host memory" in name for name in names)
+    assert any("consecutive" in name or "RSS growth" in name for name in names)
+    assert not list(tmp_path.iterdir()), "the scale run leaves no files behind"
+
+
+@pytest.mark.parametrize("value, op, limit, plain, with_margin", [
+    (0.85, ">=", 0.8, True, False), (0.9, ">=", 0.8, True, True),
+    (1.4, "<=", 1.5, True, False), (1.3, "<=", 1.5, True, True),
+    (1.6, "<=", 1.5, False, False), (None, ">=", 1.0, None, None)])
+def test_targets_hold_with_a_ten_percent_margin(value, op, limit, plain, with_margin):
+    assert held(value, op, limit) is plain
+    assert held(value, op, limit, 0.10) is with_margin
