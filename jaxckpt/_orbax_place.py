@@ -89,7 +89,7 @@ def place(arrays: list[np.ndarray], shardings: list[jax.sharding.Sharding]) -> l
     put = _fast_put()
     placed: list[Any] = [None] * len(arrays)
     rest: list[int] = []
-    for index, (array, sharding) in enumerate(zip(arrays, shardings)):
+    for index, (array, sharding) in enumerate(zip(arrays, shardings, strict=True)):
         value = None if put is None else put(array, sharding)
         if value is None:
             rest.append(index)
@@ -98,6 +98,6 @@ def place(arrays: list[np.ndarray], shardings: list[jax.sharding.Sharding]) -> l
     if rest:
         values = jax.device_put([arrays[index] for index in rest],
                                 [shardings[index] for index in rest])
-        for index, value in zip(rest, values):
+        for index, value in zip(rest, values, strict=True):
             placed[index] = value
     return placed

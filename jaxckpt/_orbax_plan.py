@@ -124,7 +124,7 @@ def fill_pack(buffer: np.ndarray, pack: Pack, sources: list[np.ndarray]) -> None
         return
     zeros = np.zeros(_align_elements(pack.dtype), pack.dtype)
     pieces: list[np.ndarray] = []
-    for gap, source in zip(pack.gaps, sources):
+    for gap, source in zip(pack.gaps, sources, strict=True):
         if gap:
             pieces.append(zeros[:gap])
         pieces.append(source)

@@ -406,7 +406,7 @@ def unpack(directory: str, targets: list[tuple[str, Target]],
             values.append(None)
         else:  # spans processes: every process holds the pack, each places its shards
             values.append(jax.make_array_from_callback(
-                data.shape, sharding, lambda index, data=data: data[index]))
+                data.shape, sharding, data.__getitem__))
     # One batch for all packed leaves (``_orbax_place``: the cheap way where it applies).
     # On CPU jax adopts each leaf's memory in its pack (aligned by the writer) as it is,
     # no copy: a pack's memory is then freed once the last of its leaves is.

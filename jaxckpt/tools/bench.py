@@ -987,6 +987,7 @@ class _Bench:
         report = manager.save(jaxckpt.StepInfo(0, step, step), state, mode="sync")
         report.wait()
         manager.wait()
+        assert report.total_s is not None  # set when the save finished (waited for above)
         self.result.add("dcpm_sync", report.total_s)
         self.before_read()
         self.result.add("dcpm_restore", _timed(lambda: manager.restore(target)))

@@ -312,7 +312,8 @@ def scale_targets(config: ScaleConfig, result: dict[str, Any]) -> list[dict[str,
         reference = next((s for s in sizes if s["bytes"] >= _GiB), sizes[0])
         largest = sizes[-1]
         for key, what in (("save_s", "sync save"), ("restore_s", "restore")):
-            ratios = [a / b for a, b in zip(_per_gib(largest, key), _per_gib(reference, key))]
+            ratios = [a / b for a, b in zip(_per_gib(largest, key), _per_gib(reference, key),
+                                            strict=False)]
             targets.append(_target(
                 f"{what} time per GiB, {largest['mib']} MiB / {reference['mib']} MiB", ratios,
                 "<=", 1.25, "cost linear in bytes (per-round ratios)"))

@@ -51,7 +51,7 @@ def test_place_gives_the_arrays_device_put_gives():
     shardings = [jax.sharding.SingleDeviceSharding(device)] * len(arrays)
     placed = place(arrays, shardings)
     expected = jax.device_put(arrays, shardings)
-    for index, (got, want) in enumerate(zip(placed, expected)):
+    for index, (got, want) in enumerate(zip(placed, expected, strict=True)):
         assert isinstance(got, jax.Array), index
         assert got.dtype == want.dtype and got.shape == want.shape, index
         assert got.aval == want.aval and got.weak_type == want.weak_type, index
