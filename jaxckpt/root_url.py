@@ -74,17 +74,17 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
                 f"storage_options={dict(storage_options)!r} were given for the local root "
                 f"{os.fspath(root)!r}; they apply to s3:// and gs:// roots only")
         return "local", os.fspath(root)
+    options = dict(storage_options or {})
+    lease: dict[str, float] = {name: float(options.pop(name))
+                               for name in ("lease_s", "heartbeat_s") if name in options}
     if kind == "gs":
-        return "gs", _gcs_storage(str(root), storage_options)
+        return "gs", _gcs_storage(str(root), options, lease)
     from .s3_storage import S3Storage, split_s3_url
 
     bucket, prefix = split_s3_url(str(root))
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(s3://{bucket}/PREFIX), not the whole bucket")
-    options = dict(storage_options or {})
-    lease = {name: float(options.pop(name)) for name in ("lease_s", "heartbeat_s")
-             if name in options}
     return "s3", S3Storage(bucket, prefix, storage_options=options, **lease)
 
 
@@ -98,11 +98,12 @@ def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
     return root
 
 
-def _gcs_storage(root: str, storage_options: Mapping[str, Any] | None) -> Storage:
+def _gcs_storage(root: str, storage_options: Mapping[str, Any],
+                 lease: Mapping[str, float]) -> Storage:
     from .gcs_storage import GCSStorage, split_gs_url
 
     bucket, prefix = split_gs_url(root)
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(gs://{bucket}/PREFIX), not the whole bucket")
-    return GCSStorage(bucket, prefix, storage_options=storage_options)
+    return GCSStorage(bucket, prefix, storage_options=storage_options, **lease)
