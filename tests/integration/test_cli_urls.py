@@ -1,9 +1,10 @@
 """Every `jaxckpt` command that takes a checkpoint root takes an s3:// or gs:// URL too:
 export-hf from a URL root (to a local directory and to a URL, committed like exports on
-object roots), import-hf and import-orbax into a URL root, --storage-option reaching the
-client, and the exit codes (0 ok, 1 corrupt, 2 usage or environment, 3 not a root) with
-nothing created locally. Against a moto server and a GCS emulator this module starts on
-127.0.0.1 (tests/support/s3_server.py, tests/support/gcs_server.py), one of each."""
+object roots), import-hf and import-orbax into a URL root, bench --root on either store,
+--storage-option reaching the client, and the exit codes (0 ok, 1 corrupt, 2 usage or
+environment, 3 not a root) with nothing created locally. Against a moto server and a GCS
+emulator this module starts on 127.0.0.1 (tests/support/s3_server.py,
+tests/support/gcs_server.py), one of each."""
 
 from __future__ import annotations
 
@@ -215,3 +216,20 @@ def test_storage_options_flag_reaches_the_client_and_refuses_local_paths(store, 
         main(["ls", root, "--storage-option", "no-equals-sign"])
     assert exited.value.code == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_bench_root_on_either_store_with_the_client_from_storage_options(store, monkeypatch,
+                                                                          capsys):
+    import json
+
+    kind, root, options = store
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                 "STORAGE_EMULATOR_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    flags = [arg for key, value in options.items()
+             for arg in ("--storage-option", f"{key}={value}")]
+    assert main(["bench", "--root", root, "--quick", "--json", *flags]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bytes"] == 4 << 20 and set(result["summary"]) == {"save", "restore"}
+    _, storage = parse_root(root, options)
+    assert storage.list_files(root) == {}  # both prefixes deleted
