@@ -4,7 +4,10 @@ Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Fac
 directory, and a Hugging Face directory into a recovery checkpoint that
 ``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
 else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in
-``jaxckpt.tools.cli``.
+``jaxckpt.tools.cli``. Roots may be local paths or ``s3://`` / ``gs://`` URLs: a checkpoint
+on a URL is read through its root's store (the Orbax backend is handed that storage), and an
+export to a URL is written in a local temporary directory, then uploaded and committed with
+a manifest (``jaxckpt.store_objects.publish_export``), as exports on object roots are.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the

@@ -70,9 +70,10 @@ def check_paths(command: str, opts: argparse.Namespace, *paths: str) -> int | No
         print(f"jaxckpt {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if storage_options(opts) and all(kind == "local" for kind in kinds):
+        given = (f"{', '.join(map(repr, paths))} {'is' if len(paths) == 1 else 'are'} local"
+                 if paths else "this command names no object-storage path")
         print(f"jaxckpt {command}: --storage-option applies to s3:// and gs:// paths only; "
-              f"{', '.join(map(repr, paths))} {'is' if len(paths) == 1 else 'are'} local",
-              file=sys.stderr)
+              f"{given}", file=sys.stderr)
         return EXIT_USAGE
     return None
 
