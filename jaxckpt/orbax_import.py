@@ -23,6 +23,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import (
@@ -33,6 +34,7 @@ from .errors import (
     ConfigError,
 )
 from .extras import requires_extra
+from .root_url import root_scheme
 
 __all__ = ["import_orbax"]
 
@@ -49,18 +51,22 @@ _DEFAULT_ITEM = "default"
 
 
 def import_orbax(src: str | os.PathLike[str], root: str | os.PathLike[str], *,
-                 step: int | None = None) -> str:
+                 step: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> str:
     """Turn an Orbax checkpoint into a committed, verified jaxckpt checkpoint under ``root``.
 
     Args:
       src: an Orbax ``CheckpointManager`` directory (step directories ``0/``, ``100/``, each
         with item subdirectories such as ``default/``), one such step directory, or one
         directory written by ``PyTreeCheckpointer`` / ``StandardCheckpointer``. Never changed.
-      root: a jaxckpt root (new, empty, or one jaxckpt wrote); a directory holding other
-        files is refused with ``CheckpointRootError`` and nothing is written into it.
+      root: a jaxckpt root (new, empty, or one jaxckpt wrote): a local path, or an
+        ``s3://`` / ``gs://`` URL; one holding other files is refused with
+        ``CheckpointRootError`` and nothing is written into it.
       step: the Orbax step to import; None takes the latest. A single step directory has its
         own step (its name), a single checkpointer directory step 0. It becomes the global
         step of the jaxckpt checkpoint.
+      storage_options: for an ``s3://`` / ``gs://`` ``root``, the client's settings
+        (``jaxckpt.root_url.parse_root``); None takes them from the standard environment.
 
     Returns the checkpoint directory (``root/recover/step_N``). ``CheckpointManager(root)
     .restore(like)`` then gives what Orbax's restore of ``src`` gives, bit for bit.
@@ -73,15 +79,16 @@ def import_orbax(src: str | os.PathLike[str], root: str | os.PathLike[str], *,
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ConfigError(f"step must be None (the latest) or an int >= 0, got {step!r}.")
     src_path = os.path.abspath(os.fspath(src))
-    root_path = os.path.abspath(os.fspath(root))
-    real_src, real_root = os.path.realpath(src_path), os.path.realpath(root_path)
-    if real_root == real_src or real_root.startswith(real_src + os.sep):
-        raise ConfigError(f"root {root_path!r} lies inside src {src_path!r}: writing it would "
-                          f"change the Orbax checkpoint. Pass a root outside src.")
+    if root_scheme(root) == "local":  # a URL cannot lie inside a local src
+        root = os.path.abspath(os.fspath(root))
+        real_src, real_root = os.path.realpath(src_path), os.path.realpath(root)
+        if real_root == real_src or real_root.startswith(real_src + os.sep):
+            raise ConfigError(f"root {root!r} lies inside src {src_path!r}: writing it "
+                              f"would change the Orbax checkpoint. Pass a root outside src.")
     chosen, kind, path = _choose(src_path, step)
     _require_orbax()
     state = _restore(kind, path)
-    return _save(state, root_path, chosen, src_path)
+    return _save(state, os.fspath(root), chosen, src_path, storage_options)
 
 
 # --- finding the checkpoint ------------------------------------------------------------------
@@ -240,12 +247,14 @@ def _non_numeric(value: Any, where: str) -> list[str]:
 
 
 # --- writing the jaxckpt checkpoint ----------------------------------------------------------
-def _save(state: Any, root: str, step: int, src: str) -> str:
+def _save(state: Any, root: str, step: int, src: str,
+          storage_options: Mapping[str, Any] | None) -> str:
     from .config import RecoverConfig, StepInfo
     from .manager import CheckpointManager
 
     with CheckpointManager(root, recover=RecoverConfig(mode="on", keep_last_n=None),
-                           mode="sync", preemption_signals=()) as manager:
+                           mode="sync", preemption_signals=(),
+                           storage_options=storage_options) as manager:
         if step in manager.committed_steps():
             raise CheckpointRootError(
                 f"{root!r} already holds a checkpoint at step {step} "

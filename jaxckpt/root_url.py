@@ -74,15 +74,15 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
                 f"storage_options={dict(storage_options)!r} were given for the local root "
                 f"{os.fspath(root)!r}; they apply to s3:// and gs:// roots only")
         return "local", os.fspath(root)
+    options, lease = _lease_options(storage_options)
     if kind == "gs":
-        return "gs", _gcs_storage(str(root), storage_options)
+        return "gs", _gcs_storage(str(root), options, lease)
     from .s3_storage import S3Storage, split_s3_url
 
     bucket, prefix = split_s3_url(str(root))
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(s3://{bucket}/PREFIX), not the whole bucket")
-    options, lease = _lease_options(storage_options)
     return "s3", S3Storage(bucket, prefix, storage_options=options, **lease)
 
 
@@ -96,15 +96,15 @@ def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
     return root
 
 
-def _gcs_storage(root: str, storage_options: Mapping[str, Any] | None) -> Storage:
+def _gcs_storage(root: str, storage_options: Mapping[str, Any],
+                 lease: Mapping[str, float]) -> Storage:
     from .gcs_storage import GCSStorage, split_gs_url
 
     bucket, prefix = split_gs_url(root)
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(gs://{bucket}/PREFIX), not the whole bucket")
-    options, lease = _lease_options(storage_options)
-    return GCSStorage(bucket, prefix, storage_options=options, **lease)
+    return GCSStorage(bucket, prefix, storage_options=storage_options, **lease)
 
 
 def _lease_options(storage_options: Mapping[str, Any] | None

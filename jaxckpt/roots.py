@@ -121,12 +121,14 @@ def check_root(root: str, storage: Storage | None = None) -> None:
     try:
         found = foreign_entries(root) if storage is None else foreign_objects(storage, root)
     except Exception as exc:
-        if storage is not None and not isinstance(exc, OSError):
-            # The object store's client: no credentials, endpoint unreachable, no bucket.
+        if storage is not None:
+            # The object store's client: no credentials, endpoint unreachable, no bucket
+            # (requests' errors, which the gs:// client raises, are OSErrors too).
             raise CheckpointRootError(
                 f"checkpoint root {root!r} cannot be used: listing it failed: {exc}. Fix: "
                 f"check the endpoint, region and credentials (storage_options=, or "
-                f"AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) "
+                f"AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY for "
+                f"s3://; STORAGE_EMULATOR_HOST or GOOGLE_APPLICATION_CREDENTIALS for gs://) "
                 f"and that the bucket exists.") from exc
         if not isinstance(exc, OSError):
             raise

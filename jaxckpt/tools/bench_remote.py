@@ -39,7 +39,8 @@ class RemoteBenchConfig:
     """What to measure against an object-store root."""
 
     root: str
-    """The ``s3://bucket/prefix`` to write below (fresh prefixes, deleted at the end)."""
+    """The ``s3://bucket/prefix`` or ``gs://bucket/prefix`` to write below (fresh prefixes,
+    deleted at the end)."""
     size_mb: int = 256
     """Size of the state, MiB."""
     leaves: int = 8
@@ -157,6 +158,9 @@ def bench_command(opts: Any) -> int:
     except ValueError as exc:
         print(f"jaxckpt bench: {exc}", file=sys.stderr)
         return 2
-    result = run_remote_bench(config, log=lambda line: print(line, file=sys.stderr))
+    from .remote_cli import storage_options
+
+    result = run_remote_bench(config, storage_options(opts),
+                              log=lambda line: print(line, file=sys.stderr))
     print(json.dumps(result, indent=1) if opts.json else format_remote(result))
     return 0

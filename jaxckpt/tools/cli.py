@@ -114,6 +114,13 @@ def _ls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checksums", action="store_true",
                         help="re-read every file against its checksum (slower; default: sizes)")
     _progress_argument(parser)
+    _storage_option_argument(parser)
+
+
+def _storage_option_argument(parser: argparse.ArgumentParser) -> None:
+    from .remote_cli import add_storage_option_argument
+
+    add_storage_option_argument(parser)
 
 
 def _progress_argument(parser: argparse.ArgumentParser) -> None:
@@ -225,6 +232,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-only", action="store_true",
                         help="compare file sizes only, skip checksums")
     _progress_argument(parser)
+    _storage_option_argument(parser)
 
 
 def _verify(opts: argparse.Namespace) -> int:
@@ -307,6 +315,7 @@ def _info_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", action="store_true",
                         help="list every saved tree path with shape, dtype and bytes (from "
                              "the checkpoint's metadata; no array data is read)")
+    _storage_option_argument(parser)
 
 
 def _info(opts: argparse.Namespace) -> int:
@@ -470,32 +479,46 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
     parser.add_argument("--sizes-only", action="store_true", help="verify sizes, skip checksums")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _storage_option_argument(parser)
 
 
 def _export_hf(opts: argparse.Namespace) -> int:
     from jaxckpt.errors import CheckpointError
 
     from .hf_cli import export_checkpoint_to_hf, parse_size
+    from .remote_cli import _open, client_errors, is_url, storage_options
 
-    located = _locate("export-hf", opts.checkpoint)
-    if isinstance(located, int):
-        return located  # missing, empty or another tool's directory: 3 (unreadable: 2)
-    try:
-        written = export_checkpoint_to_hf(
-            opts.checkpoint, opts.out_dir, arch=opts.arch, config=opts.config, step=opts.step,
-            params_path=opts.params_path, dtype=opts.dtype,
-            max_shard_bytes=parse_size(opts.max_shard_size), tokenizer_dir=opts.tokenizer_dir,
-            generation_config=opts.generation_config, overwrite=opts.overwrite,
-            verify="sizes" if opts.sizes_only else "checksums", progress=not opts.no_progress)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
-        # not found, exists, config, mismatch
-        print(f"jaxckpt export-hf: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except CheckpointError as exc:  # corrupt checkpoint
-        print(f"jaxckpt export-hf: {exc}", file=sys.stderr)
-        return EXIT_BAD_CHECKPOINT
-    print(f"wrote {opts.out_dir} ({_human_bytes(written)})")
-    return EXIT_OK
+    options = storage_options(opts)
+    codes: list[int] = []
+    with client_errors("export-hf", codes):
+        located = (_open("export-hf", opts.checkpoint, options) if is_url(opts.checkpoint)
+                   else _locate("export-hf", opts.checkpoint))
+        if isinstance(located, int):
+            return located  # missing, empty or another tool's directory: 3 (unreadable: 2)
+        try:
+            written = export_checkpoint_to_hf(
+                opts.checkpoint, opts.out_dir, arch=opts.arch, config=opts.config,
+                step=opts.step, params_path=opts.params_path, dtype=opts.dtype,
+                max_shard_bytes=parse_size(opts.max_shard_size),
+                tokenizer_dir=opts.tokenizer_dir, generation_config=opts.generation_config,
+                overwrite=opts.overwrite, verify="sizes" if opts.sizes_only else "checksums",
+                progress=not opts.no_progress, storage_options=options)
+        except (FileNotFoundError, FileExistsError, ValueError) as exc:
+            # not found, exists, config, mismatch
+            print(f"jaxckpt export-hf: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except CheckpointError as exc:  # corrupt checkpoint
+            print(f"jaxckpt export-hf: {exc}", file=sys.stderr)
+            return EXIT_BAD_CHECKPOINT
+        print(f"wrote {opts.out_dir} ({_human_bytes(written)})")
+        return EXIT_OK
+    return codes[0]
+
+def _root_error_code(exc: Exception) -> int:
+    """Exit code of a refused root: 3 when it is not a jaxckpt root (another tool's files, a
+    step already there), 2 when it could not be listed or created (permissions, an object
+    store that cannot be reached: the error it wraps says which)."""
+    return EXIT_USAGE if exc.__cause__ is not None else EXIT_NOT_JAXCKPT
 
 
 def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:
@@ -509,21 +532,33 @@ def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cast every tensor")
     parser.add_argument("--state-key", help="nest the params under this key of the saved state")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _storage_option_argument(parser)
 
 
 def _import_hf(opts: argparse.Namespace) -> int:
+    from jaxckpt.errors import CheckpointRootError
+
     from .hf_cli import import_hf_to_checkpoint
+    from .remote_cli import client_errors, is_url, refuse_url, storage_options
 
-    try:
-        path = import_hf_to_checkpoint(opts.hf_dir, opts.root, arch=opts.arch, step=opts.step,
-                                       stacked=opts.stacked, dtype=opts.dtype,
-                                       state_key=opts.state_key, progress=not opts.no_progress)
-    except (FileNotFoundError, ValueError) as exc:  # no HF dir, arch mismatch listing
-        print(f"jaxckpt import-hf: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"wrote {path}")
-    return EXIT_OK
-
+    if is_url(opts.hf_dir):
+        return refuse_url("import-hf", opts.hf_dir, "HF_DIR")
+    codes: list[int] = []
+    with client_errors("import-hf", codes):
+        try:
+            path = import_hf_to_checkpoint(
+                opts.hf_dir, opts.root, arch=opts.arch, step=opts.step, stacked=opts.stacked,
+                dtype=opts.dtype, state_key=opts.state_key, progress=not opts.no_progress,
+                storage_options=storage_options(opts))
+        except CheckpointRootError as exc:  # ROOT holds another tool's files, or unusable
+            print(f"jaxckpt import-hf: {exc}", file=sys.stderr)
+            return _root_error_code(exc)
+        except (FileNotFoundError, ValueError) as exc:  # no HF dir, arch mismatch listing
+            print(f"jaxckpt import-hf: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"wrote {path}")
+        return EXIT_OK
+    return codes[0]
 
 # ---------------------------------------------------------------------- import-orbax
 
@@ -537,6 +572,7 @@ def _import_orbax_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=None,
                         help="Orbax step to import (default: the latest); it becomes the "
                              "global step of the jaxckpt checkpoint")
+    _storage_option_argument(parser)
 
 
 def _import_orbax(opts: argparse.Namespace) -> int:
@@ -547,25 +583,32 @@ def _import_orbax(opts: argparse.Namespace) -> int:
         ConfigError,
     )
 
-    try:
-        from jaxckpt.orbax_import import import_orbax
+    from .remote_cli import client_errors, is_url, refuse_url, storage_options
 
-        path = import_orbax(opts.src, opts.root, step=opts.step)
-    except ImportError as exc:  # a missing extra
-        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ConfigError as exc:  # no such step in SRC, ROOT inside SRC
-        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (CheckpointNotFoundError, CheckpointRootError) as exc:  # SRC or ROOT refused
-        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
-        return EXIT_NOT_JAXCKPT
-    except CheckpointCorruptError as exc:  # the written checkpoint failed verification
-        print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
-        return EXIT_BAD_CHECKPOINT
-    print(f"wrote {path}")
-    return EXIT_OK
+    if is_url(opts.src):
+        return refuse_url("import-orbax", opts.src, "SRC")
+    codes: list[int] = []
+    with client_errors("import-orbax", codes):
+        try:
+            from jaxckpt.orbax_import import import_orbax
 
+            path = import_orbax(opts.src, opts.root, step=opts.step,
+                                storage_options=storage_options(opts))
+        except ImportError as exc:  # a missing extra
+            print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except ConfigError as exc:  # no such step in SRC, ROOT inside SRC
+            print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except (CheckpointNotFoundError, CheckpointRootError) as exc:  # SRC or ROOT refused
+            print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+            return _root_error_code(exc)
+        except CheckpointCorruptError as exc:  # the written checkpoint failed verification
+            print(f"jaxckpt import-orbax: {exc}", file=sys.stderr)
+            return EXIT_BAD_CHECKPOINT
+        print(f"wrote {path}")
+        return EXIT_OK
+    return codes[0]
 
 # ----------------------------------------------------------------------------- run
 
@@ -632,9 +675,11 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny sizes, one round: checks that every row runs (CI)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--root", default=None,
-                        help="an s3://BUCKET/PREFIX to measure instead: save and restore "
-                             "against a raw upload and download through the same client "
-                             "(endpoint and credentials from the AWS_* environment)")
+                        help="an s3://BUCKET/PREFIX or gs://BUCKET/PREFIX to measure "
+                             "instead: save and restore against a raw upload and download "
+                             "through the same client (endpoint and credentials from the "
+                             "standard environment, or --storage-option)")
+    _storage_option_argument(parser)
     parser.add_argument("--scale", action="store_true",
                         help="instead: states from 128 MiB doubling up to --max-mb (or what "
                              "memory and disk allow): save/restore time per GiB, blocking "
@@ -725,6 +770,11 @@ COMMANDS: tuple[_Command, ...] = (
 )
 
 
+#: The arguments that name a checkpoint root, a checkpoint, or a directory to write: checked
+#: for their scheme (and against a --storage-option with no URL) before any command runs.
+_PATH_ARGUMENTS = ("root", "path", "checkpoint", "out_dir", "src", "hf_dir")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxckpt import __version__
 
@@ -743,7 +793,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxckpt`` console script; returns the exit code."""
     from jaxckpt.errors import MissingExtraError
 
+    from .remote_cli import check_paths
+
     opts = build_parser().parse_args(None if argv is None else list(argv))
+    if hasattr(opts, "storage_option"):  # the commands that take a path or a URL
+        paths = [value for value in (getattr(opts, name, None) for name in _PATH_ARGUMENTS)
+                 if isinstance(value, str)]
+        refused = check_paths(opts.command, opts, *paths)
+        if refused is not None:
+            return refused
     try:
         return opts.handler(opts)
     except MissingExtraError as exc:  # the environment lacks an extra: usage, not corruption

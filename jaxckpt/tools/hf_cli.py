@@ -4,7 +4,10 @@ Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Fac
 directory, and a Hugging Face directory into a recovery checkpoint that
 ``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
 else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in
-``jaxckpt.tools.cli``.
+``jaxckpt.tools.cli``. Roots may be local paths or ``s3://`` / ``gs://`` URLs: a checkpoint
+on a URL is read through its root's store (the Orbax backend is handed that storage), and an
+export to a URL is written in a local temporary directory, then uploaded and committed with
+a manifest (``jaxckpt.store_objects.publish_export``), as exports on object roots are.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the
@@ -20,10 +23,12 @@ import ast
 import json
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
+from jaxckpt.store_objects import export_staging
 from torch_bridge.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -149,8 +154,28 @@ class _Attrs:
         self.children = children
 
 
-def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """An abstract ``like`` with exactly the saved tree paths, from the backend's tree.json."""
+def _tree_document(store: Any, state_dir: str) -> dict[str, Any]:
+    """The backend's tree.json of ``state_dir``, read through ``store``'s storage (a local
+    directory or an object-store prefix); export-hf reads Orbax-backend checkpoints only."""
+    from jaxckpt.layout import TREE_FILE
+    from jaxckpt.storage import PosixStorage
+    from jaxckpt.tree_record import parse_tree_record, read_tree_record
+
+    if isinstance(store.storage, PosixStorage):
+        return read_tree_record(state_dir)
+    try:
+        text = store.storage.read(os.path.join(state_dir, TREE_FILE))
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            f"{state_dir} has no {TREE_FILE}: it was not written by jaxckpt's Orbax backend "
+            f"(jaxckpt.CheckpointManager), or its write did not finish.") from None
+    return parse_tree_record(text, state_dir)
+
+
+def _like_from_tree_json(state_dir: str, document: Mapping[str, Any] | None = None
+                         ) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """An abstract ``like`` with exactly the saved tree paths, from the backend's tree.json
+    (``document``, as ``_tree_document`` read it; None: read from the local ``state_dir``)."""
     import jax
     import jax.numpy as jnp
 
@@ -158,7 +183,8 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
     from jaxckpt.tree_record import read_tree_record
 
     tree_file = os.path.join(state_dir, TREE_FILE)  # named in the errors below
-    document = read_tree_record(state_dir)  # export-hf reads Orbax-backend checkpoints only
+    if document is None:
+        document = read_tree_record(state_dir)
     attrs = _attrs_node()
     root: dict[Any, Any] = {}
     kinds: dict[int, str] = {}  # id(container) -> "item" | "attr"
@@ -195,8 +221,10 @@ def _like_from_tree_json(state_dir: str) -> tuple[Any, dict[str, dict[str, Any]]
     return build(root), entries
 
 
-def _read_checkpoint(step_dir: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """Every leaf of a recovery checkpoint's array state, by saved tree path."""
+def _read_checkpoint(step_dir: str, store: Any
+                     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Every leaf of a recovery checkpoint's array state, by saved tree path, read through
+    ``store`` (the backend is handed an object-store root's storage)."""
     from jaxckpt.extras import requires_extra
     from jaxckpt.layout import STATE_DIR
 
@@ -204,11 +232,13 @@ def _read_checkpoint(step_dir: str) -> tuple[dict[str, Any], dict[str, dict[str,
         import jax
 
     from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.root import attach_backend
 
     state_dir = os.path.join(step_dir, STATE_DIR)
-    like, entries = _like_from_tree_json(state_dir)
+    like, entries = _like_from_tree_json(state_dir, _tree_document(store, state_dir))
     backend = OrbaxBackend()
     try:
+        attach_backend(store, backend)
         state = backend.read(state_dir, like)
     finally:
         backend.close()
@@ -268,21 +298,48 @@ def _select_params(leaves: Mapping[str, Any], entries: Mapping[str, Mapping[str,
     return flat, params_path.replace(".", "/")
 
 
-def _locate(checkpoint: str, step: int | None,
-            verify: Literal["checksums", "sizes"]) -> tuple[str, Any]:
-    """The committed step directory to read, and the store that owns it."""
-    from jaxckpt.layout import COMMIT_MARKER
+def _open_checkpoint(checkpoint: str, storage_options: Mapping[str, Any] | None
+                     ) -> tuple[Any, str | None]:
+    """(the store of the root that ``checkpoint`` names, the committed step directory it
+    names or None for a root): a local path, or an ``s3://`` / ``gs://`` URL of a root or of
+    one ``ROOT/recover/step_N`` (its storage made from ``storage_options`` and the
+    environment, ``jaxckpt.root_url.parse_root``). Nothing is created anywhere."""
+    from jaxckpt.layout import COMMIT_MARKER, RECOVER, parse_step_dirname
+    from jaxckpt.root_url import is_url, parse_root
     from jaxckpt.store import CheckpointStore
 
-    path = os.path.abspath(os.fspath(checkpoint))
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"no checkpoint root or step directory at {checkpoint!r}")
+    if not is_url(checkpoint):
+        path = os.path.abspath(checkpoint)
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(
+                f"no checkpoint root or step directory at {checkpoint!r}")
+        if os.path.exists(os.path.join(path, COMMIT_MARKER)):  # a step directory itself
+            return CheckpointStore(os.path.dirname(os.path.dirname(path))), path
+        return CheckpointStore(path), None
+    url = checkpoint.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    names_step = parse_step_dirname(name) is not None and parent.endswith("/" + RECOVER)
+    root = parent.rpartition("/")[0] if names_step else url
+    _, storage = parse_root(root, storage_options)
+    assert not isinstance(storage, str)  # a URL, so never a local path
+    store = CheckpointStore(root, storage=storage)
+    if names_step and storage.exists(os.path.join(url, COMMIT_MARKER)):
+        return store, url
+    if not names_step and storage.is_prefix(store.recover_dir):
+        return store, None
+    raise CheckpointNotFoundError(f"no committed checkpoint or checkpoint root at {url!r} "
+                                  f"(nothing under {store.recover_dir if not names_step else url}"
+                                  f" that jaxckpt committed)")
+
+
+def _locate(checkpoint: str, step: int | None, verify: Literal["checksums", "sizes"],
+            storage_options: Mapping[str, Any] | None = None) -> tuple[str, Any]:
+    """The committed step directory to read, and the store that owns it."""
+    store, named = _open_checkpoint(checkpoint, storage_options)
     checksums = verify == "checksums"
-    if os.path.exists(os.path.join(path, COMMIT_MARKER)):  # a step directory itself
-        store = CheckpointStore(os.path.dirname(os.path.dirname(path)))
-        step_dir = path
+    if named is not None:
+        step_dir = named
     else:
-        store = CheckpointStore(path)
         if step is None:
             entry, skipped = store.latest_valid(checksums=checksums)
             if entry is None:
@@ -297,11 +354,6 @@ def _locate(checkpoint: str, step: int | None,
     return step_dir, store
 
 
-def _driver(step_dir: str) -> dict[str, Any]:
-    from jaxckpt.driver import read_driver
-    from jaxckpt.store import CheckpointStore
-
-    return read_driver(CheckpointStore(os.path.dirname(os.path.dirname(step_dir))), step_dir)
 
 
 def _read_config(config: Any) -> Any:
@@ -390,6 +442,36 @@ def _export_spec(driver: Mapping[str, Any], step_dir: str, *, arch: Any, config:
     return resolve_architecture(arch), config, params_path, hint
 
 
+def _export_target(out_dir: str, overwrite: bool,
+                   storage_options: Mapping[str, Any] | None) -> Any:
+    """For an object-store ``out_dir``: its storage, after refusing (``ExportExistsError``)
+    a prefix that already holds objects unless ``overwrite``; None for a local ``out_dir``
+    (``export_hf`` checks it). Checked before the checkpoint is read."""
+    from jaxckpt.root_url import is_url, parse_root
+    from torch_bridge.hf import ExportExistsError
+
+    if not is_url(out_dir):
+        return None
+    _, storage = parse_root(out_dir, storage_options)
+    assert not isinstance(storage, str)  # a URL, so never a local path
+    if not overwrite and storage.is_prefix(out_dir):
+        raise ExportExistsError(f"{out_dir} already holds objects; pass overwrite=True "
+                                f"(--overwrite) to replace them, or another out_dir.")
+    return storage
+
+
+def _publish(storage: Any, local_dir: str, out_url: str) -> None:
+    """Upload the export written in ``local_dir`` below ``out_url`` (replacing what is there)
+    and commit it as jaxckpt commits exports on object roots: a ``COMMITTED`` manifest
+    written create-only, last (``jaxckpt.store_objects.publish_export``; ``from_pretrained``
+    ignores the extra file). ``local_dir`` is removed."""
+    from jaxckpt.store import CheckpointStore
+    from jaxckpt.store_objects import publish_export
+
+    publish_export(CheckpointStore(out_url.rpartition("/")[0], storage=storage), local_dir,
+                   out_url)
+
+
 # ------------------------------------------------------------------------ the commands
 
 
@@ -400,13 +482,16 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
                             tokenizer_dir: Any = None, generation_config: Any = None,
                             overwrite: bool = False,
                             verify: Literal["checksums", "sizes"] = "checksums",
-                            progress: bool = True) -> int:
+                            progress: bool = True,
+                            storage_options: Mapping[str, Any] | None = None) -> int:
     """Export the model params of a recovery checkpoint as a Hugging Face directory.
 
     Args:
       checkpoint: a checkpoint root (the latest valid step is used unless ``step``) or one
-        ``recover/step_N`` directory.
-      out_dir: the HF directory to write (atomically, see ``export_hf``).
+        ``recover/step_N`` directory; a local path or an ``s3://`` / ``gs://`` URL.
+      out_dir: the HF directory to write (atomically, see ``export_hf``). An ``s3://`` /
+        ``gs://`` URL: written locally in a temporary directory, uploaded below it, then
+        committed with a ``COMMITTED`` manifest written last, as exports on object roots.
       arch: table name; None uses the arch the checkpoint records (written by a manager
         whose exporter is ``hf_exporter``, or by ``import-hf``), else the config's
         ``model_type``.
@@ -419,21 +504,29 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
       verify: check the checkpoint against its manifest with checksums or sizes first.
       dtype, max_shard_bytes, tokenizer_dir, generation_config, overwrite: as ``export_hf``.
       progress: show a progress bar on stderr.
+      storage_options: the client's settings for URLs (``jaxckpt.root_url.parse_root``);
+        None takes endpoint and credentials from the standard environment.
 
     Returns the bytes written. The whole array state is restored to host memory (optimizer
     state included); only the params are converted and written, one shard at a time.
     """
-    step_dir, store = _locate(os.fspath(checkpoint), step, verify)
+    from jaxckpt.driver import read_driver
+
+    out_dir = os.fspath(out_dir).rstrip("/") or "/"
+    target = _export_target(out_dir, overwrite, storage_options)
+    step_dir, store = _locate(os.fspath(checkpoint), step, verify, storage_options)
     with store.reading(step_dir):
-        driver = _driver(step_dir)
+        driver = read_driver(store, step_dir)
         table, config, params_path, hint = _export_spec(driver, step_dir, arch=arch,
                                                         config=config, params_path=params_path)
-        leaves, entries = _read_checkpoint(step_dir)
+        leaves, entries = _read_checkpoint(step_dir, store)
     flat, chosen = _select_params(leaves, entries, table, params_path, hint)
     step_info = driver.get("step_info") or {}
-    bar = make_progress(f"export {os.path.basename(os.fspath(out_dir))}", progress)
+    staging = None if target is None else export_staging(os.path.basename(out_dir))
+    bar = make_progress(f"export {os.path.basename(out_dir)}", progress)
     try:
-        return export_hf(flat, out_dir, arch=table, config=config, dtype=dtype,
+        written = export_hf(flat, out_dir if staging is None else os.path.join(staging, "model"),
+                            arch=table, config=config, dtype=dtype,
                          max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
                          generation_config=generation_config, overwrite=overwrite,
                          provenance={"checkpoint": step_dir, "params_path": chosen,
@@ -441,15 +534,28 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
                                                                   "global_step")
                                         if k in step_info}},
                          progress=bar)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
         _close(bar)
+    if staging is not None:
+        try:
+            _publish(target, os.path.join(staging, "model"), out_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return written
 
 
 def import_hf_to_checkpoint(hf_dir: str | os.PathLike[str], root: str | os.PathLike[str], *,
                             arch: str | Architecture, step: int = 0, stacked: bool = False,
                             dtype: Any = None, state_key: str | None = None,
-                            record_config: bool = True, progress: bool = True) -> str:
-    """Write an HF directory's weights as a committed recovery checkpoint under ``root``.
+                            record_config: bool = True, progress: bool = True,
+                            storage_options: Mapping[str, Any] | None = None) -> str:
+    """Write an HF directory's weights as a committed recovery checkpoint under ``root``
+    (a local path, or an ``s3://`` / ``gs://`` URL whose client ``storage_options`` or the
+    standard environment configure, as ``CheckpointManager``'s).
 
     The saved state is the param tree of ``load_hf`` (numpy leaves; nested under
     ``state_key`` when given), so ``CheckpointManager(root).restore(like)`` restores it with
@@ -474,6 +580,6 @@ def import_hf_to_checkpoint(hf_dir: str | os.PathLike[str], root: str | os.PathL
     stateful = ({HF_CONFIG_STATEFUL: HFConfigState(config, arch=table.name)}
                 if record_config else None)
     with CheckpointManager(root, recover=RecoverConfig(mode="on", keep_last_n=None),
-                           mode="sync") as manager:
+                           mode="sync", storage_options=storage_options) as manager:
         report = manager.save(StepInfo(0, 0, step), state, stateful=stateful, mode="sync")
     return report.path
