@@ -28,6 +28,7 @@ from jaxckpt._orbax_options import OrbaxOptions
 from jaxckpt.array_files import (
     ArrayFiles,
     LocalArrayFiles,
+    SharedLocalArrayFiles,
     StorageArrayFiles,
     StoragePath,
 )
@@ -45,17 +46,21 @@ def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
 
 
 def files_for(remote: StorageArrayFiles | None, directory: str,
-              options: OrbaxOptions) -> ArrayFiles | None:
+              options: OrbaxOptions, *, writing: bool = False) -> ArrayFiles | None:
     """Where the native writer and reader put ``directory``'s files: the attached storage
     for a URL (always: Orbax cannot write there), zarr_io for a local path with
-    ``native_io`` in a single process, else None (Orbax does the work)."""
+    ``native_io`` in a single process, and for writing (``writing``) one with several
+    processes too (in place: ``SharedLocalArrayFiles``; Orbax reads those), else None
+    (Orbax does the work)."""
     process_count = jax.process_count()
     if remote is not None and "://" in directory:
         _check_single_process(directory, process_count)
         return remote
-    if options.native_io and process_count == 1 and "://" not in directory:
+    if not options.native_io or "://" in directory:
+        return None
+    if process_count == 1:
         return LocalArrayFiles(direct=options.direct_io)
-    return None
+    return SharedLocalArrayFiles(direct=options.direct_io) if writing else None
 
 
 def _check_single_process(directory: str, process_count: int) -> None:
