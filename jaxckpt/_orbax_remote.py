@@ -1,14 +1,15 @@
 """Where the Orbax backend's files live: a local path or an object store, and the limits there.
 
-Owns: which ``ArrayFiles`` the native writer and reader use for a directory
+Owns: which ``ArrayFiles`` the native writer and reader use for a directory, and which
+native write a save gets there (``writer_for``)
 (``files_for``: zarr_io on a local disk, the attached storage for a URL, none where Orbax
 does the work), the directory as a path object (``path_for``), the checks that keep
 object-store locations on the native path (``check_arrays``) and the error for a checkpoint
 it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write ``s3://`` (it finalizes
 by renaming directories, and it creates a local ``./s3:`` directory), so on an object store
-every array goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout: one process,
-dtypes zarr_io stores. Anything else is refused before a byte is written, naming the leaf
-and what to do.
+every array goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout (each
+process its own shards): dtypes zarr_io stores, shards on a regular grid. Anything else
+is refused before a byte is written, naming the leaf and what to do.
 
 Must not import: torch.
 
@@ -17,7 +18,8 @@ Concurrency contract: stateless functions; safe from any thread.
 
 from __future__ import annotations
 
-from typing import Any
+import concurrent.futures
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -25,6 +27,7 @@ from etils import epath
 
 from jaxckpt import zarr_io
 from jaxckpt._orbax_options import OrbaxOptions
+from jaxckpt._orbax_shards import native_writer
 from jaxckpt.array_files import (
     ArrayFiles,
     LocalArrayFiles,
@@ -34,7 +37,8 @@ from jaxckpt.array_files import (
 )
 from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
 
-__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign"]
+__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign", "refuse_uneven",
+           "writer_for"]
 
 
 def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
@@ -51,10 +55,10 @@ def files_for(remote: StorageArrayFiles | None, directory: str,
     for a URL (always: Orbax cannot write there), zarr_io for a local path with
     ``native_io`` in a single process, and for writing (``writing``) one with several
     processes too (in place: ``SharedLocalArrayFiles``; Orbax reads those), else None
-    (Orbax does the work)."""
+    (Orbax does the work). Several processes write and read a URL natively too: each
+    writes its own shards' objects (``_orbax_shards``), each reads whole arrays."""
     process_count = jax.process_count()
     if remote is not None and "://" in directory:
-        _check_single_process(directory, process_count)
         return remote
     if not options.native_io or "://" in directory:
         return None
@@ -63,29 +67,56 @@ def files_for(remote: StorageArrayFiles | None, directory: str,
     return SharedLocalArrayFiles(direct=options.direct_io) if writing else None
 
 
-def _check_single_process(directory: str, process_count: int) -> None:
-    """``CheckpointRootError`` for a run of several processes on an object store (their
-    shards would need Orbax, which cannot write there)."""
-    if process_count != 1:
-        raise CheckpointRootError(
-            f"{directory}: the Orbax backend writes object storage from a single process "
-            f"only so far; this run has {process_count} processes. Fix: use a shared "
-            f"filesystem root for multi-process runs.")
+def writer_for(remote: StorageArrayFiles | None, directory: str, arrays: dict[str, Any],
+               options: OrbaxOptions, *,
+               pool: Callable[[], concurrent.futures.ThreadPoolExecutor]) -> Any:
+    """The native write of ``arrays`` into ``directory`` (``_orbax_shards.native_writer``,
+    through ``files_for``), or None where Orbax writes them; on an object store, where
+    Orbax cannot, ``CheckpointRootError`` before any I/O for what zarr_io does not store."""
+    files = files_for(remote, directory, options, writing=True)
+    on_storage = files is not None and files is remote
+    if on_storage:
+        check_arrays(directory, arrays)
+    native = native_writer(files, arrays, primary=jax.process_index() == 0,
+                           shared=jax.process_count() > 1, pool=pool,
+                           collective_timeout_s=options.collective_timeout_s)
+    if native is None and on_storage:
+        refuse_uneven(directory)
+    return native
 
 
 def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
     """``CheckpointRootError`` naming every stored array zarr_io cannot write (sub-byte or
     big-endian dtypes, zero-size arrays outside packs): on an object store there is no
-    Orbax to hand them to."""
+    Orbax to hand them to. Arrays are numpy arrays, or jax.Arrays sharded over processes
+    (their dtype and size decide alike)."""
     bad = [f"{name}: {getattr(array, 'dtype', type(array).__name__)} "
            f"{getattr(array, 'shape', '')}" for name, array in sorted(arrays.items())
-           if not (isinstance(array, np.ndarray) and zarr_io.supported(array))]
+           if not _storable(array)]
     if bad:
         raise CheckpointRootError(
             f"{directory}: these stored arrays cannot be written to object storage (only "
             f"dtypes {sorted(zarr_io.SUPPORTED_DTYPES)} with at least one element are): "
             f"{'; '.join(bad)}. Nothing was written. Fix: cast such leaves (e.g. int4 to "
             f"int8) or save to a filesystem root.")
+
+
+def _storable(array: Any) -> bool:
+    if isinstance(array, np.ndarray):
+        return zarr_io.supported(array)
+    if not isinstance(array, jax.Array):
+        return False
+    return zarr_io.supported(np.empty((1,) if array.size else (0,), array.dtype))
+
+
+def refuse_uneven(directory: str) -> None:
+    """A multi-process write to an object store whose shards do not tile their arrays on a
+    regular grid: only Orbax would write those, and it cannot write there."""
+    raise CheckpointRootError(
+        f"{directory}: some array's shards do not tile it on a regular grid (uneven "
+        f"sharding), which only Orbax writes, and Orbax cannot write object storage. "
+        f"Nothing was written. Fix: shard such arrays evenly (each dimension a multiple "
+        f"of its mesh axes), or save to a shared filesystem root.")
 
 
 def refuse_foreign(directory: str) -> None:

@@ -14,10 +14,11 @@ also writes every ``zarr.json`` and Orbax's metadata files (all follow from the 
 shapes and shardings, which every process knows).
 
 The files are written in place (no temporary directory renamed at the end: the processes
-share one ``arrays/`` directory); the checkpoint's commit marker, written by the primary
-once every process is done, is what makes them count. Anything this writer does not store
-(dtypes zarr_io does not write, shards that do not tile their array on a regular grid)
-returns None from :func:`stage_shards`, and the backend hands the whole write to Orbax.
+share one ``arrays/`` directory, local or on an object store); the checkpoint's commit
+marker, written by the primary once every process is done, is what makes them count.
+Anything this writer does not store (dtypes zarr_io does not write, shards that do not tile
+their array on a regular grid) returns None from :func:`stage_shards`, and the backend
+hands the whole write to Orbax (on a local root; an object store refuses it).
 
 Must not import: torch.
 """
@@ -39,7 +40,7 @@ from jaxckpt import zarr_io
 from jaxckpt._orbax_process import barrier
 from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
 from jaxckpt._orbax_write import host_arrays, write_native
-from jaxckpt.array_files import ArrayFiles, SharedLocalArrayFiles
+from jaxckpt.array_files import ArrayFiles
 from jaxckpt.checksum import default_algorithm
 
 __all__ = ["ShardedArray", "native_writer", "stage_shards", "write_shards"]
@@ -163,18 +164,19 @@ _SHARED_WRITES = itertools.count()  # names this process's shared writes' barrie
 
 
 def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: bool,
-                  pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
+                  shared: bool, pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
                   collective_timeout_s: float) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
     """The native write of ``arrays`` into a checkpoint directory, as a function of that
     directory returning the manifest entries it made (``write_native``, or for a directory
     several processes write, ``write_shards`` after a barrier that every process reaches
     once the primary created the directory), or None when Orbax must write them.
+    ``shared``: several processes write the directory.
 
     Every process of a run calls this for the same writes in the same order (the
     backend's contract), so the barrier names agree."""
     if files is None:
         return None
-    if not isinstance(files, SharedLocalArrayFiles):
+    if not shared:
         if not all(isinstance(array, np.ndarray) and zarr_io.supported(array)
                    for array in arrays.values()):
             return None

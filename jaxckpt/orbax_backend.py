@@ -68,7 +68,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
     import orbax.checkpoint as ocp
     from etils import epath
 
-from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, _orbax_shards, nnx_live
+from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, nnx_live
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
 from jaxckpt._orbax_plan import (
     WritePlan,
@@ -360,12 +360,8 @@ class OrbaxBackend:
         """This write through ``_files_for`` as a function of the directory
         (``_orbax_shards.native_writer``: every array of a dtype and layout zarr_io stores
         as Orbax would), else None; a URL's arrays must (``check_arrays``)."""
-        files = _orbax_remote.files_for(self._remote, directory, self.options, writing=True)
-        if files is not None and files is self._remote:
-            _orbax_remote.check_arrays(directory, arrays)
-        return _orbax_shards.native_writer(
-            files, arrays, primary=jax.process_index() == 0, pool=self._pool,
-            collective_timeout_s=self.options.collective_timeout_s)
+        return _orbax_remote.writer_for(self._remote, directory, arrays, self.options,
+                                        pool=self._pool)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._io_pool is None:
