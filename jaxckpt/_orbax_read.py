@@ -308,10 +308,29 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
                          dtype, offset, None))
             continue
         grids[name] = zarr_io.aligned_empty(shape, dtype)
+        wanted = _addressable_parts(args, shape)
         jobs.extend((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape), index)}",
                      chunk_shape, dtype, 0, slices)
-                    for index, slices in zarr_io.chunk_grid(shape, chunk_shape))
+                    for index, slices in zarr_io.chunk_grid(shape, chunk_shape)
+                    if wanted is None or any(_overlaps(slices, part, shape) for part in wanted))
     return jobs, grids
+
+
+def _addressable_parts(args: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]] | None:
+    """The parts of an array this process places on its devices when ``args`` spread it
+    over several processes (only the chunks under them are read), else None (all)."""
+    sharding = getattr(args, "sharding", None)
+    if sharding is None or sharding.is_fully_addressable:
+        return None
+    return list(sharding.addressable_devices_indices_map(shape).values())
+
+
+def _overlaps(chunk: tuple[slice, ...], part: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
+    for cell, piece, size in zip(chunk, part, shape, strict=True):
+        start, stop, _ = piece.indices(size)
+        if cell.start >= stop or start >= cell.stop:
+            return False
+    return True
 
 
 def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,
@@ -326,7 +345,8 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     checksums) and closes the claims, then reads the files on the I/O threads into
     aligned buffers, checksumming the claimed ones as they are read: jax adopts those
     buffers without a copy on CPU. An array stored as a grid of chunks (written by several
-    processes) is assembled from its chunk files into one buffer.
+    processes) is assembled from its chunk files into one buffer; where the target spreads
+    it over several processes, only the chunks under this process's devices are read.
     """
     if not all(STORAGE_NAME.match(name) for name in restore_args):
         return None
@@ -373,6 +393,10 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
             placed.append((name, arrays[name], args.sharding))
         else:
             restored[name] = arrays[name]
+    spread = [entry for entry in placed if not entry[2].is_fully_addressable]
+    placed = [entry for entry in placed if entry[2].is_fully_addressable]
+    for name, array, sharding in spread:  # only this process's parts were read
+        restored[name] = jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
     if placed:
         # One batched transfer; on CPU jax adopts the aligned buffers as they are.
         values = jax.device_put([array for _, array, _ in placed],

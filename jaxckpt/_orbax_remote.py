@@ -53,18 +53,17 @@ def files_for(remote: StorageArrayFiles | None, directory: str,
               options: OrbaxOptions, *, writing: bool = False) -> ArrayFiles | None:
     """Where the native writer and reader put ``directory``'s files: the attached storage
     for a URL (always: Orbax cannot write there), zarr_io for a local path with
-    ``native_io`` in a single process, and for writing (``writing``) one with several
-    processes too (in place: ``SharedLocalArrayFiles``; Orbax reads those), else None
-    (Orbax does the work). Several processes write and read a URL natively too: each
-    writes its own shards' objects (``_orbax_shards``), each reads whole arrays."""
+    ``native_io`` (written in place, ``SharedLocalArrayFiles``, by several processes),
+    else None (Orbax does the work). With several processes each writes its own shards'
+    files or objects (``_orbax_shards``) and reads the chunks under its own devices."""
     process_count = jax.process_count()
     if remote is not None and "://" in directory:
         return remote
     if not options.native_io or "://" in directory:
         return None
-    if process_count == 1:
+    if process_count == 1 or not writing:
         return LocalArrayFiles(direct=options.direct_io)
-    return SharedLocalArrayFiles(direct=options.direct_io) if writing else None
+    return SharedLocalArrayFiles(direct=options.direct_io)
 
 
 def writer_for(remote: StorageArrayFiles | None, directory: str, arrays: dict[str, Any],

@@ -35,7 +35,8 @@ objects (``jaxckpt.array_files``, ``_orbax_remote``). With several processes on 
 (shared) root, each process writes the chunk files of the shards it owns the same way, in
 Orbax's layout for a sharded array (``_orbax_shards``), on the same writer thread. Orbax
 writes and reads everything else: dtypes zarr_io does not store, shards that do not tile
-their array on a regular grid, arrays in another layout, and every multi-process read.
+their array on a regular grid, arrays in another layout. Reading, each process of a run
+reads only the chunk files under its own devices.
 docs/performance.md has the measurements behind each of these choices.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
