@@ -288,6 +288,55 @@ def restore_request(restore_args: dict[str, Any], partial: bool) -> Any:
                                   restore_args=restore_args, partial_restore=True)
 
 
+_ChunkJob = tuple[str, str, tuple[int, ...], np.dtype, int, "tuple[slice, ...] | None"]
+
+
+def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[Any],
+                ) -> tuple[list[_ChunkJob], dict[str, np.ndarray]] | None:
+    """One read job per chunk file of the arrays ``restore_args`` asks for: (name, file,
+    chunk shape, dtype, offset, the slices of the array it fills, None for a single-chunk
+    array, read as it is), and the buffers of the multi-chunk arrays, which their jobs
+    fill; None when an array's zarr.json (``parsed_metadata``, ``zarr_io.parse_grid`` of
+    each) is not in zarr_io's layout or disagrees with tree.json."""
+    jobs: list[_ChunkJob] = []
+    grids: dict[str, np.ndarray] = {}
+    for (name, args), parsed in zip(restore_args.items(), parsed_metadata, strict=True):
+        if parsed is None:
+            return None
+        shape, dtype, offset, chunk_shape = parsed
+        if isinstance(args, ocp.ArrayRestoreArgs) and (
+                tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
+            return None
+        if chunk_shape == shape:
+            jobs.append((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape))}", shape,
+                         dtype, offset, None))
+            continue
+        grids[name] = zarr_io.aligned_empty(shape, dtype)
+        wanted = _addressable_parts(args, shape)
+        jobs.extend((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape), index)}",
+                     chunk_shape, dtype, 0, slices)
+                    for index, slices in zarr_io.chunk_grid(shape, chunk_shape)
+                    if wanted is None or any(_overlaps(slices, part, shape) for part in wanted))
+    return jobs, grids
+
+
+def _addressable_parts(args: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]] | None:
+    """The parts of an array this process places on its devices when ``args`` spread it
+    over several processes (only the chunks under them are read), else None (all)."""
+    sharding = getattr(args, "sharding", None)
+    if sharding is None or sharding.is_fully_addressable:
+        return None
+    return list(sharding.addressable_devices_indices_map(shape).values())
+
+
+def _overlaps(chunk: tuple[slice, ...], part: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
+    for cell, piece, size in zip(chunk, part, shape, strict=True):
+        start, stop, _ = piece.indices(size)
+        if cell.start >= stop or start >= cell.stop:
+            return False
+    return True
+
+
 def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,
                 pool: concurrent.futures.ThreadPoolExecutor,
                 files: ArrayFiles) -> dict[str, Any] | None:
@@ -299,56 +348,59 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     Claims the deferred checks of the files it reads (``claims``: a restore's deferred
     checksums) and closes the claims, then reads the files on the I/O threads into
     aligned buffers, checksumming the claimed ones as they are read: jax adopts those
-    buffers without a copy on CPU.
+    buffers without a copy on CPU. An array stored as a grid of chunks (written by several
+    processes) is assembled from its chunk files into one buffer; where the target spreads
+    it over several processes, only the chunks under this process's devices are read.
     """
-    plans: list[tuple[str, tuple[int, ...], np.dtype, int, Any, str]] = []
     if not all(STORAGE_NAME.match(name) for name in restore_args):
         return None
 
-    def metadata(name: str) -> tuple[tuple[int, ...], np.dtype, int] | None:
+    def metadata(name: str) -> tuple[tuple[int, ...], np.dtype, int, tuple[int, ...]] | None:
         try:
-            return zarr_io.parse_metadata(files.read_small(f"{base}/{name}/{ZARR_JSON}",
-                                                           1 << 16))
+            return zarr_io.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}", 1 << 16))
         except OSError:
             return None
 
     # On the I/O threads: on an object store each is a round trip.
-    for (name, args), parsed in zip(restore_args.items(), pool.map(metadata, restore_args),
-                                    strict=True):
-        if parsed is None:
-            return None
-        shape, dtype, offset = parsed
-        if isinstance(args, ocp.ArrayRestoreArgs) and (
-                tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
-            return None
-        plans.append((name, shape, dtype, offset, args,
-                      f"{base}/{name}/{zarr_io.chunk_relpath(len(shape))}"))
+    planned = _chunk_jobs(base, restore_args, list(pool.map(metadata, restore_args)))
+    if planned is None:
+        return None
+    jobs, grids = planned
     expected: dict[str, str] = {}
     if claims is not None:
-        for *_, file in plans:
+        for _, file, *_ in jobs:
             claimed = claims.claim(file)
             if claimed is not None:
                 expected[file] = claimed[0]
         claims.close()
 
-    def read(plan: tuple[str, tuple[int, ...], np.dtype, int, Any, str]) -> np.ndarray:
-        _, shape, dtype, offset, _, file = plan
+    def read(job: _ChunkJob) -> tuple[str, np.ndarray | None]:
+        name, file, shape, dtype, offset, slices = job
         nbytes = prod(shape) * dtype.itemsize
         algorithm = expected.get(file)
         content, checksum = files.read_chunk(file, nbytes, algorithm=algorithm, offset=offset)
         if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
             claims.settle(file, checksum)
-        return zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
+        data = zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
+        if slices is None:
+            return name, data
+        grids[name][slices] = data
+        return name, None
 
-    plans.sort(key=lambda plan: -prod(plan[1]) * plan[2].itemsize)  # largest first
-    arrays = list(pool.map(read, plans))
+    jobs.sort(key=lambda job: -prod(job[2]) * job[3].itemsize)  # largest first
+    arrays = dict(grids)
+    arrays.update((name, data) for name, data in pool.map(read, jobs) if data is not None)
     restored: dict[str, Any] = {}
     placed: list[tuple[str, np.ndarray, Any]] = []
-    for (name, _, _, _, args, _), array in zip(plans, arrays, strict=True):
+    for name, args in restore_args.items():
         if isinstance(args, ocp.ArrayRestoreArgs):
-            placed.append((name, array, args.sharding))
+            placed.append((name, arrays[name], args.sharding))
         else:
-            restored[name] = array
+            restored[name] = arrays[name]
+    spread = [entry for entry in placed if not entry[2].is_fully_addressable]
+    placed = [entry for entry in placed if entry[2].is_fully_addressable]
+    for name, array, sharding in spread:  # only this process's parts were read
+        restored[name] = jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
     if placed:
         # One batch; on CPU jax adopts the aligned buffers as they are.
         values = place([array for _, array, _ in placed],

@@ -1,14 +1,15 @@
 """Where the Orbax backend's files live: a local path or an object store, and the limits there.
 
-Owns: which ``ArrayFiles`` the native writer and reader use for a directory
+Owns: which ``ArrayFiles`` the native writer and reader use for a directory, and which
+native write a save gets there (``writer_for``)
 (``files_for``: zarr_io on a local disk, the attached storage for a URL, none where Orbax
 does the work), the directory as a path object (``path_for``), the checks that keep
-object-store locations on the native path (``check_arrays``, ``writes_natively``) and the
-error for a checkpoint it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write
-``s3://`` (it finalizes by renaming directories, and it creates a local ``./s3:``
-directory), so on an object store every array goes through
-``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout: one process, dtypes zarr_io
-stores. Anything else is refused before a byte is written, naming the leaf and what to do.
+object-store locations on the native path (``check_arrays``) and the error for a checkpoint
+it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write ``s3://`` (it finalizes
+by renaming directories, and it creates a local ``./s3:`` directory), so on an object store
+every array goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout (each
+process its own shards): dtypes zarr_io stores, shards on a regular grid. Anything else
+is refused before a byte is written, naming the leaf and what to do.
 
 Must not import: torch.
 
@@ -17,7 +18,8 @@ Concurrency contract: stateless functions; safe from any thread.
 
 from __future__ import annotations
 
-from typing import Any
+import concurrent.futures
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -25,15 +27,18 @@ from etils import epath
 
 from jaxckpt import zarr_io
 from jaxckpt._orbax_options import OrbaxOptions
+from jaxckpt._orbax_shards import native_writer
 from jaxckpt.array_files import (
     ArrayFiles,
     LocalArrayFiles,
+    SharedLocalArrayFiles,
     StorageArrayFiles,
     StoragePath,
 )
 from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
 
-__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign", "writes_natively"]
+__all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign", "refuse_uneven",
+           "writer_for"]
 
 
 def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
@@ -45,36 +50,48 @@ def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
 
 
 def files_for(remote: StorageArrayFiles | None, directory: str,
-              options: OrbaxOptions) -> ArrayFiles | None:
+              options: OrbaxOptions, *, writing: bool = False) -> ArrayFiles | None:
     """Where the native writer and reader put ``directory``'s files: the attached storage
     for a URL (always: Orbax cannot write there), zarr_io for a local path with
-    ``native_io`` in a single process, else None (Orbax does the work)."""
+    ``native_io`` (written in place, ``SharedLocalArrayFiles``, by several processes),
+    else None (Orbax does the work). With several processes each writes its own shards'
+    files or objects (``_orbax_shards``) and reads the chunks under its own devices."""
     process_count = jax.process_count()
     if remote is not None and "://" in directory:
-        _check_single_process(directory, process_count)
         return remote
-    if options.native_io and process_count == 1 and "://" not in directory:
+    if not options.native_io or "://" in directory:
+        return None
+    if process_count == 1 or not writing:
         return LocalArrayFiles(direct=options.direct_io)
-    return None
+    return SharedLocalArrayFiles(direct=options.direct_io)
 
 
-def _check_single_process(directory: str, process_count: int) -> None:
-    """``CheckpointRootError`` for a run of several processes on an object store (their
-    shards would need Orbax, which cannot write there)."""
-    if process_count != 1:
-        raise CheckpointRootError(
-            f"{directory}: the Orbax backend writes object storage from a single process "
-            f"only so far; this run has {process_count} processes. Fix: use a shared "
-            f"filesystem root for multi-process runs.")
+def writer_for(remote: StorageArrayFiles | None, directory: str, arrays: dict[str, Any],
+               options: OrbaxOptions, *,
+               pool: Callable[[], concurrent.futures.ThreadPoolExecutor]) -> Any:
+    """The native write of ``arrays`` into ``directory`` (``_orbax_shards.native_writer``,
+    through ``files_for``), or None where Orbax writes them; on an object store, where
+    Orbax cannot, ``CheckpointRootError`` before any I/O for what zarr_io does not store."""
+    files = files_for(remote, directory, options, writing=True)
+    on_storage = files is not None and files is remote
+    if on_storage:
+        check_arrays(directory, arrays)
+    native = native_writer(files, arrays, primary=jax.process_index() == 0,
+                           shared=jax.process_count() > 1, pool=pool,
+                           collective_timeout_s=options.collective_timeout_s)
+    if native is None and on_storage:
+        refuse_uneven(directory)
+    return native
 
 
 def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
     """``CheckpointRootError`` naming every stored array zarr_io cannot write (sub-byte or
     big-endian dtypes, zero-size arrays outside packs): on an object store there is no
-    Orbax to hand them to."""
+    Orbax to hand them to. Arrays are numpy arrays, or jax.Arrays sharded over processes
+    (their dtype and size decide alike)."""
     bad = [f"{name}: {getattr(array, 'dtype', type(array).__name__)} "
            f"{getattr(array, 'shape', '')}" for name, array in sorted(arrays.items())
-           if not (isinstance(array, np.ndarray) and zarr_io.supported(array))]
+           if not _storable(array)]
     if bad:
         raise CheckpointRootError(
             f"{directory}: these stored arrays cannot be written to object storage (only "
@@ -83,15 +100,23 @@ def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
             f"int8) or save to a filesystem root.")
 
 
+def _storable(array: Any) -> bool:
+    if isinstance(array, np.ndarray):
+        return zarr_io.supported(array)
+    if not isinstance(array, jax.Array):
+        return False
+    return zarr_io.supported(np.empty((1,) if array.size else (0,), array.dtype))
 
-def writes_natively(files: ArrayFiles | None, remote: StorageArrayFiles | None,
-                    directory: str, arrays: dict[str, Any]) -> bool:
-    """Whether a write of ``arrays`` goes through ``files`` (every array of a dtype and
-    size zarr_io stores as Orbax would); a URL's arrays must (``check_arrays``)."""
-    if files is not None and files is remote:
-        check_arrays(directory, arrays)
-    return files is not None and all(
-        isinstance(array, np.ndarray) and zarr_io.supported(array) for array in arrays.values())
+
+def refuse_uneven(directory: str) -> None:
+    """A multi-process write to an object store whose shards do not tile their arrays on a
+    regular grid: only Orbax would write those, and it cannot write there."""
+    raise CheckpointRootError(
+        f"{directory}: some array's shards do not tile it on a regular grid (uneven "
+        f"sharding), which only Orbax writes, and Orbax cannot write object storage. "
+        f"Nothing was written. Fix: shard such arrays evenly (each dimension a multiple "
+        f"of its mesh axes), or save to a shared filesystem root.")
+
 
 def refuse_foreign(directory: str) -> None:
     """A checkpoint on an object store whose arrays are not in zarr_io's layout (written by

@@ -9,6 +9,8 @@ implementations:
   on the way, data offsets that line up with the array's memory), written under a temporary
   directory that is renamed into place once complete. This is the path every local root
   took before object stores existed, call for call.
+- ``SharedLocalArrayFiles``: the same, written in place, for the ``arrays/`` directory
+  several processes write together (each its own chunk files).
 - ``StorageArrayFiles``: one object per file through a ``Storage`` (``S3Storage``): one PUT
   per chunk file (the storage switches to a multipart upload for big ones), reads by GET,
   big chunk files in ranged GETs on a few threads. Objects are written at their final
@@ -47,6 +49,7 @@ __all__ = [
     "RANGED_READ_OVER",
     "ArrayFiles",
     "LocalArrayFiles",
+    "SharedLocalArrayFiles",
     "StorageArrayFiles",
     "StoragePath",
 ]
@@ -135,6 +138,26 @@ class LocalArrayFiles:
                    offset: int) -> tuple[np.ndarray, str | None]:
         return zarr_io.read_chunk(path, nbytes, algorithm=algorithm, direct=self.direct,
                                   offset=offset)
+
+
+class SharedLocalArrayFiles(LocalArrayFiles):
+    """``LocalArrayFiles`` for a directory that several processes write together (each its
+    own chunk files): written in place, since no one process knows when the others are
+    done; the checkpoint's commit marker, written once all are, makes the files count."""
+
+    def start(self, final: str) -> str:
+        os.makedirs(final, exist_ok=True)
+        return final
+
+    def finish(self, base: str, final: str) -> None:
+        """Nothing to move: the files are at their names."""
+
+    def abandon(self, base: str) -> None:
+        """Left to the manager, which removes an uncommitted checkpoint whole."""
+
+    def make_parent(self, path: str) -> None:
+        # Chunks of one array share directories, and other processes make them too.
+        os.makedirs(os.path.dirname(path), exist_ok=True)
 
 
 class StorageArrayFiles:

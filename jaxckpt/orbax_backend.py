@@ -13,6 +13,7 @@ concern each (same layer: they may import jax and orbax, never torch):
 - ``_orbax_write``: the write handle, host buffers, the native (zarr_io) writer.
 - ``_orbax_read``: matching ``like`` to tree.json by tree path, restore arguments, the
   native reader, unpacking.
+- ``_orbax_shards``: the native write of a run of several processes (each its shards).
 - ``_orbax_process``: barrier, broadcast and host copies of a ``jax.distributed`` run.
 
 Layout of one written directory::
@@ -30,10 +31,13 @@ and on a local filesystem that thread writes Orbax's files itself (``jaxckpt.zar
 the same bytes tensorstore would write, moved with O_DIRECT and checksummed on the way;
 ``native_io``), which restores read back the same way. On an object-store root the
 manager hands the backend its storage (``attach_storage``) and the same files go there as
-objects (``jaxckpt.array_files``, ``_orbax_remote``). Orbax writes and reads everything
-else: several processes (its AsyncCheckpointer writes each process's shards), dtypes
-zarr_io does not store, arrays in another layout. docs/performance.md has
-the measurements behind each of these choices.
+objects (``jaxckpt.array_files``, ``_orbax_remote``). With several processes on a local
+(shared) root, each process writes the chunk files of the shards it owns the same way, in
+Orbax's layout for a sharded array (``_orbax_shards``), on the same writer thread. Orbax
+writes and reads everything else: dtypes zarr_io does not store, shards that do not tile
+their array on a regular grid, arrays in another layout. Reading, each process of a run
+reads only the chunk files under its own devices.
+docs/performance.md has the measurements behind each of these choices.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
 again, and everything but the data follows from the layout: tree paths, classification, the
@@ -56,9 +60,7 @@ import gc
 import importlib.metadata
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from jaxckpt.extras import requires_extra
 
@@ -81,7 +83,6 @@ from jaxckpt._orbax_write import (
     create_directory,
     type_handler_registry,
     write_durably,
-    write_native,
 )
 from jaxckpt.array_files import ArrayFiles, StorageArrayFiles
 from jaxckpt.backend import BackendFeatures
@@ -143,9 +144,10 @@ class OrbaxBackend:
     Single process: async writes are queued on the backend's one writer thread and run in
     order; ``write`` returns once its arrays are staged, without waiting for earlier writes
     (a save that writes a changed auxiliary item and then the state stages both at once).
-    Multi-process: Orbax's AsyncCheckpointer writes, one write at a time: a new ``write``
-    first waits for the previous one; every process calls ``write``/``read`` with the same
-    directory and tree, only process 0 writes tree.json, every process writes its shards.
+    Multi-process: the backend's writer thread (natively) or Orbax's AsyncCheckpointer
+    writes, one write at a time: a new ``write`` first waits for the previous one; every
+    process calls ``write``/``read`` with the same directory and tree, only process 0
+    writes tree.json, every process writes its shards.
     Across jobs: a directory is written once and never modified.
     """
 
@@ -309,15 +311,16 @@ class OrbaxBackend:
             save_args = None if native else ocp.args.PyTreeSave(item=arrays)
             if not asynchronous:
                 if native:
-                    return OrbaxWriteHandle(directory, nbytes,
-                                            checksums=self._write_native(root, arrays))
+                    return OrbaxWriteHandle(directory, nbytes, checksums=native(root))
                 self._sync.save(root / ARRAYS_DIR, args=save_args)
                 return OrbaxWriteHandle(directory, nbytes)
-            if local:
+            if local or native:
                 if self._writer is None:
                     self._writer = concurrent.futures.ThreadPoolExecutor(
                         max_workers=1, thread_name_prefix="jaxckpt-orbax-write")
-                work = (functools.partial(self._write_local_native, root, tree_json, arrays)
+                # Several processes: the primary wrote tree.json above.
+                work = (functools.partial(self._write_local_native, root,
+                                          tree_json if local else None, native)
                         if native else
                         functools.partial(self._write_local, root, tree_json, save_args))
                 handle = OrbaxWriteHandle(directory, nbytes, future=self._writer.submit(work))
@@ -345,17 +348,13 @@ class OrbaxBackend:
         write_durably(root / TREE_FILE, tree_json)
         self._background.save(root / ARRAYS_DIR, args=save_args)
 
-    def _write_local_native(self, root: epath.Path, tree_json: str,
-                            arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-        """The writer thread's half of a single-process async write through zarr_io."""
-        write_durably(root / TREE_FILE, tree_json)
-        return self._write_native(root, arrays)
-
-    def _write_native(self, root: Any,
-                      arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-        files = self._files_for(os.fspath(root))
-        assert files is not None
-        return write_native(root, arrays, pool=self._pool(), files=files)
+    @staticmethod
+    def _write_local_native(root: epath.Path, tree_json: str | None,
+                            native: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
+        """The writer thread's half of an async write through zarr_io."""
+        if tree_json is not None:
+            write_durably(root / TREE_FILE, tree_json)
+        return native(root)
 
     def attach_storage(self, storage: Storage) -> None:
         """Write and read URLs of ``storage`` (an object-store root) natively through it."""
@@ -367,10 +366,12 @@ class OrbaxBackend:
     def _files_for(self, directory: str) -> ArrayFiles | None:
         return _orbax_remote.files_for(self._remote, directory, self.options)
 
-    def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> bool:
-        """Whether this write goes through ``_files_for`` (``_orbax_remote.writes_natively``)."""
-        return _orbax_remote.writes_natively(self._files_for(directory), self._remote,
-                                             directory, arrays)
+    def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> Any:
+        """This write through ``_files_for`` as a function of the directory
+        (``_orbax_shards.native_writer``: every array of a dtype and layout zarr_io stores
+        as Orbax would), else None; a URL's arrays must (``check_arrays``)."""
+        return _orbax_remote.writer_for(self._remote, directory, arrays, self.options,
+                                        pool=self._pool)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         self._io_pool = _started(self._io_pool, self.options.io_threads, "jaxckpt-io")

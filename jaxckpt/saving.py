@@ -280,7 +280,9 @@ class RecoverySaver:
         ``known``: checksums the backend computed while writing (``known_checksums``)."""
         ctx = self._ctx
         if ctx.process_count > 1:
-            ctx.store.mark_done(path, ctx.process_index)
+            # The primary checksums what the others wrote without reading it back: their
+            # writers' checksums travel in their done markers.
+            ctx.store.mark_done(path, ctx.process_index, None if ctx.primary else known)
         if not ctx.primary:
             self._pipeline.wait_for(lambda: ctx.store.is_committed(path),
                                     f"the primary process to commit {path}")
@@ -289,6 +291,7 @@ class RecoverySaver:
             self._pipeline.wait_for(
                 lambda: ctx.store.all_done(path, ctx.process_count),
                 f"all {ctx.process_count} processes to finish writing {path}")
+            known = {**ctx.store.done_checksums(path, ctx.process_count), **(known or {})}
         return ctx.store.commit(path, step, known=known).total_bytes
 
     def apply_retention(self) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -210,15 +211,25 @@ class CheckpointStore:
         """The bytes of one file of a checkpoint; ``FileNotFoundError`` when it has none."""
         return self.storage.read(os.path.join(path, name))
 
-    def mark_done(self, path: str, process_index: int) -> None:
+    def mark_done(self, path: str, process_index: int,
+                  known: dict[str, dict[str, Any]] | None = None) -> None:
         """Say that process ``process_index``'s writes of the save in ``path`` are durable
-        (multi-process commit: the primary waits for every other process's marker)."""
-        self.storage.write(os.path.join(path, done_marker_name(process_index)), b"")
+        (multi-process commit: the primary waits for every other process's marker), with
+        the manifest entries of the files it checksummed while writing (``known``)."""
+        self.storage.write(os.path.join(path, done_marker_name(process_index)),
+                           json.dumps(known, sort_keys=True).encode() if known else b"")
 
     def all_done(self, path: str, process_count: int) -> bool:
         """Whether every process but the primary (index 0) has marked ``path`` done."""
         return all(self.storage.exists(os.path.join(path, done_marker_name(index)))
                    for index in range(1, process_count))
+
+    def done_checksums(self, path: str, process_count: int) -> dict[str, dict[str, Any]]:
+        """The manifest entries the other processes' done markers carry (``mark_done``)."""
+        found: dict[str, dict[str, Any]] = {}
+        for index in range(1, process_count):
+            found.update(json.loads(self.read_file(path, done_marker_name(index)) or b"{}"))
+        return found
 
     def size_of(self, path: str) -> int:
         """Bytes of every file below ``path`` (an export, whose writer did not say)."""

@@ -48,9 +48,14 @@ bytes there without a copy on CPU: they sit at the offset, a multiple of 64) wit
 checksum computed as each piece arrives, so a restore needs no separate verification pass
 over the same bytes.
 
-Anything this module does not write the same way (other codecs, compression, several
-chunks, sub-byte or big-endian dtypes, zero-size arrays) is left to Orbax: ``supported``
-and ``parse_metadata`` say which.
+Arrays sharded over several processes are stored as Orbax stores them: a regular grid of
+chunks of the shard shape (``chunk_shape`` in both places of zarr.json), one file per
+chunk at ``c/i/j/...`` (its grid position), each holding one inner chunk at offset 0 and
+its shard index; each process writes the chunks it owns (``chunk_grid``, ``parse_grid``).
+
+Anything this module does not write the same way (other codecs, compression, uneven
+grids, sub-byte or big-endian dtypes, zero-size arrays) is left to Orbax: ``supported``,
+``parse_metadata`` and ``parse_grid`` say which.
 
 Must not import: jax, orbax, tensorstore, torch.
 """
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import mmap
 import os
@@ -80,9 +86,11 @@ __all__ = [
     "aligned_blocks",
     "aligned_empty",
     "array_bytes",
+    "chunk_grid",
     "chunk_relpath",
     "data_offset",
     "metadata_text",
+    "parse_grid",
     "parse_metadata",
     "INDEX_BYTES",
     "read_chunk",
@@ -127,9 +135,21 @@ def supported(array: np.ndarray) -> bool:
             and dtype.byteorder in "=|<" and sys.byteorder == "little")
 
 
-def chunk_relpath(ndim: int) -> str:
-    """Path of the one chunk file of an array of ``ndim`` dimensions, below its directory."""
-    return "/".join(["c"] + ["0"] * ndim)
+def chunk_relpath(ndim: int, index: tuple[int, ...] | None = None) -> str:
+    """Path of the chunk file at grid position ``index`` (default: the one chunk of a
+    single-chunk array) of an array of ``ndim`` dimensions, below its directory: zarr3's
+    default chunk key encoding, "c" then one component per dimension."""
+    return "/".join(["c"] + [str(i) for i in (index if index is not None else (0,) * ndim)])
+
+
+def chunk_grid(shape: tuple[int, ...],
+               chunk_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """Every chunk of an array of ``shape`` cut into ``chunk_shape`` (which divides it):
+    its grid position and the slices of the array it holds, in C order."""
+    counts = [size // chunk for size, chunk in zip(shape, chunk_shape, strict=True)]
+    return [(index, tuple(slice(i * chunk, (i + 1) * chunk)
+                          for i, chunk in zip(index, chunk_shape, strict=True)))
+            for index in itertools.product(*(range(count) for count in counts))]
 
 
 def _fill_value(dtype_name: str) -> Any:
@@ -142,15 +162,17 @@ def _fill_value(dtype_name: str) -> Any:
     return 0.0
 
 
-def _metadata(shape: tuple[int, ...], dtype_name: str) -> dict[str, Any]:
+def _metadata(shape: tuple[int, ...], dtype_name: str,
+              chunk_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+    chunk = list(shape if chunk_shape is None else chunk_shape)
     inner: dict[str, Any] = {"name": "bytes"}
     if np.dtype(dtype_name).itemsize > 1:  # one-byte types carry no endianness
         inner["configuration"] = {"endian": "little"}
     return {
-        "chunk_grid": {"configuration": {"chunk_shape": list(shape)}, "name": "regular"},
+        "chunk_grid": {"configuration": {"chunk_shape": chunk}, "name": "regular"},
         "chunk_key_encoding": {"name": "default"},
         "codecs": [{"configuration": {
-            "chunk_shape": list(shape),
+            "chunk_shape": chunk,
             "codecs": [inner],
             "index_codecs": [{"configuration": {"endian": "little"}, "name": "bytes"},
                              {"name": "crc32c"}]},
@@ -163,22 +185,39 @@ def _metadata(shape: tuple[int, ...], dtype_name: str) -> dict[str, Any]:
     }
 
 
-def metadata_text(shape: tuple[int, ...], dtype_name: str, offset: int = 0) -> str:
+def metadata_text(shape: tuple[int, ...], dtype_name: str, offset: int = 0,
+                  chunk_shape: tuple[int, ...] | None = None) -> str:
     """The ``zarr.json`` of one array, as tensorstore writes it (sorted keys, compact);
     with ``offset`` (where the bytes start in the chunk file, see ``data_offset``) also
-    the attribute that records it."""
-    document = _metadata(shape, dtype_name)
+    the attribute that records it. ``chunk_shape``: a grid of chunks of that shape (one
+    file each, every one at offset 0: several processes write them), else one chunk."""
+    if chunk_shape is not None and tuple(chunk_shape) != tuple(shape) and offset:
+        raise ValueError("a data offset is recorded only for single-chunk arrays")
+    document = _metadata(shape, dtype_name, chunk_shape)
     if offset:
         document["attributes"] = {_ATTRIBUTE: {"chunk_offset": offset}}
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
 def parse_metadata(text: bytes | str) -> tuple[tuple[int, ...], np.dtype, int] | None:
-    """Shape, dtype and data offset of a ``zarr.json`` in exactly a form this module
-    writes, or None when it is anything else (then Orbax reads that array)."""
+    """Shape, dtype and data offset of a single-chunk ``zarr.json`` in exactly a form this
+    module writes, or None when it is anything else (then Orbax reads that array)."""
+    parsed = parse_grid(text)
+    if parsed is None or parsed[3] != parsed[0]:
+        return None
+    return parsed[:3]
+
+
+def parse_grid(text: bytes | str) -> tuple[tuple[int, ...], np.dtype, int,
+                                           tuple[int, ...]] | None:
+    """Shape, dtype, data offset and chunk shape of a ``zarr.json`` in exactly a form this
+    module writes (one chunk, or a regular grid of chunks that divides the shape, each a
+    file holding one inner chunk at offset 0: what Orbax writes for a sharded array), or
+    None when it is anything else (then Orbax reads that array)."""
     try:
         found = json.loads(text)
         shape = tuple(int(n) for n in found["shape"])
+        chunk_shape = tuple(int(n) for n in found["chunk_grid"]["configuration"]["chunk_shape"])
         name = found["data_type"]
         offset = 0
         attributes = found.pop("attributes", None)
@@ -186,12 +225,15 @@ def parse_metadata(text: bytes | str) -> tuple[tuple[int, ...], np.dtype, int] |
             if set(attributes) != {_ATTRIBUTE} or set(attributes[_ATTRIBUTE]) != {"chunk_offset"}:
                 return None
             offset = attributes[_ATTRIBUTE]["chunk_offset"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    if (name not in SUPPORTED_DTYPES or found != _metadata(shape, name) or 0 in shape
-            or type(offset) is not int or not 0 <= offset < ALIGN):
+    if (name not in SUPPORTED_DTYPES or len(chunk_shape) != len(shape)
+            or found != _metadata(shape, name, chunk_shape) or 0 in shape
+            or 0 in chunk_shape or any(s % c for s, c in zip(shape, chunk_shape, strict=True))
+            or type(offset) is not int or not 0 <= offset < ALIGN
+            or (offset and chunk_shape != shape)):
         return None
-    return shape, np.dtype(name), offset
+    return shape, np.dtype(name), offset, chunk_shape
 
 
 def _crc32c(data: bytes) -> int:

@@ -3,8 +3,9 @@ write one sharded state, against one process writing the same bytes.
 
 Owns: the bench worker (``python -m jaxckpt.tools.bench_multiprocess``, one process of a
 ``jax.distributed`` run on 127.0.0.1 with 2 CPU devices, or a lone process with 2 devices)
-and ``measure``, which runs the lone process (with jaxckpt's own writer, then through Orbax
-as several processes write), then the pair, and adds their save times to a ``BenchResult``
+and ``measure``, which runs the lone process (with jaxckpt's own writer, then through
+Orbax's, ``native_io=False``, for comparison), then the pair (jaxckpt's own writer, each
+process its shards), and adds their save times to a ``BenchResult``
 (rows ``mp_save_1``, ``mp_save_1_orbax``, ``mp_save_2``; state ``"multiprocess"``) with the
 per-round ratios and their spread in ``facts["multiprocess"]``.
 
@@ -45,8 +46,8 @@ def measure(size_mb: int, workdir: str, result: Any, log: Callable[[str], None])
     """Run the 1-process and the 2-process saves of ``size_mb`` MiB under ``workdir`` and
     record them in ``result`` (a ``jaxckpt.tools.bench.BenchResult``)."""
     times: dict[str, list[float]] = {}
-    # A second process makes the Orbax backend write through Orbax (jaxckpt's own writer is
-    # single-process): the middle run, one process through Orbax, splits the gap in two.
+    # The middle run, one process through Orbax's writer, is the writer multi-process saves
+    # used before jaxckpt's own wrote each process's shards: kept as a reference.
     for key, count, orbax_writer in (("mp_save_1", 1, False), ("mp_save_1_orbax", 1, True),
                                      ("mp_save_2", 2, False)):
         log(f"jaxckpt bench: {count}-process saves{' (Orbax writer)' * orbax_writer} "

@@ -4,6 +4,7 @@ the files, damage is caught, and a failed or unsupported write falls back or lea
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -23,6 +24,7 @@ from test_integrity import flip_byte, step_dir
 from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same_tree, like_of
 
 from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo, zarr_io
+from jaxckpt.array_files import LocalArrayFiles
 from jaxckpt.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from jaxckpt.orbax_backend import OrbaxBackend
@@ -610,3 +612,67 @@ def test_commit_refuses_a_bad_known_entry(written, case):
     with pytest.raises(error):
         store.commit(path, 0, known=known)
     assert store.read_manifest(path) is None
+
+
+# ------------------------------------------------------------------ chunk grids (sharded)
+
+
+def test_parse_grid_takes_a_regular_grid_that_divides_the_shape_only():
+    grid = zarr_io.metadata_text((8, 4), "float32", chunk_shape=(2, 4))
+    assert zarr_io.parse_grid(grid) == ((8, 4), np.dtype("float32"), 0, (2, 4))
+    assert zarr_io.parse_metadata(grid) is None  # not one chunk
+    single = zarr_io.metadata_text((8, 4), "float32")
+    assert zarr_io.parse_grid(single) == ((8, 4), np.dtype("float32"), 0, (8, 4))
+    uneven = zarr_io.metadata_text((8, 4), "float32", chunk_shape=(3, 4))
+    assert zarr_io.parse_grid(uneven) is None
+    document = json.loads(grid)
+    document["codecs"][0]["configuration"]["chunk_shape"] = [1, 4]  # inner != outer
+    assert zarr_io.parse_grid(json.dumps(document)) is None
+    with pytest.raises(ValueError, match="single-chunk"):
+        zarr_io.metadata_text((8, 4), "float32", 64, chunk_shape=(2, 4))
+
+
+def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
+    """An array Orbax wrote from shards (a grid of chunk files, as several processes write
+    it) is read by zarr_io, every chunk file claimed and checksummed, bit for bit."""
+    from jaxckpt._orbax_read import read_native
+
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
+    value = random_array("bfloat16", (8, 6), np.random.default_rng(3))
+    array = jax.device_put(value, sharding)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True,
+                                          use_compression=False)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(tmp_path / "arrays",
+                          args=ocp.args.PyTreeSave(item={"leaf_000000": array}))
+    grid = zarr_io.parse_grid((tmp_path / "arrays/leaf_000000/zarr.json").read_bytes())
+    assert grid is not None and grid[3] != grid[0]  # several chunks
+    claims, offered = offer_chunks(tmp_path)
+    assert len(offered) == 8
+    restore_args = {"leaf_000000": ocp.ArrayRestoreArgs(sharding=sharding, global_shape=(8, 6),
+                                                        dtype=value.dtype)}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        restored = read_native(str(tmp_path / "arrays"), restore_args,
+                               claims, pool=pool, files=LocalArrayFiles(direct=True))
+    assert restored is not None
+    assert restored["leaf_000000"].sharding == sharding
+    assert_bitwise_equal(np.asarray(restored["leaf_000000"]), value)
+    assert claims.unclaimed(str(tmp_path)) == [] and claims.problems(str(tmp_path)) == []
+
+
+def test_a_missing_chunk_file_of_a_grid_is_a_damaged_checkpoint(tmp_path):
+    from jaxckpt._orbax_read import read_native, unreadable_is_corrupt
+
+    arrays = tmp_path / "arrays"
+    (arrays / "leaf_000000/c/0").mkdir(parents=True)
+    (arrays / "leaf_000000/zarr.json").write_text(
+        zarr_io.metadata_text((4, 2), "int32", chunk_shape=(2, 2)))
+    zarr_io.write_chunk(str(arrays / "leaf_000000/c/0/0"), np.zeros((2, 2), np.int32),
+                        algorithm=ALGORITHM)
+    restore_args = {"leaf_000000": ocp.RestoreArgs(restore_type=np.ndarray)}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, \
+            pytest.raises(CheckpointCorruptError, match="cannot be read"), \
+            unreadable_is_corrupt(str(tmp_path)):
+        read_native(str(arrays), restore_args, None, pool=pool,
+                    files=LocalArrayFiles(direct=True))

@@ -333,3 +333,89 @@ def test_one_process_checkpoint_restores_in_two_processes(tmp_path):
     step6 = one / "recover" / "step_00000006"
     assert {"COMMITTED", "driver.p00001.json", "done.p00001"} <= set(os.listdir(step6))
     assert json.loads((step6 / "driver.json").read_text())["process_count"] == 2
+
+
+def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
+    """The native writer ran in both processes: Orbax's own files (``_sharding``,
+    ``array_metadatas``) are absent, every shard is one chunk file of a [2, 4] grid, process
+    1's chunk checksums reached the manifest through its done marker, plain Orbax restores
+    the arrays, and one process reads every chunk natively (each file claimed)."""
+    import orbax.checkpoint as ocp
+
+    from jaxckpt.checksum import default_algorithm
+    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.store import ReadClaims
+
+    root, _ = two_process_root
+    step_dir = os.path.join(root, "recover", "step_00000003")
+    arrays = os.path.join(step_dir, "state", "arrays")
+    assert not {"_sharding", "array_metadatas"} & set(os.listdir(arrays))
+    tree = json.load(open(os.path.join(step_dir, "state", "tree.json")))
+    name = next(leaf["name"] for leaf in tree["leaves"] if leaf["path"] == "['w']")
+    grid = json.load(open(os.path.join(arrays, name, "zarr.json")))["chunk_grid"]
+    assert grid["configuration"]["chunk_shape"] == [2, 4]
+    chunks = {f"state/arrays/{name}/c/{i}/0" for i in range(4)}
+    manifest = json.load(open(os.path.join(step_dir, "COMMITTED")))["files"]
+    assert chunks <= set(manifest)
+    carried = json.load(open(os.path.join(step_dir, "done.p00001")))
+    assert set(carried) & chunks and all(manifest[rel] == carried[rel] for rel in carried)
+
+    restored = ocp.PyTreeCheckpointer().restore(arrays)
+    expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 3000
+    np.testing.assert_array_equal(np.asarray(restored[name]), expected)
+
+    claims = ReadClaims()
+    state_dir = os.path.join(step_dir, "state")
+    offered = [(rel[len("state/"):], info) for rel, info in manifest.items()
+               if rel.startswith(f"state/arrays/{name}/c/")]
+    claims.offer(state_dir, offered)
+    like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32), "n": 0}
+    backend = OrbaxBackend()
+    try:
+        result = backend.read(state_dir, like, claims=claims)
+    finally:
+        backend.close()
+    np.testing.assert_array_equal(np.asarray(result["w"]), expected)
+    assert claims.unclaimed(state_dir) == [] and claims.problems(state_dir) == []
+    assert default_algorithm() in manifest[sorted(chunks)[0]]
+
+
+NATIVE_READER = jax_worker('''
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxckpt.orbax_backend import OrbaxBackend
+        from jaxckpt.store import ReadClaims
+
+        state_dir = root
+        manifest = json.load(open(os.path.join(os.path.dirname(root), "COMMITTED")))["files"]
+        tree = json.load(open(os.path.join(root, "tree.json")))
+        name = next(leaf["name"] for leaf in tree["leaves"] if leaf["path"] == "['w']")
+        offered = [(rel[len("state/"):], info) for rel, info in manifest.items()
+                   if rel.startswith(f"state/arrays/{name}/c/")]
+        claims = ReadClaims()
+        claims.offer(state_dir, offered)
+        sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+        like = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=sharding), "n": 0}
+        backend = OrbaxBackend()
+        result = backend.read(state_dir, like, claims=claims)
+        backend.close()
+        expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 3000
+        mine = set()
+        for shard in result["w"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])
+            mine.add(f"arrays/{name}/c/{shard.index[0].start // 2}/0")
+        unclaimed = {rel for rel, _ in claims.unclaimed(state_dir)}
+        assert len(mine) == 2 and unclaimed == {rel for rel, _ in offered} - mine, unclaimed
+        assert claims.problems(state_dir) == []
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("jaxckpt-test-end")
+''')
+
+
+def test_each_process_reads_only_the_chunks_under_its_own_devices(two_process_root,
+                                                                   tmp_path):
+    """Two processes restore a checkpoint two wrote natively: each reads (and checksums)
+    the chunk files of its own shards, and leaves the other process's unread."""
+    root, _ = two_process_root
+    state_dir = os.path.join(root, "recover", "step_00000003", "state")
+    run_two_workers(NATIVE_READER, tmp_path, dirname=state_dir)

@@ -43,6 +43,24 @@ def test_all_done_waits_for_every_other_process(store):
     assert sorted(os.listdir(path)) == [done_marker_name(1), done_marker_name(2)]
 
 
+def test_done_markers_carry_each_processs_checksums_into_the_commit(store):
+    """A process's writer checksummed its files; the primary commits those entries without
+    reading the files back (a wrong entry would show as the manifest's, not the file's)."""
+    from jaxckpt.checksum import default_algorithm
+
+    path = store.step_path(2)
+    os.makedirs(os.path.join(path, "state"))
+    with open(os.path.join(path, "state", "shard"), "wb") as stream:
+        stream.write(b"12345")
+    entry = {"size": 5, default_algorithm(): "0badc0de"}  # not the file's real checksum
+    store.mark_done(path, 1, {"state/shard": entry})
+    store.mark_done(path, 2)
+    carried = store.done_checksums(path, 3)
+    assert carried == {"state/shard": entry}
+    manifest = store.commit(path, 2, known=carried)
+    assert manifest.files["state/shard"] == entry
+
+
 def test_lock_excludes_a_second_store_on_the_root(store):
     lease = store.lock()
     try:

@@ -1,0 +1,200 @@
+"""The native writer of a run of several JAX processes: each process writes the chunk files
+of the shards it owns, in the layout Orbax gives a sharded array.
+
+Owns: which native write a save gets, if any (:func:`native_writer`: a single process's
+``_orbax_write.write_native``, or this module's), deciding at staging time what this
+process writes of each stored array (:func:`stage_shards`) and writing it
+(:func:`write_shards`). The layout is the one
+``jaxckpt.zarr_io`` documents for an array sharded over processes (what Orbax's
+``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes for a sharded array):
+a regular chunk grid of the shard shape, one chunk file per shard at ``c/i/j/...``, written
+by the process holding that shard's replica 0. Arrays every process holds entirely (packs,
+numpy leaves, fully addressable jax.Arrays) are the primary's, as one chunk; the primary
+also writes every ``zarr.json`` and Orbax's metadata files (all follow from the global
+shapes and shardings, which every process knows).
+
+The files are written in place (no temporary directory renamed at the end: the processes
+share one ``arrays/`` directory, local or on an object store); the checkpoint's commit
+marker, written by the primary once every process is done, is what makes them count.
+Anything this writer does not store (dtypes zarr_io does not write, shards that do not tile
+their array on a regular grid) returns None from :func:`stage_shards`, and the backend
+hands the whole write to Orbax (on a local root; an object store refuses it).
+
+Must not import: torch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxckpt import zarr_io
+from jaxckpt._orbax_process import barrier
+from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
+from jaxckpt._orbax_write import host_arrays, write_native
+from jaxckpt.array_files import ArrayFiles
+from jaxckpt.checksum import default_algorithm
+
+__all__ = ["ShardedArray", "native_writer", "stage_shards", "write_shards"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedArray:
+    """One stored array of a multi-process write, as this process sees it."""
+
+    #: the global shape and dtype name (zarr.json's).
+    shape: tuple[int, ...]
+    dtype_name: str
+    #: the chunk grid's chunk shape; None for a single-chunk array.
+    chunk_shape: tuple[int, ...] | None
+    #: what this process writes: (chunk path below the array's directory, host data).
+    pieces: tuple[tuple[str, np.ndarray], ...]
+
+
+def _grid_of(array: jax.Array) -> tuple[int, ...] | None:
+    """The chunk shape of ``array``'s shards when they tile it on a regular grid (every
+    shard a whole cell of the shard shape), else None."""
+    shape = tuple(array.shape)
+    chunk = tuple(array.sharding.shard_shape(shape))
+    if 0 in chunk:
+        return None
+    for index in array.sharding.devices_indices_map(shape).values():
+        for part, size, cell in zip(index, shape, chunk, strict=True):
+            start, stop, step = part.indices(size)
+            if step != 1 or start % cell or stop - start != cell:
+                return None
+    return chunk
+
+
+def stage_shards(arrays: dict[str, Any], *, primary: bool) -> dict[str, ShardedArray] | None:
+    """What this process writes of each array of ``arrays`` (host numpy arrays, or
+    jax.Arrays sharded over processes), with the data on the host (on CPU a view of an
+    immutable buffer, no copy); None when some array is not stored natively (the same
+    answer on every process: it depends on dtypes, shapes and shardings only)."""
+    staged: dict[str, ShardedArray] = {}
+    pieces: dict[str, list[tuple[str, np.ndarray]]] = {}  # name -> this process's chunks
+    owned: list[tuple[str, str, Any]] = []  # (name, chunk path, shard data on device)
+    for name, array in arrays.items():
+        dtype = np.dtype(array.dtype)
+        if not zarr_io.supported(np.empty((1,) if array.size else (0,), dtype)):
+            return None
+        shape = tuple(array.shape)
+        if isinstance(array, np.ndarray) or array.is_fully_addressable:
+            # Every process holds it entirely: the primary's copy is stored, as one chunk.
+            staged[name] = ShardedArray(shape, dtype.name, None, ())
+            if primary and isinstance(array, np.ndarray):
+                pieces[name] = [(zarr_io.chunk_relpath(len(shape)), array)]
+            elif primary:
+                owned.append((name, zarr_io.chunk_relpath(len(shape)), array))
+            continue
+        chunk = _grid_of(array)
+        if chunk is None:
+            return None
+        for shard in array.addressable_shards:
+            if shard.replica_id == 0:
+                position = tuple(part.indices(size)[0] // cell for part, size, cell
+                                 in zip(shard.index, shape, chunk, strict=True))
+                owned.append((name, zarr_io.chunk_relpath(len(shape), position), shard.data))
+        staged[name] = ShardedArray(shape, dtype.name, None if chunk == shape else chunk, ())
+    # One batched transfer of every owned jax shard (on CPU: views, nothing copied).
+    fetched = host_arrays([data for _, _, data in owned])
+    for (name, relative, _), host in zip(owned, fetched, strict=True):
+        pieces.setdefault(name, []).append((relative, np.ascontiguousarray(host)))
+    for name, mine in pieces.items():
+        entry = staged[name]
+        staged[name] = ShardedArray(entry.shape, entry.dtype_name, entry.chunk_shape,
+                                    tuple(mine))
+    return staged
+
+
+def write_shards(root: str, staged: dict[str, ShardedArray], *, primary: bool,
+                 pool: concurrent.futures.ThreadPoolExecutor,
+                 files: ArrayFiles) -> dict[str, dict[str, Any]]:
+    """Write this process's share of ``staged`` into ``root/arrays`` through ``files`` (in
+    place), the chunk files durably on ``pool``'s threads; the primary also writes every
+    zarr.json and Orbax's metadata files. Returns the manifest entries of the files written
+    durably, relative to ``root``."""
+    final = f"{os.fspath(root).rstrip('/')}/{ARRAYS_DIR}"
+    started_ns = time.time_ns()
+    base = files.start(final)
+    algorithm = default_algorithm()
+    known: dict[str, tuple[int, str]] = {}
+
+    def small(relative: str, text: str) -> None:
+        path = f"{base}/{relative}"
+        files.make_parent(path)
+        entry = files.write_small(path, text)
+        if entry is not None:
+            known[relative] = entry
+
+    def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
+        relative, data = job
+        path = f"{base}/{relative}"
+        files.make_parent(path)
+        size, crc = files.write_chunk(path, data, algorithm=algorithm, offset=0)
+        return relative, size, crc
+
+    jobs = sorted(((f"{name}/{relative}", data) for name, entry in staged.items()
+                   for relative, data in entry.pieces), key=lambda job: -job[1].nbytes)
+    results = list(pool.map(write, jobs))
+    if primary:
+        for name, entry in staged.items():
+            small(f"{name}/{ZARR_JSON}", zarr_io.metadata_text(
+                entry.shape, entry.dtype_name, chunk_shape=entry.chunk_shape))
+        small("_METADATA", zarr_io.tree_metadata_text(list(staged)))
+        small("_CHECKPOINT_METADATA",
+              zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
+        small("commit_success.txt", zarr_io.commit_success_text(final))
+    files.finish(base, final)
+    entries = {relative: (size, crc) for relative, size, crc in results}
+    entries.update(known)
+    return {f"{ARRAYS_DIR}/{relative}": {"size": size, algorithm: crc}
+            for relative, (size, crc) in entries.items()}
+
+
+_SHARED_WRITES = itertools.count()  # names this process's shared writes' barriers
+
+
+def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: bool,
+                  shared: bool, pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
+                  collective_timeout_s: float) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
+    """The native write of ``arrays`` into a checkpoint directory, as a function of that
+    directory returning the manifest entries it made (``write_native``, or for a directory
+    several processes write, ``write_shards`` after a barrier that every process reaches
+    once the primary created the directory), or None when Orbax must write them.
+    ``shared``: several processes write the directory.
+
+    Every process of a run calls this for the same writes in the same order (the
+    backend's contract), so the barrier names agree."""
+    if files is None:
+        return None
+    if not shared:
+        if not all(isinstance(array, np.ndarray) and zarr_io.supported(array)
+                   for array in arrays.values()):
+            return None
+        return functools.partial(_write_single, arrays=arrays, pool=pool, files=files)
+    staged = stage_shards(arrays, primary=primary)
+    if staged is None:
+        return None
+    name = f"jaxckpt.shards.{next(_SHARED_WRITES)}"
+
+    def write(root: Any) -> dict[str, dict[str, Any]]:
+        barrier(name, collective_timeout_s)  # the primary made the directory
+        return write_shards(os.fspath(root), staged, primary=primary, pool=pool(),
+                            files=files)
+
+    return write
+
+
+def _write_single(root: Any, *, arrays: dict[str, np.ndarray],
+                  pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
+                  files: ArrayFiles) -> dict[str, dict[str, Any]]:
+    return write_native(root, arrays, pool=pool(), files=files)
