@@ -276,8 +276,9 @@ def test_cli_refuses_what_it_cannot_read_on_object_storage(base, s3_environment,
     from jaxckpt.tools.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["export-hf", base, "out"]) == 2
-    assert "does not take object-storage paths yet" in capsys.readouterr().err
+    # A Hugging Face directory is read with local file I/O: a URL there is refused.
+    assert main(["import-hf", base, str(tmp_path / "root"), "--arch", "llama"]) == 2
+    assert "HF_DIR" in capsys.readouterr().err
     assert main(["ls", "az://bucket/run"]) == 2
     assert "the az:// scheme is not supported" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
