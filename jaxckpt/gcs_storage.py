@@ -36,13 +36,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .checksum import extend
 from .extras import requires_extra
-from .storage import RootLease, Storage
+from .storage import ReadHolds, RootLease, Storage
 
 __all__ = ["GCSStorage", "Tries", "gcs_client", "is_transient", "split_gs_url"]
 
@@ -146,26 +145,6 @@ class Tries:
         return True
 
 
-class _ReadHolds:
-    """The per-process ``reading`` holds of markers, by object name."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self.lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def hold(self, name: str) -> Iterator[None]:
-        with self.lock:
-            self.counts[name] = self.counts.get(name, 0) + 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.counts[name] -= 1
-                if not self.counts[name]:
-                    del self.counts[name]
-
-
 class GCSStorage(Storage):
     """``Storage`` on one GCS bucket, below one name prefix (``""``: the whole bucket).
 
@@ -202,7 +181,7 @@ class GCSStorage(Storage):
         self._backoff = (float(options["backoff_s"]), float(options["max_backoff_s"]))
         self.client = gcs_client(options)
         self.bucket = self.client.bucket(bucket)
-        self._holds = _ReadHolds()
+        self._holds = ReadHolds()
 
     def __repr__(self) -> str:
         return f"GCSStorage({self.bucket_name!r}, {self.prefix!r})"

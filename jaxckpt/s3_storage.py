@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .checksum import extend
-from .storage import RootLease, Storage
+from .storage import ReadHolds, RootLease, Storage
 
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
 
@@ -184,8 +184,7 @@ class S3Storage(Storage):
         self.lease_s = lease_s
         self.heartbeat_s = heartbeat_s
         self.client = s3_client(storage_options)
-        self._holds: dict[str, int] = {}
-        self._holds_lock = threading.Lock()
+        self._holds = ReadHolds()
         self._small = _SmallObjects()
 
     def __repr__(self) -> str:
@@ -425,21 +424,13 @@ class S3Storage(Storage):
 
     @contextlib.contextmanager
     def reading(self, path: str) -> Iterator[None]:
-        key = self.key(path)
-        with self._holds_lock:
-            self._holds[key] = self._holds.get(key, 0) + 1
-        try:
+        with self._holds.hold(self.key(path)):
             yield
-        finally:
-            with self._holds_lock:
-                self._holds[key] -= 1
-                if not self._holds[key]:
-                    del self._holds[key]
 
     def delete_unless_reading(self, path: str) -> bool:
         key = self.key(path)
-        with self._holds_lock:  # held while deleting, so no hold starts in between
-            if self._holds.get(key):
+        with self._holds.lock:  # held while deleting, so no hold starts in between
+            if self._holds.counts.get(key):
                 return False
             self._small.drop(key)
             self.client.delete_object(Bucket=self.bucket, Key=key)

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,8 +37,8 @@ from .checksum import extend, file_checksum
 from .errors import RootLockedError
 from .layout import LOCK_FILE, tmp_name
 
-__all__ = ["Storage", "PosixStorage", "RootLease", "RootLock", "fsync_file", "fsync_dir",
-           "atomic_write"]
+__all__ = ["Storage", "PosixStorage", "ReadHolds", "RootLease", "RootLock", "fsync_file",
+           "fsync_dir", "atomic_write"]
 
 _READ_PIECE = 8 * 1024 * 1024
 
@@ -192,6 +193,28 @@ class Storage(abc.ABC):
     def delete_unless_reading(self, path: str) -> bool:
         """Delete the object at ``path`` durably unless a ``reading`` context holds it; False
         when one does (nothing deleted). Nothing there counts as deleted (True)."""
+
+
+class ReadHolds:
+    """Per-process ``reading`` holds by key, for stores with no server-side read lock (the
+    object stores): ``hold(key)`` while a checkpoint is read; deleting under ``lock`` while
+    ``counts`` has no entry for the key keeps a hold from starting in between."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.counts[key] -= 1
+                if not self.counts[key]:
+                    del self.counts[key]
 
 
 class PosixStorage(Storage):
