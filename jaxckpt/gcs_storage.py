@@ -41,7 +41,7 @@ from typing import Any
 
 from .checksum import extend
 from .extras import requires_extra
-from .storage import ReadHolds, RootLease, Storage
+from .storage import ReadHolds, RootLease, Storage, object_name
 
 __all__ = ["GCSStorage", "Tries", "gcs_client", "is_transient", "split_gs_url"]
 
@@ -192,11 +192,7 @@ class GCSStorage(Storage):
 
     def name(self, path: str) -> str:
         """The object name of location ``path``; ``ValueError`` outside this storage."""
-        bucket, name = split_gs_url(path)
-        inside = not self.prefix or name == self.prefix or name.startswith(self.prefix + "/")
-        if bucket != self.bucket_name or not inside or "//" in name:
-            raise ValueError(f"{path!r} is not a location of {self!r}")
-        return name
+        return object_name(path, split_gs_url(path), self.bucket_name, self.prefix, self)
 
     # --- requests ------------------------------------------------------------------------
     def retry(self, tries: Tries | None = None) -> Any:

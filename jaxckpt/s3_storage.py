@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .checksum import extend
-from .storage import ReadHolds, RootLease, Storage
+from .storage import ReadHolds, RootLease, Storage, object_name
 
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
 
@@ -196,11 +196,7 @@ class S3Storage(Storage):
 
     def key(self, path: str) -> str:
         """The object key of location ``path``; ``ValueError`` outside this storage."""
-        bucket, key = split_s3_url(path)
-        inside = not self.prefix or key == self.prefix or key.startswith(self.prefix + "/")
-        if bucket != self.bucket or not inside or "//" in key:
-            raise ValueError(f"{path!r} is not a location of {self!r}")
-        return key
+        return object_name(path, split_s3_url(path), self.bucket, self.prefix, self)
 
     # --- whole objects -------------------------------------------------------------------
     def write(self, path: str, data: bytes | bytearray) -> None:

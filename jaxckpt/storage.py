@@ -37,8 +37,8 @@ from .checksum import extend, file_checksum
 from .errors import RootLockedError
 from .layout import LOCK_FILE, tmp_name
 
-__all__ = ["Storage", "PosixStorage", "ReadHolds", "RootLease", "RootLock", "fsync_file",
-           "fsync_dir", "atomic_write"]
+__all__ = ["Storage", "PosixStorage", "ReadHolds", "object_name", "RootLease", "RootLock",
+           "fsync_file", "fsync_dir", "atomic_write"]
 
 _READ_PIECE = 8 * 1024 * 1024
 
@@ -193,6 +193,17 @@ class Storage(abc.ABC):
     def delete_unless_reading(self, path: str) -> bool:
         """Delete the object at ``path`` durably unless a ``reading`` context holds it; False
         when one does (nothing deleted). Nothing there counts as deleted (True)."""
+
+
+def object_name(path: str, split: tuple[str, str], bucket: str, prefix: str,
+                owner: object) -> str:
+    """The object name of location ``path`` (``split``: its bucket and name) in an object
+    store serving ``bucket`` below ``prefix``; ``ValueError`` naming ``owner`` outside it."""
+    found, name = split
+    inside = not prefix or name == prefix or name.startswith(prefix + "/")
+    if found != bucket or not inside or "//" in name:
+        raise ValueError(f"{path!r} is not a location of {owner!r}")
+    return name
 
 
 class ReadHolds:
