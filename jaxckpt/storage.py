@@ -2,7 +2,9 @@
 
 Owns: ``Storage``, the small interface the store (jaxckpt/store.py) does its I/O through,
 and ``PosixStorage``, its implementation on a local or network filesystem, with the POSIX
-helpers it is made of (``fsync_file``, ``fsync_dir``, ``atomic_write``) and ``RootLock``.
+helpers it is made of (``fsync_file``, ``fsync_dir``, ``atomic_write``) and ``RootLock``;
+and the two pieces the object stores share: ``object_name`` (a location to an object name
+inside a bucket and prefix) and ``ReadHolds`` (per-process read holds).
 
 Locations are strings: a filesystem path for ``PosixStorage``, and for an object store a URL
 (``s3://bucket/prefix/...``). Names below a location are joined with "/". The interface has
