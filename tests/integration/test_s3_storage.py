@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from support import storage_contract
+from support.fault_proxy import FaultProxy
 
 pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -284,72 +285,24 @@ def test_cli_refuses_what_it_cannot_read_on_object_storage(base, s3_environment,
     assert os.listdir(tmp_path) == []
 
 
-class _FlakyProxy:
-    """An HTTP proxy on 127.0.0.1 in front of the S3 server that answers 503 to the next
-    ``failures`` requests, then forwards (``failures=-1``: fails every request)."""
-
-    def __init__(self, target: str):
-        import http.client
-        import http.server
-        from urllib.parse import urlsplit
-
-        self.failures = 0
-        self.requests = 0
-        proxy = self
-        target_host = urlsplit(target).netloc
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _relay(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                proxy.requests += 1
-                if proxy.failures:
-                    proxy.failures -= proxy.failures > 0
-                    self.send_response(503)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                upstream = http.client.HTTPConnection(target_host, timeout=30)
-                upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
-                answer = upstream.getresponse()
-                data = answer.read()
-                self.send_response(answer.status)
-                for name, value in answer.getheaders():
-                    if name.lower() not in ("content-length", "transfer-encoding", "connection",
-                                            "server", "date"):
-                        self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                upstream.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_transient_server_errors_are_retried_a_bounded_number_of_times(options, base):
-    proxy = _FlakyProxy(options["endpoint_url"])
+    proxy = FaultProxy(options["endpoint_url"])  # no random faults: only fail_next
+
+    def requests() -> int:
+        return sum(proxy.counts.values())
+
     try:
         flaky = S3Storage(BUCKET, PREFIX, storage_options={
             **options, "endpoint_url": proxy.url, "max_attempts": 4})
-        proxy.failures = 3  # three 503s, then the fourth try goes through
+        proxy.fail_next = 3  # three 503s, then the fourth try goes through
         flaky.create(f"{base}/COMMITTED", b"m")
-        assert proxy.requests == 4
-        proxy.failures = 2
+        assert requests() == 4
+        proxy.fail_next = 2
         assert flaky.read(f"{base}/COMMITTED") == b"m"
-        proxy.failures, proxy.requests = -1, 0  # the server never recovers: give up
+        proxy.fail_next = -1  # the server never recovers: give up
+        proxy.counts = dict.fromkeys(proxy.counts, 0)
         with pytest.raises(Exception, match="503|ServiceUnavailable|reached max retries"):
             flaky.read(f"{base}/COMMITTED")
-        assert proxy.requests == 4  # max_attempts tries in all, then the error
+        assert requests() == 4  # max_attempts tries in all, then the error
     finally:
         proxy.close()

@@ -5,7 +5,9 @@ request, by a seeded draw, instead answers 503 (throttled), drops the connection
 forwarding (the request never reached the server), drops it after forwarding (the server
 acted but the answer is lost: the client's retry must cope with its own first attempt,
 e.g. a create-only PUT that already landed), or waits before forwarding (a slow server).
-``counts`` says how many of each it did. Imports nothing from the library.
+``fail_next = N`` answers 503 to the next N requests whatever the rates (-1: to every one
+from now on), for tests that count retries exactly. ``counts`` says how many of each it
+did. Imports nothing from the library.
 
 Concurrency: a threading HTTP server; the counters are guarded by a lock.
 """
@@ -30,6 +32,7 @@ class FaultProxy:
         self.rates = dict(rates or {})
         self.counts = {name: 0 for name in ("forwarded", *FAULTS)}
         self.enabled = True
+        self.fail_next = 0
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         proxy = self
@@ -85,7 +88,10 @@ class FaultProxy:
     def _draw(self) -> str:
         with self._lock:
             fault = "forwarded"
-            if self.enabled:
+            if self.fail_next:
+                self.fail_next -= self.fail_next > 0
+                fault = "unavailable"
+            elif self.enabled:
                 value, edge = self._random.random(), 0.0
                 for name in FAULTS:
                     edge += self.rates.get(name, 0.0)
