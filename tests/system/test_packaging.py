@@ -161,6 +161,16 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(dists):
     run(command, "verify", golden, cwd=dists["base"], env=env)  # exit 0: it verifies
 
 
+def test_twine_accepts_both_distributions(dists):
+    """What the package index checks on upload: the metadata renders and nothing required is
+    missing (``--strict`` turns its warnings, e.g. a missing long description type, into
+    failures)."""
+    pytest.importorskip("twine", reason="twine comes with the lint extra")
+    out = run(sys.executable, "-m", "twine", "check", "--strict", dists["sdist"],
+              dists["wheel"], cwd=dists["base"])
+    assert out.count("PASSED") == 2, out
+
+
 def test_a_test_module_runs_from_the_unpacked_sdist(dists):
     """conftest.py, the support package and the pytest settings travel with the tests."""
     unpacked = dists["unpacked"]
