@@ -91,13 +91,16 @@ class PreconditionProxy:
 
     ``fail_before``: answer 503 to the next N requests without forwarding them (-1: all);
     ``fail_after``: forward the next N uploads, then answer 503 instead of the server's answer
-    (a write whose response was lost). ``requests``: what was seen, in order.
+    (a write whose response was lost); ``drop_answer_to``: object names whose next upload is
+    forwarded, then answered by closing the connection (recorded as answered 0).
+    ``requests``: what was seen, in order.
     """
 
     def __init__(self, target: str):
         self.target = urllib.parse.urlsplit(target).netloc
         self.fail_before = 0
         self.fail_after = 0
+        self.drop_answer_to: set[str] = set()
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         proxy = self
@@ -107,6 +110,9 @@ class PreconditionProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 status, headers, data = proxy.handle(self.command, self.path, dict(self.headers),
                                                      body)
+                if status == _NO_ANSWER:
+                    self.close_connection = True
+                    return
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in ("content-length", "transfer-encoding", "connection",
@@ -153,9 +159,13 @@ class PreconditionProxy:
                     return self._record(method, name, query, 412, [
                         ("Content-Type", "application/json")], _PRECONDITION_FAILED)
             status, answer_headers, data = self._forward(method, path, headers, body)
-            if self.fail_after and method == "POST" and "uploadType" in query:
+            upload = method == "POST" and "uploadType" in query
+            if self.fail_after and upload:
                 self.fail_after -= 1
                 return self._record(method, name, query, 503, [], b"")
+            if upload and name in self.drop_answer_to:
+                self.drop_answer_to.discard(name)
+                return self._record(method, name, query, _NO_ANSWER, [], b"")
             return self._record(method, name, query, status, answer_headers, data)
 
     def _record(self, method: str, name: str, query: dict[str, str], status: int,
@@ -182,6 +192,7 @@ class PreconditionProxy:
         return int(json.loads(data)["generation"])
 
 
+_NO_ANSWER = 0  # the status that closes the connection instead of answering
 _PRECONDITION_FAILED = json.dumps({"error": {
     "code": 412, "message": "At least one of the pre-conditions you specified did not hold.",
     "errors": [{"reason": "conditionNotMet", "domain": "global"}]}}).encode()
