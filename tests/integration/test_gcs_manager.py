@@ -106,10 +106,11 @@ def test_saves_through_a_faulty_network_leave_every_checkpoint_restorable(proxy,
     bit-exact."""
     faulty = FaultProxy(proxy.url, seed=3, rates={
         "unavailable": 0.08, "drop_before": 0.06, "drop_after": 0.06, "slow": 0.05},
-        slow_s=0.2)
+        slow_s=0.1)
     states = {n: small_state(n) for n in (1, 2, 3, 4)}
-    flaky = {"endpoint_url": faulty.url, "max_attempts": 10, "read_timeout": 10,
-             "backoff_s": 0.05, "max_backoff_s": 0.4, **LEASE}
+    # Eight tries with short waits: a request fails 8 times in a row about once in 400,000.
+    flaky = {"endpoint_url": faulty.url, "max_attempts": 8, "read_timeout": 10,
+             "backoff_s": 0.05, "max_backoff_s": 0.2, **LEASE}
     try:
         with manager(root, flaky) as mgr:
             for n, state in states.items():

@@ -13,7 +13,9 @@ The kill points, in the order a save passes them (``KILLS``):
   to be sent (the worker kills itself inside the storage's create). On an object store the
   manifest is the marker (one ``COMMITTED`` object), so the store sees what it saw before
   the manifest: a prefix without a marker;
-- ``after-marker``: the save is reported committed; retention is deleting the step before.
+- ``after-marker``: the save is reported committed; retention is deleting the step before;
+- ``random``: (soak) a random moment after the save started, anywhere from staging to
+  retention or past it into the next steps.
 
 The servers are the module's own on 127.0.0.1 (``support.object_stores``: moto for s3://,
 the GCS emulator behind its precondition proxy for gs://); the worker
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -52,6 +55,7 @@ class Kill:
 
     point: str
     step: int
+    delay_s: float = 0.0  # after the line (line-timed points only)
 
     def args(self) -> list[str]:
         """The worker's own kill (exact points), or none (the harness kills at a line)."""
@@ -60,15 +64,16 @@ class Kill:
 
     def line(self) -> str | None:
         """The stdout line at which the harness SIGKILLs the worker, if it does."""
-        tag = {"before-manifest": "WRITTEN", "after-marker": "REPORTED"}.get(self.point)
+        tag = {"before-manifest": "WRITTEN", "after-marker": "REPORTED",
+               "random": "SAVING"}.get(self.point)
         return None if tag is None else f"{tag} {self.step}"
 
 
 KILLS = [Kill("uploading", 5), Kill("before-manifest", 5), Kill("before-marker", 5),
          Kill("after-marker", 5)]
 # The default run kills twice per store: at step 5 (it resumes from 2) and at step 8. On
-# gs:// the two exact points; the line-timed ones there are the DCP trial's default
-# (tests/system/test_dcp_object_store_crash.py), and every point on both stores is the soak's.
+# gs:// the two exact points (the DCP trial's default kills there after the marker:
+# tests/system/test_dcp_object_store_crash.py); every point on both stores is the soak's.
 CHAINS = {"s3": [Kill("before-manifest", 5), Kill("after-marker", 8)],
           "gs": [Kill("uploading", 5), Kill("before-marker", 8)]}
 
@@ -122,7 +127,8 @@ def kill_and_resume(store: ObjectStore, root: str, tmp: Path, kills: list[Kill])
     for number, kill in enumerate(kills):
         killed = start(root, tmp, f"killed{number}", env, *kill.args())
         line = kill.line()
-        assert killed.run(kill_at=line, drain=line is None) == -signal.SIGKILL, \
+        code = killed.run(kill_at=line, delay_s=kill.delay_s, drain=line is None)
+        assert code == -signal.SIGKILL or (kill.point == "random" and code == 0), \
             (kill, killed.lines[-5:], killed.stderr())
         assert resumed_from(killed) == expected_from, (kill, killed.lines[:2])
         committed, partial = store.steps(root)
@@ -132,7 +138,7 @@ def kill_and_resume(store: ObjectStore, root: str, tmp: Path, kills: list[Kill])
             assert kill.step in partial and kill.step not in committed, (kill, store.steps(root))
         elif kill.point == "after-marker":
             assert kill.step in committed, (kill, committed)
-        # (before-manifest: the commit may or may not have got through before the kill.)
+        # (before-manifest, random: the commit may or may not have got through.)
         time.sleep(LEASE["lease_s"] + 1.0)  # the killed job's lease expires
         expected_from = committed[-1]
     resumed = start(root, tmp, "resumed", env)
@@ -164,3 +170,24 @@ def test_sigkill_at_each_point_of_a_commit_resumes_bit_exact(store, reference, t
     root = store.url(f"crash/{uuid.uuid4().hex}")
     kill_and_resume(store, root, tmp_path, [kill])
     assert_matches(load(tmp_path / "resumed.npz"), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("JAXCKPT_SOAK") != "1", reason="soak: set JAXCKPT_SOAK=1")
+def test_sigkill_at_random_moments_resumes_bit_exact(store, reference, tmp_path):
+    # Each trial: a fresh root, a kill at a random moment of the save of step 5 or 8 (or
+    # after it), then a run to the end. A failing trial names its seed.
+    trials = int(os.environ.get("JAXCKPT_SOAK_TRIALS") or 6)
+    seed = int(os.environ.get("JAXCKPT_CRASH_SEED") or random.randrange(1 << 30))
+    rng = random.Random(seed)
+    for trial in range(trials):
+        kill = Kill("random", rng.choice([5, 8]), rng.uniform(0.0, 1.5))
+        tmp = tmp_path / str(trial)
+        tmp.mkdir()
+        root = store.url(f"crash/{uuid.uuid4().hex}")
+        try:
+            kill_and_resume(store, root, tmp, [kill])
+            assert_matches(load(tmp / "resumed.npz"), reference)
+        except AssertionError as exc:
+            raise AssertionError(f"trial {trial} ({kill}) of JAXCKPT_CRASH_SEED={seed}: "
+                                 f"{exc}") from exc
