@@ -148,3 +148,29 @@ def test_a_marker_whose_answer_was_lost_is_recognised_by_its_bytes(proxy, root):
     with manager(root, options) as mgr:
         assert mgr.committed_steps() == [1, 2]
         assert_restores(mgr, 1, small_state(1))
+
+
+def test_a_big_array_whose_upload_answer_was_lost_is_retried_and_committed(proxy, root):
+    # An array object over 8 MiB goes up as a resumable upload; the chunk that finishes it is
+    # stored but its answer never comes. The retried chunk finds the session finished (GCS
+    # answers with the object), the save commits and restores bit-exact.
+    options = {"endpoint_url": proxy.url, "backoff_s": 0.05, **LEASE}
+    big = {"w": jnp.arange(2_400_000, dtype=jnp.float32)}  # 9.6 MB: one array object
+    with manager(root, options) as mgr:
+        storage = mgr.store.storage
+        write = storage.write
+
+        def drop_big(path: str, data) -> None:  # the one object over 8 MiB: the array's
+            if memoryview(data).nbytes > 8 << 20:
+                proxy.drop_answer_to.add(storage.name(path))
+            write(path, data)
+
+        storage.write = drop_big
+        mgr.save(step(1), big, mode="sync")
+    chunks = [r for r in proxy.requests if r.method == "PUT" and "upload_id" in r.query]
+    assert [r.answered for r in chunks] == [0, 200], chunks
+    assert len({r.name for r in chunks}) == 1 and not proxy.drop_answer_to
+    with manager(root, options) as mgr:
+        assert mgr.store.verify(mgr.store.step_path(1)) == []
+        restored = mgr.restore({"w": jax.ShapeDtypeStruct((2_400_000,), jnp.float32)}).state
+    assert np.asarray(restored["w"]).tobytes() == np.asarray(big["w"]).tobytes()
