@@ -71,11 +71,12 @@ class Kill:
 
 KILLS = [Kill("uploading", 5), Kill("before-manifest", 5), Kill("before-marker", 5),
          Kill("after-marker", 5)]
-# The default run kills twice per store: at step 5 (it resumes from 2) and at step 8. On
-# gs:// the two exact points (the DCP trial's default kills there after the marker:
-# tests/system/test_dcp_object_store_crash.py); every point on both stores is the soak's.
+# The default run kills at step 5 (it resumes from 2), then on s3:// at step 8 as before;
+# on gs://, kept short, once: as the marker is about to be created (the DCP trial's default
+# kills there after the marker: tests/system/test_dcp_object_store_crash.py). Every point on
+# both stores, and random moments, are the soak's.
 CHAINS = {"s3": [Kill("before-manifest", 5), Kill("after-marker", 8)],
-          "gs": [Kill("uploading", 5), Kill("before-marker", 8)]}
+          "gs": [Kill("before-marker", 5)]}
 
 
 @pytest.fixture(scope="module", params=KINDS)
