@@ -27,6 +27,14 @@ the bytes are the ones it wrote.
 
 ``reading`` holds are kept in this process only, as on S3 (``jaxckpt.s3_storage``).
 
+The user's global ``random`` stays theirs: google-cloud-storage draws the boundary of every
+multipart upload, and google-api-core and google-auth the jitter of every retry, from
+Python's global ``random`` module. A save uploads on background threads while training draws
+from that module, so the training's random stream would depend on how uploads and steps
+interleave, and a resumed run (whose restored RNG state was snapshotted on the training
+thread) would not match an uninterrupted one. ``gcs_client`` points those modules at a
+``random.Random`` of their own (``_private_randomness``).
+
 Must not import: jax, orbax, torch. Imports google-cloud-storage lazily, when a storage is
 made (the ``gcs`` extra).
 """
@@ -36,6 +44,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import random
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,6 +63,9 @@ _DEFAULTS = {"max_attempts": 8, "connect_timeout": 10.0, "read_timeout": 60.0,
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _DELETE_THREADS = 8
 _BINARY = "application/octet-stream"
+# The client's modules that draw from the global ``random`` (module docstring).
+_DRAWING_MODULES = ("google.cloud.storage._media._upload", "google.api_core.retry.retry_base",
+                    "google.auth._exponential_backoff")
 
 
 def split_gs_url(url: str) -> tuple[str, str]:
@@ -80,6 +93,7 @@ def gcs_client(storage_options: Mapping[str, Any] | None = None) -> Any:
     with requires_extra("gcs", "gs:// roots"):
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage as gcs
+    _private_randomness()
     options = _checked(storage_options)
     endpoint = options.get("endpoint_url")
     emulated = bool(endpoint or os.environ.get("STORAGE_EMULATOR_HOST"))
@@ -95,6 +109,16 @@ def gcs_client(storage_options: Mapping[str, Any] | None = None) -> Any:
     # An explicit project (None included) keeps the client from asking the environment, or
     # the metadata server, for one.
     return gcs.Client(project=options.get("project"), credentials=credentials, **extra)
+
+
+def _private_randomness() -> None:
+    """Give the client's modules that draw from Python's global ``random`` (multipart
+    boundaries, retry jitter) a ``random.Random`` of their own, so that uploads on background
+    threads never advance the user's global random stream (module docstring). Idempotent."""
+    for name in _DRAWING_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "random", None) is random:
+            module.random = random.Random()  # type: ignore[attr-defined]
 
 
 def _checked(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:

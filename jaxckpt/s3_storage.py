@@ -23,6 +23,11 @@ times (``max_attempts``). No operation here renames: the POSIX-only extra
 (``PosixStorage.rename_posix``) has no equivalent, and the store does quarantine and export
 publishing another way there (``jaxckpt.store_objects``).
 
+botocore draws the jitter of every retry from Python's global ``random`` (the default of
+its backoff's ``random`` argument); ``s3_client`` gives it a ``random.Random`` of its own, so
+that a save's retries on background threads never shift the training loop's random stream
+(as for GCS, ``jaxckpt.gcs_storage``).
+
 ``reading`` holds are kept in this process only: a checkpoint being restored by this process
 is never deleted by it, but another process's deleter does not see them (on an object store
 only the primary process deletes, after the start-up barrier).
@@ -35,6 +40,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import random
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -83,6 +89,7 @@ def s3_client(storage_options: Mapping[str, Any] | None = None) -> Any:
     if unknown:
         raise ValueError(f"storage_options: unknown keys {sorted(unknown)}; known: "
                          f"{sorted(_CLIENT_OPTIONS + _RETRY_OPTIONS)}")
+    _private_jitter()
     # botocore's own "max_attempts" counts retries only; "total_max_attempts" counts tries.
     config = Config(retries={"mode": "standard",
                              "total_max_attempts": int(options.pop("max_attempts", 8))},
@@ -90,6 +97,19 @@ def s3_client(storage_options: Mapping[str, Any] | None = None) -> Any:
                     read_timeout=options.pop("read_timeout", 60),
                     max_pool_connections=options.pop("max_pool_connections", 16))
     return boto3.session.Session().client("s3", config=config, **options)
+
+
+def _private_jitter() -> None:
+    """Point the default ``random`` of botocore's retry backoff (bound to the global
+    ``random.random`` when botocore was imported) at a ``random.Random`` of its own
+    (module docstring). Idempotent."""
+    from botocore.retries import standard
+
+    init = standard.ExponentialBackoff.__init__
+    defaults = init.__defaults__ or ()
+    if random.random in defaults:
+        init.__defaults__ = tuple(random.Random().random if value == random.random else value
+                                  for value in defaults)
 
 
 def _code(exc: Exception) -> str:

@@ -5,6 +5,7 @@ commit protocol of CheckpointStore over it."""
 
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -304,5 +305,23 @@ def test_transient_server_errors_are_retried_a_bounded_number_of_times(options, 
         with pytest.raises(Exception, match="503|ServiceUnavailable|reached max retries"):
             flaky.read(f"{base}/COMMITTED")
         assert requests() == 4  # max_attempts tries in all, then the error
+    finally:
+        proxy.close()
+
+
+def test_retries_leave_the_global_random_stream_alone(options, base):
+    # botocore draws each retry's jitter from the random module; on a save's background
+    # threads that shifted the training loop's random stream (found while tracing the same
+    # bug on gs://, tests/system/test_object_store_crash.py).
+    proxy = FaultProxy(options["endpoint_url"])
+    try:
+        flaky = S3Storage(BUCKET, PREFIX, storage_options={
+            **options, "endpoint_url": proxy.url, "max_attempts": 4})
+        random.seed(1234)
+        before = random.getstate()
+        proxy.fail_next = 2  # two retries, each after a jittered wait
+        flaky.write(f"{base}/retried", b"z")
+        assert flaky.read(f"{base}/retried") == b"z"
+        assert random.getstate() == before
     finally:
         proxy.close()

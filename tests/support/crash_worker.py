@@ -2,7 +2,8 @@
 (tests/system/test_crash_harness.py).
 
 Run as ``python tests/support/crash_worker.py --root R --log L --steps N ...`` (R may be an
-``s3://`` URL; ``--storage-options JSON`` then configures the client and the lease). It
+``s3://`` or ``gs://`` URL; ``--storage-options JSON`` then configures the client and the
+lease). It
 trains a two-layer MLP with a hand-written Adam on ``jaxckpt.tools.demo.SyntheticLoader``
 batches, with dropout drawn from a typed JAX PRNG key and a per-step noise scale drawn from
 Python's and NumPy's global RNGs (so an exact resume needs the arrays, the key, the loader
@@ -28,6 +29,12 @@ With ``--local PATH`` (a fast local tier, ``jaxckpt.LocalTier(PATH, every=Every(
 --local-every), keep_last_n=--local-keep-last-n)``) saves to that tier are announced as
 ``SAVING_LOCAL n`` and ``REPORTED_LOCAL n`` instead.
 
+``--kill-point P --kill-step S`` makes the worker SIGKILL itself at an exact point of the save
+of step S, from inside (a kill by the harness at a stdout line lands some time after it):
+``uploading`` once the first array object of S is stored (the others are still being
+written), ``marker`` when the commit, every file uploaded and checksummed and the manifest
+built, is about to create the marker (nothing of it sent). It announces ``DYING P S`` first.
+
 Log file: one JSON line per finished step, ``{"step": n, "loss": float.hex(loss)}``.
 """
 
@@ -38,6 +45,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 from typing import Any
 
@@ -75,6 +83,37 @@ def seam_backend() -> Any:
             return Announcing()
 
     return SeamBackend()
+
+
+def install_kill(mgr: Any, point: str, step: int) -> None:
+    """SIGKILL this process at ``point`` of the save of ``step`` (module docstring), by
+    wrapping the root storage's ``write`` or ``create`` (the arrays go through the same
+    storage object as the commit)."""
+    storage = mgr.store.storage
+    step_dir = f"step_{step:08d}"
+
+    def die() -> None:
+        emit(f"DYING {point} {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "uploading":
+        write = storage.write
+
+        def dying_write(path: str, data: Any) -> None:
+            write(path, data)
+            if step_dir in path and "/state/" in path:
+                die()
+
+        storage.write = dying_write
+    else:
+        create = storage.create
+
+        def dying_create(path: str, data: bytes) -> None:
+            if step_dir in path and path.rstrip("/").endswith("/COMMITTED"):
+                die()
+            create(path, data)
+
+        storage.create = dying_create
 
 
 def build_state(seed: int, ballast: int) -> dict[str, Any]:
@@ -157,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-every", type=int, default=2)
     parser.add_argument("--local-keep-last-n", type=int, default=1)
     parser.add_argument("--storage-options", type=json.loads, default=None,
-                        help="JSON storage_options for an s3:// root (e.g. a short lease)")
+                        help="JSON storage_options for a URL root (e.g. a short lease)")
+    parser.add_argument("--kill-point", choices=("uploading", "marker"), default=None)
+    parser.add_argument("--kill-step", type=int, default=None)
     opts = parser.parse_args(argv)
 
     import jax
@@ -187,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         mode=opts.mode, backend=seam_backend(),
         on_report=lambda report: emit(f"REPORTED{tag(report)} {report.step}"),
         preemption_signals=(), storage_options=opts.storage_options)
+    if opts.kill_point is not None:
+        install_kill(mgr, opts.kill_point, opts.kill_step)
     with mgr, open(opts.log, "a") as log:
         recovered = mgr.recover(like, stateful={"loader": loader})
         if recovered is None:

@@ -1,4 +1,5 @@
-"""A fault-injecting HTTP proxy on 127.0.0.1 between an S3 client and the test's server.
+"""A fault-injecting HTTP proxy on 127.0.0.1 between an object-store client (S3 or GCS) and
+the test's server.
 
 ``FaultProxy(target, seed=..., rates=...)`` forwards every request to ``target`` and, per
 request, by a seeded draw, instead answers 503 (throttled), drops the connection before
@@ -75,7 +76,7 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
 
             def log_message(self, *args: object) -> None:
                 pass

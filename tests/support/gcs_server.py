@@ -83,7 +83,9 @@ class Request:
 
     @property
     def is_upload(self) -> bool:
-        return self.method == "POST" and "uploadType" in self.query
+        """An upload, or a resumable upload's chunk (a PUT to its session)."""
+        return (self.method == "POST" and "uploadType" in self.query) or (
+            self.method == "PUT" and "upload_id" in self.query)
 
 
 class PreconditionProxy:
@@ -91,13 +93,21 @@ class PreconditionProxy:
 
     ``fail_before``: answer 503 to the next N requests without forwarding them (-1: all);
     ``fail_after``: forward the next N uploads, then answer 503 instead of the server's answer
-    (a write whose response was lost). ``requests``: what was seen, in order.
+    (a write whose response was lost); ``drop_answer_to``: object names whose next upload
+    (for a resumable upload: the chunk that finishes it) is forwarded, then answered by
+    closing the connection (recorded as answered 0). A chunk sent again to a finished
+    resumable session gets the answer that finished it, as from GCS (the emulator forgets
+    finished sessions and would answer 404).
+    ``requests``: what was seen, in order.
     """
 
     def __init__(self, target: str):
         self.target = urllib.parse.urlsplit(target).netloc
         self.fail_before = 0
         self.fail_after = 0
+        self.drop_answer_to: set[str] = set()
+        self._sessions: dict[str, str] = {}  # resumable upload id -> object name
+        self._finished: dict[str, tuple[int, list[tuple[str, str]], bytes]] = {}
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         proxy = self
@@ -107,6 +117,9 @@ class PreconditionProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 status, headers, data = proxy.handle(self.command, self.path, dict(self.headers),
                                                      body)
+                if status == _NO_ANSWER:
+                    self.close_connection = True
+                    return
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in ("content-length", "transfer-encoding", "connection",
@@ -137,7 +150,9 @@ class PreconditionProxy:
                ) -> tuple[int, list[tuple[str, str]], bytes]:
         split = urllib.parse.urlsplit(path)
         query = dict(urllib.parse.parse_qsl(split.query))
-        name = _object_name(split.path, query, headers, body)
+        session = query.get("upload_id") if method == "PUT" else None
+        name = self._sessions.get(session or "") or _object_name(split.path, query, headers,
+                                                                  body)
         with self._lock:
             if self.fail_before:
                 self.fail_before -= self.fail_before > 0
@@ -147,16 +162,42 @@ class PreconditionProxy:
         # Mutations go one at a time, so that a condition checked still holds when the
         # request it guards reaches the server.
         with self._lock if (mutating or condition is not None) else contextlib.nullcontext():
+            if session in self._finished:
+                # GCS answers a finished session with its object (the emulator forgets it).
+                return self._record(method, name, query, *self._finished[session])
             if condition is not None and name:
                 bucket = _OBJECT_PATH.match(split.path).group(1)  # type: ignore[union-attr]
                 if self._generation(bucket, name) != int(condition):
                     return self._record(method, name, query, 412, [
                         ("Content-Type", "application/json")], _PRECONDITION_FAILED)
             status, answer_headers, data = self._forward(method, path, headers, body)
-            if self.fail_after and method == "POST" and "uploadType" in query:
+            self._track_session(query, name, session, (status, answer_headers, data))
+            upload = method == "POST" and "uploadType" in query
+            if self.fail_after and upload:
                 self.fail_after -= 1
                 return self._record(method, name, query, 503, [], b"")
+            # Stored: a one-request upload, or the chunk that finished a resumable one (whose
+            # first request only opened a session).
+            stored = (upload and query["uploadType"] != "resumable") or (
+                session is not None and status in (200, 201))
+            if stored and name in self.drop_answer_to:
+                self.drop_answer_to.discard(name)
+                return self._record(method, name, query, _NO_ANSWER, [], b"")
             return self._record(method, name, query, status, answer_headers, data)
+
+    def _track_session(self, query: dict[str, str], name: str, session: str | None,
+                       answer: tuple[int, list[tuple[str, str]], bytes]) -> None:
+        """Remember the object a resumable session started for, and the answer that finished
+        one (called under the lock)."""
+        status, headers, _ = answer
+        if session is not None and status in (200, 201):
+            self._finished[session] = answer
+        elif query.get("uploadType") == "resumable" and "upload_id" not in query and \
+                status == 200:
+            location = next((v for k, v in headers if k.lower() == "location"), "")
+            started = urllib.parse.parse_qs(urllib.parse.urlsplit(location).query)
+            if started.get("upload_id"):
+                self._sessions[started["upload_id"][0]] = name
 
     def _record(self, method: str, name: str, query: dict[str, str], status: int,
                 headers: list[tuple[str, str]], data: bytes
@@ -182,6 +223,7 @@ class PreconditionProxy:
         return int(json.loads(data)["generation"])
 
 
+_NO_ANSWER = 0  # the status that closes the connection instead of answering
 _PRECONDITION_FAILED = json.dumps({"error": {
     "code": 412, "message": "At least one of the pre-conditions you specified did not hold.",
     "errors": [{"reason": "conditionNotMet", "domain": "global"}]}}).encode()

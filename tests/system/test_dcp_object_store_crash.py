@@ -1,17 +1,19 @@
 """A PyTorch training worker (tests/support/torch_worker.py, DcpCheckpointManager) on an
-s3:// root, SIGKILLed at each point of a checkpoint's commit in turn: once the write of step
-7 finished but before its marker (it resumes from step 3), right after the marker of step 11
-while retention runs (it resumes from 11), and right after the async save of step 15
-started, while its files upload (it resumes from 11 or 15). Every run matches an
-uninterrupted run step for step (losses, data order) until it dies (an async save lets it
-train on while the commit runs), the last one ends with
-the same parameters, Adam state, scheduler and RNG, and no partial prefix is left behind.
-Two gloo ranks killed mid-save on an s3:// root resume bit-exact too. The moto server is
-started by this module on 127.0.0.1 (tests/support/s3_server.py)."""
+object-store root (s3:// and gs://), SIGKILLed at each point of a checkpoint's commit in
+turn: once the write of step 7 finished but before its marker (it resumes from step 3),
+right after the marker of step 11 while retention runs (it resumes from 11), and right after
+the async save of step 15 started, while its files upload (it resumes from 11 or 15). Every
+run matches an uninterrupted run step for step (losses, data order) until it dies (an async
+save lets it train on while the commit runs), the last one ends with the same parameters,
+Adam state, scheduler and RNG, and no partial prefix is left behind. Two gloo ranks killed
+mid-save on an object-store root resume bit-exact too (on gs:// in the soak only). The
+servers are started by this module on 127.0.0.1 (tests/support/object_stores.py: moto for
+s3://, the GCS emulator behind its precondition proxy for gs://)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -20,17 +22,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("boto3")
-pytest.importorskip("moto")
 pytest.importorskip("torch")
 pytest.importorskip("torchdata")
 
-from jaxckpt.layout import COMMIT_MARKER, parse_step_dirname  # noqa: E402
-from jaxckpt.root_url import parse_root  # noqa: E402
-
 from support.harness import Worker, repo_env, run_all  # noqa: E402
+from support.object_stores import KINDS, object_store  # noqa: E402
 from support.paths import REPO, TORCH_WORKER  # noqa: E402
-from support.s3_server import moto_s3  # noqa: E402
 from support.two_processes import free_port  # noqa: E402
 
 BUCKET = "jaxckpt-dcp-crash"
@@ -40,10 +37,21 @@ STEPS = 20  # saves at steps 3, 7, 11, 15, 19
 KILLS = [("written", 7, {3}), ("committed", 11, {11}), ("saving", 15, {11, 15})]
 
 
-@pytest.fixture(scope="module")
-def options():
-    with moto_s3(BUCKET) as opts:
-        yield {**opts, **LEASE}
+SOAK = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("JAXCKPT_SOAK") != "1",
+                                             reason="soak: set JAXCKPT_SOAK=1")]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def store(request):
+    if request.param not in KINDS:
+        pytest.skip(f"the {request.param} client or server is not installed")
+    with object_store(request.param, BUCKET) as running:
+        yield running
+
+
+@pytest.fixture
+def options(store):
+    return {**store.storage_options, **LEASE}
 
 
 def run(args: list[str]) -> int:
@@ -63,27 +71,21 @@ def steps(recs: list[dict]) -> dict[int, dict]:
     return {r["step"]: {"loss": r["loss"], "ids": r["ids"]} for r in recs if "step" in r}
 
 
-def steps_on_s3(root: str, options: dict) -> tuple[list[int], list[int]]:
-    """(committed steps, steps with objects but no marker) under ``root``."""
-    _, storage = parse_root(root, options)
-    committed, partial = [], []
-    for name in storage.list_names(f"{root}/recover"):
-        step = parse_step_dirname(name.rstrip("/"))
-        if step is not None:
-            marked = storage.exists(f"{root}/recover/{name.rstrip('/')}/{COMMIT_MARKER}")
-            (committed if marked else partial).append(step)
-    return committed, partial
-
-
-def test_sigkill_before_after_and_during_a_commit_on_s3_resumes_bit_exact(options, tmp_path):
+# On gs:// the default run kills once, after the marker while retention runs (the JAX trial
+# kills there during the upload and before the marker); the soak kills at all three.
+@pytest.mark.parametrize("store, kills", [("s3", KILLS), ("gs", [KILLS[1]]),
+                                          pytest.param("gs", KILLS, marks=SOAK)],
+                         indirect=["store"], ids=["s3", "gs", "gs-every-point"])
+def test_sigkill_before_after_and_during_a_commit_resumes_bit_exact(store, kills, options,
+                                                                    tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    root = f"s3://{BUCKET}/runs/{uuid.uuid4().hex}"
+    root = store.url(f"runs/{uuid.uuid4().hex}")
     common = ["--phase", "train", "--root", root, "--out", str(out), "--steps", str(STEPS),
               "--storage-options", json.dumps(options)]
     reference: dict[int, dict] = {}
     start = -1
-    for number, (point, step, resume_from) in enumerate(KILLS):
+    for number, (point, step, resume_from) in enumerate(kills):
         extra = ["--reference-root", str(tmp_path / "ref")] if number == 0 else []
         label = f"killed{number}"
         assert run([*common, *extra, "--label", label, "--kill-point", point,
@@ -100,7 +102,7 @@ def test_sigkill_before_after_and_during_a_commit_on_s3_resumes_bit_exact(option
         assert sorted(done) == list(range(start + 1, max(done) + 1)), (point, sorted(done))
         assert max(done) >= step
         assert all(done[s] == reference[s] for s in done), f"run {label} left the reference"
-        committed, _ = steps_on_s3(root, options)
+        committed, _ = store.steps(root)
         start = committed[-1]
         assert start in resume_from, (point, committed)
         time.sleep(LEASE["lease_s"] + 1.0)  # the killed job's lease expires
@@ -114,7 +116,7 @@ def test_sigkill_before_after_and_during_a_commit_on_s3_resumes_bit_exact(option
     (res_final,) = [r for r in recs if "final" in r]
     for key in ("final", "table", "rng"):
         assert res_final[key] == ref_final[key], f"{key} differs from the uninterrupted run"
-    assert steps_on_s3(root, options)[1] == [], "partial checkpoints left behind"
+    assert store.steps(root)[1] == [], "partial checkpoints left behind"
 
 
 def launch_ranks(args_of_rank) -> list[int]:
@@ -126,13 +128,15 @@ def launch_ranks(args_of_rank) -> list[int]:
     return codes
 
 
-def test_two_gloo_ranks_sigkilled_mid_save_on_s3_resume_bit_exact(options, tmp_path):
-    # Both ranks write their DCP files to s3://, the primary the marker; killed right after
-    # the async save of step 7 started, they resume from one committed checkpoint (3 or 7)
-    # and end as the uninterrupted 2-rank run did, rank by rank.
+@pytest.mark.parametrize("store", [pytest.param("s3"), pytest.param("gs", marks=SOAK)],
+                         indirect=True)
+def test_two_gloo_ranks_sigkilled_mid_save_resume_bit_exact(store, options, tmp_path):
+    # Both ranks write their DCP files to the store, the primary the marker; killed right
+    # after the async save of step 7 started, they resume from one committed checkpoint (3 or
+    # 7) and end as the uninterrupted 2-rank run did, rank by rank.
     out = tmp_path / "out"
     out.mkdir()
-    root = f"s3://{BUCKET}/ranks/{uuid.uuid4().hex}"
+    root = store.url(f"ranks/{uuid.uuid4().hex}")
     steps_2 = 14  # 6 steps per epoch with 2 ranks
 
     def ranks(port: int, *extra: str):
@@ -161,4 +165,4 @@ def test_two_gloo_ranks_sigkilled_mid_save_on_s3_resume_bit_exact(options, tmp_p
         for key in ("final", "table", "rng"):
             assert res_final[key] == ref_final[key], f"rank {rank}: {key} differs"
     assert len(starts) == 1 and starts <= {3, 7}, starts
-    assert steps_on_s3(root, options)[1] == [], "partial checkpoints left behind"
+    assert store.steps(root)[1] == [], "partial checkpoints left behind"
