@@ -311,7 +311,7 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
             jobs.append((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape))}", shape,
                          dtype, offset, None))
             continue
-        grids[name] = zarr_io.aligned_empty(shape, dtype)
+        grids[name] = zarr_io.aligned_empty(shape, dtype, fresh=True)
         wanted = _addressable_parts(args, shape)
         jobs.extend((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape), index)}",
                      chunk_shape, dtype, 0, slices)

@@ -45,8 +45,10 @@ filesystems) get plain buffered writes, checksummed from the source the same way
 
 Reading mirrors it: ``O_DIRECT`` reads into 4 KiB-aligned buffers (jax adopts the array's
 bytes there without a copy on CPU: they sit at the offset, a multiple of 64) with the
-checksum computed as each piece arrives, so a restore needs no separate verification pass
-over the same bytes.
+checksum computed as each piece arrives, on the reading thread, so a restore needs no
+separate verification pass over the same bytes. The buffers are memory maps of their own
+(``fresh_blocks``), not numpy's allocations, which ask for huge pages: faulting in fresh
+huge pages made restores 1.5-4x slower than the read on the development VM.
 
 Arrays sharded over several processes are stored as Orbax stores them: a regular grid of
 chunks of the shard shape (``chunk_shape`` in both places of zarr.json), one file per
@@ -81,6 +83,7 @@ from .errors import CheckpointCorruptError
 
 __all__ = [
     "ALIGN",
+    "FRESH_MIN",
     "SUPPORTED_DTYPES",
     "ZERO_COPY_MIN",
     "aligned_blocks",
@@ -89,6 +92,7 @@ __all__ = [
     "chunk_grid",
     "chunk_relpath",
     "data_offset",
+    "fresh_blocks",
     "metadata_text",
     "parse_grid",
     "parse_metadata",
@@ -107,6 +111,9 @@ __all__ = [
 ALIGN = 4096
 #: Bytes per read or write call, and the size of each thread's bounce buffer.
 PIECE = 8 << 20
+#: Read buffers from this size on are memory maps of their own (``fresh_blocks``): numpy
+#: asks for huge pages from 4 MiB on.
+FRESH_MIN = 4 << 20
 #: Arrays from this size on may start past the beginning of their chunk file, so that
 #: they are written from their own memory (``data_offset``).
 ZERO_COPY_MIN = 1 << 20
@@ -282,13 +289,36 @@ def aligned_blocks(nbytes: int) -> np.ndarray:
     return raw[start:start + padded]
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def fresh_blocks(nbytes: int) -> np.ndarray:
+    """``aligned_blocks`` for a buffer that is filled once and handed over (what a restore
+    reads into): from ``FRESH_MIN`` bytes on, an anonymous memory map of its own, given
+    back to the system when the last array over it goes.
+
+    Why not ``np.empty``: numpy asks for transparent huge pages (``MADV_HUGEPAGE``) on
+    every allocation of 4 MiB or more, and where the kernel's THP setting is ``madvise``
+    (the usual default) that opts the buffer in to huge pages found or made at fault time.
+    On the development VM, 1 GiB read with ``O_DIRECT`` in a fresh process took 1.8-4.2 s
+    into such buffers against 1.05-1.3 s into these, the same files, taking turns
+    (docs/performance.md, Eighth round). A map we do not advise gets whatever the
+    system gives by default: 4 KiB pages here, huge pages without stalls where THP is
+    ``always``."""
+    if nbytes < FRESH_MIN:
+        return aligned_blocks(nbytes)
+    # mmap's memory starts on a page boundary and is whole pages: ALIGN divides both.
+    # Private: shared anonymous memory would be shmem, with its own accounting and limits.
+    memory = mmap.mmap(-1, _padded(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(memory, np.uint8)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any, *, fresh: bool = False) -> np.ndarray:
     """An uninitialised array starting on an ``ALIGN`` boundary: staging buffers made
     this way are written with ``O_DIRECT`` straight from their memory (``data_offset``
-    0, no bounce copy)."""
+    0, no bounce copy). ``fresh``: from ``fresh_blocks`` (a buffer that is filled once
+    and handed over), else from ``aligned_blocks`` (a buffer that is reused)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return aligned_blocks(nbytes)[:nbytes].view(dtype).reshape(shape)
+    blocks = fresh_blocks(nbytes) if fresh else aligned_blocks(nbytes)
+    return blocks[:nbytes].view(dtype).reshape(shape)
 
 
 _local = threading.local()
@@ -516,7 +546,7 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
                 f"{path} has {size} bytes; an array of {nbytes} bytes at offset {offset} is "
                 f"stored in {offset + nbytes + INDEX_BYTES}. The checkpoint is damaged; "
                 "restore another one.")
-        buffer = aligned_blocks(size)
+        buffer = fresh_blocks(size)  # the array's memory once jax adopts it: no copy
         crc = 0
         if hasattr(os, "posix_fadvise") and not is_direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

@@ -261,6 +261,63 @@ def test_data_offset_follows_the_arrays_memory(tmp_path):
     assert zarr_io.data_offset(host, str(tmp_path)) == host.ctypes.data % ALIGN
 
 
+def _mapping_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the memory mapping that holds ``address`` (/proc/self/smaps):
+    ``hg`` marks memory advised to use huge pages (``MADV_HUGEPAGE``)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if not first.endswith(":"):  # a mapping's header: "start-end perms ..."
+                start, end = (int(bound, 16) for bound in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.fixture
+def numpy_advises_huge_pages():
+    """numpy's advice of huge pages for its big arrays switched on for the test (it is on
+    by default on Linux): the memory a restore reads into must not depend on it."""
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    switch = getattr(multiarray, "_set_madvise_hugepage", None)
+    if switch is None:
+        pytest.skip("this numpy has no huge page advice")
+    previous = switch(True)
+    yield
+    switch(previous)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+def test_a_restore_reads_into_memory_it_hands_over_without_advising_huge_pages(
+        tmp_path, numpy_advises_huge_pages, monkeypatch):
+    # Huge pages asked for at fault time cost a restore 1.5-4x the read here (fresh memory
+    # on a VM; docs/performance.md, Eighth round), so the read buffers do not ask; and jax
+    # adopts them as they are, so no byte is copied after the read.
+    read_into: list[tuple[int, int]] = []
+    real_read = zarr_io.read_chunk
+
+    def spy(path, nbytes, **options):
+        content, checksum = real_read(path, nbytes, **options)
+        read_into.append((content.ctypes.data, content.ctypes.data + content.nbytes))
+        return content, checksum
+
+    monkeypatch.setattr(zarr_io, "read_chunk", spy)
+    count = 2 << 20  # 8 MiB of float32, 4 of bfloat16: numpy advises huge pages from 4 MiB
+    state = {"big": jnp.arange(count, dtype=jnp.float32) + 1,
+             "half": jnp.arange(count, dtype=jnp.bfloat16) - 1}
+    with CheckpointManager(tmp_path, mode="sync", preemption_signals=()) as mgr:
+        mgr.save(StepInfo(0, 0, 0), state)
+        restored = mgr.restore(like_of(state)).state
+    assert len(read_into) == 2
+    for name, array in restored.items():
+        np.testing.assert_array_equal(np.asarray(array), np.asarray(state[name]))
+        address = array.unsafe_buffer_pointer()
+        assert any(start <= address < end for start, end in read_into), name  # not a copy
+        assert "hg" not in _mapping_flags(address), name
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("past_page,offset", [(64, 64), (448, 448), (0, 0), (16, 64), (0, 4032)],
                          ids=["zero-copy", "zero-copy-448", "aligned", "bounce", "bounce-far"])
