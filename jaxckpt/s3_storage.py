@@ -258,10 +258,12 @@ class S3Storage(Storage):
         return keys
 
     def create(self, path: str, data: bytes) -> None:
-        self._small.drop(self.key(path))
+        """Create-only PUT. Once it wins, the bytes are kept (``_SmallObjects``): a marker
+        the commit just wrote is not asked for again by the retention that follows."""
+        key = self.key(path)
+        self._small.drop(key)
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data,
-                                   IfNoneMatch="*")
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
         except Exception as exc:
             if not is_precondition_failed(exc):
                 raise
@@ -270,8 +272,10 @@ class S3Storage(Storage):
             # apart (a manifest records its creation time, so a rival's never matches).
             with contextlib.suppress(OSError):
                 if self.read(path) == bytes(data):
+                    self._small.put(key, bytes(data))
                     return
             raise FileExistsError(17, "already exists", path) from exc
+        self._small.put(key, bytes(data))
 
     def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
         if length == 0:
@@ -355,6 +359,8 @@ class S3Storage(Storage):
         return size, f"{crc:08x}"
 
     def exists(self, path: str) -> bool:
+        if self._small.get(self.key(path)) is not None:  # as ``read`` would return it
+            return True
         try:
             self.size(path)
         except FileNotFoundError:
