@@ -113,6 +113,31 @@ def is_precondition_failed(exc: Exception) -> bool:
         _status(exc) in (409, 412)
 
 
+def _stream_into(body: Any, out: memoryview) -> int:
+    """Read a GET's body into ``out`` until it is full or the body ends; the byte count.
+
+    Straight from the socket where the body is plain bytes (no content encoding): the
+    HTTP response under botocore's and urllib3's wrappers reads into ``out`` itself, where
+    their ``readinto`` reads into a new buffer and copies it over (measured: a fifth of
+    the CPU per byte, and faster on a loaded machine). The connection then goes back to
+    the pool as urllib3 would return it. Any other body goes through botocore."""
+    raw = getattr(body, "_raw_stream", None)
+    direct = getattr(raw, "_fp", None)
+    headers = getattr(raw, "headers", None) or {}
+    plain = (direct is not None and hasattr(direct, "readinto")
+             and not headers.get("content-encoding") and hasattr(raw, "release_conn"))
+    read = direct.readinto if plain else body.readinto
+    got = 0
+    while got < len(out):
+        count = read(out[got:])
+        if not count:
+            break
+        got += count
+    if plain and direct.isclosed():  # the whole body was read: the connection is free
+        raw.release_conn()
+    return got
+
+
 class _SmallObjects:
     """The bytes of small checkpoint objects this storage wrote or checksummed, so that the
     commit does not GET what was just PUT, and a restore does not GET twice what it verified
@@ -314,14 +339,8 @@ class S3Storage(Storage):
             if _code(exc) == "InvalidRange":  # offset at or past the end
                 return 0
             raise
-        got = 0
         with contextlib.closing(response["Body"]) as body:
-            while got < len(out):
-                count = body.readinto(out[got:])
-                if not count:
-                    break
-                got += count
-        return got
+            return _stream_into(body, out)
 
     def size(self, path: str) -> int:
         try:
