@@ -17,7 +17,8 @@ batches of 1000 keys; ``copy`` is a server-side copy (no bytes through this host
 ``discard_incomplete_uploads`` aborts the multipart uploads a killed writer left (their
 parts are billed, and invisible to listings). Small checkpoint objects this storage wrote
 are not read back by the commit, and those a verification read are not read again by the
-restore that follows (``_SmallObjects``). Transient failures (5xx, throttling,
+restore that follows (``_SmallObjects``; nor are they asked about by ``exists`` and
+``is_prefix``). Transient failures (5xx, throttling,
 timeouts, dropped connections) are retried by botocore with backoff, a bounded number of
 times (``max_attempts``). No operation here renames: the POSIX-only extra
 (``PosixStorage.rename_posix``) has no equivalent, and the store does quarantine and export
@@ -174,6 +175,10 @@ class _SmallObjects:
             if data is not None:
                 self._bytes.move_to_end(key)
             return data
+
+    def any_below(self, key: str) -> bool:
+        with self._lock:
+            return any(k.startswith(key + "/") for k in self._bytes)
 
     def drop(self, key: str, *, below: bool = False) -> None:
         with self._lock:
@@ -407,6 +412,8 @@ class S3Storage(Storage):
                 if len(entry["Key"]) > len(below)}
 
     def is_prefix(self, path: str) -> bool:
+        if self._small.any_below(self.key(path)):  # an object below it, as ``exists`` knows
+            return True
         response = self.client.list_objects_v2(Bucket=self.bucket,
                                                 Prefix=self.key(path) + "/", MaxKeys=1)
         return bool(response.get("KeyCount") or response.get("Contents"))
