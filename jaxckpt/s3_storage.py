@@ -122,8 +122,8 @@ def _stream_into(body: Any, out: memoryview) -> int:
     their ``readinto`` reads into a new buffer and copies it over (measured: a fifth of
     the CPU per byte, and faster on a loaded machine). The connection then goes back to
     the pool as urllib3 would return it. Any other body goes through botocore."""
-    raw = getattr(body, "_raw_stream", None)
-    direct = getattr(raw, "_fp", None)
+    raw: Any = getattr(body, "_raw_stream", None)
+    direct: Any = getattr(raw, "_fp", None)
     headers = getattr(raw, "headers", None) or {}
     plain = (direct is not None and hasattr(direct, "readinto")
              and not headers.get("content-encoding") and hasattr(raw, "release_conn"))

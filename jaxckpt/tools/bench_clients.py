@@ -105,10 +105,11 @@ def run_clients_bench(root: str, storage_options: Mapping[str, Any] | None = Non
     """Seconds per client and row (``big_put``, ``big_get``, ``small_put``, ``small_get``)
     for every round, and their median, lowest and highest."""
     from jaxckpt.root_url import parse_root
+    from jaxckpt.s3_storage import S3Storage
 
     options = dict(storage_options or {})
     _, storage = parse_root(root, options)
-    if isinstance(storage, str) or not hasattr(storage, "bucket"):
+    if not isinstance(storage, S3Storage):
         raise ValueError(f"{root!r} is not an s3:// root")
     big = [os.urandom(object_mib * _MiB) for _ in range(max(1, big_mib // object_mib))]
     small = [os.urandom(small_kib << 10) for _ in range(small_count)]

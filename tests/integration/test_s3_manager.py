@@ -277,7 +277,8 @@ def test_a_save_reads_no_array_back_and_its_requests_are_counted(root, options):
     assert reads_back == []
     arrays = sum(c.startswith("PutObject") and c.endswith("/zarr.json") for c in calls)
     # A zarr.json and a chunk per stored array, 3 Orbax metadata files, tree.json,
-    # driver.json, the marker; then listing, free room, retention: 2A + 15 (docs/cloud.md).
+    # driver.json, the marker; then listing, free room, retention: at most 2A + 15 here
+    # (the exact counts: test_requests_of_a_save_and_a_restore_are_pinned_per_array).
     assert sum(c.startswith("PutObject") for c in calls) == 2 * arrays + 6, calls
     assert len(calls) <= 2 * arrays + 15, calls
     # Nothing the commit checksums is read back: what this storage wrote, it knows.
