@@ -241,7 +241,10 @@ class StorageArrayFiles:
         view[offset:offset + flat.size] = flat
         view[offset + flat.size:] = np.frombuffer(index, np.uint8)
         crc = extend(algorithm, 0, view)
-        self.storage.write(path, image)
+        if algorithm == "crc32c":  # the server checks what it received against it
+            self.storage.write_checked(path, image, crc32c=crc)
+        else:
+            self.storage.write(path, image)
         return len(image), f"{crc:08x}"
 
     def read_small(self, path: str, limit: int) -> bytes:

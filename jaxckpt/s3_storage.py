@@ -33,6 +33,7 @@ Must not import: jax, orbax, torch. Imports boto3 lazily, when a storage is made
 
 from __future__ import annotations
 
+import base64
 import collections
 import concurrent.futures
 import contextlib
@@ -230,12 +231,22 @@ class S3Storage(Storage):
 
     # --- whole objects -------------------------------------------------------------------
     def write(self, path: str, data: bytes | bytearray) -> None:
+        self._put(path, data, {})
+
+    def write_checked(self, path: str, data: bytes | bytearray, *, crc32c: int) -> None:
+        """A single PUT carries the caller's crc32c (the server rejects bytes that do not
+        match it, and botocore skips computing its own checksum of the body: a pass over
+        the bytes saved); the parts of a multipart upload go as ``write`` sends them."""
+        digest = base64.b64encode(crc32c.to_bytes(4, "big")).decode("ascii")
+        self._put(path, data, {"ChecksumCRC32C": digest})
+
+    def _put(self, path: str, data: bytes | bytearray, extra: dict[str, str]) -> None:
         key = self.key(path)
         self._small.drop(key)
         if len(data) > MULTIPART_OVER:
             self._write_multipart(key, data)
             return
-        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
         if _SmallObjects.keeps(key, len(data)):
             self._small.put(key, bytes(data))
 

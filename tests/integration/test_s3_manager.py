@@ -590,3 +590,28 @@ def test_small_objects_of_a_save_do_not_wait_on_the_chunk_threads(root, options)
         assert len(small) == 3 + 3, calls
         assert all(thread.startswith("jaxckpt-put") for _, thread in small), small
         assert mgr.store.verify(report.path) == []
+
+
+def test_a_chunk_put_carries_the_checksum_the_manifest_records(root, options):
+    """Each chunk object goes up with the crc32c the writer computed of the bytes it sent
+    (``x-amz-checksum-crc32c``: S3 refuses a body that does not match, and botocore
+    computes no checksum of its own), the same value the commit records."""
+    import base64
+
+    sent: dict[str, str] = {}
+
+    def record(params: dict, **kwargs) -> None:
+        if "/c/" in params.get("Key", ""):
+            sent[params["Key"]] = params.get("ChecksumCRC32C", "")
+
+    state = {"w": jnp.arange(300_000, dtype=jnp.float32)}
+    with manager(root, options, mode="sync") as mgr:
+        mgr.store.storage.client.meta.events.register(
+            "before-parameter-build.s3.PutObject", record)
+        report = mgr.save(step(1), state)
+        manifest = mgr.store.read_manifest(report.path)
+    assert manifest is not None and len(sent) == 1, sent
+    ((key, digest),) = sent.items()
+    relative = key.split("/step_00000001/", 1)[1]
+    assert digest, "no checksum sent with the chunk"
+    assert base64.b64decode(digest).hex() == manifest.files[relative]["crc32c"]
