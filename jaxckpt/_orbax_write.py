@@ -240,8 +240,13 @@ def type_handler_registry() -> Any:
 
 
 def create_directory(root: epath.Path, directory: str) -> None:
-    """Create the checkpoint directory ``root``; refuse one that exists with content."""
-    if root.exists() and any(root.iterdir()):
+    """Create the checkpoint directory ``root``; refuse one that exists with content. One
+    listing answers both (on an object store a request each)."""
+    try:
+        occupied = any(root.iterdir())
+    except FileNotFoundError:
+        occupied = False
+    if occupied:
         raise CheckpointWriteError(
             f"checkpoint directory {directory} already exists and is not empty; the "
             "Orbax backend only writes into new directories. Fix: write to a fresh "

@@ -12,7 +12,9 @@ implementations:
 - ``SharedLocalArrayFiles``: the same, written in place, for the ``arrays/`` directory
   several processes write together (each its own chunk files).
 - ``StorageArrayFiles``: one object per file through a ``Storage`` (``S3Storage``): one PUT
-  per chunk file (the storage switches to a multipart upload for big ones), reads by GET,
+  per chunk file (the storage switches to a multipart upload for big ones), the small
+  metadata files sent on threads of their own, all at once, while the chunks go up (the
+  write's ``finish`` waits for them), reads by GET,
   big chunk files in ranged GETs on a few threads. Objects are written at their final
   names: an object store has no rename, and the checkpoint's commit marker, written after
   them, is what makes them part of a checkpoint. ``StoragePath`` lets the backend's code
@@ -31,6 +33,7 @@ paths (the writer and reader run one file per I/O thread).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import threading
@@ -81,8 +84,9 @@ class ArrayFiles(Protocol):
         """Prepare the directories above ``path`` (nothing on an object store)."""
 
     def write_small(self, path: str, text: str) -> tuple[int, str] | None:
-        """Write a small metadata file; its (size, checksum) when it is already durable
-        and checksummed (then the commit neither reads nor syncs it), else None."""
+        """Write a small metadata file; its (size, checksum) when it is checksummed and
+        durable once ``finish`` returns (then the commit neither reads nor syncs it), else
+        None. It may still be on its way when this returns."""
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
                     offset: int) -> tuple[int, str]:
@@ -171,24 +175,33 @@ class StorageArrayFiles:
         self.storage = storage
         self._read_threads = read_threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._small_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._sending: dict[str, concurrent.futures.Future[None]] = {}
         self._pool_lock = threading.Lock()
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the ranged-read threads (a later read starts new ones)."""
+        """Stop the ranged-read and small-write threads (later calls start new ones)."""
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=wait)
+            pools = [self._pool, self._small_pool]
+            self._pool = self._small_pool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=wait)
 
     def start(self, final: str) -> str:
         return final
 
     def finish(self, base: str, final: str) -> None:
         """Nothing to move: the objects are at their names, and only the checkpoint's commit
-        marker (written later, by the store) makes them count."""
+        marker (written later, by the store) makes them count. Waits for the small files
+        still being sent (``write_small``)."""
+        self._wait_sent(base)
 
     def abandon(self, base: str) -> None:
-        """Left to the manager, which removes an uncommitted checkpoint whole."""
+        """Left to the manager, which removes an uncommitted checkpoint whole; the small
+        files still being sent are waited for first, so that none lands after."""
+        with contextlib.suppress(Exception):
+            self._wait_sent(base)
 
     def chunk_offset(self, array: np.ndarray, base: str) -> int:
         return 0  # no O_DIRECT on a network write: tensorstore's own layout
@@ -197,9 +210,25 @@ class StorageArrayFiles:
         """Object stores have no directories."""
 
     def write_small(self, path: str, text: str) -> tuple[int, str]:
+        """Sent on this object's own threads, so that a small PUT holds up neither the
+        chunk uploads of the I/O thread that calls it nor the next small file (a round
+        trip each, all in flight at once); ``finish`` waits for them. The checksum is
+        of the bytes sent."""
         data = text.encode("utf-8")
-        self.storage.write(path, data)
+        future = self._threads().submit(self.storage.write, path, data)
+        with self._pool_lock:
+            self._sending[path] = future
         return len(data), f"{extend(default_algorithm(), 0, data):08x}"
+
+    def _wait_sent(self, base: str) -> None:
+        """Wait for every small write below ``base``; raise the first one's error."""
+        with self._pool_lock:
+            below = sorted(path for path in self._sending if path.startswith(base + "/"))
+            futures = [self._sending.pop(path) for path in below]
+        errors = [future.exception() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
                     offset: int) -> tuple[int, str]:
@@ -212,7 +241,10 @@ class StorageArrayFiles:
         view[offset:offset + flat.size] = flat
         view[offset + flat.size:] = np.frombuffer(index, np.uint8)
         crc = extend(algorithm, 0, view)
-        self.storage.write(path, image)
+        if algorithm == "crc32c":  # the server checks what it received against it
+            self.storage.write_checked(path, image, crc32c=crc)
+        else:
+            self.storage.write(path, image)
         return len(image), f"{crc:08x}"
 
     def read_small(self, path: str, limit: int) -> bytes:
@@ -247,6 +279,14 @@ class StorageArrayFiles:
         crc = None if algorithm is None else f"{extend(algorithm, 0, content):08x}"
         return content, crc
 
+    def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._small_pool is None:
+                self._small_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.storage.concurrent_requests,
+                    thread_name_prefix="jaxckpt-put")
+            return self._small_pool
+
     def _readers(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
@@ -278,8 +318,12 @@ class StoragePath:
         return f"StoragePath({self.storage!r}, {self.location!r})"
 
     def exists(self) -> bool:
-        """An object at this location, or objects below it."""
-        return self.storage.exists(self.location) or self.storage.is_prefix(self.location)
+        """An object at this location, or objects below it. Asked in the likelier order
+        first (a request each): a name with a dot (``tree.json``) as an object, one without
+        (``state``, ``arrays``) as a prefix."""
+        if "." in self.location.rsplit("/", 1)[-1]:
+            return self.storage.exists(self.location) or self.storage.is_prefix(self.location)
+        return self.storage.is_prefix(self.location) or self.storage.exists(self.location)
 
     def iterdir(self) -> Iterator[StoragePath]:
         for name in self.storage.list_names(self.location):

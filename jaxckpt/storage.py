@@ -14,7 +14,8 @@ are what it relies on instead. ``PosixStorage`` uses temp + rename internally wh
 filesystem needs it for atomicity, and offers moving a directory (``rename_posix``) only as
 a POSIX-only extra, outside the interface. The interface also has, with defaults that serve
 a filesystem: ``copy`` (server-side on an object store), ``read_into`` (streaming into a
-caller's buffer), ``discard_incomplete_uploads`` and ``concurrent_requests``.
+caller's buffer), ``write_checked`` (a write that hands the server the caller's crc32c),
+``discard_incomplete_uploads`` and ``concurrent_requests``.
 
 Must not import: jax, orbax, torch.
 """
@@ -73,6 +74,12 @@ class Storage(abc.ABC):
         Atomic: a reader sees the old object or the whole new one, never a part. Durable when
         this returns (a crash afterwards keeps it). Two concurrent writers: one of them wins.
         """
+
+    def write_checked(self, path: str, data: bytes | bytearray, *, crc32c: int) -> None:
+        """``write``, with the crc32c of ``data`` that the caller computed: a storage that
+        can send it along (S3: ``x-amz-checksum-crc32c``) has the server check the bytes it
+        received against it, and computes no checksum of its own; others just write."""
+        self.write(path, data)
 
     @abc.abstractmethod
     def create(self, path: str, data: bytes) -> None:

@@ -255,10 +255,17 @@ class CheckpointStore:
         return Manifest.parse(data, path)
 
     def _committed_manifest(self, path: str) -> Manifest:
-        """The manifest of ``path``; raises like :meth:`verify` when there is none."""
-        if not self.storage.is_prefix(path):
+        """The manifest of ``path``; raises like :meth:`verify` when there is none. The
+        marker is asked for first: when it is there (the usual case) the directory is too,
+        and the request that tells a missing directory from an uncommitted one is saved."""
+        try:
+            manifest = self.read_manifest(path)
+        except CheckpointCorruptError:
+            if not self.storage.is_prefix(path):  # e.g. a file in its place
+                raise CheckpointNotFoundError(f"no checkpoint directory at {path!r}") from None
+            raise
+        if manifest is None and not self.storage.is_prefix(path):
             raise CheckpointNotFoundError(f"no checkpoint directory at {path!r}")
-        manifest = self.read_manifest(path)
         if manifest is None:
             raise CheckpointCorruptError(
                 f"{path}: no {COMMIT_MARKER} marker: this checkpoint never finished committing "
@@ -266,7 +273,8 @@ class CheckpointStore:
         return manifest
 
     def verify(self, path: str, *, checksums: bool = True, defer_over: int | None = None,
-               progress: Callable[[int, int], None] | None = None) -> list[str]:
+               progress: Callable[[int, int], None] | None = None,
+               manifest: Manifest | None = None) -> list[str]:
         """Problems found in a committed checkpoint (empty when it is valid).
 
         Every listed file must exist inside the directory with its listed size (and checksum
@@ -275,12 +283,14 @@ class CheckpointStore:
         (see ``DEFER_CHECKSUMS_OVER``; everything else, their sizes included, is still
         checked); :meth:`verify_deferred` checks exactly those later. None (the default)
         checks every checksum here. ``progress(done, total)``: called (from worker threads)
-        with the bytes of the listed files checked so far, after each file.
+        with the bytes of the listed files checked so far, after each file. ``manifest``:
+        the one just read from ``path`` (saves reading it again).
 
         Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
         """
-        manifest = self._committed_manifest(path)
+        if manifest is None:
+            manifest = self._committed_manifest(path)
         listed = self.storage.list_files(path)
 
         counted = _Counter(manifest.total_bytes, progress)
@@ -331,7 +341,8 @@ class CheckpointStore:
             return Entry(step=step, path=path, status="corrupt", problems=(str(exc),))
         if manifest is None:
             return Entry(step=step, path=path, status="partial")
-        problems = tuple(self.verify(path, checksums=checksums, defer_over=defer_over))
+        problems = tuple(self.verify(path, checksums=checksums, defer_over=defer_over,
+                                     manifest=manifest))
         return Entry(step=step, path=path, status="corrupt" if problems else "committed",
                      problems=problems, manifest=manifest)
 

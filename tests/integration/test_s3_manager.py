@@ -277,7 +277,8 @@ def test_a_save_reads_no_array_back_and_its_requests_are_counted(root, options):
     assert reads_back == []
     arrays = sum(c.startswith("PutObject") and c.endswith("/zarr.json") for c in calls)
     # A zarr.json and a chunk per stored array, 3 Orbax metadata files, tree.json,
-    # driver.json, the marker; then listing, free room, retention: 2A + 15 (docs/cloud.md).
+    # driver.json, the marker; then listing, free room, retention: at most 2A + 15 here
+    # (the exact counts: test_requests_of_a_save_and_a_restore_are_pinned_per_array).
     assert sum(c.startswith("PutObject") for c in calls) == 2 * arrays + 6, calls
     assert len(calls) <= 2 * arrays + 15, calls
     # Nothing the commit checksums is read back: what this storage wrote, it knows.
@@ -510,3 +511,107 @@ def test_a_chunk_object_of_the_wrong_size_is_refused_as_corrupt(root, options, c
     storage.write(chunk, body + b"x" if change == "longer" else body[:-1])
     with pytest.raises(CheckpointCorruptError, match="is stored in"):
         files.read_chunk(chunk, array.nbytes, algorithm=None, offset=0)
+
+
+def _recording(storage, calls: list[tuple[str, str, str]]):
+    """Record (operation, key, thread name) of every request ``storage`` makes, the lease's
+    heartbeat aside; returns the function to unregister."""
+    def record(event_name: str, params: dict, **kwargs) -> None:
+        key = params.get("Key", params.get("Prefix", ""))
+        if not key.endswith("/.lock"):
+            calls.append((event_name.rsplit(".", 1)[-1], key,
+                          threading.current_thread().name))
+
+    events = storage.client.meta.events
+    events.register("before-parameter-build.s3", record)
+    return lambda: events.unregister("before-parameter-build.s3", record)
+
+
+@pytest.mark.parametrize("arrays", [1, 3])
+def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, arrays):
+    """Every request of a second save (housekeeping included) and of a restore by a new
+    manager, for A arrays stored one per object: the counts docs/cloud.md gives, so that
+    none can grow unnoticed. A restore asks for no object's size (the listing gives them)
+    and reads the marker twice (choosing, then the deferred checks); a save asks nothing
+    it already knows (the checkpoint directory's emptiness: one listing)."""
+    rng = np.random.default_rng(3)
+    state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)  # > 1 MiB
+             for i in range(arrays)}
+    calls: list[tuple[str, str, str]] = []
+    with manager(root, options, mode="sync",
+                 recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1),
+                                               keep_last_n=None)) as mgr:
+        mgr.save(step(1), state)
+        stop = _recording(mgr.store.storage, calls)
+        mgr.save(step(2), state)
+        mgr.wait()
+        stop()
+    save = [(op, key) for op, key, _ in calls]
+    chunks = sum(op == "PutObject" and "/c/" in key for op, key in save)
+    assert chunks == arrays, save
+    # A zarr.json and a chunk per array, 3 Orbax metadata files, tree.json, driver.json,
+    # the marker; 7 listings (room: the root, items, the step, its state/; the commit's;
+    # retention: the root, items) and pins.json. No HEAD: retention knows the markers
+    # this process wrote.
+    assert sum(op == "PutObject" for op, _ in save) == 2 * arrays + 6, save
+    assert not [c for c in save if c[0] == "HeadObject"], save
+    assert len(save) == 2 * arrays + 14, "\n".join(map(str, save))
+    calls.clear()
+    with manager(root, options) as mgr:
+        stop = _recording(mgr.store.storage, calls)
+        restored = mgr.restore(like_of(state))
+        stop()
+    assert_bit_equal(restored.state, state)
+    read = [(op, key) for op, key, _ in calls]
+    assert not [c for c in read if c[0] == "HeadObject"], read
+    assert sum(op == "GetObject" and key.endswith("/COMMITTED") for op, key in read) == 2
+    # The root's listing, the marker, the step's listing; every small file once (a
+    # zarr.json per array, 3 Orbax files, tree.json, driver.json), the marker again, a
+    # chunk per array. The reader lists nothing: the files it was given to check tell it
+    # its directories exist.
+    assert not [c for c in read if c[0] == "ListObjectsV2" and "/state/" in c[1]], read
+    assert len(read) == 2 * arrays + 9, "\n".join(map(str, read))
+
+
+def test_small_objects_of_a_save_do_not_wait_on_the_chunk_threads(root, options):
+    """zarr.json and Orbax's metadata files go up on threads of their own, all in flight
+    at once, never on the threads that upload chunks (whose next upload would wait for
+    each small round trip); the save returns only once they are stored."""
+    rng = np.random.default_rng(4)
+    state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)
+             for i in range(3)}
+    calls: list[tuple[str, str, str]] = []
+    with manager(root, options, mode="sync") as mgr:
+        stop = _recording(mgr.store.storage, calls)
+        report = mgr.save(step(1), state)
+        stop()
+        small = [(key, thread) for op, key, thread in calls if op == "PutObject"
+                 and "/state/arrays/" in key and "/c/" not in key]
+        assert len(small) == 3 + 3, calls
+        assert all(thread.startswith("jaxckpt-put") for _, thread in small), small
+        assert mgr.store.verify(report.path) == []
+
+
+def test_a_chunk_put_carries_the_checksum_the_manifest_records(root, options):
+    """Each chunk object goes up with the crc32c the writer computed of the bytes it sent
+    (``x-amz-checksum-crc32c``: S3 refuses a body that does not match, and botocore
+    computes no checksum of its own), the same value the commit records."""
+    import base64
+
+    sent: dict[str, str] = {}
+
+    def record(params: dict, **kwargs) -> None:
+        if "/c/" in params.get("Key", ""):
+            sent[params["Key"]] = params.get("ChecksumCRC32C", "")
+
+    state = {"w": jnp.arange(300_000, dtype=jnp.float32)}
+    with manager(root, options, mode="sync") as mgr:
+        mgr.store.storage.client.meta.events.register(
+            "before-parameter-build.s3.PutObject", record)
+        report = mgr.save(step(1), state)
+        manifest = mgr.store.read_manifest(report.path)
+    assert manifest is not None and len(sent) == 1, sent
+    ((key, digest),) = sent.items()
+    relative = key.split("/step_00000001/", 1)[1]
+    assert digest, "no checksum sent with the chunk"
+    assert base64.b64decode(digest).hex() == manifest.files[relative]["crc32c"]

@@ -325,3 +325,38 @@ def test_retries_leave_the_global_random_stream_alone(options, base):
         assert random.getstate() == before
     finally:
         proxy.close()
+
+
+def test_read_into_fills_the_buffer_from_the_socket_and_keeps_the_connection(
+        storage, base, monkeypatch):
+    """``read_into`` moves a GET's body straight into the caller's buffer: urllib3's own
+    read (a new buffer per call, then a copy) is never used for it, and the connection goes
+    back to the pool once the body is read (moto answers ``Connection: close``, so the
+    pool's reuse itself cannot be seen here)."""
+    import urllib3
+
+    data = os.urandom(3 << 20)
+    storage.write(f"{base}/blob", data)
+    storage.read_into(f"{base}/blob", memoryview(bytearray(8)))  # warms one connection
+    counts = {"read": 0, "release": 0}
+    real_read = urllib3.response.HTTPResponse.read
+    real_release = urllib3.response.HTTPResponse.release_conn
+
+    def counting_read(self, *args, **kwargs):
+        counts["read"] += 1
+        return real_read(self, *args, **kwargs)
+
+    def counting_release(self, *args, **kwargs):
+        counts["release"] += 1
+        return real_release(self, *args, **kwargs)
+
+    monkeypatch.setattr(urllib3.response.HTTPResponse, "read", counting_read)
+    monkeypatch.setattr(urllib3.response.HTTPResponse, "release_conn", counting_release)
+    for _ in range(3):
+        out = bytearray(len(data) + 1)
+        assert storage.read_into(f"{base}/blob", memoryview(out)) == len(data)
+        assert bytes(out[:len(data)]) == data
+        part = bytearray(1000)
+        assert storage.read_into(f"{base}/blob", memoryview(part), offset=5000) == 1000
+        assert bytes(part) == data[5000:6000]
+    assert counts == {"read": 0, "release": 6}

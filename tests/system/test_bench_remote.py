@@ -32,3 +32,32 @@ def test_bench_root_reports_save_and_restore_against_the_raw_transfers(capsys, m
     assert set(result["summary"]) == {"save", "restore"}
     assert result["bytes"] == 4 << 20
     assert not left  # both prefixes deleted
+
+
+def test_bench_clients_moves_the_same_bytes_through_each_installed_client(capsys,
+                                                                          monkeypatch):
+    """``python -m jaxckpt.tools.bench_clients``: every installed client uploads and
+    downloads the same objects (a row each, every round timed), and nothing is left."""
+    from jaxckpt.s3_storage import s3_client
+    from jaxckpt.tools.bench_clients import main
+
+    with moto_s3("clients") as options:
+        for name, key in (("AWS_ENDPOINT_URL", "endpoint_url"), ("AWS_REGION", "region_name"),
+                          ("AWS_ACCESS_KEY_ID", "aws_access_key_id"),
+                          ("AWS_SECRET_ACCESS_KEY", "aws_secret_access_key")):
+            monkeypatch.setenv(name, options[key])
+        assert main(["s3://clients/run", "--big-mib", "2", "--object-mib", "1", "--small",
+                     "8", "--small-kib", "1", "--repeats", "1"]) == 0
+        out = capsys.readouterr().out
+        left = s3_client(options).list_objects_v2(Bucket="clients").get("KeyCount")
+    clients = ["boto3"]
+    try:
+        import tensorstore  # noqa: F401
+        clients.append("tensorstore")
+    except ImportError:
+        pass
+    for client in clients:
+        for row in ("big_put", "big_get", "small_put", "small_get"):
+            assert any(line.split()[:2] == [client, row] for line in out.splitlines()), out
+    assert "2 MiB in 2 objects, 8 objects of 1 KiB" in out
+    assert not left
