@@ -483,16 +483,19 @@ class OrbaxBackend:
                                                                                 saved)
             _orbax_read.limit_claims(claims, directory, arrays_dir, restore_args,
                                      partial=partial)
+            unpacker = _orbax_read.Unpacker(directory, targets, saved, placements)
             restored = self._restore(directory, arrays_dir, restore_args, claims,
-                                     partial=partial)
-            values = _orbax_read.unpack(directory, targets, saved, restored, placements)
+                                     partial=partial, on_host=unpacker.take)
+            values = unpacker.finish(restored)
             leaves = _orbax_read.to_like_leaves(targets, saved, values, move_after)
             return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
-                 claims: ReadClaims | None, *, partial: bool = False) -> dict[str, Any]:
+                 claims: ReadClaims | None, *, partial: bool = False,
+                 on_host: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where
-        ``native_io`` applies and the files are in its layout, else by Orbax (told, with
+        ``native_io`` applies and the files are in its layout (``on_host`` told of each
+        host array as it arrives: ``_orbax_read.read_native``), else by Orbax (told, with
         ``partial``, that the saved arrays outside ``restore_args`` stay unread). Any failure
         but running out of memory is a damaged checkpoint (CheckpointCorruptError)."""
         with _orbax_read.unreadable_is_corrupt(directory):
@@ -501,7 +504,7 @@ class OrbaxBackend:
             if files is not None:
                 restored = _orbax_read.read_native(
                     os.fspath(arrays_dir), restore_args, claims, pool=self._readers(),
-                    files=files)
+                    files=files, on_host=on_host)
             if claims is not None:
                 claims.close()
             if restored is None and files is not None and files is self._remote:

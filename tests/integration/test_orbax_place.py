@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt import zarr_io
+from jaxckpt import _orbax_read, zarr_io
+from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
 from jaxckpt._orbax_place import place
 from jaxckpt._orbax_plan import PACK_ALIGN, build_plan
 from jaxckpt.orbax_backend import OrbaxBackend
@@ -132,3 +134,62 @@ def test_restore_of_small_leaves_costs_few_calls_per_leaf(backend, tmp_path):
     # jax.device_put per leaf (in one batch) made about 190 calls a leaf; the direct way
     # about 55. Matching, cutting and wrapping are in the rest.
     assert per_leaf < 90, per_leaf
+
+
+class _HeldFiles:
+    """An ArrayFiles for the reader that holds back the read of the files whose path holds
+    ``held`` until ``release`` is set (or 20 s passed), recording whether it was set."""
+
+    def __init__(self, files, held: str, release: threading.Event):
+        self.files, self.held, self.release = files, held, release
+        self.released: list[bool] = []
+
+    def read_small(self, path, limit):
+        return self.files.read_small(path, limit)
+
+    def read_chunk(self, path, nbytes, **kwargs):
+        if self.held in path:
+            self.released.append(self.release.wait(20))
+        return self.files.read_chunk(path, nbytes, **kwargs)
+
+
+def test_a_packs_leaves_are_placed_while_later_packs_are_still_read(tmp_path, monkeypatch):
+    # Cutting and placing thousands of leaves costs microseconds each: done pack by pack
+    # as the packs arrive, it overlaps the reading of the rest instead of following it.
+    backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=8192, read_threads=2)
+    try:
+        state = {f"l{i}": jnp.full((1000,), i, jnp.float32) for i in range(6)}  # 3 packs
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        directory = str(tmp_path / "c")
+        backend.write(directory, state, asynchronous=False)
+        placed = threading.Event()
+        place_leaves = _orbax_read.place
+
+        def place_and_tell(arrays, shardings):
+            placed.set()
+            return place_leaves(arrays, shardings)
+
+        monkeypatch.setattr(_orbax_read, "place", place_and_tell)
+        files_for = backend._files_for
+        held: list[_HeldFiles] = []
+
+        def held_files(path):
+            held.append(_HeldFiles(files_for(path), "/pack_float32_002/", placed))
+            return held[-1]
+
+        monkeypatch.setattr(backend, "_files_for", held_files)
+        restored = backend.read(directory, like)
+        assert [files.released for files in held] == [[True]]
+        for path, value in state.items():
+            np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
+    finally:
+        backend.close()
+
+
+def test_small_leaves_of_a_few_tens_of_mib_fill_several_packs_by_default():
+    # More packs than one per read thread's worth: the packs are read in parallel, and
+    # the first ones are unpacked while the last are still read.
+    state = {f"l{i}": np.zeros((2500,), np.float32) for i in range(3200)}  # 32 MB
+    plan = build_plan(state, leaf_limit=DEFAULT_PACK_LEAF_BYTES,
+                      pack_limit=DEFAULT_PACK_BYTES, local=True)
+    assert len(plan.packs) >= 4, sorted(plan.packs)
