@@ -69,7 +69,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
     import orbax.checkpoint as ocp
     from etils import epath
 
-from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, nnx_live
+from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, _orbax_shards, nnx_live
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
 from jaxckpt._orbax_plan import (
     WritePlan,
@@ -298,8 +298,11 @@ class OrbaxBackend:
             if not local:
                 self._drain_locked()
             self._queued = [queued for queued in self._queued if not queued.done()]
-            arrays, used = self._host_buffers.stage(plan, sources, copy_numpy=asynchronous)
-            native = self._writes_natively(directory, arrays)  # before any I/O: may refuse
+            # One process's sync write fills its packs as it writes them (defer_fill).
+            arrays, used, fills = self._host_buffers.stage(
+                plan, sources, copy_numpy=asynchronous, defer_fill=local and not asynchronous)
+            native = _orbax_shards.filling(  # before any I/O: may refuse
+                self._writes_natively(directory, arrays), fills)
             primary = jax.process_index() == 0
             if primary:
                 create_directory(root, directory)

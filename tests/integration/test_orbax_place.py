@@ -1,5 +1,7 @@
-"""Restoring many small leaves: packed leaves aligned in their packs, placed on their device
-the cheap way (``jaxckpt._orbax_place``), with the same arrays ``jax.device_put`` gives.
+"""Saving and restoring many small leaves: packs filled by the writer's I/O threads as it
+writes them; packed leaves aligned in their packs, placed on their device the cheap way
+(``jaxckpt._orbax_place``), with the same arrays ``jax.device_put`` gives, pack by pack as
+the packs are read.
 
 Costs are checked by counting Python calls per leaf, never by timing: the ratios measured
 against few leaves are in docs/performance.md."""
@@ -16,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt import _orbax_read, zarr_io
+from jaxckpt import _orbax_read, _orbax_write, zarr_io
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
 from jaxckpt._orbax_place import place
 from jaxckpt._orbax_plan import PACK_ALIGN, build_plan
@@ -193,3 +195,37 @@ def test_small_leaves_of_a_few_tens_of_mib_fill_several_packs_by_default():
     plan = build_plan(state, leaf_limit=DEFAULT_PACK_LEAF_BYTES,
                       pack_limit=DEFAULT_PACK_BYTES, local=True)
     assert len(plan.packs) >= 4, sorted(plan.packs)
+
+
+def test_a_sync_save_fills_its_packs_on_the_io_threads_that_write_them(tmp_path, monkeypatch):
+    # Host views of thousands of small jax.Arrays and the copy into the packs are most of a
+    # save's cost per leaf: on the writer's I/O threads, filling one pack overlaps writing
+    # the others, and the caller's thread takes no view of a packed leaf.
+    backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=8192)
+    fill_threads: list[str] = []
+    viewed_by_caller: list[int] = []
+    fill_pack, host_arrays = _orbax_write.fill_pack, _orbax_write.host_arrays
+
+    def fill_and_tell(buffer, pack, sources):
+        fill_threads.append(threading.current_thread().name)
+        fill_pack(buffer, pack, sources)
+
+    def view_and_tell(arrays):
+        viewed_by_caller.append(len(arrays))
+        return host_arrays(arrays)
+
+    monkeypatch.setattr(_orbax_write, "fill_pack", fill_and_tell)
+    monkeypatch.setattr(_orbax_write, "host_arrays", view_and_tell)
+    try:
+        state = {f"l{i}": jnp.full((900 + i,), i, jnp.float32) for i in range(6)}
+        state["big"] = jnp.arange(5000, dtype=jnp.float32)  # over pack_leaf_bytes: its own
+        backend.write(str(tmp_path / "c"), state, asynchronous=False)
+        assert len(fill_threads) == 3, fill_threads
+        assert all(name.startswith("jaxckpt-io") for name in fill_threads), fill_threads
+        assert viewed_by_caller == [1]  # the unpacked leaf only
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        restored = backend.read(str(tmp_path / "c"), like)
+        for path, value in state.items():
+            np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
+    finally:
+        backend.close()
