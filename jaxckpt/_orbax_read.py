@@ -30,7 +30,6 @@ from jaxckpt import zarr_io
 from jaxckpt._orbax_place import place
 from jaxckpt._orbax_tree import (
     ARRAYS_DIR,
-    PACK_PREFIX,
     PY_SCALAR_DTYPE_KINDS,
     PY_SCALAR_TYPES,
     STORAGE_NAME,
@@ -462,7 +461,21 @@ class Unpacker:
         batch_slots: list[int] = []
         batch_data: list[np.ndarray] = []
         batch_shardings: list[jax.sharding.Sharding] = []
+        placements, length, dtype = self._placements, found[1], found[2]
         for slot, path, target, entry in members:
+            # The usual leaf first, spelled out (this loop runs once per leaf): an array of
+            # the pack's dtype going to a sharding already known to be this process's alone.
+            sharding = placements.get(path)
+            if (sharding is not None and sharding is self._last_local
+                    and entry.kind == "array" and entry.data_dtype is None
+                    and entry.dtype == dtype and target.target == "jax"):
+                offset, shape = entry.offset, entry.shape
+                count = prod(shape)
+                if offset + count <= length:
+                    batch_slots.append(slot)
+                    batch_data.append(pack[offset:offset + count].reshape(shape))
+                    batch_shardings.append(sharding)
+                    continue
             as_bytes = entry.data_dtype is not None and entry.kind == "array"
             data = _cut(directory, path, entry, entry.offset, found, as_bytes)
             if as_bytes:

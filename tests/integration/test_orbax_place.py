@@ -134,8 +134,10 @@ def test_restore_of_small_leaves_costs_few_calls_per_leaf(backend, tmp_path):
         counts.append(_read_calls(backend, directory, like))
     per_leaf = (counts[1] - counts[0]) / 300
     # jax.device_put per leaf (in one batch) made about 190 calls a leaf; the direct way
-    # about 55. Matching, cutting and wrapping are in the rest.
-    assert per_leaf < 90, per_leaf
+    # about 55; tree.json entries and targets as named tuples, pack checks once per pack
+    # and the usual packed leaf cut inline about 39. Matching, cutting and wrapping are in
+    # the rest.
+    assert per_leaf < 45, per_leaf
 
 
 class _HeldFiles:
