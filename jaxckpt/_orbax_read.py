@@ -444,10 +444,23 @@ class Unpacker:
         # state's leaves share a few; asking costs microseconds).
         self._local: dict[jax.sharding.Sharding, bool] = {}
         self._last_local: jax.sharding.Sharding | None = None  # the last one held alone
+        self._failed: Exception | None = None  # what take() could not do (see take)
 
     def take(self, name: str, pack: Any) -> None:
         """Cut the leaves of the pack ``name`` out of ``pack`` (as read) and place them;
-        nothing for an array that is not a pack of this read, or one already taken."""
+        nothing for an array that is not a pack of this read, or one already taken.
+
+        Runs inside the read, where any failure means a damaged checkpoint: a failure here
+        (placing on a device that is out of memory, say) is kept and raised by ``finish``
+        instead, as it is, so that a valid checkpoint is never taken for a damaged one."""
+        if self._failed is not None:
+            return
+        try:
+            self._take(name, pack)
+        except Exception as error:  # noqa: BLE001 - raised by finish, outside the read
+            self._failed = error
+
+    def _take(self, name: str, pack: Any) -> None:
         members = self._members.get(name)
         if members is None or name in self._taken:
             return
@@ -515,9 +528,11 @@ class Unpacker:
         by storage name): unpacked leaves as Orbax restored them; packed ones cut out of
         their pack, arrays stored as bytes viewed as their dtype, and those two, for jax
         targets, placed on their sharding."""
+        if self._failed is not None:
+            raise self._failed
         for name in self._members:
             if name not in self._taken:
-                self.take(name, restored[name])
+                self._take(name, restored[name])
         values, directory = self._values, self._directory
         batch_slots: list[int] = []
         batch_data: list[np.ndarray] = []

@@ -12,7 +12,7 @@ concern each (same layer: they may import jax and orbax, never torch):
 - ``_orbax_plan``: write plans, and the packing of small leaves into a few arrays per dtype.
 - ``_orbax_write``: the write handle, host buffers, the native (zarr_io) writer.
 - ``_orbax_read``: matching ``like`` to tree.json by tree path, restore arguments, the
-  native reader, unpacking.
+  native reader, unpacking (each pack as soon as it is read).
 - ``_orbax_shards``: the native write of a run of several processes (each its shards).
 - ``_orbax_process``: barrier, broadcast and host copies of a ``jax.distributed`` run.
 
@@ -23,20 +23,21 @@ Layout of one written directory::
                               written under a temporary name and renamed into place only once
                               every process's data is written
 
-How a write runs: the caller's thread validates and classifies the leaves, fills the packs,
-copies numpy leaves (async writes only: the caller may change them once write() returns)
-and returns. In a single process every array is staged as a host array (a CPU jax.Array as
-a zero-copy view: it is immutable), async writes run on the backend's own writer thread,
-and on a local filesystem that thread writes Orbax's files itself (``jaxckpt.zarr_io``:
-the same bytes tensorstore would write, moved with O_DIRECT and checksummed on the way;
-``native_io``), which restores read back the same way. On an object-store root the
-manager hands the backend its storage (``attach_storage``) and the same files go there as
-objects (``jaxckpt.array_files``, ``_orbax_remote``). With several processes on a local
-(shared) root, each process writes the chunk files of the shards it owns the same way, in
-Orbax's layout for a sharded array (``_orbax_shards``), on the same writer thread. Orbax
-writes and reads everything else: dtypes zarr_io does not store, shards that do not tile
-their array on a regular grid, arrays in another layout. Reading, each process of a run
-reads only the chunk files under its own devices.
+How a write runs: the caller's thread validates and classifies the leaves, fills the packs
+(a sync write of one process leaves that to the I/O threads that write them, each pack just
+before it is written), copies numpy leaves (async writes only: the caller may change them
+once write() returns) and returns. In a single process every array is staged as a host
+array (a CPU jax.Array as a zero-copy view: it is immutable), async writes run on the
+backend's own writer thread, and on a local filesystem that thread writes Orbax's files
+itself (``jaxckpt.zarr_io``: the same bytes tensorstore would write, moved with O_DIRECT
+and checksummed on the way; ``native_io``), which restores read back the same way. On an
+object-store root the manager hands the backend its storage (``attach_storage``) and the
+same files go there as objects (``jaxckpt.array_files``, ``_orbax_remote``). With several
+processes on a local (shared) root, each process writes the chunk files of the shards it
+owns the same way, in Orbax's layout for a sharded array (``_orbax_shards``), on the same
+writer thread. Orbax writes and reads everything else: dtypes zarr_io does not store,
+shards that do not tile their array on a regular grid, arrays in another layout. Reading,
+each process of a run reads only the chunk files under its own devices.
 docs/performance.md has the measurements behind each of these choices.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and

@@ -22,6 +22,7 @@ from jaxckpt import _orbax_read, _orbax_write, zarr_io
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
 from jaxckpt._orbax_place import place
 from jaxckpt._orbax_plan import PACK_ALIGN, build_plan
+from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.orbax_backend import OrbaxBackend
 
 
@@ -231,3 +232,21 @@ def test_a_sync_save_fills_its_packs_on_the_io_threads_that_write_them(tmp_path,
             np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
     finally:
         backend.close()
+
+
+def test_a_failure_to_place_a_packs_leaves_is_not_taken_for_a_damaged_checkpoint(
+        backend, tmp_path, monkeypatch):
+    # Packs are unpacked inside the read, where failures mean a damaged checkpoint (which
+    # recovery would set aside): a device refusing the leaves must surface as it is.
+    state = {f"l{i}": jnp.full((5,), i, jnp.float32) for i in range(4)}
+    directory = str(tmp_path / "c")
+    backend.write(directory, state, asynchronous=False)
+
+    def out_of_memory(arrays, shardings):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory")
+
+    monkeypatch.setattr(_orbax_read, "place", out_of_memory)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED") as raised:
+        backend.read(directory, like)
+    assert not isinstance(raised.value, CheckpointCorruptError)
