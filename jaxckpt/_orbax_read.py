@@ -433,12 +433,14 @@ class Unpacker:
         self._saved = saved
         self._placements = placements
         self._values: list[Any] = [None] * len(targets)
-        # Pack name -> (slot, path, target, saved leaf) of each leaf in it, tree order.
-        self._members: dict[str, list[tuple[int, str, Target, SavedLeaf]]] = {}
+        # Pack name -> (slot, path, target, saved leaf, offset) of each leaf in it, in tree
+        # order.
+        self._members: dict[str, list[tuple[int, str, Target, SavedLeaf, int]]] = {}
         for slot, (path, target) in enumerate(targets):
             entry = saved[path]
             if entry.offset is not None:
-                self._members.setdefault(entry.name, []).append((slot, path, target, entry))
+                self._members.setdefault(entry.name, []).append(
+                    (slot, path, target, entry, entry.offset))
         self._taken: set[str] = set()
         # Whether each sharding is held by this process alone, asked once per sharding (a
         # state's leaves share a few; asking costs microseconds).
@@ -475,14 +477,14 @@ class Unpacker:
         batch_data: list[np.ndarray] = []
         batch_shardings: list[jax.sharding.Sharding] = []
         placements, length, dtype = self._placements, found[1], found[2]
-        for slot, path, target, entry in members:
+        for slot, path, target, entry, offset in members:
             # The usual leaf first, spelled out (this loop runs once per leaf): an array of
             # the pack's dtype going to a sharding already known to be this process's alone.
             sharding = placements.get(path)
             if (sharding is not None and sharding is self._last_local
                     and entry.kind == "array" and entry.data_dtype is None
                     and entry.dtype == dtype and target.target == "jax"):
-                offset, shape = entry.offset, entry.shape
+                shape = entry.shape
                 count = prod(shape)
                 if offset + count <= length:
                     batch_slots.append(slot)
@@ -490,7 +492,7 @@ class Unpacker:
                     batch_shardings.append(sharding)
                     continue
             as_bytes = entry.data_dtype is not None and entry.kind == "array"
-            data = _cut(directory, path, entry, entry.offset, found, as_bytes)
+            data = _cut(directory, path, entry, offset, found, as_bytes)
             if as_bytes:
                 data = from_bytes(data, entry)
             value = self._host_value(path, target, data)
@@ -568,7 +570,7 @@ def unpack(directory: str, targets: list[tuple[str, Target]],
     return Unpacker(directory, targets, saved, placements).finish(restored)
 
 
-def _cut(directory: str, path: str, entry: SavedLeaf, offset: Any,
+def _cut(directory: str, path: str, entry: SavedLeaf, offset: int,
          pack: tuple[np.ndarray, int, str] | None, as_bytes: bool) -> np.ndarray:
     """The stored data of the packed leaf ``entry`` (a view into its pack: the array, its
     length and dtype name as ``unpack`` found them)."""
