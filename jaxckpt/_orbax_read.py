@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from jaxckpt.read_claims import ReadClaims
 
 __all__ = ["Target", "match_like", "arrays_dir", "restore_args_for", "limit_claims",
-           "restore_request", "read_native", "Unpacker", "unpack", "to_like_leaves"]
+           "restore_request", "read_native", "Unpacker", "to_like_leaves"]
 
 
 # ---------------------------------------------------------------------------- like leaves
@@ -563,17 +563,10 @@ class Unpacker:
         return values
 
 
-def unpack(directory: str, targets: list[tuple[str, Target]],
-           saved: dict[str, SavedLeaf], restored: dict[str, Any],
-           placements: dict[str, jax.sharding.Sharding]) -> list[Any]:
-    """``Unpacker.finish`` of everything read at once (``restored``, by storage name)."""
-    return Unpacker(directory, targets, saved, placements).finish(restored)
-
-
 def _cut(directory: str, path: str, entry: SavedLeaf, offset: int,
          pack: tuple[np.ndarray, int, str] | None, as_bytes: bool) -> np.ndarray:
     """The stored data of the packed leaf ``entry`` (a view into its pack: the array, its
-    length and dtype name as ``unpack`` found them)."""
+    length and dtype name as ``Unpacker`` found them)."""
     if entry.kind == "key" or as_bytes:
         shape, dtype = tuple(entry.data_shape or ()), entry.data_dtype
     else:
@@ -592,7 +585,7 @@ def _cut(directory: str, path: str, entry: SavedLeaf, offset: int,
 
 def to_like_leaves(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
                    values: list[Any], move_after: dict[str, jax.sharding.Sharding]) -> list[Any]:
-    """The leaves of ``like``, in order, from the stored data of each target (``unpack``):
+    """The leaves of ``like``, in order, from the stored data of each target (``Unpacker``):
     keys wrapped (and moved where their data's sharding could not be derived), numpy and
     Python targets converted to their types."""
     leaves = []
