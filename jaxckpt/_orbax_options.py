@@ -18,9 +18,12 @@ __all__ = ["OrbaxOptions", "DEFAULT_PACK_LEAF_BYTES", "DEFAULT_PACK_BYTES"]
 #: leaves.
 DEFAULT_PACK_LEAF_BYTES = 1 << 20
 #: Upper size of one pack array: several packs are written and read in parallel, and a
-#: restore never needs one huge contiguous buffer. 16, 32 and 64 MiB measured alike
-#: (docs/performance.md).
-DEFAULT_PACK_BYTES = 32 << 20
+#: restore never needs one huge contiguous buffer. 16, 32 and 64 MiB measured alike at
+#: 1 GiB (docs/performance.md); 8 MiB since the eighth round: at 128 MiB of small leaves,
+#: 32 MiB made 4-5 packs, fewer than the read threads, all finishing together, where 16
+#: packs keep every read thread busy and let the first packs be unpacked while the last
+#: are still read (``_orbax_read.Unpacker``).
+DEFAULT_PACK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,10 +17,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,7 +30,6 @@ from jaxckpt import zarr_io
 from jaxckpt._orbax_place import place
 from jaxckpt._orbax_tree import (
     ARRAYS_DIR,
-    PACK_PREFIX,
     PY_SCALAR_DTYPE_KINDS,
     PY_SCALAR_TYPES,
     STORAGE_NAME,
@@ -49,15 +47,14 @@ if TYPE_CHECKING:
     from jaxckpt.read_claims import ReadClaims
 
 __all__ = ["Target", "match_like", "arrays_dir", "restore_args_for", "limit_claims",
-           "restore_request", "read_native", "unpack", "to_like_leaves"]
+           "restore_request", "read_native", "Unpacker", "to_like_leaves"]
 
 
 # ---------------------------------------------------------------------------- like leaves
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    """What a ``like`` leaf asks for."""
+class Target(NamedTuple):
+    """What a ``like`` leaf asks for (a named tuple: a restore makes one per leaf)."""
 
     target: str
     """"jax" (jax.Array, also for ShapeDtypeStruct), "numpy", "numpy_scalar" or "python"."""
@@ -338,8 +335,9 @@ def _overlaps(chunk: tuple[slice, ...], part: tuple[slice, ...], shape: tuple[in
 
 
 def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,
-                pool: concurrent.futures.ThreadPoolExecutor,
-                files: ArrayFiles) -> dict[str, Any] | None:
+                pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
+                on_host: Callable[[str, np.ndarray], None] | None = None,
+                ) -> dict[str, Any] | None:
     """What Orbax's restore returns for ``restore_args``, read through ``files`` (zarr_io
     with O_DIRECT on a local disk, GETs on an object store) on ``pool``'s threads; None
     (before any bulk read) when some array is not stored in zarr_io's layout or not as
@@ -351,6 +349,10 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     buffers without a copy on CPU. An array stored as a grid of chunks (written by several
     processes) is assembled from its chunk files into one buffer; where the target spreads
     it over several processes, only the chunks under this process's devices are read.
+
+    ``on_host(name, array)`` is called, on the calling thread, for each array restored to
+    the host (a pack) as soon as it is read, while the rest is still being read: the
+    backend cuts and places a pack's leaves meanwhile (``Unpacker.take``).
     """
     if not all(STORAGE_NAME.match(name) for name in restore_args):
         return None
@@ -389,7 +391,12 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
 
     jobs.sort(key=lambda job: -prod(job[2]) * job[3].itemsize)  # largest first
     arrays = dict(grids)
-    arrays.update((name, data) for name, data in pool.map(read, jobs) if data is not None)
+    for name, data in pool.map(read, jobs):  # in job order, each as soon as it is read
+        if data is not None:
+            arrays[name] = data
+            if on_host is not None and not isinstance(restore_args[name],
+                                                      ocp.ArrayRestoreArgs):
+                on_host(name, data)
     restored: dict[str, Any] = {}
     placed: list[tuple[str, np.ndarray, Any]] = []
     for name, args in restore_args.items():
@@ -409,80 +416,176 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
     return restored
 
 
-def unpack(directory: str, targets: list[tuple[str, Target]],
-           saved: dict[str, SavedLeaf], restored: dict[str, Any],
-           placements: dict[str, jax.sharding.Sharding]) -> list[Any]:
-    """The stored data of every target, in order: unpacked leaves as Orbax restored them;
-    packed ones cut out of their pack, arrays stored as bytes viewed as their dtype, and
-    those two, for jax targets, placed on their sharding."""
-    for name, pack in restored.items():
-        if name.startswith(PACK_PREFIX) and np.ndim(pack) != 1:
+class Unpacker:
+    """The stored data of every target of one read, gathered pack by pack.
+
+    A pack's leaves are cut out of it and placed on their devices as soon as the pack is
+    read (``take``, called by ``read_native`` while the other packs are still being read),
+    so that this per-leaf work overlaps the reading instead of following it; ``finish``
+    does the rest (packs not taken yet, leaves stored as arrays of their own).
+    Concurrency contract: used by one thread (the one that reads), for one read.
+    """
+
+    def __init__(self, directory: str, targets: list[tuple[str, Target]],
+                 saved: dict[str, SavedLeaf], placements: dict[str, jax.sharding.Sharding]):
+        self._directory = directory
+        self._targets = targets
+        self._saved = saved
+        self._placements = placements
+        self._values: list[Any] = [None] * len(targets)
+        # Pack name -> (slot, path, target, saved leaf, offset) of each leaf in it, in tree
+        # order.
+        self._members: dict[str, list[tuple[int, str, Target, SavedLeaf, int]]] = {}
+        for slot, (path, target) in enumerate(targets):
+            entry = saved[path]
+            if entry.offset is not None:
+                self._members.setdefault(entry.name, []).append(
+                    (slot, path, target, entry, entry.offset))
+        self._taken: set[str] = set()
+        # Whether each sharding is held by this process alone, asked once per sharding (a
+        # state's leaves share a few; asking costs microseconds).
+        self._local: dict[jax.sharding.Sharding, bool] = {}
+        self._last_local: jax.sharding.Sharding | None = None  # the last one held alone
+        self._failed: Exception | None = None  # what take() could not do (see take)
+
+    def take(self, name: str, pack: Any) -> None:
+        """Cut the leaves of the pack ``name`` out of ``pack`` (as read) and place them;
+        nothing for an array that is not a pack of this read, or one already taken.
+
+        Runs inside the read, where any failure means a damaged checkpoint: a failure here
+        (placing on a device that is out of memory, say) is kept and raised by ``finish``
+        instead, as it is, so that a valid checkpoint is never taken for a damaged one."""
+        if self._failed is not None:
+            return
+        try:
+            self._take(name, pack)
+        except Exception as error:  # noqa: BLE001 - raised by finish, outside the read
+            self._failed = error
+
+    def _take(self, name: str, pack: Any) -> None:
+        members = self._members.get(name)
+        if members is None or name in self._taken:
+            return
+        self._taken.add(name)
+        directory = self._directory
+        if np.ndim(pack) != 1:
             raise CheckpointCorruptError(
                 f"{directory}/{ARRAYS_DIR}/{name} has shape {np.shape(pack)}, not the "
                 "1-D pack tree.json describes. Fix: restore an older checkpoint.")
-    values: list[Any] = []
-    batch_slots: list[int] = []
-    batch_data: list[np.ndarray] = []
-    batch_shardings: list[jax.sharding.Sharding] = []
-    # Whether each sharding is held by this process alone, asked once per sharding (a
-    # state's leaves share a few; asking costs microseconds).
-    local: dict[jax.sharding.Sharding, bool] = {}
-    for slot, (path, target) in enumerate(targets):
-        entry = saved[path]
-        if entry.packed:
-            data = _cut(directory, path, entry, restored[entry.name])
-        elif entry.as_bytes:
+        found = (pack, pack.shape[0], pack.dtype.name)
+        batch_slots: list[int] = []
+        batch_data: list[np.ndarray] = []
+        batch_shardings: list[jax.sharding.Sharding] = []
+        placements, length, dtype = self._placements, found[1], found[2]
+        for slot, path, target, entry, offset in members:
+            # The usual leaf first, spelled out (this loop runs once per leaf): an array of
+            # the pack's dtype going to a sharding already known to be this process's alone.
+            sharding = placements.get(path)
+            if (sharding is not None and sharding is self._last_local
+                    and entry.kind == "array" and entry.data_dtype is None
+                    and entry.dtype == dtype and target.target == "jax"):
+                shape = entry.shape
+                count = prod(shape)
+                if offset + count <= length:
+                    batch_slots.append(slot)
+                    batch_data.append(pack[offset:offset + count].reshape(shape))
+                    batch_shardings.append(sharding)
+                    continue
+            as_bytes = entry.data_dtype is not None and entry.kind == "array"
+            data = _cut(directory, path, entry, offset, found, as_bytes)
+            if as_bytes:
+                data = from_bytes(data, entry)
+            value = self._host_value(path, target, data)
+            if value is None:
+                batch_slots.append(slot)
+                batch_data.append(data)
+                batch_shardings.append(self._placements[path])
+            self._values[slot] = value
+        # One batch per pack (``_orbax_place``: the cheap way where it applies). On CPU jax
+        # adopts each leaf's memory in its pack (aligned by the writer) as it is, no copy:
+        # a pack's memory is then freed once the last of its leaves is.
+        for slot, value in zip(batch_slots, place(batch_data, batch_shardings), strict=True):
+            self._values[slot] = value
+
+    def _host_value(self, path: str, target: Target, data: np.ndarray) -> Any:
+        """What a leaf cut or viewed on the host becomes, but for jax leaves this process
+        places alone (None: the caller places those in one batch)."""
+        if target.target != "jax":
+            # A copy: a view would keep the whole pack alive as long as this leaf.
+            return data.copy() if target.target == "numpy" else data
+        sharding = self._placements[path]
+        if sharding is self._last_local:  # most leaves share one sharding object
+            return None
+        addressable = self._local.get(sharding)
+        if addressable is None:
+            addressable = self._local[sharding] = sharding.is_fully_addressable
+        if addressable:
+            self._last_local = sharding
+            return None
+        # Spans processes: every process holds the pack, each places its shards.
+        return jax.make_array_from_callback(data.shape, sharding, data.__getitem__)
+
+    def finish(self, restored: dict[str, Any]) -> list[Any]:
+        """The stored data of every target, in order, from everything read (``restored``,
+        by storage name): unpacked leaves as Orbax restored them; packed ones cut out of
+        their pack, arrays stored as bytes viewed as their dtype, and those two, for jax
+        targets, placed on their sharding."""
+        if self._failed is not None:
+            raise self._failed
+        for name in self._members:
+            if name not in self._taken:
+                self._take(name, restored[name])
+        values, directory = self._values, self._directory
+        batch_slots: list[int] = []
+        batch_data: list[np.ndarray] = []
+        for slot, (path, target) in enumerate(self._targets):
+            entry = self._saved[path]
+            if entry.offset is not None:
+                continue
+            if not entry.as_bytes:
+                values[slot] = restored[entry.name]
+                continue
             data = np.asarray(restored[entry.name])
             if data.shape != entry.stored_shape or data.dtype != entry.stored_dtype:
                 raise CheckpointCorruptError(
                     f"{directory}/{ARRAYS_DIR}/{entry.name} holds {data.shape} "
                     f"{data.dtype}, not the bytes of leaf {path} ({entry.stored_shape} "
                     "uint8). Fix: restore an older checkpoint.")
-        else:
-            values.append(restored[entry.name])
-            continue
-        if entry.as_bytes:
             data = from_bytes(data, entry)
-        if target.target != "jax":
-            # A copy: a view would keep the whole pack alive as long as this leaf.
-            values.append(data.copy() if target.target == "numpy" else data)
-            continue
-        sharding = placements[path]
-        addressable = local.get(sharding)
-        if addressable is None:
-            addressable = local[sharding] = sharding.is_fully_addressable
-        if addressable:
-            batch_slots.append(slot)
-            batch_data.append(data)
-            batch_shardings.append(sharding)
-            values.append(None)
-        else:  # spans processes: every process holds the pack, each places its shards
-            values.append(jax.make_array_from_callback(
-                data.shape, sharding, data.__getitem__))
-    # One batch for all packed leaves (``_orbax_place``: the cheap way where it applies).
-    # On CPU jax adopts each leaf's memory in its pack (aligned by the writer) as it is,
-    # no copy: a pack's memory is then freed once the last of its leaves is.
-    for slot, value in zip(batch_slots, place(batch_data, batch_shardings),
-                                 strict=True):
-        values[slot] = value
-    return values
+            values[slot] = self._host_value(path, target, data)
+            if values[slot] is None:
+                batch_slots.append(slot)
+                batch_data.append(data)
+        placed = place(batch_data, [self._placements[self._targets[slot][0]]
+                                    for slot in batch_slots])
+        for slot, value in zip(batch_slots, placed, strict=True):
+            values[slot] = value
+        return values
 
 
-def _cut(directory: str, path: str, entry: SavedLeaf, pack: np.ndarray) -> np.ndarray:
-    """The stored data of the packed leaf ``entry`` (a view into its pack)."""
-    assert entry.offset is not None  # callers cut packed leaves only
-    count = prod(entry.stored_shape)
-    if entry.offset + count > pack.shape[0] or pack.dtype != entry.stored_dtype:
+def _cut(directory: str, path: str, entry: SavedLeaf, offset: int,
+         pack: tuple[np.ndarray, int, str] | None, as_bytes: bool) -> np.ndarray:
+    """The stored data of the packed leaf ``entry`` (a view into its pack: the array, its
+    length and dtype name as ``Unpacker`` found them)."""
+    if entry.kind == "key" or as_bytes:
+        shape, dtype = tuple(entry.data_shape or ()), entry.data_dtype
+    else:
+        shape, dtype = entry.shape, entry.dtype
+    count = prod(shape)
+    if pack is None or offset + count > pack[1] or (
+            pack[2] != dtype and pack[0].dtype != np.dtype(dtype)):
+        found = ("it was not read" if pack is None else
+                 f"elements {offset}..{offset + count} of {pack[1]}, dtype {dtype} vs "
+                 f"{pack[2]}")
         raise CheckpointCorruptError(
-            f"{directory}: leaf {path} lies outside its pack {entry.name} (elements "
-            f"{entry.offset}..{entry.offset + count} of {pack.shape[0]}, dtype "
-            f"{entry.stored_dtype} vs {pack.dtype}). Fix: restore an older checkpoint.")
-    return pack[entry.offset:entry.offset + count].reshape(entry.stored_shape)
+            f"{directory}: leaf {path} lies outside its pack {entry.name} ({found}). "
+            "Fix: restore an older checkpoint.")
+    return pack[0][offset:offset + count].reshape(shape)
 
 
 def to_like_leaves(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
                    values: list[Any], move_after: dict[str, jax.sharding.Sharding]) -> list[Any]:
-    """The leaves of ``like``, in order, from the stored data of each target (``unpack``):
+    """The leaves of ``like``, in order, from the stored data of each target (``Unpacker``):
     keys wrapped (and moved where their data's sharding could not be derived), numpy and
     Python targets converted to their types."""
     leaves = []

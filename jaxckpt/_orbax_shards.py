@@ -43,7 +43,7 @@ from jaxckpt._orbax_write import host_arrays, write_native
 from jaxckpt.array_files import ArrayFiles
 from jaxckpt.checksum import default_algorithm
 
-__all__ = ["ShardedArray", "native_writer", "stage_shards", "write_shards"]
+__all__ = ["ShardedArray", "filling", "native_writer", "stage_shards", "write_shards"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +194,25 @@ def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: 
     return write
 
 
+def filling(native: Callable[[Any], dict[str, dict[str, Any]]] | None,
+            fills: dict[str, Callable[[], None]],
+            ) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
+    """``native`` (from ``native_writer``, or None where Orbax writes) with the arrays of
+    ``fills`` (by storage name: what fills an array not filled yet) filled: by a single
+    process's native write on its I/O threads, each just before its array is written
+    (``write_native``); otherwise here, now."""
+    if not fills:
+        return native
+    if isinstance(native, functools.partial) and native.func is _write_single:
+        return functools.partial(native, fills=fills)
+    for fill in fills.values():
+        fill()
+    return native
+
+
 def _write_single(root: Any, *, arrays: dict[str, np.ndarray],
                   pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
-                  files: ArrayFiles) -> dict[str, dict[str, Any]]:
-    return write_native(root, arrays, pool=pool(), files=files)
+                  files: ArrayFiles,
+                  fills: dict[str, Callable[[], None]] | None = None,
+                  ) -> dict[str, dict[str, Any]]:
+    return write_native(root, arrays, pool=pool(), files=files, fills=fills)

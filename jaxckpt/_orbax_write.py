@@ -16,6 +16,7 @@ module only does the writing. Must not import: torch.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import time
@@ -128,6 +129,12 @@ def host_arrays(arrays: list[jax.Array]) -> list[np.ndarray]:
     return jax.device_get(arrays)
 
 
+def _fill_from(buffer: np.ndarray, pack: Any, members: list[Any], views: bool) -> None:
+    """Fill ``buffer`` with the pack's ``members`` (host arrays, or with ``views`` CPU
+    jax.Arrays and host arrays, viewed here: ``host_arrays``)."""
+    fill_pack(buffer, pack, [np.asarray(member) for member in members] if views else members)
+
+
 class HostBuffers:
     """The host buffers saves copy into (packs; numpy leaves of async saves), kept between
     saves when ``reuse`` (fresh buffers cost page faults that take longer than the copy
@@ -145,26 +152,45 @@ class HostBuffers:
     def clear(self) -> None:
         self._slots.clear()
 
-    def stage(self, plan: WritePlan, sources: list[Any], *,
-              copy_numpy: bool) -> tuple[dict[str, Any], list[_Slot]]:
-        """The flat ``{storage name: array}`` dict Orbax writes, and the reused-buffer slots
-        it fills (the caller marks them with the write's handle). Packs are filled; numpy
-        leaves are copied when the caller may change them during the write
-        (``copy_numpy``); the jax.Arrays the plan names come to the host (a view, no copy,
-        on CPU: they are immutable), the others stay as they are."""
+    def stage(self, plan: WritePlan, sources: list[Any], *, copy_numpy: bool,
+              defer_fill: bool = False,
+              ) -> tuple[dict[str, Any], list[_Slot], dict[str, Callable[[], None]]]:
+        """The flat ``{storage name: array}`` dict Orbax writes, the reused-buffer slots
+        it fills (the caller marks them with the write's handle), and the packs left to
+        fill. Packs are filled; numpy leaves are copied when the caller may change them
+        during the write (``copy_numpy``); the jax.Arrays the plan names come to the host
+        (a view, no copy, on CPU: they are immutable), the others stay as they are.
+
+        ``defer_fill`` (a write that finishes before the caller gets its arrays back: a
+        sync one): the packs are not filled here but by the functions returned, one per
+        pack, which the native writer runs on its I/O threads just before writing each
+        pack, so that filling one pack overlaps writing the others; on CPU the host views
+        of the packed jax.Arrays are taken there too. With thousands of small leaves this
+        is most of a save's cost per leaf (docs/performance.md, Eighth round)."""
         used: list[_Slot] = []
         # Device arrays come to the host in one batch (transfers started together), not one
         # blocking transfer per leaf; on CPU this copies nothing.
         host = list(sources)
-        fetched = host_arrays([sources[index] for index in plan.on_device])
-        for index, array in zip(plan.on_device, fetched, strict=True):
+        views_later = defer_fill and jax.default_backend() == "cpu"
+        fetch = plan.on_device
+        if views_later:  # only the leaves written as arrays of their own, now
+            own = {index for index, _ in plan.unpacked}
+            fetch = [index for index in fetch if index in own]
+        fetched = host_arrays([sources[index] for index in fetch])
+        for index, array in zip(fetch, fetched, strict=True):
             host[index] = array
         arrays: dict[str, Any] = {}
+        fills: dict[str, Callable[[], None]] = {}
         for name, pack in plan.packs.items():
             buffer = self._take(used, name, (pack_length(pack.size),), pack.dtype)
             if pack.size == 0:
                 buffer[...] = 0  # the padding of a pack of zero-size leaves only
-            fill_pack(buffer[:pack.size], pack, [host[index] for index in pack.members])
+            members = [host[index] for index in pack.members]
+            if defer_fill:
+                fills[name] = functools.partial(_fill_from, buffer[:pack.size], pack, members,
+                                                views_later)
+            else:
+                fill_pack(buffer[:pack.size], pack, members)
             arrays[name] = buffer
         for index, name in plan.unpacked:
             source = sources[index]
@@ -177,7 +203,7 @@ class HostBuffers:
         self._drop_idle(used)
         for slot in used:
             slot[1] = None  # a sync write is finished when write() returns
-        return arrays, used
+        return arrays, used, fills
 
     def _take(self, used: list[_Slot], name: str, shape: tuple[int, ...],
               dtype: np.dtype) -> np.ndarray:
@@ -258,8 +284,9 @@ def create_directory(root: epath.Path, directory: str) -> None:
 
 
 def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
-                 pool: concurrent.futures.ThreadPoolExecutor,
-                 files: ArrayFiles) -> dict[str, dict[str, Any]]:
+                 pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
+                 fills: dict[str, Callable[[], None]] | None = None,
+                 ) -> dict[str, dict[str, Any]]:
     """Write ``arrays`` as the Orbax checkpoint ``root/arrays`` through ``files``: the same
     files PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True) writes, the array files
     on ``pool``'s threads. Array files are durable on return; small metadata files are too
@@ -267,12 +294,15 @@ def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
     Locally, like Orbax, writes under a temporary name renamed into place at the end, so
     that ``arrays/`` exists only complete (a failed write removes what it wrote); on an
     object store the objects go to their names and the commit marker vouches for them.
-    Returns the manifest entries of the files written durably, relative to ``root``."""
+    Returns the manifest entries of the files written durably, relative to ``root``.
+    ``fills``: by storage name, what fills an array not filled yet (``HostBuffers.stage``
+    with ``defer_fill``), run on the I/O thread that writes it, just before."""
     final = f"{os.fspath(root).rstrip('/')}/{ARRAYS_DIR}"
     started_ns = time.time_ns()
     base = files.start(final)
     try:
-        entries = _write_native_into(base, final, arrays, started_ns, pool=pool, files=files)
+        entries = _write_native_into(base, final, arrays, started_ns, pool=pool, files=files,
+                                     fills=fills or {})
     except BaseException:
         files.abandon(base)
         raise
@@ -282,7 +312,8 @@ def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
 
 def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
                        started_ns: int, *, pool: concurrent.futures.ThreadPoolExecutor,
-                       files: ArrayFiles) -> dict[str, dict[str, Any]]:
+                       files: ArrayFiles, fills: dict[str, Callable[[], None]],
+                       ) -> dict[str, dict[str, Any]]:
     algorithm = default_algorithm()
     # Largest first, so that the threads finish together.
     jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)
@@ -298,6 +329,9 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         # mkdir or create takes 0.1-0.4 ms here, ~70 ms for 64 arrays, which on the
         # caller's thread delayed the first large write by as much.
         name, array = job
+        fill = fills.get(name)
+        if fill is not None:
+            fill()
         relative = f"{name}/{zarr_io.chunk_relpath(array.ndim)}"
         chunk = f"{base}/{relative}"
         files.make_parent(chunk)

@@ -12,7 +12,7 @@ concern each (same layer: they may import jax and orbax, never torch):
 - ``_orbax_plan``: write plans, and the packing of small leaves into a few arrays per dtype.
 - ``_orbax_write``: the write handle, host buffers, the native (zarr_io) writer.
 - ``_orbax_read``: matching ``like`` to tree.json by tree path, restore arguments, the
-  native reader, unpacking.
+  native reader, unpacking (each pack as soon as it is read).
 - ``_orbax_shards``: the native write of a run of several processes (each its shards).
 - ``_orbax_process``: barrier, broadcast and host copies of a ``jax.distributed`` run.
 
@@ -23,20 +23,21 @@ Layout of one written directory::
                               written under a temporary name and renamed into place only once
                               every process's data is written
 
-How a write runs: the caller's thread validates and classifies the leaves, fills the packs,
-copies numpy leaves (async writes only: the caller may change them once write() returns)
-and returns. In a single process every array is staged as a host array (a CPU jax.Array as
-a zero-copy view: it is immutable), async writes run on the backend's own writer thread,
-and on a local filesystem that thread writes Orbax's files itself (``jaxckpt.zarr_io``:
-the same bytes tensorstore would write, moved with O_DIRECT and checksummed on the way;
-``native_io``), which restores read back the same way. On an object-store root the
-manager hands the backend its storage (``attach_storage``) and the same files go there as
-objects (``jaxckpt.array_files``, ``_orbax_remote``). With several processes on a local
-(shared) root, each process writes the chunk files of the shards it owns the same way, in
-Orbax's layout for a sharded array (``_orbax_shards``), on the same writer thread. Orbax
-writes and reads everything else: dtypes zarr_io does not store, shards that do not tile
-their array on a regular grid, arrays in another layout. Reading, each process of a run
-reads only the chunk files under its own devices.
+How a write runs: the caller's thread validates and classifies the leaves, fills the packs
+(a sync write of one process leaves that to the I/O threads that write them, each pack just
+before it is written), copies numpy leaves (async writes only: the caller may change them
+once write() returns) and returns. In a single process every array is staged as a host
+array (a CPU jax.Array as a zero-copy view: it is immutable), async writes run on the
+backend's own writer thread, and on a local filesystem that thread writes Orbax's files
+itself (``jaxckpt.zarr_io``: the same bytes tensorstore would write, moved with O_DIRECT
+and checksummed on the way; ``native_io``), which restores read back the same way. On an
+object-store root the manager hands the backend its storage (``attach_storage``) and the
+same files go there as objects (``jaxckpt.array_files``, ``_orbax_remote``). With several
+processes on a local (shared) root, each process writes the chunk files of the shards it
+owns the same way, in Orbax's layout for a sharded array (``_orbax_shards``), on the same
+writer thread. Orbax writes and reads everything else: dtypes zarr_io does not store,
+shards that do not tile their array on a regular grid, arrays in another layout. Reading,
+each process of a run reads only the chunk files under its own devices.
 docs/performance.md has the measurements behind each of these choices.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
@@ -69,7 +70,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
     import orbax.checkpoint as ocp
     from etils import epath
 
-from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, nnx_live
+from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, _orbax_shards, nnx_live
 from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
 from jaxckpt._orbax_plan import (
     WritePlan,
@@ -298,8 +299,11 @@ class OrbaxBackend:
             if not local:
                 self._drain_locked()
             self._queued = [queued for queued in self._queued if not queued.done()]
-            arrays, used = self._host_buffers.stage(plan, sources, copy_numpy=asynchronous)
-            native = self._writes_natively(directory, arrays)  # before any I/O: may refuse
+            # One process's sync write fills its packs as it writes them (defer_fill).
+            arrays, used, fills = self._host_buffers.stage(
+                plan, sources, copy_numpy=asynchronous, defer_fill=local and not asynchronous)
+            native = _orbax_shards.filling(  # before any I/O: may refuse
+                self._writes_natively(directory, arrays), fills)
             primary = jax.process_index() == 0
             if primary:
                 create_directory(root, directory)
@@ -483,16 +487,19 @@ class OrbaxBackend:
                                                                                 saved)
             _orbax_read.limit_claims(claims, directory, arrays_dir, restore_args,
                                      partial=partial)
+            unpacker = _orbax_read.Unpacker(directory, targets, saved, placements)
             restored = self._restore(directory, arrays_dir, restore_args, claims,
-                                     partial=partial)
-            values = _orbax_read.unpack(directory, targets, saved, restored, placements)
+                                     partial=partial, on_host=unpacker.take)
+            values = unpacker.finish(restored)
             leaves = _orbax_read.to_like_leaves(targets, saved, values, move_after)
             return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
-                 claims: ReadClaims | None, *, partial: bool = False) -> dict[str, Any]:
+                 claims: ReadClaims | None, *, partial: bool = False,
+                 on_host: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where
-        ``native_io`` applies and the files are in its layout, else by Orbax (told, with
+        ``native_io`` applies and the files are in its layout (``on_host`` told of each
+        host array as it arrives: ``_orbax_read.read_native``), else by Orbax (told, with
         ``partial``, that the saved arrays outside ``restore_args`` stay unread). Any failure
         but running out of memory is a damaged checkpoint (CheckpointCorruptError)."""
         with _orbax_read.unreadable_is_corrupt(directory):
@@ -501,7 +508,7 @@ class OrbaxBackend:
             if files is not None:
                 restored = _orbax_read.read_native(
                     os.fspath(arrays_dir), restore_args, claims, pool=self._readers(),
-                    files=files)
+                    files=files, on_host=on_host)
             if claims is not None:
                 claims.close()
             if restored is None and files is not None and files is self._remote:
