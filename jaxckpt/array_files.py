@@ -256,7 +256,7 @@ class StorageArrayFiles:
         # One byte more than expected is asked for: an object that is longer than its
         # zarr.json says shows up without a separate size request.
         wanted = size + 1
-        buffer = zarr_io.aligned_blocks(wanted)  # streamed into: no copy of the bytes
+        buffer = zarr_io.fresh_blocks(wanted)  # streamed into and handed over: no copy
         view = buffer.data
         part = -(-wanted // -(-wanted // RANGED_READ_OVER))  # equal parts, none tiny
         ranges = [(start, min(part, wanted - start)) for start in range(0, wanted, part)]
