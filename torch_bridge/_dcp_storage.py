@@ -44,6 +44,7 @@ from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.storage import Storage, fsync_dir
 
 from . import _dcp_metadata
+from ._dcp_local_writer import checksumming_writer
 
 __all__ = ["DCP_METADATA", "LocalDcpFiles", "StorageDcpFiles"]
 
@@ -110,13 +111,26 @@ class LocalDcpFiles:
             stream.write(document)
 
     @staticmethod
-    def writer(staging: str, *, sync_files: bool) -> Any:
+    def writer(staging: str, *, sync_files: bool, in_process: bool = True) -> Any:
+        """A writer that checksums and fsyncs each file as it writes it
+        (``_dcp_local_writer``), so that the commit reads nothing back; DCP's plain writer
+        where ``in_process`` is False (DCP's checkpoint process writes with a copy of the
+        writer, whose checksums this process would never see: the commit reads the files)."""
+        if in_process:
+            return checksumming_writer(staging)
         return _dcp().FileSystemWriter(staging, sync_files=sync_files)
 
     @staticmethod
-    def known_checksums(writer: Any, directory: str) -> None:
-        """None: DCP computes no checksums on a local disk; the commit reads the files."""
-        return None
+    def known_checksums(writer: Any, directory: str) -> dict[str, dict[str, Any]] | None:
+        """Manifest entries of the files ``writer`` wrote and fsynced (computed from the
+        bytes written), by path relative to the directory it filled; None from DCP's plain
+        writer, whose files the commit reads back."""
+        written = getattr(writer.fs, "written", None)
+        if not written:
+            return None
+        base = str(writer.path)
+        return {os.path.relpath(path, base).replace(os.sep, "/"): entry
+                for path, entry in written.items()}
 
     @staticmethod
     def publish(staging: str, directory: str) -> None:
@@ -162,8 +176,9 @@ class StorageDcpFiles:
             raise _exists_error(directory)
         self.storage.write(f"{directory}/{OBJECTS_FILE}", document)
 
-    def writer(self, staging: str, *, sync_files: bool) -> Any:
-        # sync_files has no meaning here: an upload is durable once it returns.
+    def writer(self, staging: str, *, sync_files: bool, in_process: bool = True) -> Any:
+        # sync_files has no meaning here: an upload is durable once it returns; async saves
+        # to a store always run on a thread of this process (in_process).
         return _storage_writer_class()(staging, self.storage)
 
     @staticmethod

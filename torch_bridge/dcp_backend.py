@@ -376,9 +376,10 @@ class DcpWriteHandle:
 
     @property
     def checksums(self) -> dict[str, dict[str, Any]] | None:
-        """On an object store, the manifest entries of the files this process uploaded
-        (computed from the bytes sent); else None: DCP computes no checksums, so the commit
-        checksums every file."""
+        """The manifest entries of the files this process wrote, computed from the bytes
+        written (uploaded, or written and fsynced on a local disk); None where the files
+        were written by DCP's checkpoint process with its plain writer, so the commit
+        checksums them."""
         if not self._finished or self._error is not None or self._writer is None:
             return None
         return self._backend._files_for(self.directory).known_checksums(self._writer,
@@ -443,9 +444,11 @@ class DcpBackend:
             copy into it again (pinned, with CUDA): no allocation on the training thread
             after the first save, at the cost of one host copy of the state held for the
             run. False allocates a fresh copy per save and frees it after the write.
-          sync_files: let DCP fsync each file it writes. Off by default: the manager's
-            commit fsyncs every file and directory of a checkpoint before it writes the
-            COMMITTED marker, so DCP's fsyncs would be paid twice.
+          sync_files: let DCP fsync each file it writes, where DCP's plain writer writes
+            (async saves in DCP's checkpoint process). Off by default: the manager's commit
+            fsyncs every file and directory of a checkpoint before it writes the COMMITTED
+            marker, so DCP's fsyncs would be paid twice. Everywhere else the backend's own
+            writer fsyncs each file as it closes it, whatever this says.
           collective_timeout_s: timeout of barriers and broadcasts between processes.
           write_timeout_s: timeout of DCP's collectives during a save (they wait for the
             slowest process's write) and of waiting for an in-flight save.
@@ -566,7 +569,12 @@ class DcpBackend:
             self._drain_locked()
             if self._rank == 0:
                 files.prepare(directory, staging_dir, document)
-            writer = files.writer(staging_dir, sync_files=self._sync_files)
+            # DCP's checkpoint process writes with a copy of the writer: its checksums
+            # would stay in that process, so it gets DCP's plain writer.
+            in_process = (not asynchronous or files is self._remote_files
+                          or self._checkpointer == "thread")
+            writer = files.writer(staging_dir, sync_files=self._sync_files,
+                                  in_process=in_process)
             common = dict(storage_writer=writer, process_group=self._io_group,
                           no_dist=not self._distributed)
             if not asynchronous:
