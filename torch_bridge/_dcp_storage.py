@@ -32,15 +32,17 @@ import functools
 import io
 import os
 import shutil
+from collections.abc import Iterable
 from typing import Any
 
-from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.checksum import default_algorithm, extend, file_checksum
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
+from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import Storage, fsync_dir
 
 from . import _dcp_metadata
@@ -54,6 +56,8 @@ _MERGE_GAP = 1 << 20
 #: a fetched range longer than this is split into GETs of this size run in parallel.
 _FETCH_PIECE = 32 << 20
 _FETCH_THREADS = 8
+#: files of a local directory checked at once before a restore loads them.
+_CHECK_THREADS = 4
 
 
 def _dcp() -> Any:
@@ -152,8 +156,15 @@ class LocalDcpFiles:
             return stream.read()
 
     @staticmethod
-    def reader(directory: str) -> Any:
-        return _dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
+    def reader(directory: str, claims: ReadClaims | None = None, partial: bool = False) -> Any:
+        """The safe reader of ``directory``. With ``claims``, first claims every offered file
+        of the directory and checks it (its checksum from the disk, before DCP loads
+        anything), then closes them; the reader's ``damaged`` names the files that do not
+        match (load nothing then). ``partial`` changes nothing here: a local restore checks
+        every data file, as it did before the read when the manager checked them."""
+        reader = _dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
+        reader.damaged = _check_local_claims(directory, claims) if claims is not None else []
+        return reader
 
 
 # ---------------------------------------------------------------------- object storage
@@ -205,8 +216,14 @@ class StorageDcpFiles:
             raise _without_metadata(directory)
         return document
 
-    def reader(self, directory: str) -> Any:
-        return _storage_reader_class()(directory, self.storage)
+    def reader(self, directory: str, claims: ReadClaims | None = None,
+               partial: bool = False) -> Any:
+        """The reader of ``directory``: it fetches each data file's needed ranges once; with
+        ``claims``, it fetches every claimed file whole and checks it against its checksum
+        before DCP copies anything into the live tensors (``damaged`` then names the files
+        that failed, and nothing is loaded). ``partial``: the offered files it does not read
+        are withdrawn (nothing restored comes from them)."""
+        return _storage_reader_class()(directory, self.storage, claims, partial)
 
 
 class _UploadStream(io.BytesIO):
@@ -379,15 +396,47 @@ def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
-           start: int, end: int) -> bytes:
-    """Bytes [start, end) of ``path``, in pieces of ``_FETCH_PIECE`` fetched on ``pool``."""
-    pieces = [(offset, min(end, offset + _FETCH_PIECE)) for offset in range(start, end,
-                                                                           _FETCH_PIECE)]
+           start: int, end: int, *, to_the_end: bool = False) -> bytes:
+    """Bytes [start, end) of ``path``, in pieces of ``_FETCH_PIECE`` fetched on ``pool``;
+    ``to_the_end``: the last piece goes on to the end of the object, wherever that is."""
+    pieces: list[tuple[int, int | None]] = [
+        (offset, min(end, offset + _FETCH_PIECE) - offset)
+        for offset in range(start, max(end, start + 1), _FETCH_PIECE)]
+    if to_the_end:
+        pieces[-1] = (pieces[-1][0], None)
     if len(pieces) == 1:
-        return storage.read(path, offset=start, length=end - start)
-    parts = pool.map(lambda span: storage.read(path, offset=span[0], length=span[1] - span[0]),
-                     pieces)
+        return storage.read(path, offset=start, length=pieces[0][1])
+    parts = pool.map(lambda span: storage.read(path, offset=span[0], length=span[1]), pieces)
     return b"".join(parts)
+
+
+def _checksum_problem(claims: ReadClaims, path: str, claimed: tuple[str, str],
+                      data: Any) -> bool:
+    """Settle the claim of ``path`` with the checksum of ``data`` (its bytes, or a
+    ``(size, checksum)`` computed elsewhere); whether it does not match."""
+    algorithm, expected = claimed
+    if isinstance(data, tuple):
+        actual = data[1]
+    else:
+        actual = f"{extend(algorithm, 0, memoryview(data)):08x}"
+    claims.settle(path, actual)
+    return actual != expected
+
+
+def _check_local_claims(directory: str, claims: ReadClaims) -> list[str]:
+    """Claim every offered file of the local ``directory``, check each one (a few at a
+    time), close the claims; the names of the files that do not match."""
+    paths = sorted(os.path.join(directory, name) for name in os.listdir(directory))
+    claimed = {path: found for path in paths if (found := claims.claim(path)) is not None}
+    claims.close()
+
+    def damaged(path: str) -> bool:
+        algorithm = claimed[path][0]
+        return _checksum_problem(claims, path, claimed[path], file_checksum(path, algorithm))
+
+    with concurrent.futures.ThreadPoolExecutor(_CHECK_THREADS) as pool:
+        flags = list(pool.map(damaged, claimed))
+    return [os.path.basename(path) for path, bad in zip(claimed, flags, strict=True) if bad]
 
 
 @functools.cache
@@ -397,10 +446,28 @@ def _storage_reader_class() -> type:
     class _StorageReader(SafeReader):  # type: ignore[misc, valid-type]
         """The safe reader over a Storage, fetching each file's needed ranges ahead."""
 
-        def __init__(self, path: str, storage: Storage):
+        def __init__(self, path: str, storage: Storage, claims: ReadClaims | None = None,
+                     partial: bool = False):
             super().__init__(path)
             self.fs = _storage_fs_class()(storage)
             self.path = self.fs.init_path(path)
+            self._claims = claims
+            self._partial = partial
+            #: names of the claimed files whose bytes did not match (nothing was loaded).
+            self.damaged: list[str] = []
+
+        def _claim(self, relatives: Iterable[str]) -> dict[str, tuple[str, str]]:
+            """Claim the offered files among those read (path -> algorithm, checksum), and
+            close the claims; a partial read withdraws the offered files it does not read."""
+            if self._claims is None:
+                return {}
+            paths = [self.fs.concat_path(self.path, relative) for relative in relatives]
+            claimed = {path: found for path in paths
+                       if (found := self._claims.claim(path)) is not None}
+            if self._partial:
+                self._claims.limit(str(self.path), [])
+            self._claims.close()
+            return claimed
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             spans: dict[str, list[tuple[int, int]]] = {}
@@ -408,6 +475,12 @@ def _storage_reader_class() -> type:
                 info = self.storage_data[item.storage_index]
                 spans.setdefault(info.relative_path, []).append(
                     (info.offset, info.offset + info.length))
+            # Where each file's last item ends: its size as DCP wrote it.
+            extent: dict[str, int] = {}
+            for info in self.storage_data.values():
+                end = info.offset + info.length
+                extent[info.relative_path] = max(extent.get(info.relative_path, 0), end)
+            claimed = self._claim(spans)
             storage = self.fs.storage
             fetched: dict[str, list[tuple[int, bytes]]] = {}
             # Whole ranges on one pool, their pieces on another: no pool waits on itself.
@@ -416,10 +489,24 @@ def _storage_reader_class() -> type:
                 jobs = {}
                 for relative, ranges in spans.items():
                     path = self.fs.concat_path(self.path, relative)
+                    if path in claimed:  # whole, to check it: one pass, no range read again
+                        jobs[path, 0] = pool.submit(_fetch, storage, pieces, path, 0,
+                                                    extent[relative], to_the_end=True)
+                        continue
                     for start, end in _merge(ranges):
                         jobs[path, start] = pool.submit(_fetch, storage, pieces, path, start, end)
                 for (path, start), job in jobs.items():
                     fetched.setdefault(path, []).append((start, job.result()))
+            claims = self._claims
+            self.damaged = [] if claims is None else [
+                path.rsplit("/", 1)[-1] for path, found in claimed.items()
+                if _checksum_problem(claims, path, found, fetched[path][0][1])]
+            if self.damaged:  # DCP copies nothing into the live tensors
+                from torch.futures import Future
+
+                done: Future[None] = Future()
+                done.set_result(None)
+                return done
             self.fs.prefetched = fetched
             try:
                 return super().read_data(plan, planner)

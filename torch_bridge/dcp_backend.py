@@ -424,10 +424,11 @@ class DcpBackend:
     name = "dcp"
     #: Async writes. Exporters get state dicts (host copies), never live modules, in every
     #: mode. read() loads into the caller's live modules and tensors, which cannot be taken
-    #: back: the manager verifies every checksum before reading rather than alongside.
+    #: back, so it checks each data file it claims before loading any (verifies_reads);
+    #: in a run of several processes the manager checks every file before reading.
     #: Object-store roots through the storage the manager attaches.
     features = BackendFeatures(supports_async=True, export_needs_copy=True,
-                               reads_in_place=True, object_storage=True)
+                               reads_in_place=True, verifies_reads=True, object_storage=True)
 
     def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
                  reuse_staging_memory: bool = True, sync_files: bool = False,
@@ -678,11 +679,13 @@ class DcpBackend:
         then reads only the tensors ``like`` holds. An entry or tensor of ``like`` that was
         never saved is still a mismatch, named in the error.
 
-        ``claims``: this backend checks no checksum itself (``features.verifies_reads`` is
-        False), so it claims nothing and closes any claims it is given at once.
+        ``claims`` (a single-process restore with checksums on): the reader claims the
+        offered data files it loads from and checks each one before DCP copies anything
+        into the live tensors; on an object store it fetches a claimed file once, whole,
+        checks those bytes and loads from them (``_dcp_storage``). A mismatch loads nothing
+        and raises ``CheckpointCorruptError`` (the manager reports the files, from the
+        claims). Without claims the manager checked every file before calling this.
         """
-        if claims is not None:
-            claims.close()
         self._check_open()
         with self._lock:
             self._drain_locked()
@@ -715,9 +718,18 @@ class DcpBackend:
             # items are never trusted (see _dcp_metadata).
             from ._dcp_metadata import safe_planner
 
-            _dcp().load(targets, checkpoint_id=directory, storage_reader=files.reader(directory),
-                        planner=safe_planner(), process_group=self._io_group,
-                        no_dist=not self._distributed)
+            reader = files.reader(directory, claims, partial)
+            if not reader.damaged:
+                _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
+                            planner=safe_planner(), process_group=self._io_group,
+                            no_dist=not self._distributed)
+            if reader.damaged:
+                raise CheckpointCorruptError(
+                    f"{directory}: {', '.join(reader.damaged)} do not match the checksums of "
+                    "the commit manifest; nothing was loaded into the live objects. Restore "
+                    "another checkpoint.")
+        if claims is not None:
+            claims.close()  # nothing was claimed (no tensors): the checks go on without us
         api: Any = None  # torch's state-dict functions, imported only if needed
         if any(e.kind in ("module", "optimizer") for e in entries):
             api = _state_dict_api()
