@@ -102,9 +102,10 @@ class LocalDcpFiles:
         parent, name = os.path.split(os.path.normpath(directory))
         return os.path.join(parent, f"{TMP_PREFIX}{name}")
 
-    def prepare(self, directory: str, staging: str, document: bytes) -> None:
+    def prepare(self, directory: str, staging: str, document: bytes, writer: Any) -> None:
         """Primary: refuse an existing ``directory``, clear a crashed attempt's staging
-        directory, create it and write ``objects.json`` there."""
+        directory, create it and write ``objects.json`` there (the commit checksums and
+        fsyncs it: ``writer`` records nothing of it)."""
         if os.path.lexists(directory):
             raise _exists_error(directory)
         if os.path.lexists(staging):  # debris of an attempt that crashed
@@ -180,12 +181,19 @@ class StorageDcpFiles:
     def staging_path(directory: str) -> str:
         return directory
 
-    def prepare(self, directory: str, staging: str, document: bytes) -> None:
-        """Primary: refuse a prefix that holds objects (the manager moves an earlier
-        attempt aside first) and put ``objects.json``."""
-        if self.storage.is_prefix(directory):
-            raise _exists_error(directory)
-        self.storage.write(f"{directory}/{OBJECTS_FILE}", document)
+    def prepare(self, directory: str, staging: str, document: bytes, writer: Any) -> None:
+        """Primary: put ``objects.json`` create-only, which refuses a prefix that an
+        earlier write filled (each one puts it first; the manager moves an earlier attempt
+        aside before), in the one request instead of a listing and a put; its manifest
+        entry goes with ``writer``'s, so that the commit does not fetch it back. An
+        ``objects.json`` with the very same bytes (a state of the same structure) passes,
+        as the storage takes it for a retry of this put."""
+        path = f"{directory}/{OBJECTS_FILE}"
+        try:
+            self.storage.create(path, document)
+        except FileExistsError:
+            raise _exists_error(directory) from None
+        writer.fs.written[path] = _entry(document)
 
     def writer(self, staging: str, *, sync_files: bool, in_process: bool = True) -> Any:
         # sync_files has no meaning here: an upload is durable once it returns; async saves
@@ -212,8 +220,12 @@ class StorageDcpFiles:
             if not self.storage.is_prefix(directory):
                 raise _missing(directory) from None
             raise _without_objects(directory) from None
-        if not self.storage.exists(f"{directory}/{DCP_METADATA}"):
-            raise _without_metadata(directory)
+        try:
+            # A read, not a HEAD: the manager's verification just fetched this small object,
+            # and the storage answers from the bytes it kept, with no request.
+            self.storage.read(f"{directory}/{DCP_METADATA}")
+        except FileNotFoundError:
+            raise _without_metadata(directory) from None
         return document
 
     def reader(self, directory: str, claims: ReadClaims | None = None,
@@ -367,6 +379,11 @@ def _storage_writer_class() -> type:
             super().__init__(path, sync_files=False)
             self.fs = _storage_fs_class()(storage)
             self.path = self.fs.init_path(path)
+
+        def _metadata_exists(self) -> bool:
+            # DCP asks only to warn before overwriting; this prefix is new (prepare refused
+            # a filled one), so the answer is known without a HEAD request.
+            return False
 
         def finish(self, metadata: Any, results: list[list[Any]]) -> None:
             # DCP's finish writes ".metadata.tmp" and renames it: a copy and a delete here.

@@ -568,14 +568,14 @@ class DcpBackend:
         dcp = _dcp()
         with self._lock:
             self._drain_locked()
-            if self._rank == 0:
-                files.prepare(directory, staging_dir, document)
             # DCP's checkpoint process writes with a copy of the writer: its checksums
             # would stay in that process, so it gets DCP's plain writer.
             in_process = (not asynchronous or files is self._remote_files
                           or self._checkpointer == "thread")
             writer = files.writer(staging_dir, sync_files=self._sync_files,
                                   in_process=in_process)
+            if self._rank == 0:
+                files.prepare(directory, staging_dir, document, writer)
             common = dict(storage_writer=writer, process_group=self._io_group,
                           no_dist=not self._distributed)
             if not asynchronous:

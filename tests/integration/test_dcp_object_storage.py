@@ -23,6 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from jaxckpt import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointWarning,
+    CheckpointWriteError,
     Every,
     RecoverConfig,
     StepInfo,
@@ -108,9 +109,11 @@ def test_round_trip_on_s3_is_bit_exact_in_the_local_layout(options, root, mode, 
     with manager(root, options, mode=mode) as mgr:
         mgr.save(STEP, state, stateful={"loader": loader})
         mgr.wait()
-    # The commit took the checksums of the bytes uploaded: no DCP file was read back.
+    # The commit took the checksums of the bytes uploaded: no file of the backend's, DCP's
+    # nor objects.json, was read back.
     assert not [path for path in summed if path.endswith((".distcp", ".metadata"))], summed
-    assert any(path.endswith("objects.json") for path in summed)  # the seam is the right one
+    assert not [path for path in summed if "/state/" in path], summed
+    assert any(path.endswith("driver.json") for path in summed)  # the seam is the right one
     expected_next = [next(batches) for _ in range(2)]
 
     fresh, fresh_loader, _ = training(seed=5)
@@ -190,6 +193,29 @@ def counting_gets(monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(s3_storage.S3Storage, "read", read)
     monkeypatch.setattr(s3_storage.S3Storage, "checksum", checksum)
     return fetched
+
+
+def test_a_save_to_s3_sends_one_put_per_file_and_nothing_else(options, root):
+    # No listing to refuse a filled prefix (objects.json is put create-only instead), no
+    # HEAD for DCP's "overwrite?" warning, and every file's checksum known from its upload.
+    state, _, _ = training()
+    _, storage = parse_root(root, options)
+    calls: list[str] = []
+    storage.client.meta.events.register("before-call.s3.*",
+                                        lambda model, **_: calls.append(model.name))
+    backend = DcpBackend()
+    backend.attach_storage(storage)
+    try:
+        handle = backend.write(f"{root}/state", state, asynchronous=False)
+        handle.wait()
+        assert sorted(calls) == ["PutObject"] * 3, calls  # objects.json, the data, .metadata
+        assert set(handle.checksums) == {"objects.json", ".metadata", "__0_0.distcp"}
+        # A filled prefix is still refused (an identical objects.json would pass as a
+        # retry of the same put; the manager never writes into a filled prefix).
+        with pytest.raises(CheckpointWriteError, match="already exists"):
+            backend.write(f"{root}/state", {"model": state["model"]}, asynchronous=False)
+    finally:
+        backend.close()
 
 
 def test_a_restore_from_s3_fetches_each_data_byte_once(options, root, monkeypatch):
