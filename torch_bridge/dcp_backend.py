@@ -58,6 +58,7 @@ with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, 
     from torch import nn
     from torch.utils.data import DataLoader
 
+    from . import _dcp_metadata
     from ._dcp_storage import LocalDcpFiles, StorageDcpFiles
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
@@ -714,14 +715,11 @@ class DcpBackend:
                 targets[_storage_key(entry.name, path)] = (
                     tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
         if targets:
-            # The restricted reader/planner: a copied checkpoint's .metadata pickle and byte
-            # items are never trusted (see _dcp_metadata).
-            from ._dcp_metadata import safe_planner
-
             reader = files.reader(directory, claims, partial)
-            if not reader.damaged:
+            if not reader.damaged:  # else the claimed files did not match: load nothing
+                # The restricted planner: byte items are never trusted (see _dcp_metadata).
                 _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
-                            planner=safe_planner(), process_group=self._io_group,
+                            planner=_dcp_metadata.safe_planner(), process_group=self._io_group,
                             no_dist=not self._distributed)
             if reader.damaged:
                 raise CheckpointCorruptError(
@@ -730,27 +728,7 @@ class DcpBackend:
                     "another checkpoint.")
         if claims is not None:
             claims.close()  # nothing was claimed (no tensors): the checks go on without us
-        api: Any = None  # torch's state-dict functions, imported only if needed
-        if any(e.kind in ("module", "optimizer") for e in entries):
-            api = _state_dict_api()
-        for entry in entries:
-            record = saved[entry.name]
-            skeleton = codec.decode(record["skeleton"], f"state[{entry.name!r}]")
-            if partial:  # saved tensors that like leaves out were not read: no place for them
-                skeleton = _prune(skeleton, _saved_paths(record) - set(entry.split.tensors))
-            value = _fill(skeleton, entry.split.tensors)
-            if entry.kind == "module":
-                api.set_model_state_dict(like[entry.name], value)
-            elif entry.kind == "optimizer":
-                optimizer = like[entry.name]
-                api.set_optimizer_state_dict(like[entry.module], optimizer, value)
-                if record.get("fresh"):
-                    _drop_created_state(optimizer)
-            elif entry.kind == "state_dict":
-                like[entry.name].load_state_dict(value)
-            elif entry.kind == "value":
-                like[entry.name] = value
-            # "tensor": loaded in place above
+        _apply_entries(like, entries, saved, partial=partial)
         return like
 
     @staticmethod
@@ -910,6 +888,34 @@ def _prune(skeleton: Any, drop: set[tuple[Any, ...]], path: tuple[Any, ...] = ()
     if isinstance(skeleton, tuple):
         return tuple(_prune(item, drop, path + (index,)) for index, item in enumerate(skeleton))
     return skeleton
+
+
+def _apply_entries(like: dict[str, Any], entries: list[_Entry], saved: Mapping[str, Any], *,
+                   partial: bool) -> None:
+    """Put what was loaded into the tensors of ``entries`` (and the saved non-tensor
+    values) into the live objects of ``like``: modules and optimizers through DCP's
+    state-dict functions, other objects through ``load_state_dict``, values replaced."""
+    api: Any = None  # torch's state-dict functions, imported only if needed
+    if any(e.kind in ("module", "optimizer") for e in entries):
+        api = _state_dict_api()
+    for entry in entries:
+        record = saved[entry.name]
+        skeleton = codec.decode(record["skeleton"], f"state[{entry.name!r}]")
+        if partial:  # saved tensors that like leaves out were not read: no place for them
+            skeleton = _prune(skeleton, _saved_paths(record) - set(entry.split.tensors))
+        value = _fill(skeleton, entry.split.tensors)
+        if entry.kind == "module":
+            api.set_model_state_dict(like[entry.name], value)
+        elif entry.kind == "optimizer":
+            optimizer = like[entry.name]
+            api.set_optimizer_state_dict(like[entry.module], optimizer, value)
+            if record.get("fresh"):
+                _drop_created_state(optimizer)
+        elif entry.kind == "state_dict":
+            like[entry.name].load_state_dict(value)
+        elif entry.kind == "value":
+            like[entry.name] = value
+        # "tensor": loaded in place by DCP
 
 
 def _compare(entries: list[_Entry], saved: Mapping[str, Any], *,
