@@ -109,9 +109,9 @@ def _writer_class() -> type:
                     self.written[name] = entry
 
             with open(name, "wb") as raw:
-                stream = _ChecksummingStream(raw, report)
-                yield stream
-                stream.close()
+                checksumming = _ChecksummingStream(raw, report)
+                yield checksumming
+                checksumming.close()
 
         def rename(self, path: Any, new_path: Any) -> None:
             # DCP's finish writes ".metadata.tmp" and renames it: the entry follows the file.

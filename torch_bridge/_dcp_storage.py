@@ -270,7 +270,10 @@ class _RangeFile(io.RawIOBase):
         super().__init__()
         self._storage = storage
         self._path = path
-        self._ranges = sorted(ranges, key=lambda item: item[0])
+        # Views, so that a read slices without copying: each byte is copied once, into
+        # the buffer DCP reads into.
+        self._ranges = sorted(((start, memoryview(data)) for start, data in ranges),
+                              key=lambda item: item[0])
         self._starts = [start for start, _ in self._ranges]
         self._position = 0
 
@@ -296,13 +299,13 @@ class _RangeFile(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         wanted = len(view)
         index = bisect.bisect_right(self._starts, self._position) - 1
-        data = b""
+        data: Any = b""
         if index >= 0:
             start, held = self._ranges[index]
             inside = self._position - start
             if inside < len(held):
                 data = held[inside:inside + wanted]
-        if not data:
+        if not len(data):
             data = self._storage.read(self._path, offset=self._position, length=wanted)
         view[:len(data)] = data
         self._position += len(data)

@@ -890,7 +890,7 @@ def _prune(skeleton: Any, drop: set[tuple[Any, ...]], path: tuple[Any, ...] = ()
     return skeleton
 
 
-def _apply_entries(like: dict[str, Any], entries: list[_Entry], saved: Mapping[str, Any], *,
+def _apply_entries(like: Any, entries: list[_Entry], saved: Mapping[str, Any], *,
                    partial: bool) -> None:
     """Put what was loaded into the tensors of ``entries`` (and the saved non-tensor
     values) into the live objects of ``like``: modules and optimizers through DCP's
