@@ -416,17 +416,14 @@ def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
-           start: int, end: int, *, to_the_end: bool = False) -> bytes:
-    """Bytes [start, end) of ``path``, in pieces of ``_FETCH_PIECE`` fetched on ``pool``;
-    ``to_the_end``: the last piece goes on to the end of the object, wherever that is."""
-    pieces: list[tuple[int, int | None]] = [
-        (offset, min(end, offset + _FETCH_PIECE) - offset)
-        for offset in range(start, max(end, start + 1), _FETCH_PIECE)]
-    if to_the_end:
-        pieces[-1] = (pieces[-1][0], None)
+           start: int, end: int) -> bytes:
+    """Bytes [start, end) of ``path``, in pieces of ``_FETCH_PIECE`` fetched on ``pool``."""
+    pieces = [(offset, min(end, offset + _FETCH_PIECE)) for offset in range(start, end,
+                                                                           _FETCH_PIECE)]
     if len(pieces) == 1:
-        return storage.read(path, offset=start, length=pieces[0][1])
-    parts = pool.map(lambda span: storage.read(path, offset=span[0], length=span[1]), pieces)
+        return storage.read(path, offset=start, length=end - start)
+    parts = pool.map(lambda span: storage.read(path, offset=span[0], length=span[1] - span[0]),
+                     pieces)
     return b"".join(parts)
 
 
@@ -495,11 +492,6 @@ def _storage_reader_class() -> type:
                 info = self.storage_data[item.storage_index]
                 spans.setdefault(info.relative_path, []).append(
                     (info.offset, info.offset + info.length))
-            # Where each file's last item ends: its size as DCP wrote it.
-            extent: dict[str, int] = {}
-            for info in self.storage_data.values():
-                end = info.offset + info.length
-                extent[info.relative_path] = max(extent.get(info.relative_path, 0), end)
             claimed = self._claim(spans)
             storage = self.fs.storage
             fetched: dict[str, list[tuple[int, bytes]]] = {}
@@ -509,9 +501,10 @@ def _storage_reader_class() -> type:
                 jobs = {}
                 for relative, ranges in spans.items():
                     path = self.fs.concat_path(self.path, relative)
-                    if path in claimed:  # whole, to check it: one pass, no range read again
-                        jobs[path, 0] = pool.submit(_fetch, storage, pieces, path, 0,
-                                                    extent[relative], to_the_end=True)
+                    if path in claimed:
+                        # Whole, to check it, and as the storage reads a whole object (a raw
+                        # download through the same client): one pass, no range read again.
+                        jobs[path, 0] = pool.submit(storage.read, path)
                         continue
                     for start, end in _merge(ranges):
                         jobs[path, start] = pool.submit(_fetch, storage, pieces, path, start, end)
