@@ -46,11 +46,16 @@ class BackendFeatures:
     reads_in_place: bool = False
     """``read`` loads into the objects of ``like`` (e.g. live torch modules), so what it read
     cannot be thrown away: the manager verifies every checksum before reading instead of
-    checking those of large data files while ``read`` runs."""
+    checking those of large data files while ``read`` runs (but see ``verifies_reads``)."""
     verifies_reads: bool = False
     """``read`` uses its ``claims`` (a ``store.ReadClaims``): it checks the deferred
     checksums of the files it reads whole as it reads them, so the manager's verifier skips
-    those. False: the manager passes ``claims=None``."""
+    those. False: the manager passes ``claims=None``. With ``reads_in_place`` as well, the
+    backend promises more: it claims every offered file its read loads from, checks each
+    claimed file before it loads anything into the live objects, and on a mismatch loads
+    nothing and raises; the manager then defers the data checksums of a single-process
+    restore to it (one pass over the bytes instead of two), and checks every file first in
+    a run of several processes (only the primary is given claims)."""
     export_needs_copy: bool = False
     """Exporters always receive ``host_copy(state)`` (e.g. torch state dicts rather than live
     modules), whatever the export mode. False: a sync single-process export gets ``state``."""

@@ -70,7 +70,8 @@ class Recovery:
         restored; the process-global RNGs (Python, NumPy, the backend's) are not: they are
         no part of ``like``, and an evaluation or fine-tuning job keeps its own seeds."""
         ctx = self._ctx
-        checks = verification.plan(ctx.recover_config, ctx.backend, items, partial=partial)
+        checks = verification.plan(ctx.recover_config, ctx.backend, items, partial=partial,
+                                   processes=ctx.process_count)
         bad: list[Entry] = []
         limit: int | None = None
         while True:

@@ -77,22 +77,29 @@ class DeferredChecksumsFailed(Exception):
 
 
 def plan(config: RecoverConfig, backend: Any, items: Mapping[str, Any] | None, *,
-         partial: bool = False) -> Verification:
+         partial: bool = False, processes: int = 1) -> Verification:
     """How one restore checks checkpoints. With checksums on, the checksums of bulk array
     files are checked alongside the read (the read brings the same bytes in from disk,
     so the two share one pass) and the restored values are thrown away if it fails. A
     backend that reads into the caller's live objects (``reads_in_place``, e.g. DCP)
-    could not take its values back, so it gets every checksum before the read.
+    could not take its values back, so it gets every checksum before the read, unless it
+    also ``verifies_reads`` (it checks what it claims before loading any of it) and the
+    restore runs in one process (``processes``: the others are given no claims); items,
+    which it reads without claims, are checked first either way.
 
     ``partial`` (a restore of a subtree): every data file's checksum waits for the read,
     whatever its size, so that the backend can withdraw those of the files it does not
     read (``ReadClaims.limit``): a partial restore checksums what it restores, and only
     sizes and metadata of the rest."""
     checksums = config.verify == "checksums"
-    overlap = checksums and not backend.features.reads_in_place
+    features = backend.features
+    in_place = features.reads_in_place
+    checks_first = in_place and features.verifies_reads and processes == 1
+    overlap = checksums and (not in_place or checks_first)
     defer_over = (0 if partial else DEFER_CHECKSUMS_OVER) if overlap else None
+    deferred_items = frozenset(items or ()) if overlap and not in_place else frozenset()
     return Verification(checksums=checksums, defer_over=defer_over,
-                        deferred_items=frozenset(items or ()) if overlap else frozenset())
+                        deferred_items=deferred_items)
 
 
 class Verifier:

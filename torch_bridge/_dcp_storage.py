@@ -32,18 +32,21 @@ import functools
 import io
 import os
 import shutil
+from collections.abc import Iterable
 from typing import Any
 
-from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.checksum import default_algorithm, extend, file_checksum
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
+from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import Storage, fsync_dir
 
 from . import _dcp_metadata
+from ._dcp_local_writer import checksumming_writer
 
 __all__ = ["DCP_METADATA", "LocalDcpFiles", "StorageDcpFiles"]
 
@@ -53,6 +56,8 @@ _MERGE_GAP = 1 << 20
 #: a fetched range longer than this is split into GETs of this size run in parallel.
 _FETCH_PIECE = 32 << 20
 _FETCH_THREADS = 8
+#: files of a local directory checked at once before a restore loads them.
+_CHECK_THREADS = 4
 
 
 def _dcp() -> Any:
@@ -97,9 +102,10 @@ class LocalDcpFiles:
         parent, name = os.path.split(os.path.normpath(directory))
         return os.path.join(parent, f"{TMP_PREFIX}{name}")
 
-    def prepare(self, directory: str, staging: str, document: bytes) -> None:
+    def prepare(self, directory: str, staging: str, document: bytes, writer: Any) -> None:
         """Primary: refuse an existing ``directory``, clear a crashed attempt's staging
-        directory, create it and write ``objects.json`` there."""
+        directory, create it and write ``objects.json`` there (the commit checksums and
+        fsyncs it: ``writer`` records nothing of it)."""
         if os.path.lexists(directory):
             raise _exists_error(directory)
         if os.path.lexists(staging):  # debris of an attempt that crashed
@@ -110,13 +116,26 @@ class LocalDcpFiles:
             stream.write(document)
 
     @staticmethod
-    def writer(staging: str, *, sync_files: bool) -> Any:
+    def writer(staging: str, *, sync_files: bool, in_process: bool = True) -> Any:
+        """A writer that checksums and fsyncs each file as it writes it
+        (``_dcp_local_writer``), so that the commit reads nothing back; DCP's plain writer
+        where ``in_process`` is False (DCP's checkpoint process writes with a copy of the
+        writer, whose checksums this process would never see: the commit reads the files)."""
+        if in_process:
+            return checksumming_writer(staging)
         return _dcp().FileSystemWriter(staging, sync_files=sync_files)
 
     @staticmethod
-    def known_checksums(writer: Any, directory: str) -> None:
-        """None: DCP computes no checksums on a local disk; the commit reads the files."""
-        return None
+    def known_checksums(writer: Any, directory: str) -> dict[str, dict[str, Any]] | None:
+        """Manifest entries of the files ``writer`` wrote and fsynced (computed from the
+        bytes written), by path relative to the directory it filled; None from DCP's plain
+        writer, whose files the commit reads back."""
+        written = getattr(writer.fs, "written", None)
+        if not written:
+            return None
+        base = str(writer.path)
+        return {os.path.relpath(path, base).replace(os.sep, "/"): entry
+                for path, entry in written.items()}
 
     @staticmethod
     def publish(staging: str, directory: str) -> None:
@@ -138,8 +157,15 @@ class LocalDcpFiles:
             return stream.read()
 
     @staticmethod
-    def reader(directory: str) -> Any:
-        return _dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
+    def reader(directory: str, claims: ReadClaims | None = None, partial: bool = False) -> Any:
+        """The safe reader of ``directory``. With ``claims``, first claims every offered file
+        of the directory and checks it (its checksum from the disk, before DCP loads
+        anything), then closes them; the reader's ``damaged`` names the files that do not
+        match (load nothing then). ``partial`` changes nothing here: a local restore checks
+        every data file, as it did before the read when the manager checked them."""
+        reader = _dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
+        reader.damaged = _check_local_claims(directory, claims) if claims is not None else []
+        return reader
 
 
 # ---------------------------------------------------------------------- object storage
@@ -155,15 +181,23 @@ class StorageDcpFiles:
     def staging_path(directory: str) -> str:
         return directory
 
-    def prepare(self, directory: str, staging: str, document: bytes) -> None:
-        """Primary: refuse a prefix that holds objects (the manager moves an earlier
-        attempt aside first) and put ``objects.json``."""
-        if self.storage.is_prefix(directory):
-            raise _exists_error(directory)
-        self.storage.write(f"{directory}/{OBJECTS_FILE}", document)
+    def prepare(self, directory: str, staging: str, document: bytes, writer: Any) -> None:
+        """Primary: put ``objects.json`` create-only, which refuses a prefix that an
+        earlier write filled (each one puts it first; the manager moves an earlier attempt
+        aside before), in the one request instead of a listing and a put; its manifest
+        entry goes with ``writer``'s, so that the commit does not fetch it back. An
+        ``objects.json`` with the very same bytes (a state of the same structure) passes,
+        as the storage takes it for a retry of this put."""
+        path = f"{directory}/{OBJECTS_FILE}"
+        try:
+            self.storage.create(path, document)
+        except FileExistsError:
+            raise _exists_error(directory) from None
+        writer.fs.written[path] = _entry(document)
 
-    def writer(self, staging: str, *, sync_files: bool) -> Any:
-        # sync_files has no meaning here: an upload is durable once it returns.
+    def writer(self, staging: str, *, sync_files: bool, in_process: bool = True) -> Any:
+        # sync_files has no meaning here: an upload is durable once it returns; async saves
+        # to a store always run on a thread of this process (in_process).
         return _storage_writer_class()(staging, self.storage)
 
     @staticmethod
@@ -186,12 +220,22 @@ class StorageDcpFiles:
             if not self.storage.is_prefix(directory):
                 raise _missing(directory) from None
             raise _without_objects(directory) from None
-        if not self.storage.exists(f"{directory}/{DCP_METADATA}"):
-            raise _without_metadata(directory)
+        try:
+            # A read, not a HEAD: the manager's verification just fetched this small object,
+            # and the storage answers from the bytes it kept, with no request.
+            self.storage.read(f"{directory}/{DCP_METADATA}")
+        except FileNotFoundError:
+            raise _without_metadata(directory) from None
         return document
 
-    def reader(self, directory: str) -> Any:
-        return _storage_reader_class()(directory, self.storage)
+    def reader(self, directory: str, claims: ReadClaims | None = None,
+               partial: bool = False) -> Any:
+        """The reader of ``directory``: it fetches each data file's needed ranges once; with
+        ``claims``, it fetches every claimed file whole and checks it against its checksum
+        before DCP copies anything into the live tensors (``damaged`` then names the files
+        that failed, and nothing is loaded). ``partial``: the offered files it does not read
+        are withdrawn (nothing restored comes from them)."""
+        return _storage_reader_class()(directory, self.storage, claims, partial)
 
 
 class _UploadStream(io.BytesIO):
@@ -226,7 +270,10 @@ class _RangeFile(io.RawIOBase):
         super().__init__()
         self._storage = storage
         self._path = path
-        self._ranges = sorted(ranges, key=lambda item: item[0])
+        # Views, so that a read slices without copying: each byte is copied once, into
+        # the buffer DCP reads into.
+        self._ranges = sorted(((start, memoryview(data)) for start, data in ranges),
+                              key=lambda item: item[0])
         self._starts = [start for start, _ in self._ranges]
         self._position = 0
 
@@ -252,13 +299,13 @@ class _RangeFile(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         wanted = len(view)
         index = bisect.bisect_right(self._starts, self._position) - 1
-        data = b""
+        data: Any = b""
         if index >= 0:
             start, held = self._ranges[index]
             inside = self._position - start
             if inside < len(held):
                 data = held[inside:inside + wanted]
-        if not data:
+        if not len(data):
             data = self._storage.read(self._path, offset=self._position, length=wanted)
         view[:len(data)] = data
         self._position += len(data)
@@ -336,6 +383,11 @@ def _storage_writer_class() -> type:
             self.fs = _storage_fs_class()(storage)
             self.path = self.fs.init_path(path)
 
+        def _metadata_exists(self) -> bool:
+            # DCP asks only to warn before overwriting; this prefix is new (prepare refused
+            # a filled one), so the answer is known without a HEAD request.
+            return False
+
         def finish(self, metadata: Any, results: list[list[Any]]) -> None:
             # DCP's finish writes ".metadata.tmp" and renames it: a copy and a delete here.
             metadata.version = CURRENT_DCP_VERSION
@@ -375,6 +427,35 @@ def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
     return b"".join(parts)
 
 
+def _checksum_problem(claims: ReadClaims, path: str, claimed: tuple[str, str],
+                      data: Any) -> bool:
+    """Settle the claim of ``path`` with the checksum of ``data`` (its bytes, or a
+    ``(size, checksum)`` computed elsewhere); whether it does not match."""
+    algorithm, expected = claimed
+    if isinstance(data, tuple):
+        actual = data[1]
+    else:
+        actual = f"{extend(algorithm, 0, memoryview(data)):08x}"
+    claims.settle(path, actual)
+    return actual != expected
+
+
+def _check_local_claims(directory: str, claims: ReadClaims) -> list[str]:
+    """Claim every offered file of the local ``directory``, check each one (a few at a
+    time), close the claims; the names of the files that do not match."""
+    paths = sorted(os.path.join(directory, name) for name in os.listdir(directory))
+    claimed = {path: found for path in paths if (found := claims.claim(path)) is not None}
+    claims.close()
+
+    def damaged(path: str) -> bool:
+        algorithm = claimed[path][0]
+        return _checksum_problem(claims, path, claimed[path], file_checksum(path, algorithm))
+
+    with concurrent.futures.ThreadPoolExecutor(_CHECK_THREADS) as pool:
+        flags = list(pool.map(damaged, claimed))
+    return [os.path.basename(path) for path, bad in zip(claimed, flags, strict=True) if bad]
+
+
 @functools.cache
 def _storage_reader_class() -> type:
     SafeReader = _dcp_metadata.safe_reader_class()
@@ -382,10 +463,28 @@ def _storage_reader_class() -> type:
     class _StorageReader(SafeReader):  # type: ignore[misc, valid-type]
         """The safe reader over a Storage, fetching each file's needed ranges ahead."""
 
-        def __init__(self, path: str, storage: Storage):
+        def __init__(self, path: str, storage: Storage, claims: ReadClaims | None = None,
+                     partial: bool = False):
             super().__init__(path)
             self.fs = _storage_fs_class()(storage)
             self.path = self.fs.init_path(path)
+            self._claims = claims
+            self._partial = partial
+            #: names of the claimed files whose bytes did not match (nothing was loaded).
+            self.damaged: list[str] = []
+
+        def _claim(self, relatives: Iterable[str]) -> dict[str, tuple[str, str]]:
+            """Claim the offered files among those read (path -> algorithm, checksum), and
+            close the claims; a partial read withdraws the offered files it does not read."""
+            if self._claims is None:
+                return {}
+            paths = [self.fs.concat_path(self.path, relative) for relative in relatives]
+            claimed = {path: found for path in paths
+                       if (found := self._claims.claim(path)) is not None}
+            if self._partial:
+                self._claims.limit(str(self.path), [])
+            self._claims.close()
+            return claimed
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             spans: dict[str, list[tuple[int, int]]] = {}
@@ -393,6 +492,7 @@ def _storage_reader_class() -> type:
                 info = self.storage_data[item.storage_index]
                 spans.setdefault(info.relative_path, []).append(
                     (info.offset, info.offset + info.length))
+            claimed = self._claim(spans)
             storage = self.fs.storage
             fetched: dict[str, list[tuple[int, bytes]]] = {}
             # Whole ranges on one pool, their pieces on another: no pool waits on itself.
@@ -401,10 +501,25 @@ def _storage_reader_class() -> type:
                 jobs = {}
                 for relative, ranges in spans.items():
                     path = self.fs.concat_path(self.path, relative)
+                    if path in claimed:
+                        # Whole, to check it, and as the storage reads a whole object (a raw
+                        # download through the same client): one pass, no range read again.
+                        jobs[path, 0] = pool.submit(storage.read, path)
+                        continue
                     for start, end in _merge(ranges):
                         jobs[path, start] = pool.submit(_fetch, storage, pieces, path, start, end)
                 for (path, start), job in jobs.items():
                     fetched.setdefault(path, []).append((start, job.result()))
+            claims = self._claims
+            self.damaged = [] if claims is None else [
+                path.rsplit("/", 1)[-1] for path, found in claimed.items()
+                if _checksum_problem(claims, path, found, fetched[path][0][1])]
+            if self.damaged:  # DCP copies nothing into the live tensors
+                from torch.futures import Future
+
+                done: Future[None] = Future()
+                done.set_result(None)
+                return done
             self.fs.prefetched = fetched
             try:
                 return super().read_data(plan, planner)

@@ -58,6 +58,7 @@ with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, 
     from torch import nn
     from torch.utils.data import DataLoader
 
+    from . import _dcp_metadata
     from ._dcp_storage import LocalDcpFiles, StorageDcpFiles
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
@@ -376,9 +377,10 @@ class DcpWriteHandle:
 
     @property
     def checksums(self) -> dict[str, dict[str, Any]] | None:
-        """On an object store, the manifest entries of the files this process uploaded
-        (computed from the bytes sent); else None: DCP computes no checksums, so the commit
-        checksums every file."""
+        """The manifest entries of the files this process wrote, computed from the bytes
+        written (uploaded, or written and fsynced on a local disk); None where the files
+        were written by DCP's checkpoint process with its plain writer, so the commit
+        checksums them."""
         if not self._finished or self._error is not None or self._writer is None:
             return None
         return self._backend._files_for(self.directory).known_checksums(self._writer,
@@ -423,10 +425,11 @@ class DcpBackend:
     name = "dcp"
     #: Async writes. Exporters get state dicts (host copies), never live modules, in every
     #: mode. read() loads into the caller's live modules and tensors, which cannot be taken
-    #: back: the manager verifies every checksum before reading rather than alongside.
+    #: back, so it checks each data file it claims before loading any (verifies_reads);
+    #: in a run of several processes the manager checks every file before reading.
     #: Object-store roots through the storage the manager attaches.
     features = BackendFeatures(supports_async=True, export_needs_copy=True,
-                               reads_in_place=True, object_storage=True)
+                               reads_in_place=True, verifies_reads=True, object_storage=True)
 
     def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
                  reuse_staging_memory: bool = True, sync_files: bool = False,
@@ -443,9 +446,11 @@ class DcpBackend:
             copy into it again (pinned, with CUDA): no allocation on the training thread
             after the first save, at the cost of one host copy of the state held for the
             run. False allocates a fresh copy per save and frees it after the write.
-          sync_files: let DCP fsync each file it writes. Off by default: the manager's
-            commit fsyncs every file and directory of a checkpoint before it writes the
-            COMMITTED marker, so DCP's fsyncs would be paid twice.
+          sync_files: let DCP fsync each file it writes, where DCP's plain writer writes
+            (async saves in DCP's checkpoint process). Off by default: the manager's commit
+            fsyncs every file and directory of a checkpoint before it writes the COMMITTED
+            marker, so DCP's fsyncs would be paid twice. Everywhere else the backend's own
+            writer fsyncs each file as it closes it, whatever this says.
           collective_timeout_s: timeout of barriers and broadcasts between processes.
           write_timeout_s: timeout of DCP's collectives during a save (they wait for the
             slowest process's write) and of waiting for an in-flight save.
@@ -564,9 +569,14 @@ class DcpBackend:
         dcp = _dcp()
         with self._lock:
             self._drain_locked()
+            # DCP's checkpoint process writes with a copy of the writer: its checksums
+            # would stay in that process, so it gets DCP's plain writer.
+            in_process = (not asynchronous or files is self._remote_files
+                          or self._checkpointer == "thread")
+            writer = files.writer(staging_dir, sync_files=self._sync_files,
+                                  in_process=in_process)
             if self._rank == 0:
-                files.prepare(directory, staging_dir, document)
-            writer = files.writer(staging_dir, sync_files=self._sync_files)
+                files.prepare(directory, staging_dir, document, writer)
             common = dict(storage_writer=writer, process_group=self._io_group,
                           no_dist=not self._distributed)
             if not asynchronous:
@@ -670,11 +680,13 @@ class DcpBackend:
         then reads only the tensors ``like`` holds. An entry or tensor of ``like`` that was
         never saved is still a mismatch, named in the error.
 
-        ``claims``: this backend checks no checksum itself (``features.verifies_reads`` is
-        False), so it claims nothing and closes any claims it is given at once.
+        ``claims`` (a single-process restore with checksums on): the reader claims the
+        offered data files it loads from and checks each one before DCP copies anything
+        into the live tensors; on an object store it fetches a claimed file once, whole,
+        checks those bytes and loads from them (``_dcp_storage``). A mismatch loads nothing
+        and raises ``CheckpointCorruptError`` (the manager reports the files, from the
+        claims). Without claims the manager checked every file before calling this.
         """
-        if claims is not None:
-            claims.close()
         self._check_open()
         with self._lock:
             self._drain_locked()
@@ -703,34 +715,20 @@ class DcpBackend:
                 targets[_storage_key(entry.name, path)] = (
                     tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
         if targets:
-            # The restricted reader/planner: a copied checkpoint's .metadata pickle and byte
-            # items are never trusted (see _dcp_metadata).
-            from ._dcp_metadata import safe_planner
-
-            _dcp().load(targets, checkpoint_id=directory, storage_reader=files.reader(directory),
-                        planner=safe_planner(), process_group=self._io_group,
-                        no_dist=not self._distributed)
-        api: Any = None  # torch's state-dict functions, imported only if needed
-        if any(e.kind in ("module", "optimizer") for e in entries):
-            api = _state_dict_api()
-        for entry in entries:
-            record = saved[entry.name]
-            skeleton = codec.decode(record["skeleton"], f"state[{entry.name!r}]")
-            if partial:  # saved tensors that like leaves out were not read: no place for them
-                skeleton = _prune(skeleton, _saved_paths(record) - set(entry.split.tensors))
-            value = _fill(skeleton, entry.split.tensors)
-            if entry.kind == "module":
-                api.set_model_state_dict(like[entry.name], value)
-            elif entry.kind == "optimizer":
-                optimizer = like[entry.name]
-                api.set_optimizer_state_dict(like[entry.module], optimizer, value)
-                if record.get("fresh"):
-                    _drop_created_state(optimizer)
-            elif entry.kind == "state_dict":
-                like[entry.name].load_state_dict(value)
-            elif entry.kind == "value":
-                like[entry.name] = value
-            # "tensor": loaded in place above
+            reader = files.reader(directory, claims, partial)
+            if not reader.damaged:  # else the claimed files did not match: load nothing
+                # The restricted planner: byte items are never trusted (see _dcp_metadata).
+                _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
+                            planner=_dcp_metadata.safe_planner(), process_group=self._io_group,
+                            no_dist=not self._distributed)
+            if reader.damaged:
+                raise CheckpointCorruptError(
+                    f"{directory}: {', '.join(reader.damaged)} do not match the checksums of "
+                    "the commit manifest; nothing was loaded into the live objects. Restore "
+                    "another checkpoint.")
+        if claims is not None:
+            claims.close()  # nothing was claimed (no tensors): the checks go on without us
+        _apply_entries(like, entries, saved, partial=partial)
         return like
 
     @staticmethod
@@ -890,6 +888,34 @@ def _prune(skeleton: Any, drop: set[tuple[Any, ...]], path: tuple[Any, ...] = ()
     if isinstance(skeleton, tuple):
         return tuple(_prune(item, drop, path + (index,)) for index, item in enumerate(skeleton))
     return skeleton
+
+
+def _apply_entries(like: Any, entries: list[_Entry], saved: Mapping[str, Any], *,
+                   partial: bool) -> None:
+    """Put what was loaded into the tensors of ``entries`` (and the saved non-tensor
+    values) into the live objects of ``like``: modules and optimizers through DCP's
+    state-dict functions, other objects through ``load_state_dict``, values replaced."""
+    api: Any = None  # torch's state-dict functions, imported only if needed
+    if any(e.kind in ("module", "optimizer") for e in entries):
+        api = _state_dict_api()
+    for entry in entries:
+        record = saved[entry.name]
+        skeleton = codec.decode(record["skeleton"], f"state[{entry.name!r}]")
+        if partial:  # saved tensors that like leaves out were not read: no place for them
+            skeleton = _prune(skeleton, _saved_paths(record) - set(entry.split.tensors))
+        value = _fill(skeleton, entry.split.tensors)
+        if entry.kind == "module":
+            api.set_model_state_dict(like[entry.name], value)
+        elif entry.kind == "optimizer":
+            optimizer = like[entry.name]
+            api.set_optimizer_state_dict(like[entry.module], optimizer, value)
+            if record.get("fresh"):
+                _drop_created_state(optimizer)
+        elif entry.kind == "state_dict":
+            like[entry.name].load_state_dict(value)
+        elif entry.kind == "value":
+            like[entry.name] = value
+        # "tensor": loaded in place by DCP
 
 
 def _compare(entries: list[_Entry], saved: Mapping[str, Any], *,

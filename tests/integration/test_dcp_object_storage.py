@@ -21,6 +21,9 @@ from torch import nn  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from jaxckpt import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointWarning,
+    CheckpointWriteError,
     Every,
     RecoverConfig,
     StepInfo,
@@ -106,9 +109,11 @@ def test_round_trip_on_s3_is_bit_exact_in_the_local_layout(options, root, mode, 
     with manager(root, options, mode=mode) as mgr:
         mgr.save(STEP, state, stateful={"loader": loader})
         mgr.wait()
-    # The commit took the checksums of the bytes uploaded: no DCP file was read back.
+    # The commit took the checksums of the bytes uploaded: no file of the backend's, DCP's
+    # nor objects.json, was read back.
     assert not [path for path in summed if path.endswith((".distcp", ".metadata"))], summed
-    assert any(path.endswith("objects.json") for path in summed)  # the seam is the right one
+    assert not [path for path in summed if "/state/" in path], summed
+    assert any(path.endswith("driver.json") for path in summed)  # the seam is the right one
     expected_next = [next(batches) for _ in range(2)]
 
     fresh, fresh_loader, _ = training(seed=5)
@@ -166,6 +171,104 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
         mgr.restore({"model": other["model"]}, partial=True)
     assert tensors_of(other)["model/2.bias"] == tensors_of(state)["model/2.bias"]
     assert torch.equal(other["optimizer"].state_dict()["state"][0]["exp_avg"], before)
+
+
+def counting_gets(monkeypatch) -> dict[str, int]:
+    """Bytes fetched from the server per object URL, through S3Storage's read paths (the
+    verifier's checksum streams a whole object; the reader's ranged reads)."""
+    fetched: dict[str, int] = {}
+    real_read = s3_storage.S3Storage.read
+    real_checksum = s3_storage.S3Storage.checksum
+
+    def read(self, path, *, offset=0, length=None):
+        data = real_read(self, path, offset=offset, length=length)
+        fetched[path] = fetched.get(path, 0) + len(data)
+        return data
+
+    def checksum(self, path, algorithm, *, sync=False):
+        size, value = real_checksum(self, path, algorithm, sync=sync)
+        fetched[path] = fetched.get(path, 0) + size
+        return size, value
+
+    monkeypatch.setattr(s3_storage.S3Storage, "read", read)
+    monkeypatch.setattr(s3_storage.S3Storage, "checksum", checksum)
+    return fetched
+
+
+def test_a_save_to_s3_sends_one_put_per_file_and_nothing_else(options, root):
+    # No listing to refuse a filled prefix (objects.json is put create-only instead), no
+    # HEAD for DCP's "overwrite?" warning, and every file's checksum known from its upload.
+    state, _, _ = training()
+    _, storage = parse_root(root, options)
+    calls: list[str] = []
+    storage.client.meta.events.register("before-call.s3.*",
+                                        lambda model, **_: calls.append(model.name))
+    backend = DcpBackend()
+    backend.attach_storage(storage)
+    try:
+        handle = backend.write(f"{root}/state", state, asynchronous=False)
+        handle.wait()
+        assert sorted(calls) == ["PutObject"] * 3, calls  # objects.json, the data, .metadata
+        assert set(handle.checksums) == {"objects.json", ".metadata", "__0_0.distcp"}
+        # A filled prefix is still refused (an identical objects.json would pass as a
+        # retry of the same put; the manager never writes into a filled prefix).
+        with pytest.raises(CheckpointWriteError, match="already exists"):
+            backend.write(f"{root}/state", {"model": state["model"]}, asynchronous=False)
+    finally:
+        backend.close()
+
+
+def test_a_restore_from_s3_fetches_each_data_byte_once(options, root, monkeypatch):
+    # The data file used to come down twice: whole for its checksum before the read (DCP
+    # loads into live modules), then its ranges for DCP. Now the reader fetches it once,
+    # checks it, and only then lets DCP copy from those bytes.
+    state, _, _ = training()
+    big = torch.randn(600_000)  # 2.4 MB: over the size whose checksum may wait for the read
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(STEP, {**state, "big": big})
+    _, storage = parse_root(root, options)
+    data = f"{root}/recover/step_00000003/state/__0_0.distcp"
+    data_size = storage.size(data)
+    fresh, _, _ = training(seed=5)
+    like = {**fresh, "big": torch.zeros_like(big)}
+    fetched = counting_gets(monkeypatch)
+    with manager(root, options) as mgr:
+        mgr.restore(like)
+    assert torch.equal(like["big"], big)
+    assert tensors_of(fresh) == tensors_of(state)
+    assert fetched[data] == data_size, (fetched, data_size)
+
+
+def test_damaged_data_on_s3_leaves_the_live_tensors_untouched_and_recover_falls_back(
+        options, root, monkeypatch):
+    # The data is checked as it arrives, no longer before the read: the damaged file is
+    # refused before DCP copies anything, and the fallback reads its own data once.
+    config = RecoverConfig(every=Every(steps=1), keep_last_n=None)
+    generator = torch.Generator().manual_seed(0)
+    with DcpCheckpointManager(root, recover=config, storage_options=options, mode="sync",
+                              preemption_signals=()) as mgr:
+        for step in (0, 1):
+            mgr.save(StepInfo(0, step, step),
+                     {"big": torch.randn(512, 1024, generator=generator)})
+    _, storage = parse_root(root, options)
+    data = f"{root}/recover/step_00000001/state/__0_0.distcp"
+    damaged = bytearray(storage.read(data))
+    damaged[len(damaged) // 2] ^= 0x10  # same size: only the checksum can tell
+    storage.write(data, bytes(damaged))
+    live = torch.zeros(512, 1024)
+    with DcpCheckpointManager(root, recover=config, storage_options=options,
+                              preemption_signals=()) as mgr:
+        with pytest.raises(CheckpointCorruptError, match=r"__0_0.distcp: crc32"):
+            mgr.restore({"big": live}, step=1)
+        assert torch.count_nonzero(live) == 0
+        fetched = counting_gets(monkeypatch)
+        with pytest.warns(CheckpointWarning, match=r"step_00000001.*__0_0.distcp: crc32"):
+            recovered = mgr.recover({"big": live})
+    assert recovered.step_info.global_step == 0 and recovered.state["big"] is live
+    good = f"{root}/recover/step_00000000/state/__0_0.distcp"
+    assert fetched[good] == storage.size(good), fetched
+    expected = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(live, expected)
 
 
 class _Payload:

@@ -26,6 +26,19 @@ def test_a_partial_restore_defers_every_data_checksum_to_the_read():
     assert plan(sizes_only, SingleProcess(), None, partial=True).defer_over is None
 
 
+def test_an_in_place_reader_that_checks_its_claims_first_gets_the_data_checksums_alone():
+    class ChecksFirst(SingleProcess):
+        features = BackendFeatures(reads_in_place=True, verifies_reads=True)
+
+    checks = RecoverConfig(verify="checksums")
+    alone = plan(checks, ChecksFirst(), {"ref": None})
+    assert alone.defer_over == DEFER_CHECKSUMS_OVER
+    assert alone.deferred_items == frozenset()  # items are read without claims: checked first
+    assert plan(checks, ChecksFirst(), None, partial=True).defer_over == 0
+    # Other processes are given no claims and would load before the primary's verdict.
+    assert plan(checks, ChecksFirst(), None, processes=2).defer_over is None
+
+
 def entry(size=10):
     return {"size": size, "crc32c": "00000000"}
 
