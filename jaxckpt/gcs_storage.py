@@ -27,6 +27,10 @@ the bytes are the ones it wrote.
 
 ``reading`` holds are kept in this process only, as on S3 (``jaxckpt.s3_storage``).
 
+Python's global ``random`` is left alone: google-cloud-storage draws the boundary of every
+multipart upload (every small write) from it, and google-api-core the jitter of every retry;
+``gcs_client`` gives both modules a private ``random.Random`` (``_keep_global_random``).
+
 Must not import: jax, orbax, torch. Imports google-cloud-storage lazily, when a storage is
 made (the ``gcs`` extra).
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +86,7 @@ def gcs_client(storage_options: Mapping[str, Any] | None = None) -> Any:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage as gcs
     options = _checked(storage_options)
+    _keep_global_random()
     endpoint = options.get("endpoint_url")
     emulated = bool(endpoint or os.environ.get("STORAGE_EMULATOR_HOST"))
     credentials = options.get("credentials")
@@ -95,6 +101,26 @@ def gcs_client(storage_options: Mapping[str, Any] | None = None) -> Any:
     # An explicit project (None included) keeps the client from asking the environment, or
     # the metadata server, for one.
     return gcs.Client(project=options.get("project"), credentials=credentials, **extra)
+
+
+def _keep_global_random() -> None:
+    """Point the ``random`` of the google modules that draw from it at a private generator.
+
+    Why: the driver saves Python's global ``random`` state with every checkpoint and restores
+    it, so that a resumed run draws what the uninterrupted one drew. Uploads run on the save
+    thread and the lease's heartbeat while the training loop draws, so each draw of theirs
+    (``get_boundary``'s ``random.randrange`` for a multipart upload; ``random.uniform`` in
+    api-core's backoff) would shift the loop's numbers by an amount that depends on timing.
+    Neither needs a particular stream. Idempotent; done once per client made."""
+    from google.api_core.retry import retry_base
+    from google.cloud.storage._media import _upload
+
+    for module in (_upload, retry_base):
+        if getattr(module, "random", None) is random:
+            module.random = _PRIVATE_RANDOM  # type: ignore[attr-defined]
+
+
+_PRIVATE_RANDOM = random.Random()
 
 
 def _checked(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ protocol of CheckpointStore and the CLI over gs://."""
 
 import itertools
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -166,6 +167,23 @@ def test_transient_server_errors_are_retried_a_bounded_number_of_times(storage, 
     with pytest.raises(Exception, match="503"):
         storage.read(marker)
     assert tries() == [503] * FAST_RETRIES["max_attempts"]
+
+
+def test_requests_never_draw_from_pythons_global_random_stream(storage, base, proxy):
+    # The driver saves and restores the global ``random`` state so that a resumed run draws
+    # what the uninterrupted one drew; uploads run on the save thread and the lease's
+    # heartbeat while the loop trains, so a draw of theirs (a multipart boundary, a retry's
+    # jitter) would shift the loop's numbers by an amount that depends on timing. Found by
+    # the 2-process kill trials on gs:// (test_multiprocess_kill_remote.py).
+    storage.write(f"{base}/warm-up", b"")
+    random.seed(1234)
+    before = random.getstate()
+    storage.write(f"{base}/plain", b"data")
+    storage.create(f"{base}/COMMITTED", b"m")
+    proxy.fail_before = 2  # two tries answered 503: the client backs off twice
+    storage.write(f"{base}/retried", b"again")
+    assert storage.read(f"{base}/retried") == b"again"
+    assert random.getstate() == before
 
 
 def _plant_expired_lease(storage, base) -> int:
