@@ -133,13 +133,13 @@ class JaxJob:
 
     save_every = 2
 
-    def __init__(self, tmp: Path, steps: int = 10):
+    def __init__(self, tmp: Path, steps: int = 10, *, compile_cache: Path | None = None):
         self.tmp, self.steps = tmp, steps
         self.reference: str | None = None  # the label whose processes ran the reference
         self.last_outcomes: list[Outcome] = []  # the segment that ran to the end
         self.env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         self.env.update({"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3",
-                         "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
+                         "JAX_COMPILATION_CACHE_DIR": str(compile_cache or tmp / "jax-cache"),
                          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
 
