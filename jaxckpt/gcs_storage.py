@@ -112,10 +112,11 @@ def _keep_global_random() -> None:
     (``get_boundary``'s ``random.randrange`` for a multipart upload; ``random.uniform`` in
     api-core's backoff) would shift the loop's numbers by an amount that depends on timing.
     Neither needs a particular stream. Idempotent; done once per client made."""
-    from google.api_core.retry import retry_base
-    from google.cloud.storage._media import _upload
+    import importlib
 
-    for module in (_upload, retry_base):
+    # By name: a private module of google-cloud-storage, which ships no type information.
+    for name in ("google.cloud.storage._media._upload", "google.api_core.retry.retry_base"):
+        module = importlib.import_module(name)
         if getattr(module, "random", None) is random:
             module.random = _PRIVATE_RANDOM  # type: ignore[attr-defined]
 
