@@ -22,6 +22,8 @@ manager). Stdout, one ``os.write`` per line:
 
 ``--reference-root`` runs the uninterrupted reference first in the same processes (without
 the kill point), logging to ``{log}.reference`` and ``{final}.reference.npz``.
+``--root`` may be an ``s3://`` or ``gs://`` URL, its client configured by
+``--storage-options`` (JSON); the reference root is a local path.
 
 Log: one JSON line per step, ``{"step": n, "loss": float.hex(loss)}`` (the loss is global:
 the same on every process). Final: ``{final}`` (.npz of every leaf, gathered whole, key data
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import random
 import sys
 import traceback
@@ -150,6 +153,7 @@ def train(jax: Any, opts: argparse.Namespace, root: str, log_path: str, final: s
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import jaxckpt
+    from jaxckpt.layout import COMMIT_MARKER
 
     random.seed(100 + opts.index)
     np.random.seed(200 + opts.index)
@@ -164,14 +168,16 @@ def train(jax: Any, opts: argparse.Namespace, root: str, log_path: str, final: s
     loader = Loader(opts.index, opts.count)
 
     def reported(report: Any) -> None:
-        marker = os.path.exists(os.path.join(report.path, "COMMITTED"))
+        # Through the root's own storage: the root may be an s3:// or gs:// URL.
+        marker = mgr.store.storage.exists(posixpath.join(report.path, COMMIT_MARKER))
         emit(f"REPORTED {report.step} {'COMMITTED' if marker else 'MISSING'}")
 
     config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=opts.save_every),
                                    keep_last_n=opts.keep_last_n)
+    remote = opts.storage_options if "://" in root else None
     mgr = jaxckpt.CheckpointManager(root, recover=config, mode=opts.mode,
                                     on_report=reported, preemption_signals=(),
-                                    commit_timeout_s=120)
+                                    commit_timeout_s=120, storage_options=remote)
     kill_points.install(mgr, environ)
     with mgr, open(log_path, "a") as log:
         recovered = mgr.recover(like, stateful={"loader": loader})
@@ -226,6 +232,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--keep-last-n", type=int, default=1)
     parser.add_argument("--mode", choices=("sync", "async"), default="async")
+    parser.add_argument("--storage-options", type=json.loads, default=None,
+                        help="JSON storage_options of an s3:// or gs:// --root")
     parser.add_argument("--reference-root", help="first run uninterrupted under this root "
                         "(no kill point; log and final get a .reference suffix)")
     opts = parser.parse_args(argv)

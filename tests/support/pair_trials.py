@@ -6,7 +6,8 @@ their own timeouts), and the whole job is started again later.
 Used by tests/system/test_multiprocess_kill.py for both frameworks. Owns starting, watching
 and reaping the group and reading what it left on a checkpoint root (committed steps, their
 verification); what the lines mean and what to assert stay in the tests. The root is a
-parameter: any root a ``CheckpointStore`` opens.
+parameter: a local path or an ``s3://`` / ``gs://`` URL (with its ``storage_options``), read
+through the library's own ``Storage`` and ``CheckpointStore``, never with ``os``.
 
 Concurrency: used from the test thread only; each ``Worker`` has its own reader thread.
 """
@@ -17,6 +18,7 @@ import dataclasses
 import signal
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxckpt.root_url import parse_root
 from jaxckpt.store import CheckpointStore
@@ -74,30 +76,35 @@ def run_job(commands: Sequence[Sequence[str]], *, env: Mapping[str, str],
             worker.close()
 
 
-def open_store(root: str) -> CheckpointStore:
-    """The store of ``root``: a local path or an object-store URL (``jaxckpt.root_url``)."""
-    kind, target = parse_root(root)
+#: ``storage_options`` of an object-store root (endpoint, credentials, lease), or None.
+Options = Mapping[str, Any] | None
+
+
+def open_store(root: str, storage_options: Options = None) -> CheckpointStore:
+    """The store of ``root``: a local path or an object-store URL (``jaxckpt.root_url``),
+    whose client ``storage_options`` configures, as the workers' managers do."""
+    kind, target = parse_root(root, storage_options)
     if kind == "local":
         return CheckpointStore(str(target))
     return CheckpointStore(root, storage=target)  # type: ignore[arg-type]
 
 
-def committed_steps(root: str) -> list[int]:
+def committed_steps(root: str, storage_options: Options = None) -> list[int]:
     """Steps with a commit marker under ``root`` (none when the root does not exist yet)."""
-    return open_store(root).committed_steps()
+    return open_store(root, storage_options).committed_steps()
 
 
-def step_entries(root: str, step: int) -> list[str]:
+def step_entries(root: str, step: int, storage_options: Options = None) -> list[str]:
     """The names directly inside step ``step``'s directory (empty when there is none)."""
-    store = open_store(root)
+    store = open_store(root, storage_options)
     path = store.step_path(step)
     return sorted(store.storage.list_names(path)) if store.storage.is_prefix(path) else []
 
 
-def broken_committed(root: str) -> dict[int, list[str]]:
+def broken_committed(root: str, storage_options: Options = None) -> dict[int, list[str]]:
     """Every committed checkpoint that fails verification against its manifest, with its
     problems (the check ``jaxckpt verify`` runs)."""
-    store = open_store(root)
+    store = open_store(root, storage_options)
     out = {}
     for step in store.committed_steps():
         problems = store.verify(str(store.step_path(step)))

@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import json
 import os
+import posixpath
 import random
 import signal
 import sys
@@ -47,6 +48,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from jaxckpt import Every, RecoverConfig, StepInfo
+from jaxckpt.layout import COMMIT_MARKER
 from torch_bridge import DcpBackend, DcpCheckpointManager
 from torch_bridge.dcp_backend import DcpWriteHandle
 
@@ -170,8 +172,10 @@ def emit(line: str) -> None:
     os.write(1, (line + "\n").encode())
 
 
-def reported(report) -> None:
-    marker = os.path.exists(os.path.join(report.path, "COMMITTED"))
+def reported(report, storage) -> None:
+    """Whether the marker exists, looked up through the root's own ``storage`` (the root
+    may be an s3:// or gs:// URL)."""
+    marker = storage.exists(posixpath.join(report.path, COMMIT_MARKER))
     emit(f"REPORTED {report.step} {'COMMITTED' if marker else 'MISSING'}")
 
 
@@ -244,7 +248,7 @@ def train(args, root: str, label: str, kill_at: int | None) -> None:
         backend.kill_step = kill_at
 
     def on_report(report) -> None:
-        reported(report)
+        reported(report, mgr.store.storage)
         if point == "committed" and report.kind == "recover" and report.step == kill_at:
             die()
 

@@ -3,8 +3,9 @@ on 127.0.0.1, CPU devices) or of a 2-rank torch job (gloo) SIGKILLs itself at a 
 save; the scheduler (``support.pair_trials``) kills the survivor after a grace period; the job
 is started again, both processes, on the same root, and must resume bit-exactly.
 
-A chain of trials runs on one root: each segment resumes what the last one left and is itself
-killed at its plan's point, until a segment runs to the end. Checked after every segment:
+A chain of trials (``support.kill_chain``) runs on one root: each segment resumes what the
+last one left and is itself killed at its plan's point, until a segment runs to the end.
+Checked after every segment (``run_chain``):
 - every committed checkpoint verifies against its manifest (none is ever partial), and at
   the end of a chain ``jaxckpt verify ROOT`` passes;
 - every process resumed from the newest committed step (a partial one is never restored);
@@ -20,269 +21,30 @@ uncommitted however long the primary lives on; a primary that dies before its co
 it uncommitted though every other process finished; the other process never commits nor
 deletes anything (an audit of its storage calls).
 
-The root is a parameter of the chain (here a local directory). Soak: ``JAXCKPT_SOAK=1`` (or
+The root is a parameter of the chain: here a local directory; the same trials on ``s3://``
+and ``gs://`` roots are in test_multiprocess_kill_remote.py. Soak: ``JAXCKPT_SOAK=1`` (or
 ``JAXCKPT_SOAK_TRIALS=N``) runs at least 50 random trials per framework; a failure prints
 the seed, pinned with ``JAXCKPT_CRASH_SEED``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import random
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 
-from jaxckpt.tools import cli
-
-from support import kill_points
-from support.pair_trials import (
-    Outcome,
-    broken_committed,
-    committed_steps,
-    run_job,
-    step_entries,
+from support.kill_chain import (
+    SOAK_ENABLED,
+    SOAK_TRIALS,
+    ChainRoot,
+    JaxJob,
+    Plan,
+    TorchJob,
+    fixed,
+    run_chain,
+    run_soak,
 )
-from support.paths import SUPPORT, TORCH_WORKER
-from support.two_processes import free_port
-
-JAX_WORKER = SUPPORT / "mp_jax_worker.py"
-
-soak_trials = int(os.environ.get("JAXCKPT_SOAK_TRIALS") or 0)
-soak_enabled = bool(soak_trials) or os.environ.get("JAXCKPT_SOAK") == "1"
-
-
-def harness_seed() -> int:
-    pinned = os.environ.get("JAXCKPT_CRASH_SEED")
-    return int(pinned) if pinned else random.SystemRandom().randrange(2**31)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Process ``process`` dies at ``point`` of the save of ``step`` (+ ``delay_s``); the
-    survivor is killed ``grace_s`` after that."""
-
-    process: int
-    point: str
-    step: int
-    delay_s: float = 0.0
-    grace_s: float = 1.0
-
-    def env(self) -> dict[str, str]:
-        return {"JAXCKPT_KILL_POINT": kill_points.spec(self.process, self.point, self.step,
-                                                      self.delay_s)}
-
-
-@dataclasses.dataclass
-class Trial:
-    """What one killed segment did and left."""
-
-    plan: Plan
-    outcomes: list[Outcome]
-    committed_before: list[int]
-    committed_after: list[int]
-    step_dir_names: list[str]  # what the plan's step directory held after the kill
-
-
-# ------------------------------------------------------------------------ frameworks
-
-
-class JaxJob:
-    """The JAX worker (tests/support/mp_jax_worker.py): 10 steps, saves every 2 (1, 3, 5, 7,
-    9), keep_last_n=1, async. The first job it starts also runs the uninterrupted reference
-    (on its own root, in the same processes, before the segment)."""
-
-    steps, save_every = 10, 2
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.reference: str | None = None  # the label whose processes ran the reference
-        self.last_outcomes: list[Outcome] = []  # the segment that ran to the end
-        self.env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        self.env.update({"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3",
-                         "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
-                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
-
-    def commands(self, label: str, root: Path) -> list[list[str]]:
-        port = str(free_port())
-        reference = self.reference is None
-        if reference:
-            self.reference = label
-        return [[sys.executable, str(JAX_WORKER), "--index", str(i), "--count", "2",
-                 "--port", port, "--root", str(root), "--steps", str(self.steps),
-                 "--save-every", str(self.save_every),
-                 "--log", str(self.tmp / f"{label}.p{i}.jsonl"),
-                 "--final", str(self.tmp / f"{label}.p{i}.npz"),
-                 *(["--reference-root", str(self.tmp / "reference-root")] if reference else [])]
-                for i in range(2)]
-
-    def losses(self, label: str, process: int, suffix: str = "") -> dict[int, str]:
-        path = self.tmp / f"{label}.p{process}.jsonl{suffix}"
-        if not path.exists():
-            return {}
-        return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
-
-    def reference_losses(self, process: int) -> dict[int, str]:
-        return self.losses(str(self.reference), process, ".reference")
-
-    def resumed_from(self, label: str, process: int, outcome: Outcome) -> int | None:
-        if "FRESH" in outcome.lines:
-            return -1
-        resumed = outcome.tagged("RESUMED")
-        return json.loads(resumed[0])["step"] if resumed else None
-
-    def final(self, label: str, process: int) -> dict[str, bytes]:
-        return _npz_bytes(self.tmp / f"{label}.p{process}.npz")
-
-    def reference_final(self, process: int) -> dict[str, bytes]:
-        return _npz_bytes(self.tmp / f"{self.reference}.p{process}.npz.reference.npz")
-
-
-class TorchJob:
-    """The torch worker (tests/support/torch_worker.py) on 2 gloo ranks: 14 steps (6 per
-    epoch), saves every 4 (3, 7, 11) and a final one, keep_last_n=2, async DCP. Losses are
-    compared with the sample ids of each batch (data order); the final state by digests."""
-
-    steps, save_every = 14, 4
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.reference: str | None = None
-        self.last_outcomes: list[Outcome] = []
-        self.env = dict(os.environ)
-
-    def commands(self, label: str, root: Path) -> list[list[str]]:
-        port = str(free_port())
-        reference = self.reference is None
-        if reference:
-            self.reference = label
-        return [[sys.executable, str(TORCH_WORKER), "--phase", "train", "--root", str(root),
-                 "--out", str(self.tmp), "--label", label, "--world", "2", "--rank", str(rank),
-                 "--port", port, "--steps", str(self.steps),
-                 "--save-every", str(self.save_every),
-                 *(["--reference-root", str(self.tmp / "reference-root")] if reference else [])]
-                for rank in range(2)]
-
-    def _records(self, label: str, rank: int) -> list[dict[str, Any]]:
-        path = self.tmp / f"{label}.rank{rank}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines()]
-
-    def losses(self, label: str, rank: int) -> dict[int, str]:
-        return {r["step"]: f"{r['loss']} {r['ids']}" for r in self._records(label, rank)
-                if "step" in r}
-
-    def reference_losses(self, rank: int) -> dict[int, str]:
-        return self.losses("reference", rank)
-
-    def resumed_from(self, label: str, rank: int, outcome: Outcome) -> int | None:
-        return JaxJob.resumed_from(self, label, rank, outcome)  # type: ignore[arg-type]
-
-    def final(self, label: str, rank: int) -> Any:
-        (last,) = [r for r in self._records(label, rank) if "final" in r]
-        return {key: last[key] for key in ("final", "table", "rng")}
-
-    def reference_final(self, rank: int) -> Any:
-        return self.final("reference", rank)
-
-
-def _npz_bytes(path: Path) -> dict[str, bytes]:
-    with np.load(path, allow_pickle=False) as data:
-        return {name: data[name].dtype.str.encode() + data[name].tobytes() for name in data.files}
-
-
-# ----------------------------------------------------------------------------- chain
-
-#: The plan of each segment of a chain: (segment index, step it resumes from) -> the kill,
-#: or None to run to the end.
-Planner = Callable[[int, int], "Plan | None"]
-
-
-def fixed(plans: list[Plan]) -> Planner:
-    return lambda index, resume_from: plans[index] if index < len(plans) else None
-
-
-def run_chain(job: Any, root: Path, planner: Planner, *, prefix: str = "", where: str = "",
-              strict: bool = True) -> list[Trial]:
-    """Run segments on ``root``, each killed as ``planner`` says, until one runs to the end.
-    Asserts the checks of the module docstring after every segment; returns the killed
-    trials. ``prefix`` starts the segments' file names, ``where`` the failure messages.
-    ``strict``: a planned process must reach its kill point (False: a plan whose
-    process finished first, e.g. a delayed kill after the last save, ends the chain)."""
-    trials: list[Trial] = []
-    reported_ever = -1
-    for index in range(100):
-        label = f"{prefix}seg{index + 1}"
-        before = committed_steps(str(root))
-        resume_from = before[-1] if before else -1
-        plan = planner(index, resume_from)
-        env = dict(job.env, **(plan.env() if plan else {}))
-        started = time.monotonic()
-        outcomes = run_job(job.commands(label, root), env=env,
-                           grace_s=plan.grace_s if plan else 1.0)
-        print(f"{label}: {time.monotonic() - started:.1f} s, plan {plan}")
-        for out in outcomes:  # what the reference run printed first is not this segment's
-            if "REFERENCE DONE" in out.lines:
-                del out.lines[:out.lines.index("REFERENCE DONE") + 1]
-        here = f"{where} {label} plan {plan}; before {before}"
-        if plan is not None and not strict and all(o.code == 0 for o in outcomes):
-            plan = None  # the run ended before the kill point: it ran to the end
-        check_segment(job, label, outcomes, plan, resume_from, here)
-        after = committed_steps(str(root))
-        broken = broken_committed(str(root))
-        assert not broken, f"{here}: committed checkpoints fail verification: {broken}"
-        reported = [int(r.split()[0]) for r in outcomes[0].tagged("REPORTED")]
-        reported_ever = max([reported_ever, *reported])
-        assert (after[-1] if after else -1) >= reported_ever, \
-            f"{here}: step {reported_ever} was reported committed; on disk {after}"
-        if plan is None:
-            for i in range(len(outcomes)):
-                assert job.final(label, i) == job.reference_final(i), \
-                    f"{here}: process {i}'s final state differs from the reference"
-            # What a user would run: every checkpoint under the root verifies, none partial.
-            assert cli.main(["verify", str(root)]) == cli.EXIT_OK, f"{here}: jaxckpt verify"
-            job.last_outcomes = outcomes
-            return trials
-        trials.append(Trial(plan, outcomes, before, after, step_entries(str(root), plan.step)))
-    raise AssertionError(f"{where} {prefix}: the chain never ran to its end")
-
-
-def check_segment(job: Any, label: str, outcomes: list[Outcome], plan: Plan | None,
-                  resume_from: int, here: str) -> None:
-    """Exit codes, resume point, losses and reports of one segment's processes."""
-    # In a killed job the survivor may end any way (killed by the harness, or aborted by
-    # jax.distributed / gloo once its peer is gone): what it left on disk is what is checked.
-    for i, out in enumerate(outcomes):
-        if plan is None:
-            assert out.code == 0 and "DONE" in out.lines, \
-                f"{here}: process {i} exit {out.code}\n{out.lines[-10:]}\n{out.stderr}"
-    if plan is not None:
-        assert outcomes[plan.process].died_by_itself, \
-            f"{here}: process {plan.process} never reached its kill point: " \
-            f"{outcomes[plan.process].lines[-10:]}\n{outcomes[plan.process].stderr}"
-    for i, out in enumerate(outcomes):
-        started = job.resumed_from(label, i, out)
-        if started is not None:
-            assert started == resume_from, f"{here}: process {i} resumed from {started}"
-        logged = job.losses(label, i)
-        if logged:
-            assert sorted(logged) == list(range(resume_from + 1, max(logged) + 1)), here
-        reference = job.reference_losses(i)
-        differ = {s: (v, reference[s]) for s, v in logged.items() if v != reference[s]}
-        assert not differ, f"{here}: process {i} losses differ: {differ}"
-        # The other process hears of a save only once the primary committed it.
-        assert all(r.endswith("COMMITTED") for r in out.tagged("REPORTED")), \
-            f"{here}: process {i} reported before the commit: {out.tagged('REPORTED')}"
-
 
 # ------------------------------------------------------------------------------- JAX
 
@@ -304,7 +66,7 @@ def jax_chain(tmp_path_factory):
     job = JaxJob(tmp)
     env = {"JAXCKPT_AUDIT": str(tmp / "audit"), "JAXCKPT_HOLD_COMMIT_S": "0.3"}
     job.env.update(env)
-    trials = run_chain(job, tmp / "root", fixed(JAX_PLANS), prefix="jax-")
+    trials = run_chain(job, ChainRoot(str(tmp / "root")), fixed(JAX_PLANS), prefix="jax-")
     return tmp, trials, job.last_outcomes
 
 
@@ -357,9 +119,9 @@ def test_other_process_never_commits_nor_deletes(jax_chain):
 
 @pytest.mark.slow
 @pytest.mark.timeout(0)
-@pytest.mark.skipif(not soak_enabled, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
+@pytest.mark.skipif(not SOAK_ENABLED, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
 def test_soak_jax_pair_random_kills(tmp_path):
-    run_soak(JaxJob(tmp_path), tmp_path, soak_trials or 50, "jax")
+    run_soak(JaxJob(tmp_path), ChainRoot(str(tmp_path)), SOAK_TRIALS, "jax")
 
 
 # ----------------------------------------------------------------------------- torch
@@ -375,7 +137,8 @@ TORCH_PLANS = [
 @pytest.fixture(scope="module")
 def torch_chain(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mp_kill_torch")
-    return run_chain(TorchJob(tmp), tmp / "root", fixed(TORCH_PLANS), prefix="torch-")
+    return run_chain(TorchJob(tmp), ChainRoot(str(tmp / "root")), fixed(TORCH_PLANS),
+                     prefix="torch-")
 
 
 def test_torch_two_ranks_killed_at_fixed_points_resume_bit_exact(torch_chain):
@@ -386,44 +149,6 @@ def test_torch_two_ranks_killed_at_fixed_points_resume_bit_exact(torch_chain):
 
 @pytest.mark.slow
 @pytest.mark.timeout(0)
-@pytest.mark.skipif(not soak_enabled, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
+@pytest.mark.skipif(not SOAK_ENABLED, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
 def test_soak_torch_two_ranks_random_kills(tmp_path):
-    run_soak(TorchJob(tmp_path), tmp_path, soak_trials or 50, "torch")
-
-
-# ------------------------------------------------------------------------------ soak
-
-
-def random_planner(rng: random.Random, job: Any, kills: int) -> Planner:
-    """Up to ``kills`` random kills, each at a random point of one of the next two saves
-    after the resume point, by a random process (commit and retention: the primary's), at
-    once or up to 0.3 s later, the survivor killed 0-3 s after."""
-
-    def plan(index: int, resume_from: int) -> Plan | None:
-        saves = [s for s in range(job.steps)
-                 if (s + 1) % job.save_every == 0 and s > resume_from]
-        if index >= kills or not saves:
-            return None
-        step = rng.choice(saves[:2])
-        point = rng.choice(kill_points.POINTS)
-        if point == "retention" and step == saves[0] and resume_from < 0:
-            point = "commit"  # nothing to delete after the very first save
-        process = 0 if point in ("commit", "retention") else rng.randrange(2)
-        return Plan(process, point, step, delay_s=rng.choice([0.0, rng.uniform(0.0, 0.3)]),
-                    grace_s=rng.uniform(0.0, 3.0))
-
-    return plan
-
-
-def run_soak(job: Any, tmp: Path, trials: int, name: str) -> None:
-    """At least ``trials`` random kills over chains of 1-3 kills on fresh roots."""
-    seed = harness_seed()
-    rng = random.Random(seed)
-    done, chain = 0, 0
-    while done < trials:
-        chain += 1
-        planner = random_planner(rng, job, rng.randint(1, 3))
-        done += len(run_chain(job, tmp / f"chain-{chain}", planner, prefix=f"c{chain}-",
-                              where=f"{name} soak [JAXCKPT_CRASH_SEED={seed}]",
-                              strict=False))
-    print(f"{name} soak seed {seed}: {done} kills over {chain} chains")
+    run_soak(TorchJob(tmp_path), ChainRoot(str(tmp_path)), SOAK_TRIALS, "torch")
