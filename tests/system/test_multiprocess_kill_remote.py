@@ -20,8 +20,9 @@ Behind the slow marker: torch on s3:// killed before its commit, every kill poin
 (staging, writing, done, commit, retention) in one chain per framework on s3://, and the
 soak (``JAXCKPT_SOAK=1``: at least 50 random trials,
 ``JAXCKPT_SOAK_TRIALS=N``; a failure prints the seed, pinned with ``JAXCKPT_CRASH_SEED``).
-test_dcp_object_store_crash.py kills a one-rank torch run at its own points on s3:// (after the write,
-after the marker, while uploading) and two gloo ranks right after an async save started.
+test_dcp_object_store_crash.py kills a one-rank torch run at its own points on s3:// (after
+the write, after the marker, while uploading) and two gloo ranks right after an async save
+started.
 """
 
 from __future__ import annotations
