@@ -254,7 +254,7 @@ class CheckpointStore:
             raise CheckpointCorruptError(f"{path}: commit marker is unreadable ({exc})") from exc
         return Manifest.parse(data, path)
 
-    def _committed_manifest(self, path: str) -> Manifest:
+    def committed_manifest(self, path: str) -> Manifest:
         """The manifest of ``path``; raises like :meth:`verify` when there is none. The
         marker is asked for first: when it is there (the usual case) the directory is too,
         and the request that tells a missing directory from an uncommitted one is saved."""
@@ -290,7 +290,7 @@ class CheckpointStore:
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
         """
         if manifest is None:
-            manifest = self._committed_manifest(path)
+            manifest = self.committed_manifest(path)
         listed = self.storage.list_files(path)
 
         counted = _Counter(manifest.total_bytes, progress)
@@ -310,17 +310,22 @@ class CheckpointStore:
             problems.append(unlisted_problem(rel))
         return problems
 
-    def verify_deferred(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER) -> list[str]:
+    def verify_deferred(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER,
+                        manifest: Manifest | None = None) -> list[str]:
         """The second half of ``verify(path, checksums=True, defer_over=over)``: problems in
         the files whose checksums it left out (their sizes are compared again too), empty when
-        they match. Raises like :meth:`verify`."""
-        return self.verify_entries(path, self.deferred_entries(path, over=over))
+        they match. ``manifest``: the one ``verify`` was given or read (saves reading it
+        again). Raises like :meth:`verify`."""
+        return self.verify_entries(path, self.deferred_entries(path, over=over,
+                                                               manifest=manifest))
 
-    def deferred_entries(self, path: str, *,
-                         over: int = DEFER_CHECKSUMS_OVER) -> list[tuple[str, dict[str, Any]]]:
+    def deferred_entries(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER,
+                         manifest: Manifest | None = None) -> list[tuple[str, dict[str, Any]]]:
         """The manifest entries whose checksums ``verify(defer_over=over)`` leaves out, as
-        (manifest path, entry). Raises like :meth:`verify`."""
-        manifest = self._committed_manifest(path)
+        (manifest path, entry); ``manifest`` as in :meth:`verify_deferred`. Raises like
+        :meth:`verify`."""
+        if manifest is None:
+            manifest = self.committed_manifest(path)
         return [(rel, info) for rel, info in sorted(manifest.files.items())
                 if deferrable(rel, info, over)]
 

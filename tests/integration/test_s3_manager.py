@@ -532,8 +532,9 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
     """Every request of a second save (housekeeping included) and of a restore by a new
     manager, for A arrays stored one per object: the counts docs/cloud.md gives, so that
     none can grow unnoticed. A restore asks for no object's size (the listing gives them)
-    and reads the marker twice (choosing, then the deferred checks); a save asks nothing
-    it already knows (the checkpoint directory's emptiness: one listing)."""
+    and reads the marker once (the choice hands its manifest to the deferred checks); a
+    save asks nothing it already knows (the checkpoint directory's emptiness: one
+    listing)."""
     rng = np.random.default_rng(3)
     state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)  # > 1 MiB
              for i in range(arrays)}
@@ -564,13 +565,12 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
     assert_bit_equal(restored.state, state)
     read = [(op, key) for op, key, _ in calls]
     assert not [c for c in read if c[0] == "HeadObject"], read
-    assert sum(op == "GetObject" and key.endswith("/COMMITTED") for op, key in read) == 2
+    assert sum(op == "GetObject" and key.endswith("/COMMITTED") for op, key in read) == 1
     # The root's listing, the marker, the step's listing; every small file once (a
-    # zarr.json per array, 3 Orbax files, tree.json, driver.json), the marker again, a
-    # chunk per array. The reader lists nothing: the files it was given to check tell it
-    # its directories exist.
+    # zarr.json per array, 3 Orbax files, tree.json, driver.json), a chunk per array. The
+    # reader lists nothing: the files it was given to check tell it its directories exist.
     assert not [c for c in read if c[0] == "ListObjectsV2" and "/state/" in c[1]], read
-    assert len(read) == 2 * arrays + 9, "\n".join(map(str, read))
+    assert len(read) == 2 * arrays + 8, "\n".join(map(str, read))
 
 
 def test_small_objects_of_a_save_do_not_wait_on_the_chunk_threads(root, options):
