@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from . import store_objects
@@ -116,6 +116,16 @@ class _Counter:
         with self._lock:
             self.done += int(nbytes) if isinstance(nbytes, int) else 0
             self.progress(self.done, self.total)
+
+
+def _listing(storage: Storage, path: str) -> Future[dict[str, int]]:
+    """``storage.list_files(path)``, started on a thread of its own (the caller does not
+    wait for it: a listing that nobody needs, of a directory found partial, ends alone)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxckpt-list")
+    try:
+        return pool.submit(storage.list_files, path)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _committable(rel: str) -> bool:
@@ -274,25 +284,24 @@ class CheckpointStore:
 
     def verify(self, path: str, *, checksums: bool = True, defer_over: int | None = None,
                progress: Callable[[int, int], None] | None = None,
-               manifest: Manifest | None = None) -> list[str]:
+               manifest: Manifest | None = None,
+               listed: Future[dict[str, int]] | None = None) -> list[str]:
         """Problems found in a committed checkpoint (empty when it is valid).
 
         Every listed file must exist inside the directory with its listed size (and checksum
         with ``checksums``), and no file may be present that the manifest does not list.
         ``defer_over``: leave out the checksums of bulk-data files larger than this many bytes
-        (see ``DEFER_CHECKSUMS_OVER``; everything else, their sizes included, is still
-        checked); :meth:`verify_deferred` checks exactly those later. None (the default)
-        checks every checksum here. ``progress(done, total)``: called (from worker threads)
-        with the bytes of the listed files checked so far, after each file. ``manifest``:
-        the one just read from ``path`` (saves reading it again).
+        (``DEFER_CHECKSUMS_OVER``; all else, sizes included, is still checked), which
+        :meth:`verify_deferred` checks later; None: every checksum here. ``progress(done,
+        total)``: called (from worker threads) with the bytes of the listed files checked so
+        far. ``manifest``, ``listed``: the manifest just read from ``path`` and its listing
+        under way (``_listing``), saving a request each.
 
         Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
         """
-        if manifest is None:
-            manifest = self.committed_manifest(path)
-        listed = self.storage.list_files(path)
-
+        manifest = self.committed_manifest(path) if manifest is None else manifest
+        listed = self.storage.list_files(path) if listed is None else listed.result()
         counted = _Counter(manifest.total_bytes, progress)
 
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
@@ -314,8 +323,7 @@ class CheckpointStore:
                         manifest: Manifest | None = None) -> list[str]:
         """The second half of ``verify(path, checksums=True, defer_over=over)``: problems in
         the files whose checksums it left out (their sizes are compared again too), empty when
-        they match. ``manifest``: the one ``verify`` was given or read (saves reading it
-        again). Raises like :meth:`verify`."""
+        they match; ``manifest``: the one ``verify`` used. Raises like :meth:`verify`."""
         return self.verify_entries(path, self.deferred_entries(path, over=over,
                                                                manifest=manifest))
 
@@ -324,8 +332,7 @@ class CheckpointStore:
         """The manifest entries whose checksums ``verify(defer_over=over)`` leaves out, as
         (manifest path, entry); ``manifest`` as in :meth:`verify_deferred`. Raises like
         :meth:`verify`."""
-        if manifest is None:
-            manifest = self.committed_manifest(path)
+        manifest = self.committed_manifest(path) if manifest is None else manifest
         return [(rel, info) for rel, info in sorted(manifest.files.items())
                 if deferrable(rel, info, over)]
 
@@ -339,7 +346,9 @@ class CheckpointStore:
     def _classify(self, step: int, path: str, *, checksums: bool,
                   defer_over: int | None = None) -> Entry:
         """One step directory with its status: partial (no marker), corrupt, or committed
-        (``defer_over``: as in :meth:`verify`)."""
+        (``defer_over``: as in :meth:`verify`), listed while its marker is read (two round
+        trips at once on an object store)."""
+        listed = _listing(self.storage, path)
         try:
             manifest = self.read_manifest(path)
         except CheckpointCorruptError as exc:
@@ -347,7 +356,7 @@ class CheckpointStore:
         if manifest is None:
             return Entry(step=step, path=path, status="partial")
         problems = tuple(self.verify(path, checksums=checksums, defer_over=defer_over,
-                                     manifest=manifest))
+                                     manifest=manifest, listed=listed))
         return Entry(step=step, path=path, status="corrupt" if problems else "committed",
                      problems=problems, manifest=manifest)
 
