@@ -95,12 +95,39 @@ class Entry:
     manifest: Manifest | None = None
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The process-wide pool of ``workers`` threads that runs the store's requests (checks,
+    checksums, listings), kept from call to call: a fresh pool starts a thread per request
+    sent at once, one after the other (about a millisecond each on a busy host), so the
+    last small GET of a restore's verification went out over ten milliseconds after the
+    first. Its tasks never wait on one another, so callers may share it."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(max_workers=workers,
+                                                        thread_name_prefix="jaxckpt-store")
+        return pool
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's pool threads do not exist there."""
+    global _POOLS_LOCK
+    _POOLS_LOCK = threading.Lock()
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
 def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
                 entries: list[tuple[str, dict[str, Any]]], workers: int) -> list[str]:
     """The problems ``check`` finds in manifest ``entries``, in order, ``workers`` at a time
     (checksums release the GIL and overlap I/O)."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return [problem for problem in pool.map(check, entries) if problem]
+    return [problem for problem in _pool(workers).map(check, entries) if problem]
 
 
 class _Counter:
@@ -119,13 +146,9 @@ class _Counter:
 
 
 def _listing(storage: Storage, path: str) -> Future[dict[str, int]]:
-    """``storage.list_files(path)``, started on a thread of its own (the caller does not
-    wait for it: a listing that nobody needs, of a directory found partial, ends alone)."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxckpt-list")
-    try:
-        return pool.submit(storage.list_files, path)
-    finally:
-        pool.shutdown(wait=False)
+    """``storage.list_files(path)``, started on the store's pool (the caller does not wait
+    for it: a listing that nobody needs, of a directory found partial, ends alone)."""
+    return _pool(storage.concurrent_requests).submit(storage.list_files, path)
 
 
 def _committable(rel: str) -> bool:
@@ -574,5 +597,5 @@ def _summarise(storage: Storage, path: str, rels: list[str],
             return 0, "link"
         return storage.checksum(full, algorithm, sync=True)
 
-    with ThreadPoolExecutor(max_workers=storage.concurrent_requests) as pool:
-        return dict(zip(rels, pool.map(summarise, rels), strict=True))
+    pool = _pool(storage.concurrent_requests)
+    return dict(zip(rels, pool.map(summarise, rels), strict=True))
