@@ -21,7 +21,8 @@ called only by the primary process. ``delete`` deletes the victim's marker only 
 ``reading`` context holds it (``Storage.delete_unless_reading``), so a checkpoint being
 restored (in this or another process on the same host) is never deleted; deletion first
 removes the marker (making the directory "partial" atomically), then the files, and treats
-files that are already gone as success.
+files that are already gone as success. The store's requests run on a process-wide pool
+(``_pool``) whose tasks never wait on one another, so any number of stores share it.
 
 Must not import: jax, orbax, torch.
 """
@@ -324,19 +325,19 @@ class CheckpointStore:
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
         """
         manifest = self.committed_manifest(path) if manifest is None else manifest
-        listed = self.storage.list_files(path) if listed is None else listed.result()
+        sizes = self.storage.list_files(path) if listed is None else listed.result()
         counted = _Counter(manifest.total_bytes, progress)
 
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
             crc = checksums and (defer_over is None or not deferrable(rel, info, defer_over))
-            problem = _check_file(self.storage, path, rel, info, checksums=crc, listed=listed)
+            problem = _check_file(self.storage, path, rel, info, checksums=crc, listed=sizes)
             counted.add(info.get("size", 0))
             return problem
 
         problems = _run_checks(check, sorted(manifest.files.items()),
                                self.storage.concurrent_requests)
-        present = {rel for rel in listed if _committable(rel)}
+        present = {rel for rel in sizes if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
             problems.append(unlisted_problem(rel))
