@@ -40,6 +40,7 @@ from .errors import (
     CheckpointWarning,
 )
 from .layout import STATE_DIR
+from .manifest import Manifest
 from .read_claims import ReadClaims
 from .reports import Recovered
 from .store import Entry
@@ -75,7 +76,7 @@ class Recovery:
         bad: list[Entry] = []
         limit: int | None = None
         while True:
-            chosen = self._choose(step, checks, limit, bad)
+            chosen, manifest = self._choose(step, checks, limit, bad)
             skipped = [f"{item.path}: {item.status}: "
                        + ("; ".join(item.problems) or "no commit marker (interrupted save)")
                        for item in bad]
@@ -87,7 +88,7 @@ class Recovery:
             path = ctx.store.step_path(chosen)
             try:
                 body, state, versions, restored_items = self._read_checkpoint(
-                    path, like, items, chosen, checks, partial=partial)
+                    path, like, items, chosen, checks, partial=partial, manifest=manifest)
             except DeferredChecksumsFailed as failed:
                 # What was read went with the exception; nothing else was touched yet. The
                 # same outcome as when these checksums fail up front: an explicit step is an
@@ -176,12 +177,14 @@ class Recovery:
             f"damaged checkpoints are then moved to {where}/superseded/).")
 
     def _choose(self, step: int | None, checks: Verification, limit: int | None,
-                bad: list[Entry]) -> int:
-        """The step to restore (-1: none), decided by the primary and shared. Unusable newer
-        checkpoints found on the way are appended to ``bad``. Checksums that
-        ``checks.defer_over`` leaves out are checked later, by ``_read_checkpoint``."""
+                bad: list[Entry]) -> tuple[int, Manifest | None]:
+        """The step to restore (-1: none), decided by the primary and shared, with the
+        manifest the primary verified it by (None elsewhere). Unusable newer checkpoints
+        found on the way are appended to ``bad``. Checksums that ``checks.defer_over``
+        leaves out are checked later, by ``_read_checkpoint``, against that manifest."""
         ctx = self._ctx
         chosen = -1
+        manifest: Manifest | None = None
         if ctx.primary:
             if step is None:
                 while True:
@@ -193,7 +196,7 @@ class Recovery:
                         break
                     problems = self._verifier.item_problems(entry.path, checks)
                     if not problems:
-                        chosen = entry.step
+                        chosen, manifest = entry.step, entry.manifest
                         break
                     # A checkpoint whose items are gone or damaged cannot be restored whole.
                     bad.append(dataclasses.replace(entry, status="corrupt",
@@ -203,16 +206,20 @@ class Recovery:
                         and any(entry.status != "partial" for entry in bad)):
                     chosen = _FAIL_CLOSED
             else:
-                chosen = self._verifier.check_requested(step, checks)
+                manifest = self._verifier.check_requested_manifest(step, checks)
+                chosen = step
                 problems = self._verifier.item_problems(ctx.store.step_path(step), checks)
                 if problems:
                     raise CheckpointCorruptError(
                         f"checkpoint {ctx.store.step_path(step)} refers to unusable items: "
                         + "; ".join(problems) + ". Restore another step.")
-        return ctx.backend.broadcast_int(chosen) if ctx.process_count > 1 else chosen
+        if ctx.process_count > 1:
+            chosen = ctx.backend.broadcast_int(chosen)
+        return chosen, manifest
 
     def _read_checkpoint(self, path: str, like: Any, items: Mapping[str, Any] | None,
                          step: int, checks: Verification, *, partial: bool = False,
+                         manifest: Manifest | None = None,
                          ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
         """Driver, arrays and requested items of one checkpoint, under a reader lock that
         keeps retention away from it.
@@ -227,7 +234,8 @@ class Recovery:
             with self._ctx.store.reading(path):
                 claims = (ReadClaims() if checks.defer_over is not None and self._ctx.primary
                           and self._ctx.backend.features.verifies_reads else None)
-                checking = self._verifier.start_deferred_checks(path, checks, claims)
+                checking = self._verifier.start_deferred_checks(path, checks, claims,
+                                                                manifest=manifest)
                 result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]] | None = None
                 error: Exception | None = None
                 try:

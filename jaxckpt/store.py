@@ -21,7 +21,8 @@ called only by the primary process. ``delete`` deletes the victim's marker only 
 ``reading`` context holds it (``Storage.delete_unless_reading``), so a checkpoint being
 restored (in this or another process on the same host) is never deleted; deletion first
 removes the marker (making the directory "partial" atomically), then the files, and treats
-files that are already gone as success.
+files that are already gone as success. The store's requests run on a process-wide pool
+(``_pool``) whose tasks never wait on one another, so any number of stores share it.
 
 Must not import: jax, orbax, torch.
 """
@@ -36,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from . import store_objects
@@ -95,12 +96,39 @@ class Entry:
     manifest: Manifest | None = None
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The process-wide pool of ``workers`` threads that runs the store's requests (checks,
+    checksums, listings), kept from call to call: a fresh pool starts a thread per request
+    sent at once, one after the other (about a millisecond each on a busy host), so the
+    last small GET of a restore's verification went out over ten milliseconds after the
+    first. Its tasks never wait on one another, so callers may share it."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(max_workers=workers,
+                                                        thread_name_prefix="jaxckpt-store")
+        return pool
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's pool threads do not exist there."""
+    global _POOLS_LOCK
+    _POOLS_LOCK = threading.Lock()
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
 def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
                 entries: list[tuple[str, dict[str, Any]]], workers: int) -> list[str]:
     """The problems ``check`` finds in manifest ``entries``, in order, ``workers`` at a time
     (checksums release the GIL and overlap I/O)."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return [problem for problem in pool.map(check, entries) if problem]
+    return [problem for problem in _pool(workers).map(check, entries) if problem]
 
 
 class _Counter:
@@ -116,6 +144,12 @@ class _Counter:
         with self._lock:
             self.done += int(nbytes) if isinstance(nbytes, int) else 0
             self.progress(self.done, self.total)
+
+
+def _listing(storage: Storage, path: str) -> Future[dict[str, int]]:
+    """``storage.list_files(path)``, started on the store's pool (the caller does not wait
+    for it: a listing that nobody needs, of a directory found partial, ends alone)."""
+    return _pool(storage.concurrent_requests).submit(storage.list_files, path)
 
 
 def _committable(rel: str) -> bool:
@@ -254,7 +288,7 @@ class CheckpointStore:
             raise CheckpointCorruptError(f"{path}: commit marker is unreadable ({exc})") from exc
         return Manifest.parse(data, path)
 
-    def _committed_manifest(self, path: str) -> Manifest:
+    def committed_manifest(self, path: str) -> Manifest:
         """The manifest of ``path``; raises like :meth:`verify` when there is none. The
         marker is asked for first: when it is there (the usual case) the directory is too,
         and the request that tells a missing directory from an uncommitted one is saved."""
@@ -274,53 +308,55 @@ class CheckpointStore:
 
     def verify(self, path: str, *, checksums: bool = True, defer_over: int | None = None,
                progress: Callable[[int, int], None] | None = None,
-               manifest: Manifest | None = None) -> list[str]:
+               manifest: Manifest | None = None,
+               listed: Future[dict[str, int]] | None = None) -> list[str]:
         """Problems found in a committed checkpoint (empty when it is valid).
 
         Every listed file must exist inside the directory with its listed size (and checksum
         with ``checksums``), and no file may be present that the manifest does not list.
         ``defer_over``: leave out the checksums of bulk-data files larger than this many bytes
-        (see ``DEFER_CHECKSUMS_OVER``; everything else, their sizes included, is still
-        checked); :meth:`verify_deferred` checks exactly those later. None (the default)
-        checks every checksum here. ``progress(done, total)``: called (from worker threads)
-        with the bytes of the listed files checked so far, after each file. ``manifest``:
-        the one just read from ``path`` (saves reading it again).
+        (``DEFER_CHECKSUMS_OVER``; all else, sizes included, is still checked), which
+        :meth:`verify_deferred` checks later; None: every checksum here. ``progress(done,
+        total)``: called (from worker threads) with the bytes of the listed files checked so
+        far. ``manifest``, ``listed``: the manifest just read from ``path`` and its listing
+        under way (``_listing``), saving a request each.
 
         Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
         """
-        if manifest is None:
-            manifest = self._committed_manifest(path)
-        listed = self.storage.list_files(path)
-
+        manifest = self.committed_manifest(path) if manifest is None else manifest
+        sizes = self.storage.list_files(path) if listed is None else listed.result()
         counted = _Counter(manifest.total_bytes, progress)
 
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
             crc = checksums and (defer_over is None or not deferrable(rel, info, defer_over))
-            problem = _check_file(self.storage, path, rel, info, checksums=crc, listed=listed)
+            problem = _check_file(self.storage, path, rel, info, checksums=crc, listed=sizes)
             counted.add(info.get("size", 0))
             return problem
 
         problems = _run_checks(check, sorted(manifest.files.items()),
                                self.storage.concurrent_requests)
-        present = {rel for rel in listed if _committable(rel)}
+        present = {rel for rel in sizes if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
             problems.append(unlisted_problem(rel))
         return problems
 
-    def verify_deferred(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER) -> list[str]:
+    def verify_deferred(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER,
+                        manifest: Manifest | None = None) -> list[str]:
         """The second half of ``verify(path, checksums=True, defer_over=over)``: problems in
         the files whose checksums it left out (their sizes are compared again too), empty when
-        they match. Raises like :meth:`verify`."""
-        return self.verify_entries(path, self.deferred_entries(path, over=over))
+        they match; ``manifest``: the one ``verify`` used. Raises like :meth:`verify`."""
+        return self.verify_entries(path, self.deferred_entries(path, over=over,
+                                                               manifest=manifest))
 
-    def deferred_entries(self, path: str, *,
-                         over: int = DEFER_CHECKSUMS_OVER) -> list[tuple[str, dict[str, Any]]]:
+    def deferred_entries(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER,
+                         manifest: Manifest | None = None) -> list[tuple[str, dict[str, Any]]]:
         """The manifest entries whose checksums ``verify(defer_over=over)`` leaves out, as
-        (manifest path, entry). Raises like :meth:`verify`."""
-        manifest = self._committed_manifest(path)
+        (manifest path, entry); ``manifest`` as in :meth:`verify_deferred`. Raises like
+        :meth:`verify`."""
+        manifest = self.committed_manifest(path) if manifest is None else manifest
         return [(rel, info) for rel, info in sorted(manifest.files.items())
                 if deferrable(rel, info, over)]
 
@@ -334,7 +370,9 @@ class CheckpointStore:
     def _classify(self, step: int, path: str, *, checksums: bool,
                   defer_over: int | None = None) -> Entry:
         """One step directory with its status: partial (no marker), corrupt, or committed
-        (``defer_over``: as in :meth:`verify`)."""
+        (``defer_over``: as in :meth:`verify`), listed while its marker is read (two round
+        trips at once on an object store)."""
+        listed = _listing(self.storage, path)
         try:
             manifest = self.read_manifest(path)
         except CheckpointCorruptError as exc:
@@ -342,7 +380,7 @@ class CheckpointStore:
         if manifest is None:
             return Entry(step=step, path=path, status="partial")
         problems = tuple(self.verify(path, checksums=checksums, defer_over=defer_over,
-                                     manifest=manifest))
+                                     manifest=manifest, listed=listed))
         return Entry(step=step, path=path, status="corrupt" if problems else "committed",
                      problems=problems, manifest=manifest)
 
@@ -560,5 +598,5 @@ def _summarise(storage: Storage, path: str, rels: list[str],
             return 0, "link"
         return storage.checksum(full, algorithm, sync=True)
 
-    with ThreadPoolExecutor(max_workers=storage.concurrent_requests) as pool:
-        return dict(zip(rels, pool.map(summarise, rels), strict=True))
+    pool = _pool(storage.concurrent_requests)
+    return dict(zip(rels, pool.map(summarise, rels), strict=True))

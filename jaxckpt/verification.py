@@ -25,7 +25,7 @@ from typing import Any
 from .config import RecoverConfig
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .layout import DRIVER_FILE
-from .manifest import DEFER_CHECKSUMS_OVER
+from .manifest import DEFER_CHECKSUMS_OVER, Manifest
 from .read_claims import ReadClaims
 from .store import CheckpointStore
 
@@ -111,7 +111,8 @@ class Verifier:
         self._primary = primary
 
     def start_deferred_checks(self, path: str, checks: Verification,
-                              claims: ReadClaims | None = None,
+                              claims: ReadClaims | None = None, *,
+                              manifest: Manifest | None = None,
                               ) -> concurrent.futures.Future[tuple[list[str], list[str]]] | None:
         """Primary: start checking, in a thread, the checksums that ``choose`` left out,
         of the checkpoint and of the item versions about to be restored with it. The
@@ -119,7 +120,9 @@ class Verifier:
 
         With ``claims`` the entries are offered first (here, before the read starts), the
         backend claims the files it checks while reading them, and the thread checks the
-        rest once the backend closed its claims (``store.ReadClaims``)."""
+        rest once the backend closed its claims (``store.ReadClaims``). ``manifest``: the
+        checkpoint's, as its choice verified it (on an object store, a GET not repeated on
+        the way to the first chunk)."""
         if checks.defer_over is None or not self._primary:
             return None
         over = checks.defer_over
@@ -128,11 +131,13 @@ class Verifier:
         directories = [(None, path)] + [(f"item {name!r} v{version}: ",
                                          self._store.item_path(name, version))
                                         for name, version in refs]
+        known = {path: manifest} if manifest is not None else {}
         offered: dict[str, list[str]] = {}  # directory -> problems found while offering
         if claims is not None:
             for _, directory in directories:
                 try:
-                    claims.offer(directory, self._store.deferred_entries(directory, over=over))
+                    claims.offer(directory, self._store.deferred_entries(
+                        directory, over=over, manifest=known.get(directory)))
                 except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
                     offered[directory] = [str(exc)]
                 except Exception as exc:  # noqa: BLE001 - unverified bytes are never trusted
@@ -141,7 +146,7 @@ class Verifier:
 
         def problems_of(directory: str) -> list[str]:
             if claims is None:
-                return self._deferred_problems(directory, over)
+                return self._deferred_problems(directory, over, manifest=known.get(directory))
             if directory in offered:
                 return offered[directory]
             return self._deferred_problems(directory, over, claims.unclaimed(directory))
@@ -161,7 +166,8 @@ class Verifier:
             pool.shutdown(wait=False)  # the submitted check still runs to its end
 
     def _deferred_problems(self, path: str, over: int,
-                           entries: list[tuple[str, dict[str, Any]]] | None = None) -> list[str]:
+                           entries: list[tuple[str, dict[str, Any]]] | None = None, *,
+                           manifest: Manifest | None = None) -> list[str]:
         """``store.verify_deferred`` (or ``verify_entries`` of the given ``entries``) under a
         reader lock, reporting instead of raising: a check that cannot run has not vouched
         for anything."""
@@ -169,7 +175,7 @@ class Verifier:
             with self._store.reading(path):
                 if entries is not None:
                     return self._store.verify_entries(path, entries)
-                return self._store.verify_deferred(path, over=over)
+                return self._store.verify_deferred(path, over=over, manifest=manifest)
         except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
             return [str(exc)]
         except Exception as exc:  # noqa: BLE001 - unverified bytes are never trusted
@@ -202,16 +208,22 @@ class Verifier:
     def check_requested(self, step: int, checks: Verification) -> int:
         """Primary: the step asked for by ``restore(step=...)``, checked as ``checks`` says
         (deferred checksums left out); raises when it is missing or damaged."""
+        self.check_requested_manifest(step, checks)
+        return step
+
+    def check_requested_manifest(self, step: int, checks: Verification) -> Manifest:
+        """``check_requested``, giving the manifest it verified (for the deferred checks)."""
         path = self._store.step_path(step)
         if not self._store.storage.is_prefix(path):
             available = self._store.committed_steps()
             raise CheckpointNotFoundError(
                 f"no checkpoint for step {step} under {self._store.recover_dir}; committed steps "
                 f"are {available or 'none'}. Pass one of those, or step=None for the latest.")
+        manifest = self._store.committed_manifest(path)
         problems = self._store.verify(path, checksums=checks.checksums,
-                                      defer_over=checks.defer_over)
+                                      defer_over=checks.defer_over, manifest=manifest)
         if problems:
             raise CheckpointCorruptError(
                 f"checkpoint {path} failed verification: " + "; ".join(problems)
                 + ". Restore another step (step=None picks the latest valid one).")
-        return step
+        return manifest

@@ -532,8 +532,9 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
     """Every request of a second save (housekeeping included) and of a restore by a new
     manager, for A arrays stored one per object: the counts docs/cloud.md gives, so that
     none can grow unnoticed. A restore asks for no object's size (the listing gives them)
-    and reads the marker twice (choosing, then the deferred checks); a save asks nothing
-    it already knows (the checkpoint directory's emptiness: one listing)."""
+    and reads the marker once (the choice hands its manifest to the deferred checks); a
+    save asks nothing it already knows (the checkpoint directory's emptiness: one
+    listing)."""
     rng = np.random.default_rng(3)
     state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)  # > 1 MiB
              for i in range(arrays)}
@@ -564,13 +565,62 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
     assert_bit_equal(restored.state, state)
     read = [(op, key) for op, key, _ in calls]
     assert not [c for c in read if c[0] == "HeadObject"], read
-    assert sum(op == "GetObject" and key.endswith("/COMMITTED") for op, key in read) == 2
+    assert sum(op == "GetObject" and key.endswith("/COMMITTED") for op, key in read) == 1
     # The root's listing, the marker, the step's listing; every small file once (a
-    # zarr.json per array, 3 Orbax files, tree.json, driver.json), the marker again, a
-    # chunk per array. The reader lists nothing: the files it was given to check tell it
-    # its directories exist.
+    # zarr.json per array, 3 Orbax files, tree.json, driver.json), a chunk per array. The
+    # reader lists nothing: the files it was given to check tell it its directories exist.
     assert not [c for c in read if c[0] == "ListObjectsV2" and "/state/" in c[1]], read
-    assert len(read) == 2 * arrays + 9, "\n".join(map(str, read))
+    assert len(read) == 2 * arrays + 8, "\n".join(map(str, read))
+
+
+def test_the_prelude_of_a_restore_overlaps_its_round_trips(root, options):
+    """Before its first chunk GET a restore waits on small requests only where one needs
+    another's answer: the step's listing is in flight while its marker is fetched (both
+    need only the step's name), and the small objects the manifest lists are fetched all at
+    once. Through a proxy that delays every answer, so that two requests sent one after the
+    other are never in flight together; the assertions count requests in flight, not time."""
+    rng = np.random.default_rng(5)
+    state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)
+             for i in range(3)}
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(step(1), state)
+    proxy = FaultProxy(options["endpoint_url"], rates={"slow": 1.0}, slow_s=0.1)
+    lock = threading.Lock()
+    flying: set[str] = set()
+    overlapped: dict[str, set[str]] = {}  # request -> those in flight while it was
+
+    def start(event_name: str, params: dict, **kwargs) -> None:
+        key = params.get("Key", params.get("Prefix", ""))
+        if "/step_" in key:
+            name = f"{event_name.rsplit('.', 1)[-1]} {key.split('/step_', 1)[1]}"
+            threading.current_thread().jaxckpt_request = name  # type: ignore[attr-defined]
+            with lock:
+                for other in flying:
+                    overlapped.setdefault(other, set()).add(name)
+                overlapped.setdefault(name, set()).update(flying)
+                flying.add(name)
+
+    def end(**kwargs) -> None:
+        with lock:
+            flying.discard(getattr(threading.current_thread(), "jaxckpt_request", ""))
+
+    try:
+        with manager(root, {**options, "endpoint_url": proxy.url}) as mgr:
+            events = mgr.store.storage.client.meta.events
+            events.register("before-parameter-build.s3", start)
+            events.register("after-call.s3", end)
+            restored = mgr.restore(like_of(state))
+            events.unregister("before-parameter-build.s3", start)
+            events.unregister("after-call.s3", end)
+    finally:
+        proxy.close()
+    assert_bit_equal(restored.state, state)
+    assert "ListObjectsV2 00000001/" in overlapped["GetObject 00000001/COMMITTED"], overlapped
+    small = [name for name in overlapped if name.startswith("GetObject")
+             and "/c/" not in name and not name.endswith("/COMMITTED")]
+    assert len(small) == 3 + 3 + 2, small  # zarr.json each, Orbax's 3, tree and driver
+    # Each small GET overlapped every other one: none waited for another's answer.
+    assert all(set(small) - {name} <= overlapped[name] for name in small), overlapped
 
 
 def test_small_objects_of_a_save_do_not_wait_on_the_chunk_threads(root, options):

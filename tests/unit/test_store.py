@@ -392,3 +392,26 @@ def test_root_lock_is_released_when_the_holder_is_killed(tmp_path):
     lock = RootLock(str(tmp_path))
     lock.acquire()  # SIGKILL released it: no stale lock
     lock.release()
+
+
+def test_verifications_reuse_the_threads_of_the_ones_before(store, monkeypatch):
+    """The checks of a verification run on threads kept from the one before: a restore's
+    prelude does not start a thread per small request it sends at once (on a busy host
+    about a millisecond each, one after the other)."""
+    path = make_split_step(store, 1)
+    threads: list[set[str]] = []
+    checksum = store.storage.checksum
+
+    def recording(*args, **kwargs):
+        threads[-1].add(threading.current_thread().name)
+        return checksum(*args, **kwargs)
+
+    monkeypatch.setattr(store.storage, "checksum", recording)
+    for _ in range(3):
+        threads.append(set())
+        assert store.verify(path) == []
+    # A thread's name is its pool's and its number in the pool: one pool for all three,
+    # no more threads than it holds.
+    names = set().union(*threads)
+    assert all(threads) and len({name.rsplit("_", 1)[0] for name in names}) == 1, threads
+    assert len(names) <= store.storage.concurrent_requests, threads
