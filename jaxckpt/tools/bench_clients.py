@@ -28,6 +28,7 @@ deletes at the end.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import os
 import statistics
 import sys
@@ -56,9 +57,7 @@ def _boto3(storage: Any) -> tuple[Transfer, Callable[[list[str]], None]]:
     return put, get
 
 
-def _tensorstore(storage: Any, options: Mapping[str, Any]) -> tuple[Transfer, Any]:
-    import tensorstore as ts
-
+def _tensorstore(ts: Any, storage: Any, options: Mapping[str, Any]) -> tuple[Transfer, Any]:
     # tensorstore reads credentials from the environment, not from its spec.
     for option, variable in (("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
                              ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY")):
@@ -84,14 +83,14 @@ def _tensorstore(storage: Any, options: Mapping[str, Any]) -> tuple[Transfer, An
 def _clients(storage: Any, options: Mapping[str, Any],
              log: Callable[[str], None]) -> dict[str, tuple[Transfer, Any]]:
     clients = {"boto3": _boto3(storage)}
-    try:
-        clients["tensorstore"] = _tensorstore(storage, options)
+    try:  # orbax's dependency, so there with the jax extra; the row is skipped without it
+        import tensorstore
     except ImportError:
         log("tensorstore: not installed, skipped")
+    else:
+        clients["tensorstore"] = _tensorstore(tensorstore, storage, options)
     for name in ("obstore", "s3fs"):
-        try:
-            __import__(name)
-        except ImportError:
+        if importlib.util.find_spec(name) is None:
             log(f"{name}: not installed, skipped")
         else:
             log(f"{name}: installed, but not measured by this script yet")
