@@ -344,8 +344,9 @@ def data_offset(array: np.ndarray, directory: str, *, direct: bool = True) -> in
     jax puts its host buffers) therefore starts 64 bytes into its file: the file's blocks
     then line up with the array's memory and are written from it, without the copy
     through a bounce buffer, and a restore's page-aligned read puts the bytes back at a
-    64-byte boundary, which jax still adopts without a copy. The first block (the zeros
-    and the array's first bytes) goes through the page cache, and the shard index records
+    64-byte boundary, which jax still adopts without a copy. Only the first block (the zeros
+    and the array's first 4 KiB - offset bytes) is copied, through the bounce buffer; the
+    shard index records
     the offset, so Orbax reads the file as it is; zarr.json records it too
     (``metadata_text``), so that readers that only know offset 0 hand the array to Orbax.
 
@@ -458,11 +459,15 @@ class _DirectRefused(Exception):
 def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     """The file's whole blocks with O_DIRECT; what is left through the page cache on the
     same descriptor, flushed by the caller's fsync: the last partial block and the shard
-    index (under 4 KiB + 20 bytes), and with a nonzero offset the first block.
+    index (under 4 KiB + 20 bytes).
 
     The blocks come straight from the array's memory when it lines up with the file
     (``data_offset``); otherwise each piece is copied into this thread's aligned bounce
-    buffer first. Checksums are taken in file order from the memory that is written.
+    buffer first. With a nonzero offset, the first block (the zeros and the array's first
+    bytes) is put together in the bounce buffer and written with O_DIRECT too: through the
+    page cache it cost a copy, a dirty page for the fsync to write back, and 4 KiB of the
+    array in the cache, per file. Checksums are taken in file order from the memory that
+    is written.
 
     Padding the last block and truncating the file afterwards costs more: shrinking to
     a size inside a block makes the filesystem zero the rest of that block in the page
@@ -471,31 +476,34 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     flat, offset = image.flat, image.offset
     whole = image.end - image.end % ALIGN
     zero_copy = (flat.ctypes.data - offset) % ALIGN == 0
-    # With zero copy, the block holding the leading zeros cannot come from the array.
-    start = min(ALIGN, whole) if zero_copy and offset else 0
-    head = image.piece(0, start)
-    crc = extend(algorithm, 0, head)
-    bounce = None if zero_copy else _bounce()
-    position = start
+    # With zero copy, the block holding the leading zeros cannot come from the array:
+    # it goes through the bounce buffer, the rest from the array's memory.
+    head = min(ALIGN, whole) if zero_copy and offset else 0
+    bounce = _bounce() if head or not zero_copy else None
+    crc = 0
+    position = 0
     while position < whole:
-        count = min(PIECE, whole - position)
-        if bounce is None:
+        if position < head:
+            count, source = head, bounce
+        else:
+            count = min(PIECE, whole - position)
+            source = None if zero_copy else bounce
+        if source is None:
             memory = flat[position - offset:position - offset + count]
         else:
-            memory = bounce[:count]
+            memory = source[:count]
             image.fill(memory, position)
         crc = extend(algorithm, crc, memory)
         try:
             _pwrite_all(fd, memory.data, position)
         except OSError as error:
-            if position == start and error.errno == errno.EINVAL:
+            if position == 0 and error.errno == errno.EINVAL:
                 raise _DirectRefused() from error
             raise
         position += count
     rest = image.piece(whole, image.size)
     crc = extend(algorithm, crc, rest)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    _pwrite_all(fd, head.data, 0)
     _pwrite_all(fd, rest.data, whole)
     return f"{crc:08x}"
 
