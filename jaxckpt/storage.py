@@ -339,7 +339,7 @@ class PosixStorage(Storage):
         # on the development VM even for a directory with nothing left to write), and
         # flushes in flight together are merged by the block layer. One at a time, the ~130
         # directories of a checkpoint of 64 arrays took 0.08-0.37 s of a commit; 8 at a
-        # time, 0.01-0.02 s (docs/performance.md, Ninth round). The order does not matter:
+        # time, 0.01-0.02 s (docs/performance.md, Eighth round). The order does not matter:
         # nothing relies on a prefix before this returns (the commit marker comes after),
         # and a crash in between leaves it uncommitted whichever fsyncs landed.
         with ThreadPoolExecutor(max_workers=_SYNC_THREADS,

@@ -515,7 +515,7 @@ def _release_freed_memory() -> None:
     ``np.empty`` gets them back without a page fault: a read floor after a row that freed
     as many bytes measured reading into recycled memory, not into new memory, where a
     restore reads into maps of its own (``zarr_io.fresh_blocks``) and faults every page
-    (docs/performance.md, Ninth round)."""
+    (docs/performance.md, Eighth round)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to trim

@@ -120,7 +120,7 @@ def test_sync_fsyncs_every_file_and_directory_and_the_parent(storage, base, monk
 
 def test_sync_keeps_several_directory_fsyncs_in_flight(storage, base, monkeypatch):
     """Each fsync waits for a flush of the device's cache; issued together they share
-    flushes (docs/performance.md, Ninth round). One at a time, no two callers ever meet at
+    flushes (docs/performance.md, Eighth round). One at a time, no two callers ever meet at
     this barrier and it breaks."""
     import threading
 
