@@ -376,6 +376,41 @@ def test_write_chunk_sends_only_the_last_partial_block_through_the_page_cache(
                                                                                      offset)
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+def test_write_chunk_checksums_a_piece_of_the_array_while_writing_it(tmp_path, monkeypatch):
+    """A piece written from the array's own memory is checksummed during its write, not
+    before it: here each checksum of a whole piece waits until that piece's write has
+    started (done in turn on one thread, it would wait forever; the timeout says so)."""
+    nbytes = 2 * PIECE + ALIGN
+    data = placed(random_array("uint8", (nbytes,), np.random.default_rng(2)), 0)
+    started: dict[int, threading.Event] = {}
+    lock = threading.Lock()
+
+    def event(length: int) -> threading.Event:
+        with lock:
+            return started.setdefault(length, threading.Event())
+
+    pwrite, extend = os.pwrite, zarr_io.extend
+
+    def writing(fd, view, position):
+        event(position).set()
+        return pwrite(fd, view, position)
+
+    def checksumming(algorithm, crc, memory):
+        if len(memory) == PIECE:  # a whole piece of the array, at its file position
+            position = np.asarray(memory).ctypes.data - data.ctypes.data
+            assert event(position).wait(timeout=10), "checksummed before its write began"
+        return extend(algorithm, crc, memory)
+
+    monkeypatch.setattr(zarr_io.os, "pwrite", writing)
+    monkeypatch.setattr(zarr_io, "extend", checksumming)
+    path = tmp_path / "chunk"
+    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=0)
+    if os.stat(tmp_path).st_dev in zarr_io._no_direct:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    assert (size, crc) == file_checksum(str(path), ALGORITHM)
+
+
 def test_write_chunk_refuses_an_offset_outside_a_block(tmp_path):
     with pytest.raises(ValueError, match="offset 4096"):
         zarr_io.write_chunk(str(tmp_path / "c"), np.zeros(8, np.uint8), algorithm=ALGORITHM,
