@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from .checksum import extend, file_checksum
@@ -44,6 +45,8 @@ __all__ = ["Storage", "PosixStorage", "ReadHolds", "object_name", "RootLease", "
            "fsync_file", "fsync_dir", "atomic_write"]
 
 _READ_PIECE = 8 * 1024 * 1024
+#: fsyncs ``PosixStorage.sync`` keeps in flight at once.
+_SYNC_THREADS = 8
 
 
 class RootLease(Protocol):
@@ -242,7 +245,7 @@ class PosixStorage(Storage):
 
     Guarantees as ``Storage`` states them, with these means: atomic writes are a temp file
     in the same directory, fsync, ``rename``, fsync of the directory; durability of files
-    written by others is ``fsync`` of each file and each directory, deepest first; the
+    written by others is ``fsync`` of each file and each directory, several at once; the
     root lock is ``flock`` on ``{root}/.lock`` (``RootLock``); ``reading`` and
     ``delete_unless_reading`` are shared and exclusive non-blocking ``flock`` on the marker,
     which exclude readers in any process of the same host (and across hosts where the
@@ -334,16 +337,22 @@ class PosixStorage(Storage):
 
     def sync(self, prefix: str, *, data: bool = True) -> None:
         walked = list(os.walk(prefix))
-        if data:
-            for dirpath, _, filenames in walked:
-                for name in filenames:
-                    full = os.path.join(dirpath, name)
-                    if not os.path.islink(full):
-                        fsync_file(full)
-        # Deepest first, so that every entry inside is durable before its parent's entry is.
-        for directory in sorted((dirpath for dirpath, _, _ in walked), key=len, reverse=True):
-            fsync_dir(directory)
-        fsync_dir(os.path.dirname(os.path.normpath(prefix)) or ".")
+        files = [] if not data else [
+            full for dirpath, _, filenames in walked for name in filenames
+            if not os.path.islink(full := os.path.join(dirpath, name))]
+        directories = [dirpath for dirpath, _, _ in walked]
+        directories.append(os.path.dirname(os.path.normpath(prefix)) or ".")
+        # All at once: every fsync here ends in a flush of the device's cache (about 1-3 ms
+        # on the development VM even for a directory with nothing left to write), and
+        # flushes in flight together are merged by the block layer. One at a time, the ~130
+        # directories of a checkpoint of 64 arrays took 0.08-0.37 s of a commit; 8 at a
+        # time, 0.01-0.02 s (docs/performance.md, Eighth round). The order does not matter:
+        # nothing relies on a prefix before this returns (the commit marker comes after),
+        # and a crash in between leaves it uncommitted whichever fsyncs landed.
+        with ThreadPoolExecutor(max_workers=_SYNC_THREADS,
+                                thread_name_prefix="jaxckpt-fsync") as pool:
+            list(pool.map(fsync_file, files))
+            list(pool.map(fsync_dir, directories))
 
     def lock_root(self, root: str) -> RootLock:
         lock = RootLock(root)

@@ -64,6 +64,7 @@ Must not import: jax, orbax, tensorstore, torch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import fcntl
 import itertools
@@ -344,8 +345,9 @@ def data_offset(array: np.ndarray, directory: str, *, direct: bool = True) -> in
     jax puts its host buffers) therefore starts 64 bytes into its file: the file's blocks
     then line up with the array's memory and are written from it, without the copy
     through a bounce buffer, and a restore's page-aligned read puts the bytes back at a
-    64-byte boundary, which jax still adopts without a copy. The first block (the zeros
-    and the array's first bytes) goes through the page cache, and the shard index records
+    64-byte boundary, which jax still adopts without a copy. Only the first block (the zeros
+    and the array's first 4 KiB - offset bytes) is copied, through the bounce buffer; the
+    shard index records
     the offset, so Orbax reads the file as it is; zarr.json records it too
     (``metadata_text``), so that readers that only know offset 0 hand the array to Orbax.
 
@@ -451,6 +453,31 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
     return image.size, crc
 
 
+_checksum_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_checksum_pool_lock = threading.Lock()
+
+
+def _checksummer() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that checksum a piece of an array while an I/O thread writes it (one
+    per I/O thread of the backend's default; a piece waits for none but its own)."""
+    global _checksum_pool
+    with _checksum_pool_lock:
+        if _checksum_pool is None:
+            _checksum_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="jaxckpt-crc")
+        return _checksum_pool
+
+
+def _forget_checksummer() -> None:
+    """In a forked child: the parent's threads are not there; start new ones on demand."""
+    global _checksum_pool, _checksum_pool_lock
+    _checksum_pool, _checksum_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_checksummer)
+
+
 class _DirectRefused(Exception):
     """The first O_DIRECT write of a file failed with EINVAL."""
 
@@ -458,11 +485,18 @@ class _DirectRefused(Exception):
 def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     """The file's whole blocks with O_DIRECT; what is left through the page cache on the
     same descriptor, flushed by the caller's fsync: the last partial block and the shard
-    index (under 4 KiB + 20 bytes), and with a nonzero offset the first block.
+    index (under 4 KiB + 20 bytes).
 
     The blocks come straight from the array's memory when it lines up with the file
     (``data_offset``); otherwise each piece is copied into this thread's aligned bounce
-    buffer first. Checksums are taken in file order from the memory that is written.
+    buffer first. With a nonzero offset, the first block (the zeros and the array's first
+    bytes) is put together in the bounce buffer and written with O_DIRECT too: through the
+    page cache it cost a copy, a dirty page for the fsync to write back, and 4 KiB of the
+    array in the cache, per file. Checksums are taken in file order from the memory that
+    is written; a piece written from the array's own memory is checksummed on another
+    thread during its write (the checksum of 1 GiB is about 0.1 s of CPU: in turns with
+    the writes it made the write 0.573 s against 0.532 s without it, the floor 0.506 s;
+    docs/performance.md, Eighth round, item 12).
 
     Padding the last block and truncating the file afterwards costs more: shrinking to
     a size inside a block makes the filesystem zero the rest of that block in the page
@@ -471,31 +505,40 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     flat, offset = image.flat, image.offset
     whole = image.end - image.end % ALIGN
     zero_copy = (flat.ctypes.data - offset) % ALIGN == 0
-    # With zero copy, the block holding the leading zeros cannot come from the array.
-    start = min(ALIGN, whole) if zero_copy and offset else 0
-    head = image.piece(0, start)
-    crc = extend(algorithm, 0, head)
-    bounce = None if zero_copy else _bounce()
-    position = start
+    # With zero copy, the block holding the leading zeros cannot come from the array:
+    # it goes through the bounce buffer, the rest from the array's memory.
+    head = min(ALIGN, whole) if zero_copy and offset else 0
+    bounce = _bounce() if head or not zero_copy else None
+    crc = 0
+    position = 0
     while position < whole:
-        count = min(PIECE, whole - position)
-        if bounce is None:
-            memory = flat[position - offset:position - offset + count]
+        if position < head:
+            count, source = head, bounce
         else:
-            memory = bounce[:count]
+            count = min(PIECE, whole - position)
+            source = None if zero_copy else bounce
+        pending = None
+        if source is None:
+            memory = flat[position - offset:position - offset + count]
+            # The array's own memory does not change under the write: its checksum runs
+            # on another thread while the device reads it.
+            pending = _checksummer().submit(extend, algorithm, crc, memory)
+        else:
+            memory = source[:count]
             image.fill(memory, position)
-        crc = extend(algorithm, crc, memory)
+            crc = extend(algorithm, crc, memory)
         try:
             _pwrite_all(fd, memory.data, position)
         except OSError as error:
-            if position == start and error.errno == errno.EINVAL:
+            if position == 0 and error.errno == errno.EINVAL:
                 raise _DirectRefused() from error
             raise
+        if pending is not None:
+            crc = pending.result()
         position += count
     rest = image.piece(whole, image.size)
     crc = extend(algorithm, crc, rest)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    _pwrite_all(fd, head.data, 0)
     _pwrite_all(fd, rest.data, whole)
     return f"{crc:08x}"
 

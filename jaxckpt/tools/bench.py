@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -507,10 +508,26 @@ def _size(nbytes: int | None) -> str:
 # ------------------------------------------------------------------------- measurement
 
 
+def _release_freed_memory() -> None:
+    """Hand the memory this process freed back to the system (glibc's ``malloc_trim``;
+    nothing elsewhere). Buffers numpy freed stay in malloc's heap, faulted in already
+    (often as huge pages, which numpy asks for from 4 MiB on), and the next row's
+    ``np.empty`` gets them back without a page fault: a read floor after a row that freed
+    as many bytes measured reading into recycled memory, not into new memory, where a
+    restore reads into maps of its own (``zarr_io.fresh_blocks``) and faults every page
+    (docs/performance.md, Eighth round)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return
+    trim(0)
+
+
 def _settle() -> None:
-    """Before a timed row: the previous row's garbage, dirty pages and the discards of the
-    files it deleted (ext4 -o discard) are not this row's cost."""
+    """Before a timed row: the previous row's garbage, freed memory, dirty pages and the
+    discards of the files it deleted (ext4 -o discard) are not this row's cost."""
     gc.collect()
+    _release_freed_memory()
     os.sync()
 
 

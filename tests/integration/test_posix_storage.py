@@ -92,3 +92,41 @@ def test_rename_posix_moves_a_directory_and_creates_the_target_parent(storage, b
     assert open(os.path.join(dst, "data"), "rb").read() == b"d"
     with pytest.raises(FileNotFoundError):
         storage.rename_posix(src, dst + "2")
+
+
+def _tree_to_sync(base):
+    for name in ("a", "b", "c"):
+        os.makedirs(os.path.join(base, "ck", name, "c"))
+        with open(os.path.join(base, "ck", name, "c", "0"), "wb") as stream:
+            stream.write(b"x")
+    return os.path.join(base, "ck")
+
+
+def test_sync_fsyncs_every_file_and_directory_and_the_parent(storage, base, monkeypatch):
+    from jaxckpt import storage as storage_module
+
+    prefix = _tree_to_sync(base)
+    synced = []
+    monkeypatch.setattr(storage_module, "fsync_file", lambda path: synced.append(("f", path)))
+    monkeypatch.setattr(storage_module, "fsync_dir", lambda path: synced.append(("d", path)))
+    storage.sync(prefix)
+    directories = {("d", p) for p, _, _ in os.walk(prefix)} | {("d", base)}
+    files = {("f", os.path.join(prefix, n, "c", "0")) for n in ("a", "b", "c")}
+    assert sorted(synced) == sorted(directories | files)
+    synced.clear()
+    storage.sync(prefix, data=False)
+    assert sorted(synced) == sorted(directories)
+
+
+def test_sync_keeps_several_directory_fsyncs_in_flight(storage, base, monkeypatch):
+    """Each fsync waits for a flush of the device's cache; issued together they share
+    flushes (docs/performance.md, Eighth round). One at a time, no two callers ever meet at
+    this barrier and it breaks."""
+    import threading
+
+    from jaxckpt import storage as storage_module
+
+    prefix = _tree_to_sync(base)
+    meeting = threading.Barrier(4, timeout=10)
+    monkeypatch.setattr(storage_module, "fsync_dir", lambda path: meeting.wait())
+    storage.sync(prefix, data=False)  # 8 directories: two full meetings

@@ -345,6 +345,72 @@ def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, direct, past_page, o
         zarr_io.array_bytes(str(path), read, nbytes - 1, offset + 1)
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+@pytest.mark.parametrize("past_page,offset", [(64, 64), (16, 64), (0, 0)],
+                         ids=["zero-copy", "bounce", "aligned"])
+def test_write_chunk_sends_only_the_last_partial_block_through_the_page_cache(
+        tmp_path, monkeypatch, past_page, offset):
+    """Every whole block of a chunk file, the first one included when the array starts
+    past the file's beginning, is written with O_DIRECT; what goes through the page cache
+    is the last partial block and the shard index, less than a block and 20 bytes."""
+    import fcntl
+
+    nbytes = 2 * PIECE + 3 * ALIGN + 100
+    data = placed(random_array("uint8", (nbytes,), np.random.default_rng(1)), past_page)
+    cached: list[tuple[int, int]] = []
+    pwrite = os.pwrite
+
+    def recording(fd, view, position):
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            cached.append((position, len(view)))
+        return pwrite(fd, view, position)
+
+    monkeypatch.setattr(zarr_io.os, "pwrite", recording)
+    path = tmp_path / "chunk"
+    size, _ = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=offset)
+    if os.stat(tmp_path).st_dev in zarr_io._no_direct:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    whole = size - size % ALIGN
+    assert cached == [(whole, size - whole)]
+    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_io.shard_index(nbytes,
+                                                                                     offset)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+def test_write_chunk_checksums_a_piece_of_the_array_while_writing_it(tmp_path, monkeypatch):
+    """A piece written from the array's own memory is checksummed during its write, not
+    before it: here each checksum of a whole piece waits until that piece's write has
+    started (done in turn on one thread, it would wait forever; the timeout says so)."""
+    nbytes = 2 * PIECE + ALIGN
+    data = placed(random_array("uint8", (nbytes,), np.random.default_rng(2)), 0)
+    started: dict[int, threading.Event] = {}
+    lock = threading.Lock()
+
+    def event(length: int) -> threading.Event:
+        with lock:
+            return started.setdefault(length, threading.Event())
+
+    pwrite, extend = os.pwrite, zarr_io.extend
+
+    def writing(fd, view, position):
+        event(position).set()
+        return pwrite(fd, view, position)
+
+    def checksumming(algorithm, crc, memory):
+        if len(memory) == PIECE:  # a whole piece of the array, at its file position
+            position = np.asarray(memory).ctypes.data - data.ctypes.data
+            assert event(position).wait(timeout=10), "checksummed before its write began"
+        return extend(algorithm, crc, memory)
+
+    monkeypatch.setattr(zarr_io.os, "pwrite", writing)
+    monkeypatch.setattr(zarr_io, "extend", checksumming)
+    path = tmp_path / "chunk"
+    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=0)
+    if os.stat(tmp_path).st_dev in zarr_io._no_direct:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    assert (size, crc) == file_checksum(str(path), ALGORITHM)
+
+
 def test_write_chunk_refuses_an_offset_outside_a_block(tmp_path):
     with pytest.raises(ValueError, match="offset 4096"):
         zarr_io.write_chunk(str(tmp_path / "c"), np.zeros(8, np.uint8), algorithm=ALGORITHM,
