@@ -50,12 +50,10 @@ def test_bench_clients_moves_the_same_bytes_through_each_installed_client(capsys
                      "8", "--small-kib", "1", "--repeats", "1"]) == 0
         out = capsys.readouterr().out
         left = s3_client(options).list_objects_v2(Bucket="clients").get("KeyCount")
-    clients = ["boto3"]
-    try:
-        import tensorstore  # noqa: F401
-        clients.append("tensorstore")
-    except ImportError:
-        pass
+    import importlib.util
+
+    clients = ["boto3"] + [name for name in ("tensorstore", "obstore")
+                           if importlib.util.find_spec(name) is not None]
     for client in clients:
         for row in ("big_put", "big_get", "small_put", "small_get"):
             assert any(line.split()[:2] == [client, row] for line in out.splitlines()), out
