@@ -48,7 +48,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .checksum import extend
-from .storage import ReadHolds, RootLease, Storage, object_name
+from .storage import ObjectWriter, ReadHolds, RootLease, Storage, object_name
 
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
 
@@ -306,6 +306,14 @@ class S3Storage(Storage):
             if is_not_found(exc):
                 raise FileNotFoundError(2, "no such object", src) from exc
             raise
+
+    def open_writer(self, path: str) -> ObjectWriter:
+        """A writer whose bytes go up as they come: parts of a multipart upload sent while
+        the caller writes the next (``jaxckpt.s3_upload``); one PUT if they fit in a part."""
+        from .s3_upload import StreamingUpload
+
+        self._small.drop(self.key(path))
+        return StreamingUpload(self, path)
 
     def discard_incomplete_uploads(self, prefix: str) -> list[str]:
         keys = []

@@ -15,7 +15,8 @@ filesystem needs it for atomicity, and offers moving a directory (``rename_posix
 a POSIX-only extra, outside the interface. The interface also has, with defaults that serve
 a filesystem: ``copy`` (server-side on an object store), ``read_into`` (streaming into a
 caller's buffer), ``write_checked`` (a write that hands the server the caller's crc32c),
-``discard_incomplete_uploads`` and ``concurrent_requests``.
+``discard_incomplete_uploads``, ``concurrent_requests`` and ``open_writer`` (an object
+written as a stream, ``ObjectWriter``; by default gathered in memory and written at close).
 
 Must not import: jax, orbax, torch.
 """
@@ -41,8 +42,8 @@ from .checksum import extend, file_checksum
 from .errors import RootLockedError
 from .layout import LOCK_FILE, tmp_name
 
-__all__ = ["Storage", "PosixStorage", "ReadHolds", "object_name", "RootLease", "RootLock",
-           "fsync_file", "fsync_dir", "atomic_write"]
+__all__ = ["Storage", "PosixStorage", "ReadHolds", "object_name", "ObjectWriter", "RootLease",
+           "RootLock", "fsync_file", "fsync_dir", "atomic_write"]
 
 _READ_PIECE = 8 * 1024 * 1024
 #: fsyncs ``PosixStorage.sync`` keeps in flight at once.
@@ -53,6 +54,44 @@ class RootLease(Protocol):
     """A held root lock (``Storage.lock_root``); ``release`` gives it up, idempotently."""
 
     def release(self) -> None: ...
+
+
+class ObjectWriter(Protocol):
+    """One object written as a stream (``Storage.open_writer``), by one thread: ``write``
+    takes bytes in order; ``close`` stores the object as ``Storage.write`` would (atomic,
+    durable when it returns: before it, no object or the old one is seen); ``abort`` stores
+    nothing and frees what was held. After either, the writer takes nothing more."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class _GatheredWriter:
+    """``ObjectWriter`` for any storage: the bytes are kept in memory and written whole,
+    with ``Storage.write``, at ``close``."""
+
+    def __init__(self, storage: Storage, path: str):
+        self._storage = storage
+        self._path = path
+        self._pieces: list[bytes] | None = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._pieces is None:
+            raise ValueError(f"write to {self._path} after close or abort")
+        piece = bytes(data)  # a copy: the caller may reuse its buffer
+        self._pieces.append(piece)
+        return len(piece)
+
+    def close(self) -> None:
+        if self._pieces is not None:
+            data, self._pieces = b"".join(self._pieces), None
+            self._storage.write(self._path, data)
+
+    def abort(self) -> None:
+        self._pieces = None
 
 
 class Storage(abc.ABC):
@@ -134,6 +173,12 @@ class Storage(abc.ABC):
         ``write`` would; ``FileNotFoundError`` when ``src`` holds nothing. Object stores
         copy on the server; this default reads and writes."""
         self.write(dst, self.read(src))
+
+    def open_writer(self, path: str) -> ObjectWriter:
+        """A writer that stores at ``path`` the bytes written to it, once closed (what
+        ``write`` promises, from then on). This default keeps them in memory until then; an
+        object store may send them while they come (S3: parts of a multipart upload)."""
+        return _GatheredWriter(self, path)
 
     def discard_incomplete_uploads(self, prefix: str) -> list[str]:
         """Abort the uploads below ``prefix`` that were started and never finished (an

@@ -8,9 +8,10 @@ rename), with the one interface ``DcpBackend`` uses for either: prepare a write 
 write, read ``objects.json`` back. Also DCP's ``FileSystemBase`` over a ``Storage``, which
 the object-store writer and reader are built on.
 
-How bytes move on an object store: a DCP data file is assembled in memory and uploaded
-whole when DCP closes it (the storage splits big objects into parts sent on several
-threads); ``.metadata`` is uploaded once, at its final name (DCP's own ``finish`` writes a
+How bytes move on an object store: a DCP data file is sent while DCP writes it
+(``_dcp_upload``; on S3 its parts go up while DCP serialises the next tensors, and the
+object exists once DCP closes the file); ``.metadata`` is uploaded once, at its final name
+(DCP's own ``finish`` writes a
 temporary name and renames it, which on an object store is a copy and a delete). A restore
 first gathers, per data file, the byte ranges its tensors occupy (merged where they are
 close), fetches them with ranged GETs on a few threads, and lets DCP read its tensors out
@@ -47,6 +48,7 @@ from jaxckpt.storage import Storage, fsync_dir
 
 from . import _dcp_metadata
 from ._dcp_local_writer import checksumming_writer
+from ._dcp_upload import UploadStream
 
 __all__ = ["DCP_METADATA", "LocalDcpFiles", "StorageDcpFiles"]
 
@@ -238,24 +240,6 @@ class StorageDcpFiles:
         return _storage_reader_class()(directory, self.storage, claims, partial)
 
 
-class _UploadStream(io.BytesIO):
-    """A file DCP writes (it needs ``tell``); uploaded whole when DCP closes it, its
-    manifest entry (size and checksum of the bytes sent) kept in ``written``."""
-
-    def __init__(self, storage: Storage, path: str, written: dict[str, dict[str, Any]]):
-        super().__init__()
-        self._storage = storage
-        self._path = path
-        self._written = written
-
-    def close(self) -> None:
-        if not self.closed:
-            data = self.getvalue()
-            super().close()  # frees the buffer before the upload's own copies
-            self._storage.write(self._path, data)
-            self._written[self._path] = _entry(data)
-
-
 def _entry(data: bytes) -> dict[str, Any]:
     """The manifest entry of ``data`` in the commit's algorithm."""
     algorithm = default_algorithm()
@@ -335,7 +319,7 @@ def _storage_fs_class() -> type:
         def create_stream(self, path: Any, mode: str) -> Any:
             # Unbuffered on purpose: a buffer's read-ahead would GET past the fetched ranges.
             if mode == "wb":
-                return _UploadStream(self.storage, str(path), self.written)
+                return UploadStream(self.storage, str(path), self.written)
             if mode == "rb":
                 return _RangeFile(self.storage, str(path), self.prefetched.get(str(path), []))
             raise ValueError(f"object storage streams are 'wb' or 'rb', not {mode!r}")

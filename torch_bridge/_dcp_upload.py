@@ -1,0 +1,81 @@
+"""A DCP data file written to an object store as DCP produces it: ``UploadStream``.
+
+Owns: the stream DCP's writer writes a data file into on an object store. Each byte DCP
+writes extends the file's checksum (the commit's algorithm, as ``_dcp_local_writer`` does on
+a disk) and goes to the storage's ``ObjectWriter`` (``Storage.open_writer``), which on S3
+sends parts of the file while DCP serialises the next tensors, a bounded number of parts in
+memory; other storages gather it and write it whole. Closing the stream stores the object
+(``write``'s guarantees: complete or absent) and records its entry, so the commit reads
+nothing back; leaving its ``with`` block on an error aborts it (nothing stored, parts
+discarded). DCP writes a file from start to end and never seeks back, which the stream
+relies on (it has no ``seek``).
+
+Must not import: jax, orbax, torch.
+
+Concurrency contract: one stream per file, used by the DCP writer thread that writes that
+file; ``written`` is a dict shared by the streams of one writer, each storing one key.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.storage import Storage
+
+__all__ = ["UploadStream"]
+
+
+class UploadStream:
+    """A file DCP writes (it needs ``write``, ``tell``, ``flush``), sent to ``path`` of
+    ``storage`` as it comes; its entry (size, checksum of the bytes sent) is put in
+    ``written`` when it is closed."""
+
+    def __init__(self, storage: Storage, path: str, written: dict[str, dict[str, Any]]):
+        self._target = storage.open_writer(path)
+        self._path = path
+        self._written = written
+        self._algorithm = default_algorithm()
+        self._crc = 0
+        self._size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._crc = extend(self._algorithm, self._crc, view)
+        self._target.write(view)
+        self._size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._size
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        """Nothing: bytes are sent in parts, the rest at ``close``."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._target.close()
+        self._written[self._path] = {"size": self._size,
+                                     self._algorithm: f"{self._crc:08x}"}
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._target.abort()
+
+    def __enter__(self) -> UploadStream:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
