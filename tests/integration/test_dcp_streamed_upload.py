@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 
 from jaxckpt.checksum import default_algorithm  # noqa: E402
 from jaxckpt.root_url import parse_root  # noqa: E402
-from jaxckpt.storage import PosixStorage  # noqa: E402
 from torch_bridge import DcpBackend  # noqa: E402
 
 from support.s3_server import moto_s3  # noqa: E402
@@ -157,6 +156,16 @@ def test_an_aborted_or_failed_streamed_upload_stores_nothing(storage, small_part
     assert not storage.exists(path)
     assert unfinished_uploads(storage) == []
 
+    # A writer that never closes (its process killed) leaves no object, only an unfinished
+    # upload, which the next primary's start-up discards.
+    path = storage.url(f"{storage.prefix}/killed")
+    writer = storage.open_writer(path)
+    writer.write(b"k" * (12 * MIB))
+    writer._finish_pool()  # the parts that were sent have landed
+    assert not storage.exists(path)
+    assert storage.discard_incomplete_uploads(storage.url()) == [path]
+    assert unfinished_uploads(storage) == []
+
     real_upload_part = storage.client.upload_part
 
     def failing(**kwargs):
@@ -186,20 +195,3 @@ def test_a_dcp_stream_left_on_an_error_stores_nothing(storage, small_parts):
     assert written == {}
     assert not storage.exists(path)
     assert unfinished_uploads(storage) == []
-
-
-def test_the_default_writer_stores_the_object_at_close_only(tmp_path):
-    storage = PosixStorage()
-    path = str(tmp_path / "object")
-    writer = storage.open_writer(path)
-    piece = bytearray(b"first ")
-    writer.write(piece)
-    piece[:] = b"XXXXX "  # the caller reuses its buffer: what was written stays
-    writer.write(memoryview(b"second"))
-    assert not (tmp_path / "object").exists()
-    writer.close()
-    assert (tmp_path / "object").read_bytes() == b"first second"
-    aborted = storage.open_writer(str(tmp_path / "aborted"))
-    aborted.write(b"lost")
-    aborted.abort()
-    assert not (tmp_path / "aborted").exists()

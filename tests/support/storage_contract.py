@@ -55,6 +55,24 @@ def check_write_replaces_the_whole_object(storage, base):
     assert storage.read(path) == b"short" and storage.size(path) == 5
 
 
+def check_open_writer_stores_the_object_at_close_only(storage, base):
+    _prepared(storage, base)
+    path = _join(base, "streamed")
+    storage.write(path, b"old")
+    writer = storage.open_writer(path)
+    piece = bytearray(b"first ")
+    writer.write(piece)
+    piece[:] = b"XXXXX "  # the caller reuses its buffer: what was written stays
+    writer.write(memoryview(b"second"))
+    assert storage.read(path) == b"old"  # nothing of it before close
+    writer.close()
+    assert storage.read(path) == b"first second"
+    aborted = storage.open_writer(_join(base, "aborted"))
+    aborted.write(b"lost")
+    aborted.abort()
+    assert not storage.exists(_join(base, "aborted"))
+
+
 def check_missing_object_is_file_not_found(storage, base):
     _prepared(storage, base)
     path = _join(base, "never-written")
@@ -197,6 +215,7 @@ def check_lock_excludes_a_second_holder(storage, base, spawn):
 CHECKS = [
     check_read_returns_what_was_written,
     check_write_replaces_the_whole_object,
+    check_open_writer_stores_the_object_at_close_only,
     check_missing_object_is_file_not_found,
     check_create_only_fails_on_an_existing_object,
     check_create_after_delete_succeeds,
