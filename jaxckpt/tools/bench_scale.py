@@ -227,9 +227,10 @@ def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
                        found: dict[str, Any], turn: int) -> None:
     """A cold restore and the read floor at this size, taking turns going first: a bare
     read of the checkpoint's own files (8 threads, as the reader) into new memory of the
-    kind the restore's arrays live in. On this VM what new memory costs per GiB grows with
-    the amount touched at once (docs/performance.md, "Tenth round (scale)"), and the
-    floor pays it as the restore does: restore / floor is the library's share."""
+    kind the restore's arrays live in. On this VM what new memory costs per GiB changes
+    from one moment to the next and was dearer at 4 GiB than at 1 GiB (docs/performance.md,
+    "Tenth round (scale)"); the floor pays it as the restore does, so restore / floor is
+    the library's share."""
     import concurrent.futures
 
     from jaxckpt.layout import STATE_DIR
@@ -289,7 +290,8 @@ def measure_size(config: ScaleConfig, size_mb: int, root: str) -> dict[str, Any]
 class _FloorWriter:
     """The raw write floor of the consecutive saves: the state's bytes, one file per leaf
     (``O_DIRECT`` where the filesystem takes it, else buffered), 4 threads, every file
-    and the directory fsynced, under the manager's pattern: each copy in a new directory,
+    and the directory fsynced, from a copy of the state made once (so the consecutive
+    saves' RSS includes it, flat), under the manager's pattern: each copy in a new directory,
     the previous one deleted once the new one is written (``keep_last_n=1``). On this VM
     where a write lands on the disk changes what it costs (docs/performance.md, Eighth
     round (d)); a floor taken in turns with the saves, under the same pattern, tells the
