@@ -4,9 +4,15 @@ Owns the scale run: states from ``start_mb`` doubling up to what this machine's 
 disk allow (at most ``max_mb``; the report says where it stopped and why), each in leaves
 of ``leaf_mb`` (the "shard": the largest array a save writes at once), and for each size,
 per round: a sync save (time per GiB and the peak host memory it adds), an async save (the
-training loop's blocking time) and a cold restore (time per GiB and the peak host memory
-above the restored state itself). Then ``saves`` consecutive async saves of one state,
-following host memory (RSS) and each save's time: both must stay flat.
+training loop's blocking time), a cold restore (time per GiB and the peak host memory
+above the restored state itself) and, taking turns with it, the read floor: a bare read
+of the checkpoint's own files into new memory of the kind a restore reads into. Then
+``saves`` consecutive async saves of one state, following host memory (RSS) and each
+save's time, each followed by the raw write floor of the same bytes under the same
+pattern: memory and time must stay flat. The floors are there because on the
+development VM what new memory and a write's disk blocks cost changes with size and
+over time (docs/performance.md, "Tenth round (scale)"): the targets against them give
+the library's share.
 
 Peak memory is the kernel's high-water mark of this process's resident memory (VmHWM),
 reset before each measured call (``/proc/self/clear_refs``); where that is not possible,
@@ -195,19 +201,77 @@ class _Saver:
         return report
 
 
+def _read_fresh(path: str, size: int) -> np.ndarray:
+    """Read one file with ``O_DIRECT`` (where the filesystem allows it) into memory of the
+    kind a restore reads into (``zarr_io.fresh_blocks``), in the reader's 8 MiB pieces."""
+    from jaxckpt import zarr_io
+
+    buffer = zarr_io.fresh_blocks(size)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        offset = 0
+        while offset < size:
+            got = os.preadv(fd, [buffer[offset:offset + zarr_io.PIECE].data], offset)
+            if got <= 0:
+                break
+            offset += got
+    finally:
+        os.close(fd)
+    return buffer
+
+
+def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
+                       found: dict[str, Any], turn: int) -> None:
+    """A cold restore and the read floor at this size, taking turns going first: a bare
+    read of the checkpoint's own files (8 threads, as the reader) into new memory of the
+    kind the restore's arrays live in. On this VM what new memory costs per GiB changes
+    from one moment to the next and was dearer at 4 GiB than at 1 GiB (docs/performance.md,
+    "Tenth round (scale)"); the floor pays it as the restore does, so restore / floor is
+    the library's share."""
+    import concurrent.futures
+
+    from jaxckpt.layout import STATE_DIR
+    from jaxckpt.tools.bench import _files_under
+
+    files = _files_under(os.path.join(path, STATE_DIR))
+
+    def restore() -> None:
+        with _PeakMemory() as peak:
+            started = time.perf_counter()
+            restored = saver.manager.restore(like)
+            found["restore_s"].append(time.perf_counter() - started)
+        found["restore_extra"].append(max(0, peak.extra - nbytes))
+        del restored
+
+    def floor() -> None:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            started = time.perf_counter()
+            buffers = list(pool.map(lambda file: _read_fresh(*file), files))
+            found["floor_s"].append(time.perf_counter() - started)
+        del buffers
+
+    for row in (restore, floor) if turn % 2 == 0 else (floor, restore):
+        _drop_page_cache()
+        _settle()
+        row()
+
+
 def measure_size(config: ScaleConfig, size_mb: int, root: str) -> dict[str, Any]:
-    """Every round of one size: sync save, async save, cold restore (see the module
-    docstring); lists of per-round figures by name."""
+    """Every round of one size: sync save, async save, cold restore and its read floor
+    (see the module docstring); lists of per-round figures by name."""
     state = _state(size_mb, config.leaf_mb, seed=size_mb)
     nbytes = sum(int(leaf["w"].nbytes) for leaf in state.values())
     like = _abstract(state)
     saver = _Saver(root)
     found: dict[str, Any] = {"mib": size_mb, "bytes": nbytes, "save_s": [],
-                             "blocking_s": [], "async_s": [], "restore_s": [],
+                             "blocking_s": [], "async_s": [], "restore_s": [], "floor_s": [],
                              "save_extra": [], "restore_extra": []}
     try:
         saver.save(state, "sync")  # the first save: plans, buffers, thread pools
-        for _ in range(config.repeats):
+        for turn in range(config.repeats):
             with _PeakMemory() as peak:
                 report = saver.save(state, "sync")
             found["save_s"].append(report.total_s)
@@ -215,14 +279,7 @@ def measure_size(config: ScaleConfig, size_mb: int, root: str) -> dict[str, Any]
             report = saver.save(state, "async")
             found["blocking_s"].append(report.blocking_s)
             found["async_s"].append(report.total_s)
-            _drop_page_cache()
-            _settle()
-            with _PeakMemory() as peak:
-                started = time.perf_counter()
-                restored = saver.manager.restore(like)
-                found["restore_s"].append(time.perf_counter() - started)
-            found["restore_extra"].append(max(0, peak.extra - nbytes))
-            del restored
+            _restore_and_floor(saver, like, report.path, nbytes, found, turn)
     finally:
         saver.manager.close()
         del state
@@ -230,23 +287,89 @@ def measure_size(config: ScaleConfig, size_mb: int, root: str) -> dict[str, Any]
     return found
 
 
+class _FloorWriter:
+    """The raw write floor of the consecutive saves: the state's bytes, one file per leaf
+    (``O_DIRECT`` where the filesystem takes it, else buffered), 4 threads, every file
+    and the directory fsynced, from a copy of the state made once (so the consecutive
+    saves' RSS includes it, flat), under the manager's pattern: each copy in a new directory,
+    the previous one deleted once the new one is written (``keep_last_n=1``). On this VM
+    where a write lands on the disk changes what it costs (docs/performance.md, Eighth
+    round (d)); a floor taken in turns with the saves, under the same pattern, tells the
+    disk's drift from the library's."""
+
+    def __init__(self, state: dict[str, Any], root: str) -> None:
+        import concurrent.futures
+
+        from jaxckpt import zarr_io
+        from jaxckpt.tools.bench import _direct_refused
+
+        os.makedirs(root, exist_ok=True)
+        self.root, self.count = root, 0
+        self.direct = _direct_refused(root) == ""
+        self.blocks = []
+        for leaf in state.values():
+            data = np.asarray(leaf["w"]).reshape(-1).view(np.uint8)
+            block = zarr_io.aligned_blocks(data.nbytes)  # whole blocks, zero-padded
+            block[:data.nbytes] = data
+            block[data.nbytes:] = 0
+            self.blocks.append(block)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
+
+    def write(self) -> float:
+        """Write one copy, durably; then delete the one before. Seconds of the write."""
+        from jaxckpt.tools.bench import _raw_write, _raw_write_direct
+
+        directory = os.path.join(self.root, f"copy_{self.count:05d}")
+        os.makedirs(directory)
+
+        def one(index: int) -> None:
+            path = os.path.join(directory, f"leaf_{index:05d}")
+            if self.direct:
+                _raw_write_direct(path, self.blocks[index])
+            else:
+                _raw_write(path, [self.blocks[index]])
+
+        started = time.perf_counter()
+        list(self.pool.map(one, range(len(self.blocks))))
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        seconds = time.perf_counter() - started
+        if self.count:
+            shutil.rmtree(os.path.join(self.root, f"copy_{self.count - 1:05d}"))
+        self.count += 1
+        return seconds
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 def consecutive_saves(config: ScaleConfig, root: str) -> dict[str, Any]:
     """``saves`` async saves of one state, a leaf changed before each as in training:
-    RSS after each and each save's total time."""
+    RSS after each, each save's total time, and after each save the raw write floor of
+    the same bytes under the same pattern (``_FloorWriter``)."""
     state = _state(config.saves_mb, config.leaf_mb, seed=7)
-    saver = _Saver(root)
+    saver = _Saver(os.path.join(root, "checkpoints"))
+    floor = _FloorWriter(state, os.path.join(root, "floor"))
     rss: list[int] = []
     times: list[float] = []
+    floors: list[float] = []
     try:
         for _ in range(config.saves):
             first = next(iter(state))
             state = {**state, first: {"w": state[first]["w"] + 0}}
             times.append(saver.save(state, "async").total_s)
+            _settle()
+            floors.append(floor.write())
             gc.collect()
             rss.append(_rss())
     finally:
         saver.manager.close()
-    return {"rss": rss, "save_s": times}
+        floor.close()
+    return {"rss": rss, "save_s": times, "floor_s": floors}
 
 
 def run_scale(config: ScaleConfig, *,
@@ -317,6 +440,15 @@ def scale_targets(config: ScaleConfig, result: dict[str, Any]) -> list[dict[str,
             targets.append(_target(
                 f"{what} time per GiB, {largest['mib']} MiB / {reference['mib']} MiB", ratios,
                 "<=", 1.25, "cost linear in bytes (per-round ratios)"))
+        if largest.get("floor_s") and reference.get("floor_s"):
+            ratios = [(restore_l / floor_l) / (restore_r / floor_r)
+                      for restore_l, floor_l, restore_r, floor_r in zip(
+                          largest["restore_s"], largest["floor_s"], reference["restore_s"],
+                          reference["floor_s"], strict=False)]
+            targets.append(_target(
+                f"restore / read floor of the same size, {largest['mib']} MiB / "
+                f"{reference['mib']} MiB", ratios, "<=", 1.25,
+                "linear relative to the disk and new memory (per-round ratios)"))
     shard = config.leaf_mb * _MiB
     for key, what in (("save_extra", "sync save"), ("restore_extra", "restore")):
         worst = [max(size[key]) / shard for size in sizes if size[key]]
@@ -338,6 +470,13 @@ def scale_targets(config: ScaleConfig, result: dict[str, Any]) -> list[dict[str,
         targets.append(_target("save time, last 10 saves / 10 after the first 5",
                                [statistics.median(late) / statistics.median(early)], "<=",
                                1.2, "flat time over consecutive saves (medians)"))
+        if saves.get("floor_s"):
+            ratios = [a / b for a, b in zip(times, saves["floor_s"], strict=True)]
+            targets.append(_target(
+                "save / raw write floor after it, last 10 saves / 10 after the first 5",
+                [statistics.median(ratios[-10:]) / statistics.median(ratios[settle:settle + 10])],
+                "<=", 1.2, "the library's drift apart from the disk's (medians of per-save "
+                "ratios)"))
     return targets
 
 
@@ -356,19 +495,22 @@ def format_scale(result: dict[str, Any]) -> str:
             return (f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-"
                     f"{max(values):.{digits}f})")
 
+        floor = cell(_per_gib(size, "floor_s")) if size.get("floor_s") else "-"
         rows.append([f"{size['mib']} MiB", cell(_per_gib(size, "save_s")),
-                     cell(size["blocking_s"]), cell(_per_gib(size, "restore_s")),
+                     cell(size["blocking_s"]), cell(_per_gib(size, "restore_s")), floor,
                      cell(size["save_extra"], 1 / _MiB, 0),
                      cell(size["restore_extra"], 1 / _MiB, 0)])
     lines += _columns(rows, ["STATE", "SAVE s/GiB (range)", "ASYNC BLOCKING s",
-                             "RESTORE s/GiB", "SAVE EXTRA MiB", "RESTORE EXTRA MiB"])
+                             "RESTORE s/GiB", "READ FLOOR s/GiB", "SAVE EXTRA MiB",
+                             "RESTORE EXTRA MiB"])
     saves = result.get("saves")
     if saves:
         rss = [round(r / _MiB) for r in saves["rss"]]
         every = max(1, len(rss) // 10)
         lines += ["", (f"{len(rss)} consecutive async saves of {config['saves_mb']} MiB: "
                        f"RSS MiB {rss[::every]}; save s "
-                       f"{[round(t, 3) for t in saves['save_s'][::every]]}")]
+                       f"{[round(t, 3) for t in saves['save_s'][::every]]}; raw write "
+                       f"floor s {[round(t, 3) for t in saves.get('floor_s', [])[::every]]}")]
     lines.append("")
     lines += _columns([_target_line(t) for t in result["targets"]],
                       ["TARGET", "VALUE", "SPREAD", "GOAL", "MET", f"MET +{MARGIN:.0%}",

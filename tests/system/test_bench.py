@@ -119,6 +119,9 @@ def test_quick_scale_run_reports_every_size_memory_and_consecutive_saves(capsys,
         for key in ("save_s", "blocking_s", "restore_s", "save_extra", "restore_extra"):
             assert len(size[key]) == 1 and size[key][0] >= 0, key
     assert len(report["saves"]["rss"]) == 6 and len(report["saves"]["save_s"]) == 6
+    assert len(report["saves"]["floor_s"]) == 6
+    for size in report["sizes"]:
+        assert len(size["floor_s"]) == 1 and size["floor_s"][0] > 0
     names = [target["target"] for target in report["targets"]]
     assert any("time per GiB" in name for name in names)
     assert any("peak extra host memory" in name for name in names)
@@ -163,3 +166,76 @@ def test_rows_start_with_the_memory_earlier_rows_freed_handed_back():
     bench._settle()
     assert before - _resident() > 32 << 20
     del top
+
+
+def _scale_result(restore: dict[int, list[float]], floor: dict[int, list[float]],
+                  save_s: list[float], floor_s: list[float]) -> dict:
+    sizes = [{"mib": mib, "bytes": mib << 20, "save_s": [1.0] * len(restore[mib]),
+              "restore_s": restore[mib], "floor_s": floor[mib], "save_extra": [0],
+              "restore_extra": [0]} for mib in sorted(restore)]
+    return {"sizes": sizes, "saves": {"rss": [1 << 30] * len(save_s), "save_s": save_s,
+                                      "floor_s": floor_s}}
+
+
+def test_scale_targets_hold_restore_and_saves_against_floors_taken_beside_them():
+    """The disk's own drift and new memory's growing cost (both measured beside each row)
+    are not the library's: restore / read floor per round, largest size against 1 GiB,
+    and the saves' drift over the raw write floor taken after each of them."""
+    from jaxckpt.tools.bench_scale import ScaleConfig, scale_targets
+
+    # Restore per GiB doubles from 1 to 4 GiB, and so does the floor beside it, round by
+    # round; the saves drift by half, and so does the write floor after each.
+    restore = {1024: [1.0, 2.0], 4096: [8.0, 16.0]}
+    floor = {1024: [0.5, 1.0], 4096: [4.0, 8.0]}
+    save_s = [1.0] * 10 + [1.5] * 10
+    targets = {t["target"]: t for t in scale_targets(
+        ScaleConfig(saves=20, leaf_mb=64),
+        _scale_result(restore, floor, save_s, [t / 2 for t in save_s]))}
+
+    raw = targets["restore time per GiB, 4096 MiB / 1024 MiB"]
+    assert raw["value"] == pytest.approx(2.0) and raw["met"] is False
+    relative = targets["restore / read floor of the same size, 4096 MiB / 1024 MiB"]
+    assert relative["spread"] == pytest.approx([1.0, 1.0]) and relative["met"] is True
+    drift = targets["save time, last 10 saves / 10 after the first 5"]
+    assert drift["met"] is False
+    own = targets["save / raw write floor after it, last 10 saves / 10 after the first 5"]
+    assert own["value"] == pytest.approx(1.0) and own["met"] is True
+
+
+def test_write_floor_keeps_the_previous_copy_until_the_new_one_is_written(tmp_path,
+                                                                         monkeypatch):
+    """The floor writes as the manager does with keep_last_n=1: a new directory each
+    time, the previous copy deleted only after the new one is durable."""
+    import numpy as np
+
+    from jaxckpt.tools import bench
+    from jaxckpt.tools.bench_scale import _FloorWriter
+
+    root = tmp_path / "floor"
+    during: list[list[str]] = []
+
+    def recorder(real):
+        def recording(path, data):
+            if "copy_" in str(path):  # not the O_DIRECT probe
+                during.append(sorted(p.name for p in root.iterdir()))
+            return real(path, data)
+        return recording
+
+    for name in ("_raw_write_direct", "_raw_write"):
+        monkeypatch.setattr(bench, name, recorder(getattr(bench, name)))
+    state = {f"layer_{i}": {"w": np.arange(1000 + i, dtype=np.float32)} for i in range(3)}
+    writer = _FloorWriter(state, str(root))
+    after: list[list[str]] = []
+    try:
+        for _ in range(3):
+            assert writer.write() > 0
+            after.append(sorted(p.name for p in root.iterdir()))
+        for index, leaf in enumerate(state.values()):
+            data = np.fromfile(root / "copy_00002" / f"leaf_{index:05d}", dtype=np.uint8)
+            assert bytes(data[:leaf["w"].nbytes]) == leaf["w"].tobytes()
+    finally:
+        writer.close()
+    assert during == [["copy_00000"]] * 3 + [["copy_00000", "copy_00001"]] * 3 + [
+        ["copy_00001", "copy_00002"]] * 3
+    assert after == [["copy_00000"], ["copy_00001"], ["copy_00002"]]
+    assert not root.exists()
