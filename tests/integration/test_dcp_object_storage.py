@@ -239,6 +239,29 @@ def test_a_restore_from_s3_fetches_each_data_byte_once(options, root, monkeypatc
     assert fetched[data] == data_size, (fetched, data_size)
 
 
+def test_a_restore_from_s3_copies_tensor_records_from_the_fetched_bytes_without_torch_load(
+        options, root, monkeypatch):
+    # Each record's raw bytes go from the fetched ranges into the live tensor: no unpickler,
+    # no intermediate tensor; a partial restore (ranged fetches, no claims) too.
+    state, _, _ = training()
+    big = torch.randn(600_000)
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(STEP, {**state, "big": big})
+    fresh, _, _ = training(seed=5)
+    like = {**fresh, "big": torch.zeros_like(big)}
+    model_only = training(seed=6)[0]["model"]
+    loads: list[object] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    with manager(root, options) as mgr:
+        mgr.restore(like)
+        mgr.restore({"model": model_only}, partial=True)
+    assert loads == []
+    assert torch.equal(like["big"], big) and tensors_of(fresh) == tensors_of(state)
+    assert all(torch.equal(model_only.state_dict()[key], value)
+               for key, value in state["model"].state_dict().items())
+
+
 def test_damaged_data_on_s3_leaves_the_live_tensors_untouched_and_recover_falls_back(
         options, root, monkeypatch):
     # The data is checked as it arrives, no longer before the read: the damaged file is

@@ -1,0 +1,141 @@
+"""_dcp_records on real torch.save output: the layout of every dtype's record is found where
+torch.load finds the tensor, and whatever the parser cannot prove (a compressed entry, a
+storage of the wrong length, a non-contiguous or offset-less view, an unknown entry or dtype,
+another pickle, big-endian bytes, a truncated record) gives None, so that the reader leaves
+the record to torch.load."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from torch_bridge import _dcp_metadata, _dcp_records  # noqa: E402
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+          torch.complex128]
+
+
+def saved(value) -> bytes:
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    return stream.getvalue()
+
+
+def parse(data: bytes):
+    return _dcp_records.parse_record(lambda offset, size: data[offset:offset + size],
+                                     len(data))
+
+
+def tensor_at(data: bytes, record) -> torch.Tensor:
+    dtype = _dcp_metadata.DTYPES[record.storage]
+    raw = bytearray(data[record.data_offset:record.data_offset + record.nbytes])
+    return torch.frombuffer(raw, dtype=dtype).reshape(record.shape) if raw else torch.empty(
+        record.shape, dtype=dtype)
+
+
+def rezipped(data: bytes, *, compression=zipfile.ZIP_STORED, change=None) -> bytes:
+    """The entries of the record ``data`` written again by zipfile (``change`` maps an
+    entry's name and bytes to new ones, or None to drop it)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as source, zipfile.ZipFile(out, "w") as target:
+        for name in source.namelist():
+            entry = (name, source.read(name))
+            if change is not None:
+                entry = change(*entry)
+            if entry is not None:
+                target.writestr(entry[0], entry[1], compress_type=compression)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_of_the_table_is_found_where_torch_load_finds_it(dtype):
+    value = (torch.arange(24) % 7).to(dtype).reshape(2, 3, 4)
+    record = parse(saved(value))
+    assert record is not None and record.shape == (2, 3, 4)
+    assert _dcp_metadata.DTYPES[record.storage] == dtype
+    assert _dcp_records.ITEM_SIZES[record.storage] == value.element_size()
+    assert torch.equal(tensor_at(saved(value), record), value)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(2.5), torch.zeros(0, 3),
+                                   torch.ones(3, 1, 2), torch.arange(10.0)[3:7]],
+                         ids=["scalar", "empty", "unit-dimension", "view-with-offset"])
+def test_shapes_and_a_view_into_a_larger_storage_are_located_exactly(value):
+    data = saved(value)
+    record = parse(data)
+    assert record is not None and record.shape == tuple(value.shape)
+    assert torch.equal(tensor_at(data, record), value)
+
+
+def test_a_record_rewritten_by_another_zip_writer_still_parses():
+    # Sizes in the local headers instead of data descriptors, no zip64 end record, no
+    # alignment padding: the parser reads the format, not torch's byte positions.
+    value = torch.randn(5, 4)
+    data = rezipped(saved(value))
+    record = parse(data)
+    assert record is not None and torch.equal(tensor_at(data, record), value)
+
+
+def test_a_non_contiguous_record_is_refused():
+    assert parse(saved(torch.arange(12.0).reshape(3, 4).t())) is None
+
+
+def test_a_compressed_entry_is_refused():
+    assert parse(rezipped(saved(torch.randn(64)), compression=zipfile.ZIP_DEFLATED)) is None
+
+
+def test_a_storage_of_the_wrong_length_is_refused():
+    def shorter(name, data):
+        return (name, data[:-4]) if name.endswith("/data/0") else (name, data)
+
+    assert parse(rezipped(saved(torch.randn(8)), change=shorter)) is None
+
+
+def test_an_unexpected_entry_or_a_missing_byte_order_is_refused():
+    data = saved(torch.randn(8))
+    assert parse(rezipped(data, change=lambda name, body: (
+        name.replace("/version", "/extra"), body))) is None
+    assert parse(rezipped(data, change=lambda name, body: (
+        None if name.endswith("/byteorder") else (name, body)))) is None
+    assert parse(rezipped(data, change=lambda name, body: (
+        (name, b"big") if name.endswith("/byteorder") else (name, body)))) is None
+
+
+def test_a_dtype_outside_the_table_and_other_pickles_are_refused():
+    assert parse(saved(torch.zeros(4, dtype=torch.uint16))) is None
+    assert parse(saved(nn.Parameter(torch.randn(3)))) is None  # _rebuild_parameter
+    assert parse(saved({"weight": torch.randn(3)})) is None
+    assert parse(saved([torch.randn(3), torch.randn(3)])) is None
+
+
+def test_a_pickle_naming_another_global_is_refused_without_running_it():
+    def planted(name, data):
+        if name.endswith("data.pkl"):
+            data = data.replace(b"ctorch._utils\n_rebuild_tensor_v2\n",
+                                b"cos\nsystem\n")
+        return name, data
+
+    assert parse(rezipped(saved(torch.randn(3)), change=planted)) is None
+
+
+@pytest.mark.parametrize("cut", [1, 22, 200, 1000])
+def test_a_truncated_or_garbled_record_is_refused(cut):
+    data = saved(torch.randn(100))
+    assert parse(data[:-cut]) is None
+    assert parse(data[cut:]) is None
+    assert parse(b"\x00" * len(data)) is None
+
+
+def test_zip64_sizes_take_the_extra_field_for_each_saturated_field():
+    extra = struct.pack("<HHQQ", 1, 16, 5 << 32, 7 << 32)
+    marker = 0xFFFFFFFF
+    assert _dcp_records._zip64_sizes(extra, [marker, marker, 10]) == [5 << 32, 7 << 32, 10]
+    assert _dcp_records._zip64_sizes(b"", [marker, 3, 10]) is None
+    assert _dcp_records._zip64_sizes(b"", [3, 3, 10]) == [3, 3, 10]
