@@ -142,6 +142,7 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
         mgr.save(STEP, {**state, "big": big})
     fetched: list[int] = []
     real_read = s3_storage.S3Storage.read
+    real_read_into = s3_storage.S3Storage.read_into
 
     def counting_read(self, path, *, offset=0, length=None):
         data = real_read(self, path, offset=offset, length=length)
@@ -149,11 +150,18 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
             fetched.append(len(data))
         return data
 
+    def counting_read_into(self, path, out, *, offset=0):
+        count = real_read_into(self, path, out, offset=offset)
+        if path.endswith(".distcp"):
+            fetched.append(count)
+        return count
+
     fresh, _, _ = training(seed=5)
     _, storage = parse_root(root, options)
     backend = DcpBackend()
     backend.attach_storage(storage)
     monkeypatch.setattr(s3_storage.S3Storage, "read", counting_read)
+    monkeypatch.setattr(s3_storage.S3Storage, "read_into", counting_read_into)
     try:
         backend.read(f"{root}/recover/step_00000003/state", {"model": fresh["model"]},
                      partial=True)
@@ -175,9 +183,10 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
 
 def counting_gets(monkeypatch) -> dict[str, int]:
     """Bytes fetched from the server per object URL, through S3Storage's read paths (the
-    verifier's checksum streams a whole object; the reader's ranged reads)."""
+    verifier's checksum streams a whole object; the reader's reads, into a buffer or not)."""
     fetched: dict[str, int] = {}
     real_read = s3_storage.S3Storage.read
+    real_read_into = s3_storage.S3Storage.read_into
     real_checksum = s3_storage.S3Storage.checksum
 
     def read(self, path, *, offset=0, length=None):
@@ -185,12 +194,18 @@ def counting_gets(monkeypatch) -> dict[str, int]:
         fetched[path] = fetched.get(path, 0) + len(data)
         return data
 
+    def read_into(self, path, out, *, offset=0):
+        count = real_read_into(self, path, out, offset=offset)
+        fetched[path] = fetched.get(path, 0) + count
+        return count
+
     def checksum(self, path, algorithm, *, sync=False):
         size, value = real_checksum(self, path, algorithm, sync=sync)
         fetched[path] = fetched.get(path, 0) + size
         return size, value
 
     monkeypatch.setattr(s3_storage.S3Storage, "read", read)
+    monkeypatch.setattr(s3_storage.S3Storage, "read_into", read_into)
     monkeypatch.setattr(s3_storage.S3Storage, "checksum", checksum)
     return fetched
 
