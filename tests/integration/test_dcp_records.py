@@ -139,3 +139,62 @@ def test_zip64_sizes_take_the_extra_field_for_each_saturated_field():
     assert _dcp_records._zip64_sizes(extra, [marker, marker, 10]) == [5 << 32, 7 << 32, 10]
     assert _dcp_records._zip64_sizes(b"", [marker, 3, 10]) is None
     assert _dcp_records._zip64_sizes(b"", [3, 3, 10]) == [3, 3, 10]
+
+
+class _Item:
+    """The fields of a DCP ReadItem that the reader's copy uses."""
+
+    def __init__(self, storage_offsets, lengths):
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        self.type = LoadItemType.TENSOR
+        self.storage_offsets = torch.Size(storage_offsets)
+        self.lengths = torch.Size(lengths)
+
+
+class _Planner:
+    def __init__(self, target):
+        self.target, self.committed = target, []
+
+    def resolve_tensor(self, item):
+        return self.target
+
+    def commit_tensor(self, item, tensor):
+        self.committed.append(tensor)
+
+
+class _Info:
+    def __init__(self, offset, length):
+        self.offset, self.length, self.transform_descriptors = offset, length, None
+
+
+def _copied(record: torch.Tensor, target: torch.Tensor, offsets, lengths) -> bool:
+    padding = b"x" * 37  # the record sits inside a file, after other records
+    data = padding + saved(record) + padding
+    planner = _Planner(target)
+    done = _dcp_metadata._load_record(io.BytesIO(data), _Info(len(padding), len(data) - 74),
+                                      _Item(offsets, lengths), planner)
+    return done and [t.data_ptr() for t in planner.committed] == [target.data_ptr()]
+
+
+def test_a_region_of_a_record_lands_in_a_target_of_another_layout_and_dtype():
+    # Resharding reads part of a saved chunk (storage offsets); a target may be a strided
+    # view, or of another dtype (DCP's copy_ casts): the record is read into a tensor of its
+    # own, narrowed and copied, as DCP's path does.
+    record = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    strided = torch.zeros(3, 2).t()
+    assert not strided.is_contiguous()
+    assert _copied(record, strided, (1, 2), (2, 3))
+    assert torch.equal(strided, record[1:3, 2:5])
+    widened = torch.zeros(2, 3, dtype=torch.float64)
+    assert _copied(record, widened, (2, 3), (2, 3))
+    assert torch.equal(widened, record[2:4, 3:6].double())
+    whole = torch.zeros(4, 6)
+    assert _copied(record, whole, (0, 0), (4, 6)) and torch.equal(whole, record)
+
+
+def test_a_target_of_another_size_is_left_to_dcps_own_error():
+    record = torch.arange(6.0)
+    assert _dcp_metadata._load_record(io.BytesIO(saved(record)),
+                                      _Info(0, len(saved(record))), _Item((0,), (6,)),
+                                      _Planner(torch.zeros(5))) is False
