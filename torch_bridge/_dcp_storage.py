@@ -13,8 +13,10 @@ whole when DCP closes it (the storage splits big objects into parts sent on seve
 threads); ``.metadata`` is uploaded once, at its final name (DCP's own ``finish`` writes a
 temporary name and renames it, which on an object store is a copy and a delete). A restore
 first gathers, per data file, the byte ranges its tensors occupy (merged where they are
-close), fetches them with ranged GETs on a few threads, and lets DCP read its tensors out
-of those ranges; a partial restore thus fetches only what it loads. ``.metadata`` is read
+close), fetches them with ranged GETs on a few threads (a file whose checksum it checks:
+whole, by one GET), each streamed into one buffer (``Storage.read_into``), and reads its
+tensors out of those buffers (``_dcp_metadata``'s reader: a record's raw bytes straight into
+the live tensor); a partial restore thus fetches only what it loads. ``.metadata`` is read
 with ``_dcp_metadata``'s restricted unpickler, as for a local directory.
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
