@@ -151,7 +151,7 @@ def _record_reader(stream: Any, base: int, length: int) -> _dcp_records.Read:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _load_record(stream: Any, info: Any, item: Any, planner: Any) -> bool:

@@ -425,7 +425,7 @@ def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
     object store straight from the socket, no body object joined and copied), in pieces of
     ``piece`` bytes fetched on ``pool``; shorter where the object ends sooner."""
     buffer = np.empty(end - start, dtype=np.uint8)  # every byte is written before it is read
-    view = memoryview(buffer)
+    view = buffer.data
     spans = [(offset, min(end, offset + piece)) for offset in range(start, end, piece)]
 
     def fetch(span: tuple[int, int]) -> int:
