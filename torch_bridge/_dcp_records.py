@@ -11,18 +11,19 @@ layout, and copies them straight into the live tensor.
 Nothing is assumed: the zip's end record, central directory and local headers are parsed
 (every entry stored, uncompressed, sizes agreeing, names among the few ``torch.save``
 writes; the zip64 end record torch always writes, and zip64 sizes of records over 4 GiB,
-are read), the byte order entry must say little-endian, and ``data.pkl`` is
-disassembled with ``pickletools.genops`` (which decodes opcodes and constructs nothing) and
-accepted only when it is exactly the pattern ``torch.save`` emits for one plain tensor:
-``torch._utils._rebuild_tensor_v2((persistent 'storage', torch.<Name>Storage, key, location,
-numel), offset, size, stride, requires_grad, OrderedDict())``, with a storage name in a small
-table. The storage entry's length must equal numel times the item size, the view must lie
-inside it, and the strides must be the contiguous ones (dimensions of size one excepted: their
-stride is never used). Whatever cannot be proven gives ``None``, and the reader leaves that
-record to DCP's own path: records of other writers, of later torch versions, compressed or
-non-contiguous ones, dtypes outside the table. The
-zip's CRC is not checked (``torch.load`` does not either): the manager's checksums of whole
-files cover the bytes.
+are read), the byte order entry must name this machine's (the bytes are copied as they
+are), and ``data.pkl`` is disassembled with ``pickletools.genops`` (which decodes opcodes
+and constructs nothing) and accepted only when it is exactly the pattern ``torch.save``
+emits for one plain tensor: ``torch._utils._rebuild_tensor_v2((persistent 'storage',
+torch.<Name>Storage, key, location, numel), offset, size, stride, requires_grad,
+OrderedDict())``, with a storage name in a small table. The storage entry's length must
+equal numel times the item size, the view must lie inside it, and the strides must be the
+contiguous ones (dimensions of size one excepted: their stride is never used). Whatever
+cannot be proven gives ``None``, and the reader leaves that record to DCP's own path:
+records of other writers or of later torch versions, compressed or non-contiguous ones,
+tensors with extra metadata (conjugate or negative bits), dtypes outside the table. The
+zip's CRC is not checked (``torch.load`` does not check it either: a flipped data byte
+loads silently): the manager's checksums of whole files cover the bytes.
 
 Must not import: jax, orbax, torch, pickle (nothing here unpickles; the result names a dtype
 by its storage name and the reader maps it).
@@ -34,6 +35,7 @@ import dataclasses
 import math
 import pickletools
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -213,6 +215,8 @@ def _simulate(pickled: bytes) -> Any:
                 stack.append(items)
             elif name in _FIXED_TUPLES:
                 width = _FIXED_TUPLES[name]
+                if len(stack) < width:
+                    return None
                 items = tuple(stack[len(stack) - width:]) if width else ()
                 del stack[len(stack) - width:]
                 stack.append(items)
@@ -294,7 +298,8 @@ def parse_record(read: Read, length: int) -> Record | None:
             others <= _KNOWN_ENTRIES):
         return None
     order_at, order_size = entries.get(f"{prefix}byteorder", (0, 0))
-    if not order_size or read(order_at, order_size) != b"little":
+    # The bytes are copied as they are: they must be in this machine's byte order.
+    if not order_size or read(order_at, order_size) != sys.byteorder.encode():
         return None
     data_at, data_size = entries[data_name]
     item_size = ITEM_SIZES[storage]

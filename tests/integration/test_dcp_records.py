@@ -113,6 +113,8 @@ def test_a_dtype_outside_the_table_and_other_pickles_are_refused():
     assert parse(saved(nn.Parameter(torch.randn(3)))) is None  # _rebuild_parameter
     assert parse(saved({"weight": torch.randn(3)})) is None
     assert parse(saved([torch.randn(3), torch.randn(3)])) is None
+    # A conjugate view is saved with its bit in extra metadata: copying the bytes would lose it.
+    assert parse(saved(torch.randn(3, dtype=torch.complex64).conj())) is None
 
 
 def test_a_pickle_naming_another_global_is_refused_without_running_it():
