@@ -173,8 +173,11 @@ def _load_record(stream: Any, info: Any, item: Any, planner: Any) -> bool:
         return False  # DCP's path raises its own error for this
     start = info.offset + record.data_offset
     whole = tuple(item.lengths) == record.shape and not any(item.storage_offsets)
+    # Straight into the target only where its memory is exactly the record's bytes: a plain
+    # CPU tensor, contiguous, of the record's dtype, no conjugate or negative view bit.
     if (whole and type(target) is torch.Tensor and target.dtype == dtype
-            and target.device.type == "cpu" and target.is_contiguous()):
+            and target.device.type == "cpu" and target.is_contiguous()
+            and not target.is_conj() and not target.is_neg()):
         if target.numel():
             _read_into(stream, start, _bytes_of(target))  # straight into the live tensor
     else:

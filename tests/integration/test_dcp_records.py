@@ -200,3 +200,11 @@ def test_a_target_of_another_size_is_left_to_dcps_own_error():
     assert _dcp_metadata._load_record(io.BytesIO(saved(record)),
                                       _Info(0, len(saved(record))), _Item((0,), (6,)),
                                       _Planner(torch.zeros(5))) is False
+
+
+def test_a_conjugate_view_target_gets_the_values_not_the_raw_bytes():
+    record = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    base = torch.zeros(2, dtype=torch.complex64)
+    target = base.conj()  # writing into it stores the conjugate in base
+    assert _copied(record, target, (0,), (2,))
+    assert torch.equal(target.resolve_conj(), record)
