@@ -12,6 +12,12 @@ that admits only the handful of classes DCP's metadata is made of (its dataclass
 ``torch.Size``, dtypes, the layout lookup, ``PosixPath``) and refuses every other global
 with ``CheckpointCorruptError`` before anything is constructed.
 
+Tensor records are read without ``torch.load`` where ``_dcp_records`` proves their layout
+(``SafeReader.read_data``): the record's raw bytes go straight from the file (or the object
+store's fetched ranges) into the live tensor, one copy instead of torch.load's storage and
+a second copy, and no unpickler runs. A record it cannot prove (another writer's, a
+non-contiguous one, a dtype outside its table) goes through DCP's own ``read_data``.
+
 The second door is DCP's byte items: the default planner turns them back into objects with
 ``torch.load(weights_only=False)``. ``DcpBackend`` never writes byte items (non-tensor values
 go to ``objects.json`` through jaxckpt's JSON codec), so the planner here refuses them.
@@ -21,6 +27,7 @@ Must not import: jax. torch.distributed.checkpoint is imported when the classes 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import pathlib
@@ -30,6 +37,8 @@ from typing import Any
 import torch
 
 from jaxckpt.errors import CheckpointCorruptError
+
+from . import _dcp_records
 
 __all__ = ["ALLOWED_GLOBALS", "dump_metadata", "load_metadata", "safe_planner", "safe_reader",
            "safe_reader_class"]
@@ -93,13 +102,119 @@ def load_metadata(data: bytes, where: str) -> Any:
         raise CheckpointCorruptError(f"{where}: DCP metadata cannot be read ({exc})") from exc
 
 
+#: the torch dtype of each storage name _dcp_records takes (its ITEM_SIZES keys).
+DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
+    "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+#: bytes of a record's start and end kept for the parser's small reads (its zip headers).
+_EDGE = 4096
+
+
+def _read_into(stream: Any, start: int, view: memoryview) -> None:
+    """Fill ``view`` from ``stream`` at ``start`` (a read may return less than asked)."""
+    stream.seek(start)
+    filled = 0
+    while filled < len(view):
+        count = stream.readinto(view[filled:])
+        if not count:
+            raise CheckpointCorruptError(
+                f"a DCP data file ends inside a tensor record (at byte {start + filled}): the "
+                "file is truncated. Restore another checkpoint.")
+        filled += count
+
+
+def _record_reader(stream: Any, base: int, length: int) -> _dcp_records.Read:
+    """``read(offset, n)`` over the record at ``base``, its first and last ``_EDGE`` bytes
+    read once (the parser's dozen small reads all fall there for a torch.save record)."""
+    edges: list[tuple[int, bytes]] = []
+    for start in sorted({0, max(0, length - _EDGE)}):
+        edge = bytearray(min(_EDGE, length - start))
+        _read_into(stream, base + start, memoryview(edge))
+        edges.append((start, bytes(edge)))
+
+    def read(offset: int, size: int) -> bytes:
+        for start, edge in edges:
+            if start <= offset and offset + size <= start + len(edge):
+                return edge[offset - start:offset - start + size]
+        if offset < 0 or size < 0 or offset + size > length:
+            return b""
+        data = bytearray(size)
+        _read_into(stream, base + offset, memoryview(data))
+        return bytes(data)
+
+    return read
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _load_record(stream: Any, info: Any, item: Any, planner: Any) -> bool:
+    """Copy the tensor record ``info`` of ``stream`` into ``item``'s target, as DCP's
+    ``read_data`` would (narrowed to the item's region, cast to the target's dtype);
+    False, having touched nothing, where the record's layout is not proven."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    if item.type != LoadItemType.TENSOR or info.transform_descriptors:
+        return False
+    record = _dcp_records.parse_record(_record_reader(stream, info.offset, info.length),
+                                       info.length)
+    if record is None:
+        return False
+    dtype = DTYPES[record.storage]
+    target = planner.resolve_tensor(item).detach()
+    if tuple(target.size()) != tuple(item.lengths):
+        return False  # DCP's path raises its own error for this
+    start = info.offset + record.data_offset
+    whole = tuple(item.lengths) == record.shape and not any(item.storage_offsets)
+    # Straight into the target only where its memory is exactly the record's bytes: a plain
+    # CPU tensor, contiguous, of the record's dtype, no conjugate or negative view bit.
+    if (whole and type(target) is torch.Tensor and target.dtype == dtype
+            and target.device.type == "cpu" and target.is_contiguous()
+            and not target.is_conj() and not target.is_neg()):
+        if target.numel():
+            _read_into(stream, start, _bytes_of(target))  # straight into the live tensor
+    else:
+        source = torch.empty(record.shape, dtype=dtype)
+        if source.numel():
+            _read_into(stream, start, _bytes_of(source))
+        target.copy_(narrow_tensor_by_index(source, item.storage_offsets, item.lengths))
+    planner.commit_tensor(item, target)
+    return True
+
+
 @functools.cache
 def _classes() -> tuple[type, type]:
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.futures import Future
 
     class SafeReader(FileSystemReader):
-        """FileSystemReader whose metadata is read with the restricted unpickler."""
+        """FileSystemReader whose metadata is read with the restricted unpickler, and whose
+        tensor records are copied without torch.load where their layout is proven."""
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                relative = self.storage_data[item.storage_index].relative_path
+                per_file.setdefault(relative, []).append(item)
+            left: list[Any] = []
+            for relative, items in per_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative),
+                                           "rb") as stream:
+                    left.extend(item for item in items if not _load_record(
+                        stream, self.storage_data[item.storage_index], item, planner))
+            if left:  # records not proven: DCP's own path (torch.load) for those alone
+                return super().read_data(dataclasses.replace(plan, items=left), planner)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = self._get_metadata_path(kwargs.get("rank"))

@@ -14,8 +14,10 @@ object exists once DCP closes the file); ``.metadata`` is uploaded once, at its 
 (DCP's own ``finish`` writes a
 temporary name and renames it, which on an object store is a copy and a delete). A restore
 first gathers, per data file, the byte ranges its tensors occupy (merged where they are
-close), fetches them with ranged GETs on a few threads, and lets DCP read its tensors out
-of those ranges; a partial restore thus fetches only what it loads. ``.metadata`` is read
+close), fetches them with ranged GETs on a few threads (a file whose checksum it checks:
+whole, by one GET), each streamed into one buffer (``Storage.read_into``), and reads its
+tensors out of those buffers (``_dcp_metadata``'s reader: a record's raw bytes straight into
+the live tensor); a partial restore thus fetches only what it loads. ``.metadata`` is read
 with ``_dcp_metadata``'s restricted unpickler, as for a local directory.
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
@@ -35,6 +37,8 @@ import os
 import shutil
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from jaxckpt.checksum import default_algorithm, extend, file_checksum
 from jaxckpt.errors import (
@@ -250,7 +254,7 @@ class _RangeFile(io.RawIOBase):
     """A read-only, seekable view of one object: bytes inside the prefetched ranges come
     from memory, anything else is fetched by a ranged GET."""
 
-    def __init__(self, storage: Storage, path: str, ranges: list[tuple[int, bytes]]):
+    def __init__(self, storage: Storage, path: str, ranges: list[tuple[int, Any]]):
         super().__init__()
         self._storage = storage
         self._path = path
@@ -312,7 +316,7 @@ def _storage_fs_class() -> type:
         def __init__(self, storage: Storage):
             self.storage = storage
             #: path -> [(offset, bytes)] fetched ahead of a read (_StorageReader.read_data).
-            self.prefetched: dict[str, list[tuple[int, bytes]]] = {}
+            self.prefetched: dict[str, list[tuple[int, Any]]] = {}
             #: path -> manifest entry of each file uploaded (the commit need not read it back).
             self.written: dict[str, dict[str, Any]] = {}
 
@@ -400,15 +404,37 @@ def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
-           start: int, end: int) -> bytes:
-    """Bytes [start, end) of ``path``, in pieces of ``_FETCH_PIECE`` fetched on ``pool``."""
-    pieces = [(offset, min(end, offset + _FETCH_PIECE)) for offset in range(start, end,
-                                                                           _FETCH_PIECE)]
-    if len(pieces) == 1:
-        return storage.read(path, offset=start, length=end - start)
-    parts = pool.map(lambda span: storage.read(path, offset=span[0], length=span[1] - span[0]),
-                     pieces)
-    return b"".join(parts)
+           start: int, end: int, *, piece: int = _FETCH_PIECE) -> memoryview:
+    """Bytes [start, end) of ``path`` streamed into one fresh buffer (``read_into``: on an
+    object store straight from the socket, no body object joined and copied), in pieces of
+    ``piece`` bytes fetched on ``pool``; shorter where the object ends sooner."""
+    buffer = np.empty(end - start, dtype=np.uint8)  # every byte is written before it is read
+    view = buffer.data
+    spans = [(offset, min(end, offset + piece)) for offset in range(start, end, piece)]
+
+    def fetch(span: tuple[int, int]) -> int:
+        return storage.read_into(path, view[span[0] - start:span[1] - start], offset=span[0])
+
+    counts = [fetch(spans[0])] if len(spans) == 1 else list(pool.map(fetch, spans))
+    filled = 0
+    for (low, high), count in zip(spans, counts, strict=True):
+        filled += count
+        if count < high - low:  # the object ends here: what follows was never written
+            break
+    return view[:filled]
+
+
+def _fetch_whole(storage: Storage, pool: concurrent.futures.Executor, path: str,
+                 size: int) -> memoryview:
+    """The object ``path`` whose DCP metadata says it holds ``size`` bytes, into one
+    buffer by one GET (as a raw download of it: some servers, moto among them, read a
+    whole object for every range of it). One byte more is asked for, so that a longer
+    object shows without a size request; such an object (not DCP's writing) is then read
+    whole as it is."""
+    data = _fetch(storage, pool, path, 0, size + 1, piece=size + 1)
+    if len(data) > size:
+        return memoryview(storage.read(path))
+    return data
 
 
 def _checksum_problem(claims: ReadClaims, path: str, claimed: tuple[str, str],
@@ -476,9 +502,14 @@ def _storage_reader_class() -> type:
                 info = self.storage_data[item.storage_index]
                 spans.setdefault(info.relative_path, []).append(
                     (info.offset, info.offset + info.length))
+            # A DCP data file is its records back to back: it ends where its last one does.
+            sizes: dict[str, int] = {}
+            for info in self.storage_data.values():
+                sizes[info.relative_path] = max(sizes.get(info.relative_path, 0),
+                                                info.offset + info.length)
             claimed = self._claim(spans)
             storage = self.fs.storage
-            fetched: dict[str, list[tuple[int, bytes]]] = {}
+            fetched: dict[str, list[tuple[int, Any]]] = {}
             # Whole ranges on one pool, their pieces on another: no pool waits on itself.
             with concurrent.futures.ThreadPoolExecutor(_FETCH_THREADS) as pool, \
                     concurrent.futures.ThreadPoolExecutor(_FETCH_THREADS) as pieces:
@@ -488,7 +519,8 @@ def _storage_reader_class() -> type:
                     if path in claimed:
                         # Whole, to check it, and as the storage reads a whole object (a raw
                         # download through the same client): one pass, no range read again.
-                        jobs[path, 0] = pool.submit(storage.read, path)
+                        jobs[path, 0] = pool.submit(_fetch_whole, storage, pieces, path,
+                                                    sizes[relative])
                         continue
                     for start, end in _merge(ranges):
                         jobs[path, start] = pool.submit(_fetch, storage, pieces, path, start, end)

@@ -142,6 +142,7 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
         mgr.save(STEP, {**state, "big": big})
     fetched: list[int] = []
     real_read = s3_storage.S3Storage.read
+    real_read_into = s3_storage.S3Storage.read_into
 
     def counting_read(self, path, *, offset=0, length=None):
         data = real_read(self, path, offset=offset, length=length)
@@ -149,11 +150,18 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
             fetched.append(len(data))
         return data
 
+    def counting_read_into(self, path, out, *, offset=0):
+        count = real_read_into(self, path, out, offset=offset)
+        if path.endswith(".distcp"):
+            fetched.append(count)
+        return count
+
     fresh, _, _ = training(seed=5)
     _, storage = parse_root(root, options)
     backend = DcpBackend()
     backend.attach_storage(storage)
     monkeypatch.setattr(s3_storage.S3Storage, "read", counting_read)
+    monkeypatch.setattr(s3_storage.S3Storage, "read_into", counting_read_into)
     try:
         backend.read(f"{root}/recover/step_00000003/state", {"model": fresh["model"]},
                      partial=True)
@@ -175,9 +183,10 @@ def test_partial_restore_on_s3_fetches_only_the_bytes_it_loads(options, root, mo
 
 def counting_gets(monkeypatch) -> dict[str, int]:
     """Bytes fetched from the server per object URL, through S3Storage's read paths (the
-    verifier's checksum streams a whole object; the reader's ranged reads)."""
+    verifier's checksum streams a whole object; the reader's reads, into a buffer or not)."""
     fetched: dict[str, int] = {}
     real_read = s3_storage.S3Storage.read
+    real_read_into = s3_storage.S3Storage.read_into
     real_checksum = s3_storage.S3Storage.checksum
 
     def read(self, path, *, offset=0, length=None):
@@ -185,12 +194,18 @@ def counting_gets(monkeypatch) -> dict[str, int]:
         fetched[path] = fetched.get(path, 0) + len(data)
         return data
 
+    def read_into(self, path, out, *, offset=0):
+        count = real_read_into(self, path, out, offset=offset)
+        fetched[path] = fetched.get(path, 0) + count
+        return count
+
     def checksum(self, path, algorithm, *, sync=False):
         size, value = real_checksum(self, path, algorithm, sync=sync)
         fetched[path] = fetched.get(path, 0) + size
         return size, value
 
     monkeypatch.setattr(s3_storage.S3Storage, "read", read)
+    monkeypatch.setattr(s3_storage.S3Storage, "read_into", read_into)
     monkeypatch.setattr(s3_storage.S3Storage, "checksum", checksum)
     return fetched
 
@@ -237,6 +252,45 @@ def test_a_restore_from_s3_fetches_each_data_byte_once(options, root, monkeypatc
     assert torch.equal(like["big"], big)
     assert tensors_of(fresh) == tensors_of(state)
     assert fetched[data] == data_size, (fetched, data_size)
+
+
+def test_a_restore_from_s3_streams_each_data_file_into_one_buffer_and_skips_torch_load(
+        options, root, monkeypatch):
+    # Each data file comes down by one GET streamed into one buffer (no body object read
+    # whole and joined), and each record's raw bytes go from there into the live tensor: no
+    # unpickler, no intermediate tensor; a partial restore (ranged fetches, no claims) too.
+    state, _, _ = training()
+    big = torch.randn(600_000)
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(STEP, {**state, "big": big})
+    fresh, _, _ = training(seed=5)
+    like = {**fresh, "big": torch.zeros_like(big)}
+    model_only = training(seed=6)[0]["model"]
+    loads: list[object] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    requests: list[tuple[str, str]] = []
+    real_read, real_read_into = s3_storage.S3Storage.read, s3_storage.S3Storage.read_into
+
+    def read(self, path, **kwargs):
+        requests.append(("read", path.rsplit("/", 1)[-1]))
+        return real_read(self, path, **kwargs)
+
+    def read_into(self, path, out, **kwargs):
+        requests.append(("read_into", path.rsplit("/", 1)[-1]))
+        return real_read_into(self, path, out, **kwargs)
+
+    monkeypatch.setattr(s3_storage.S3Storage, "read", read)
+    monkeypatch.setattr(s3_storage.S3Storage, "read_into", read_into)
+    with manager(root, options) as mgr:
+        mgr.restore(like)
+        whole = [request for request in requests if request[1].endswith(".distcp")]
+        mgr.restore({"model": model_only}, partial=True)
+    assert whole == [("read_into", "__0_0.distcp")]
+    assert loads == []
+    assert torch.equal(like["big"], big) and tensors_of(fresh) == tensors_of(state)
+    assert all(torch.equal(model_only.state_dict()[key], value)
+               for key, value in state["model"].state_dict().items())
 
 
 def test_damaged_data_on_s3_leaves_the_live_tensors_untouched_and_recover_falls_back(
@@ -334,3 +388,34 @@ def test_the_object_store_bench_compares_with_raw_transfers_and_cleans_up(option
     assert "save / raw upload" in format_rows(result)
     _, storage = parse_root(root, options)
     assert storage.list_files(root) == {}  # the bench deleted what it wrote
+
+
+class _BytesStorage:
+    """The two reads _dcp_storage's fetches use, over one object's bytes."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def read(self, path, *, offset=0, length=None):
+        return self.data[offset:] if length is None else self.data[offset:offset + length]
+
+    def read_into(self, path, out, *, offset=0):
+        data = self.read(path, offset=offset, length=len(out))
+        out[:len(data)] = data
+        return len(data)
+
+
+@pytest.mark.parametrize("actual", [1000, 999, 1001], ids=["exact", "shorter", "longer"])
+def test_a_whole_fetch_returns_the_object_as_it_is_whatever_the_metadata_says(actual):
+    # The size comes from DCP's metadata; a shorter object comes back short (its checksum
+    # then fails), a longer one whole (read again as it is): never bytes it does not hold.
+    import concurrent.futures
+
+    from torch_bridge import _dcp_storage
+
+    data = os.urandom(actual)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fetched = _dcp_storage._fetch_whole(_BytesStorage(data), pool, "x", 1000)
+        pieces = _dcp_storage._fetch(_BytesStorage(data), pool, "x", 100, 1200, piece=300)
+    assert bytes(fetched) == data
+    assert bytes(pieces) == data[100:1200]

@@ -195,6 +195,59 @@ def test_roundtrip_is_bitwise_for_every_kind_of_entry(tmp_path, mode):
     assert_bitwise(snapshot(fresh_model, fresh_optimizer, fresh_scheduler), snapshot(*twin))
 
 
+def counting_torch_loads(monkeypatch) -> list[object]:
+    """Every torch.load call from now on (DCP's reader looks it up at each call)."""
+    calls: list[object] = []
+    real = torch.load
+
+    def counted(*args, **kwargs):
+        calls.append(args[0] if args else kwargs.get("f"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    return calls
+
+
+def test_a_restore_copies_every_tensor_record_without_torch_load(tmp_path, monkeypatch):
+    # A record of one contiguous tensor is copied from the file straight into the live
+    # tensor (_dcp_records proves its layout), not unpickled by torch.load and copied again.
+    model, optimizer, scheduler = make(seed=0, steps=2)
+    tensors = {str(dtype): sample(dtype, seed=i) for i, dtype in enumerate(DTYPES)}
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+             "tensors": tensors, "scalar": torch.tensor(4.5, dtype=torch.float64)}
+    expected = snapshot(model, optimizer, scheduler)
+    expected.update(tensors=copy.deepcopy(tensors), scalar=state["scalar"].clone())
+    with manager(tmp_path, mode="sync") as mgr:
+        mgr.save(INFO, state)
+    fresh_model, fresh_optimizer, fresh_scheduler = make(seed=1)
+    like = {"model": fresh_model, "optimizer": fresh_optimizer, "scheduler": fresh_scheduler,
+            "tensors": {k: torch.zeros_like(v) for k, v in tensors.items()},
+            "scalar": torch.zeros((), dtype=torch.float64)}
+    loads = counting_torch_loads(monkeypatch)
+    with manager(tmp_path) as mgr:
+        mgr.recover(like)
+    assert loads == []
+    actual = snapshot(fresh_model, fresh_optimizer, fresh_scheduler)
+    actual.update(tensors=like["tensors"], scalar=like["scalar"])
+    assert_bitwise(actual, expected)
+
+
+def test_a_record_whose_layout_is_not_proven_is_left_to_torch_load(tmp_path, monkeypatch):
+    # A transposed tensor owns its whole storage, so DCP saves it as it is: non-contiguous.
+    # Only its record goes through DCP's own path; the values arrive either way.
+    transposed = torch.randn(6, 4).t()
+    plain = torch.randn(5, 3)
+    assert not transposed.is_contiguous()
+    with manager(tmp_path, mode="sync") as mgr:
+        mgr.save(INFO, {"t": transposed, "p": plain})
+    like = {"t": torch.zeros(4, 6), "p": torch.zeros(5, 3)}
+    loads = counting_torch_loads(monkeypatch)
+    with manager(tmp_path) as mgr:
+        mgr.restore(like)
+    assert len(loads) == 1
+    assert torch.equal(like["t"], transposed) and torch.equal(like["p"], plain)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_commit_reads_no_dcp_file_back_and_every_one_is_fsynced(tmp_path, mode,
                                                                     monkeypatch):
