@@ -858,13 +858,16 @@ class _Bench:
         result = self.result
         result.add("write_direct", _timed(lambda: list(pool.map(
             lambda i: _raw_write_direct(paths[i], self.blocks[i]), range(len(paths))))))
+        sizes = [block.nbytes for block in self.blocks]
         with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as readers:
+
+            def read_all(numpy_memory: bool) -> list[np.ndarray]:
+                read = functools.partial(_raw_read_direct, numpy_memory=numpy_memory)
+                return list(readers.map(read, paths, sizes))
+
             for key, numpy_memory in (("read_direct", False), ("read_direct_numpy", True)):
                 self.before_read()
-                result.add(key, _timed(lambda numpy_memory=numpy_memory: list(readers.map(
-                    lambda i: _raw_read_direct(paths[i], self.blocks[i].nbytes,
-                                               numpy_memory=numpy_memory),
-                    range(len(paths))))))
+                result.add(key, _timed(functools.partial(read_all, numpy_memory)))
 
     def orbax_defaults(self, state: Any, prefix: str) -> None:
         import orbax.checkpoint as ocp

@@ -124,7 +124,7 @@ def _restore_reads_into(memory: Callable[[int], np.ndarray]) -> Iterator[None]:
     try:
         yield
     finally:
-        zarr_io.fresh_blocks = real  # type: ignore[assignment]
+        zarr_io.fresh_blocks = real
 
 
 class _Checkpoint:
