@@ -302,7 +302,10 @@ def fresh_blocks(nbytes: int) -> np.ndarray:
     into such buffers against 1.05-1.3 s into these, the same files, taking turns
     (docs/performance.md, Eighth round). A map we do not advise gets whatever the
     system gives by default: 4 KiB pages here, huge pages without stalls where THP is
-    ``always``."""
+    ``always``. Huge pages are cheaper when the memory was freed moments before (0.08
+    against 0.19 s of system CPU a 512 MiB read here), and dearer once the VM handed it
+    back to its host (up to 0.8 s), while 4 KiB pages cost about the same either way
+    (docs/performance.md, Tenth round (rawread)): a restarted job meets the second case."""
     if nbytes < FRESH_MIN:
         return aligned_blocks(nbytes)
     # mmap's memory starts on a page boundary and is whole pages: ALIGN divides both.

@@ -67,6 +67,11 @@ SECTIONS = ("jax", "many", "leaves", "first", "torch", "hf", "train", "memory", 
 MARGIN = 0.10
 
 _MiB = 1 << 20
+#: Threads of the O_DIRECT read floor and the bare read beside the restore: as many as a
+#: restore reads with (``OrbaxOptions.read_threads``). Into the restore's 4 KiB pages, 4
+#: threads read 512 MiB in 0.54 s where 8 took 0.40 s (the page faults are CPU work that
+#: more reads in flight overlap with the disk; docs/performance.md, Tenth round (rawread)).
+_READ_THREADS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +180,10 @@ _ROWS: tuple[_Row, ...] = (
     _Row(key="read", label="raw read, one file", section="jax", nbytes_of="jax"),
     _Row(key="read_files", label="raw read, a file per leaf, 4 threads", section="jax",
          nbytes_of="jax"),
-    _Row(key="read_direct", label="raw read, O_DIRECT, a file per leaf, 4 threads",
+    _Row(key="read_direct", label="raw read, O_DIRECT, a file per leaf, 8 threads",
+         section="jax", nbytes_of="jax"),
+    _Row(key="read_direct_numpy",
+         label="  the same into numpy's buffers (huge pages asked for; not a floor)",
          section="jax", nbytes_of="jax"),
     _Row(key="write_best", label="raw write floor: the fastest of the three, per round",
          section="jax", nbytes_of="jax"),
@@ -202,7 +210,7 @@ _ROWS: tuple[_Row, ...] = (
          nbytes_of="jax"),
     _Row(key="jx_verify", label="  checksum verification alone", section="jax",
          nbytes_of="jax"),
-    _Row(key="jx_read_bare", label="  bare read of the same files, 4 threads, next to it",
+    _Row(key="jx_read_bare", label="  bare read of the same files, 8 threads, next to it",
          section="jax", nbytes_of="jax"),
     _Row(key="fresh_memory", label="  page faults: touching fresh memory of the state's size",
          section="jax", nbytes_of="jax"),
@@ -609,11 +617,14 @@ def _raw_write_direct(path: str, block: np.ndarray) -> None:
         os.close(fd)
 
 
-def _raw_read_direct(path: str, nbytes: int) -> np.ndarray:
-    """Read a file with O_DIRECT into one new aligned buffer, in 8 MiB reads."""
-    from jaxckpt.zarr_io import PIECE, aligned_blocks
+def _raw_read_direct(path: str, nbytes: int, *, numpy_memory: bool = False) -> np.ndarray:
+    """Read a file with O_DIRECT into one new aligned buffer, in 8 MiB reads: the kind of
+    memory a restore reads into and hands over (``zarr_io.fresh_blocks``), or with
+    ``numpy_memory`` numpy's (``np.empty``, which asks for huge pages from 4 MiB on: a row
+    of its own, not a floor; docs/performance.md, "Tenth round (rawread)")."""
+    from jaxckpt.zarr_io import PIECE, aligned_blocks, fresh_blocks
 
-    out = aligned_blocks(nbytes)
+    out = aligned_blocks(nbytes) if numpy_memory else fresh_blocks(nbytes)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         offset = 0
@@ -642,16 +653,26 @@ def _read_all(pool: concurrent.futures.Executor, read: Callable[[str, int], np.n
 
 
 def _touch_fresh(nbytes: int) -> None:
-    """Allocate ``nbytes`` and write one byte per page: the page faults alone that any read
-    into new memory pays (what this VM makes dear when the host reclaimed the memory)."""
-    buffer = np.empty(nbytes, np.uint8)
+    """Allocate ``nbytes`` of the memory a restore reads into (``zarr_io.fresh_blocks``)
+    and write one byte per page: the page faults alone that any read into new memory pays
+    (what this VM makes dear when the host reclaimed the memory)."""
+    from jaxckpt.zarr_io import fresh_blocks
+
+    buffer = fresh_blocks(nbytes)
     buffer[::mmap.PAGESIZE] = 1
 
 
 def _raw_read(path: str, nbytes: int) -> np.ndarray:
     """Read a whole file into one new buffer (what a restore has to produce at least), in
-    8 MiB reads: one giant read() was several times slower here on some runs."""
-    out = np.empty(nbytes, np.uint8)
+    8 MiB reads: one giant read() was several times slower here on some runs. The buffer is
+    the kind of memory a restore reads into and hands over (``zarr_io.fresh_blocks``):
+    numpy's own (huge pages asked for) took 0.5x to 2.5x its time on this VM, depending on
+    whether it was freed moments before or long enough for the host to take it back, which
+    made the floor measure the memory's history rather than the disk (docs/performance.md,
+    "Tenth round (rawread)")."""
+    from jaxckpt.zarr_io import fresh_blocks
+
+    out = fresh_blocks(nbytes)[:nbytes]
     with open(path, "rb", buffering=0) as handle:
         view = out.data
         while view:
@@ -817,23 +838,36 @@ class _Bench:
                 lambda i: _raw_read(paths[i], self.arrays[i].nbytes), range(len(paths))))))
             shutil.rmtree(directory)
             # And with O_DIRECT (what OrbaxBackend's native I/O uses): the device copies
-            # from aligned memory, no page cache. The bytes come from the reused buffers
-            # filled by the copy row above. Skipped where the filesystem refuses it.
+            # from aligned memory, no page cache. Skipped where the filesystem refuses it.
             os.makedirs(directory)
             if self.direct_refused is None:
                 self.direct_refused = _direct_refused(directory)
             if self.direct_refused:
-                result.unavailable["write_direct"] = result.unavailable["read_direct"] = (
-                    self.direct_refused)
+                for key in ("write_direct", "read_direct", "read_direct_numpy"):
+                    result.unavailable[key] = self.direct_refused
             else:
-                result.add("write_direct", _timed(lambda: list(pool.map(
-                    lambda i: _raw_write_direct(paths[i], self.blocks[i]),
-                    range(len(paths))))))
-                self.before_read()
-                result.add("read_direct", _timed(lambda: list(pool.map(
-                    lambda i: _raw_read_direct(paths[i], self.blocks[i].nbytes),
-                    range(len(paths))))))
+                self.direct_floors(pool, paths)
         shutil.rmtree(directory)
+
+    def direct_floors(self, pool: concurrent.futures.Executor, paths: list[str]) -> None:
+        """The ``O_DIRECT`` floors: written on ``pool`` from the reused buffers filled by
+        the copy row, read on as many threads as a restore reads with (``_READ_THREADS``)
+        into the memory a restore reads into; then the same read into numpy's memory,
+        shown but not a floor: its huge pages are cheap only when freed moments before
+        (docs/performance.md, "Tenth round (rawread)")."""
+        result = self.result
+        result.add("write_direct", _timed(lambda: list(pool.map(
+            lambda i: _raw_write_direct(paths[i], self.blocks[i]), range(len(paths))))))
+        sizes = [block.nbytes for block in self.blocks]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as readers:
+
+            def read_all(numpy_memory: bool) -> list[np.ndarray]:
+                read = functools.partial(_raw_read_direct, numpy_memory=numpy_memory)
+                return list(readers.map(read, paths, sizes))
+
+            for key, numpy_memory in (("read_direct", False), ("read_direct_numpy", True)):
+                self.before_read()
+                result.add(key, _timed(functools.partial(read_all, numpy_memory)))
 
     def orbax_defaults(self, state: Any, prefix: str) -> None:
         import orbax.checkpoint as ocp
@@ -916,7 +950,7 @@ class _Bench:
         # taken side by side.
         files = _files_under(os.path.join(report.path, STATE_DIR))
         bare = _raw_read_direct if self.direct_refused == "" else _raw_read  # "": it works
-        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
             rows = [("jx_restore", lambda: manager.restore(like)),
                     ("jx_read", lambda: manager.backend.read(
                         os.path.join(report.path, STATE_DIR), like)),

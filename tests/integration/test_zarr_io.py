@@ -30,6 +30,8 @@ from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import CheckpointStore, ReadClaims
 
+from support.memory import mapping_flags, numpy_huge_page_advice
+
 ALGORITHM = default_algorithm()
 PIECE = zarr_io.PIECE
 ALIGN = zarr_io.ALIGN
@@ -261,32 +263,12 @@ def test_data_offset_follows_the_arrays_memory(tmp_path):
     assert zarr_io.data_offset(host, str(tmp_path)) == host.ctypes.data % ALIGN
 
 
-def _mapping_flags(address: int) -> list[str]:
-    """The ``VmFlags`` of the memory mapping that holds ``address`` (/proc/self/smaps):
-    ``hg`` marks memory advised to use huge pages (``MADV_HUGEPAGE``)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            first = line.split(maxsplit=1)[0]
-            if not first.endswith(":"):  # a mapping's header: "start-end perms ..."
-                start, end = (int(bound, 16) for bound in first.split("-"))
-                inside = start <= address < end
-            elif inside and first == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.fixture
 def numpy_advises_huge_pages():
     """numpy's advice of huge pages for its big arrays switched on for the test (it is on
     by default on Linux): the memory a restore reads into must not depend on it."""
-    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
-    switch = getattr(multiarray, "_set_madvise_hugepage", None)
-    if switch is None:
-        pytest.skip("this numpy has no huge page advice")
-    previous = switch(True)
-    yield
-    switch(previous)
+    with numpy_huge_page_advice():
+        yield
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
@@ -315,7 +297,7 @@ def test_a_restore_reads_into_memory_it_hands_over_without_advising_huge_pages(
         np.testing.assert_array_equal(np.asarray(array), np.asarray(state[name]))
         address = array.unsafe_buffer_pointer()
         assert any(start <= address < end for start, end in read_into), name  # not a copy
-        assert "hg" not in _mapping_flags(address), name
+        assert "hg" not in mapping_flags(address), name
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])

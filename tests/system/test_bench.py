@@ -239,3 +239,60 @@ def test_write_floor_keeps_the_previous_copy_until_the_new_one_is_written(tmp_pa
         ["copy_00001", "copy_00002"]] * 3
     assert after == [["copy_00000"], ["copy_00001"], ["copy_00002"]]
     assert not root.exists()
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="no /proc")
+def test_read_floors_read_into_the_memory_a_restore_hands_over(tmp_path, monkeypatch):
+    """A read floor reads into the kind of memory a restore reads into (``fresh_blocks``,
+    not advised to use huge pages), not numpy's: numpy's huge pages cost 0.5x to 2.5x the
+    restore's memory on this VM depending on how long ago they were freed, so a floor in
+    them measured the memory's history (docs/performance.md, Tenth round (rawread))."""
+    import os
+
+    import numpy as np
+
+    from jaxckpt import zarr_io
+    from jaxckpt.tools import bench
+
+    from support.memory import mapping_flags, numpy_huge_page_advice
+
+    handed: list[tuple[int, int]] = []
+    real_fresh = zarr_io.fresh_blocks
+
+    def spy(nbytes):
+        blocks = real_fresh(nbytes)
+        handed.append((blocks.ctypes.data, blocks.ctypes.data + blocks.nbytes))
+        return blocks
+
+    monkeypatch.setattr(zarr_io, "fresh_blocks", spy)
+    nbytes = 8 << 20  # numpy advises huge pages from 4 MiB on
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    path = tmp_path / "leaf"
+    path.write_bytes(data.tobytes())
+    readers = [bench._raw_read]
+    if bench._direct_refused(str(tmp_path)) == "":
+        readers.append(bench._raw_read_direct)
+    with numpy_huge_page_advice():
+        for read in readers:
+            handed.clear()
+            out = read(str(path), nbytes)
+            np.testing.assert_array_equal(out, data)
+            address = out.ctypes.data
+            assert any(start <= address < end for start, end in handed), read.__name__
+            assert "hg" not in mapping_flags(address), read.__name__
+        handed.clear()
+        bench._touch_fresh(nbytes)  # the "page faults" row touches the same kind
+        assert len(handed) == 1
+        if bench._raw_read_direct in readers:  # the row shown beside it: numpy's memory
+            out = bench._raw_read_direct(str(path), nbytes, numpy_memory=True)
+            np.testing.assert_array_equal(out, data)
+            assert "hg" in mapping_flags(out.ctypes.data)
+    os.unlink(path)
+
+
+def test_read_floors_read_on_as_many_threads_as_a_restore():
+    """Into the restore's 4 KiB pages a read on 4 threads took 0.54 s where 8 took 0.40 s
+    (512 MiB): a floor on fewer threads than the restore would be a slower floor."""
+    from jaxckpt._orbax_options import OrbaxOptions
+    from jaxckpt.tools import bench
+
+    assert bench._READ_THREADS == OrbaxOptions().read_threads
