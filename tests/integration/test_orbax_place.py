@@ -145,16 +145,18 @@ class _HeldFiles:
     """An ArrayFiles for the reader that holds back the read of the files whose path holds
     ``held`` until ``release`` is set (or 20 s passed), recording whether it was set."""
 
-    def __init__(self, files, held: str, release: threading.Event):
-        self.files, self.held, self.release = files, held, release
+    def __init__(self, files, held: str, release: threading.Event, wait_s: float = 20):
+        self.files, self.held, self.release, self.wait_s = files, held, release, wait_s
         self.released: list[bool] = []
+        self.started = threading.Event()  # set when any read starts
 
     def read_small(self, path, limit):
         return self.files.read_small(path, limit)
 
     def read_chunk(self, path, nbytes, **kwargs):
+        self.started.set()
         if self.held in path:
-            self.released.append(self.release.wait(20))
+            self.released.append(self.release.wait(self.wait_s))
         return self.files.read_chunk(path, nbytes, **kwargs)
 
 
@@ -189,6 +191,76 @@ def test_a_packs_leaves_are_placed_while_later_packs_are_still_read(tmp_path, mo
             np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
     finally:
         backend.close()
+
+
+def _read_holding(tmp_path, monkeypatch, held: str, wait_s: float,
+                  ) -> tuple[list[_HeldFiles], threading.Event, dict, dict]:
+    """A checkpoint of 3 packs of 2 leaves written, and a backend of 3 read threads whose
+    reads of ``held`` wait until a leaf is placed (or ``wait_s``); read and return the
+    held files, the placed event, the state and the restored tree."""
+    backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=8192, read_threads=3)
+    try:
+        state = {f"l{i}": jnp.full((1000,), i, jnp.float32) for i in range(6)}
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        directory = str(tmp_path / "c")
+        backend.write(directory, state, asynchronous=False)
+        placed = threading.Event()
+        place_leaves = _orbax_read.place
+
+        def place_and_tell(arrays, shardings):
+            placed.set()
+            return place_leaves(arrays, shardings)
+
+        monkeypatch.setattr(_orbax_read, "place", place_and_tell)
+        files_for = backend._files_for
+        held_files: list[_HeldFiles] = []
+
+        def holding(path):
+            held_files.append(_HeldFiles(files_for(path), held, placed, wait_s))
+            return held_files[-1]
+
+        monkeypatch.setattr(backend, "_files_for", holding)
+        return held_files, placed, state, backend.read(directory, like)
+    finally:
+        backend.close()
+
+
+def test_packs_are_unpacked_in_the_order_their_reads_finish(tmp_path, monkeypatch):
+    # The first pack queued is held until some leaf has been placed: only a reader that
+    # takes packs as they finish (not in the order they were queued) places the other
+    # packs' leaves meanwhile. Taken in queue order, the held read would time out.
+    held, _, state, restored = _read_holding(tmp_path, monkeypatch, "/pack_float32_000/",
+                                             wait_s=10)
+    assert [files.released for files in held] == [[True]]
+    for path, value in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
+
+
+def test_the_per_leaf_work_that_needs_no_data_runs_while_the_packs_are_read(
+        tmp_path, monkeypatch):
+    # Unpacker.prepare (each packed leaf's pack and placement) needs nothing read: it
+    # runs once the reads are queued, not before them.
+    seen: list[bool] = []
+    prepare = _orbax_read.Unpacker.prepare
+    files: list[_HeldFiles] = []
+
+    def prepare_after_a_read_started(self):
+        if not seen:
+            seen.append(files[-1].started.wait(10))
+        prepare(self)
+
+    monkeypatch.setattr(_orbax_read.Unpacker, "prepare", prepare_after_a_read_started)
+    real = _HeldFiles.__init__
+
+    def remember(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        files.append(self)
+
+    monkeypatch.setattr(_HeldFiles, "__init__", remember)
+    _, _, state, restored = _read_holding(tmp_path, monkeypatch, "nothing held", wait_s=0)
+    assert seen == [True]
+    for path, value in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
 
 
 def test_small_leaves_of_a_few_tens_of_mib_fill_several_packs_by_default():
