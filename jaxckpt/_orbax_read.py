@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import zarr_io
-from jaxckpt._orbax_place import place
+from jaxckpt._orbax_place import default_sharding, place
 from jaxckpt._orbax_tree import (
     ARRAYS_DIR,
     PY_SCALAR_DTYPE_KINDS,
@@ -120,7 +120,7 @@ class Shardings:
 
     def default(self) -> jax.sharding.Sharding:
         if self._default is None:
-            self._default = jax.device_put(np.zeros((), np.int8)).sharding
+            self._default = default_sharding()
         return self._default
 
     def of(self, path: str, target: Target, entry: SavedLeaf) -> jax.sharding.Sharding:
@@ -174,9 +174,14 @@ def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:
     like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
     targets: list[tuple[str, Target]] = []
     bad_like: list[str] = []
+    abstract, new = jax.ShapeDtypeStruct, tuple.__new__
     for key_path, leaf in like_leaves:
-        path = jax.tree_util.keystr(key_path)
-        target = target_of(leaf)
+        # jax.tree_util.keystr(key_path), without its call: this loop runs once per leaf.
+        path = "".join(map(str, key_path))
+        if type(leaf) is abstract:  # the usual like leaf (jax.eval_shape, nnx.eval_shape)
+            target = new(Target, ("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding))
+        else:
+            target = target_of(leaf)
         if target is None:
             bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
         else:
@@ -195,18 +200,32 @@ def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf], *,
     ``partial`` (like is a subtree of what was saved) saved leaves outside like are not
     differences: they are simply not read."""
     problems = []
-    like_paths = set()
+    missing = False
+    get = saved.get
+    names: dict[Any, str] = {}  # dtype_name of each like dtype, asked once per dtype
     for path, target in targets:
-        like_paths.add(path)
-        entry = saved.get(path)
+        entry = get(path)
         if entry is None:
+            missing = True
             problems.append(f"{path}: missing from checkpoint (like has {target.describe()})")
-        elif mismatch(target, entry):
+            continue
+        # mismatch(), spelled out for the usual leaf: this loop runs once per leaf.
+        if target.target == "python":
+            differs = mismatch(target, entry)
+        else:
+            name = names.get(target.dtype)
+            if name is None:
+                name = names[target.dtype] = dtype_name(target.dtype)
+            differs = entry.shape != target.shape or entry.dtype != name
+        if differs:
             problems.append(f"{path}: expected {target.describe()}, checkpoint has "
                             f"{entry.describe()}")
-    for path, entry in saved.items():
-        if not partial and path not in like_paths:
-            problems.append(f"{path}: not in like (checkpoint has {entry.describe()})")
+    if not partial:
+        like_paths = {path for path, _ in targets}
+        # Every like path is saved: the saved ones outside like are the surplus, if any.
+        if missing or len(like_paths) != len(saved):
+            problems.extend(f"{path}: not in like (checkpoint has {entry.describe()})"
+                            for path, entry in saved.items() if path not in like_paths)
     # Sorted by path so that related problems (a renamed subtree) read side by side.
     return sorted(problems)
 
@@ -474,9 +493,10 @@ class Unpacker:
         self._shardings = shardings
         self._values: list[Any] = [None] * len(targets)
         # Pack name -> (slot, path, target, saved leaf, offset, where it goes: None for a
-        # host target) of each leaf in it, in tree order; filled by prepare.
+        # host target, whether it is the usual leaf: see _prepare) of each leaf in it, in
+        # tree order; filled by prepare.
         self._members: dict[str, list[tuple[int, str, Target, SavedLeaf, int,
-                                            jax.sharding.Sharding | None]]] = {}
+                                            jax.sharding.Sharding | None, bool]]] = {}
         self.converted: list[int] = []  # slots to_like_leaves converts (keys, host targets)
         self._prepared = False
         self._taken: set[str] = set()
@@ -499,8 +519,12 @@ class Unpacker:
 
     def _prepare(self) -> None:
         saved, members, converted = self._saved, self._members, self.converted
-        shardings = self._shardings
-        default = None
+        shardings, local = self._shardings, self._local
+        # Equal shardings made one object, so that ``is`` finds them alike below and in
+        # ``_orbax_place`` (a sharding's hash and equality are Python code).
+        same: dict[jax.sharding.Sharding, jax.sharding.Sharding] = {}
+        default = last = None
+        last_local = False
         for slot, (path, target) in enumerate(self._targets):
             entry = saved[path]
             jax_target = target.target == "jax"
@@ -510,6 +534,7 @@ class Unpacker:
             if offset is None:
                 continue
             sharding = None
+            usual = False  # an array of its own dtype going to this process's devices
             if jax_target:
                 # The usual leaf spelled out (this loop runs once per leaf).
                 sharding = target.sharding
@@ -517,10 +542,17 @@ class Unpacker:
                     sharding = shardings.of(path, target, entry)
                 elif sharding is None:
                     sharding = default = default or shardings.default()
+                if sharding is not last:
+                    sharding = same.setdefault(sharding, sharding)
+                    last = sharding
+                    last_local = local.get(sharding)  # type: ignore[assignment]
+                    if last_local is None:
+                        last_local = local[sharding] = sharding.is_fully_addressable
+                usual = last_local and entry.kind == "array" and entry.data_dtype is None
             found = members.get(entry.name)
             if found is None:
                 found = members[entry.name] = []
-            found.append((slot, path, target, entry, offset, sharding))
+            found.append((slot, path, target, entry, offset, sharding, usual))
 
     def take(self, name: str, pack: Any) -> None:
         """Cut the leaves of the pack ``name`` out of ``pack`` (as read) and place them;
@@ -552,12 +584,10 @@ class Unpacker:
         batch_data: list[np.ndarray] = []
         batch_shardings: list[jax.sharding.Sharding] = []
         length, dtype = found[1], found[2]
-        for slot, path, target, entry, offset, sharding in members:
+        for slot, path, target, entry, offset, sharding, usual in members:
             # The usual leaf first, spelled out (this loop runs once per leaf): an array of
-            # the pack's dtype going to a sharding already known to be this process's alone.
-            if (sharding is not None and sharding is self._last_local
-                    and entry.kind == "array" and entry.data_dtype is None
-                    and entry.dtype == dtype):
+            # the pack's dtype going to a sharding of this process's alone.
+            if usual and entry.dtype == dtype:
                 shape = entry.shape
                 count = prod(shape)
                 if offset + count <= length:

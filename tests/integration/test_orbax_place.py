@@ -322,3 +322,11 @@ def test_a_failure_to_place_a_packs_leaves_is_not_taken_for_a_damaged_checkpoint
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED") as raised:
         backend.read(directory, like)
     assert not isinstance(raised.value, CheckpointCorruptError)
+
+
+def test_the_default_sharding_is_where_device_put_puts_an_array():
+    from jaxckpt._orbax_place import default_sharding
+
+    assert default_sharding() == jax.device_put(np.zeros((), np.int8)).sharding
+    with jax.default_device(jax.devices()[-1]):
+        assert default_sharding() == jax.device_put(np.zeros((), np.int8)).sharding
