@@ -91,15 +91,15 @@ def _fast_put() -> _PutMany | None:
                     found = plans[sharding] = {}
                 last, known = sharding, found
             key = (array.shape, array.dtype)
-            plan = known.get(key)
-            if plan is None:
-                if key in known or len(known) >= 4096:
-                    append(None)  # not for the fast way (or too many shapes to remember)
-                    continue
+            if key in known:  # ``in`` and item access: no call, for each array
+                plan = known[key]
+            elif len(known) < 4096:
                 plan = known[key] = plan_for(array, sharding)
-                if plan is None:
-                    append(None)
-                    continue
+            else:
+                plan = None  # too many shapes to remember: jax.device_put
+            if plan is None:
+                append(None)  # not for the fast way
+                continue
             aval, handler, devices = plan
             append(handler(device_put(aval, sharding, [array], devices, True)))
         return placed

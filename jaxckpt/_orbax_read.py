@@ -168,16 +168,78 @@ def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLe
     return restore_args, placements
 
 
+def plain_paths(tree: Any, leaves: list[Any]) -> list[str] | None:
+    """``jax.tree_util.keystr`` of the tree path of each of ``leaves`` (``tree``'s, as
+    ``jax.tree_util.tree_flatten`` gives them), where ``tree`` is made of plain dicts with
+    string keys, lists, tuples and None; None for any other tree (jax's own walk then).
+
+    jax's walk makes a key object per node and a string per key of every path, about 2 us
+    a leaf; here each key's text is made once and paths share their prefixes. The leaves
+    found must be ``leaves`` themselves, in order, or the answer is None."""
+    paths: list[str] = []
+    keys: dict[str, str] = {}  # a dict key -> its text in a path
+    count, position = len(leaves), 0
+
+    def leaf(node: Any, path: str) -> None:
+        nonlocal position
+        # Attribute and item access only, no calls: this runs once per leaf.
+        if position >= count or leaves[position] is not node:
+            raise _NotPlain
+        paths.append(path)
+        position += 1
+
+    def walk(node: Any, prefix: str) -> None:
+        nonlocal position
+        kind = node.__class__
+        if kind is dict:
+            for key in sorted(node):  # jax's order; a TypeError (mixed keys) ends the walk
+                if key.__class__ is not str:
+                    raise _NotPlain
+                if key in keys:
+                    text = keys[key]
+                else:
+                    text = keys[key] = f"[{key!r}]"
+                child = node[key]
+                if child.__class__ in _CONTAINERS or child is None:
+                    walk(child, prefix + text)
+                elif position < count and leaves[position] is child:  # leaf(), inline
+                    paths.append(prefix + text)
+                    position += 1
+                else:
+                    raise _NotPlain
+        elif kind is list or kind is tuple:
+            for index, child in enumerate(node):
+                walk(child, f"{prefix}[{index}]")
+        elif node is not None:
+            leaf(node, prefix)
+
+    try:
+        walk(tree, "")
+    except (_NotPlain, TypeError, RecursionError):
+        return None  # a node jax flattens differently (a registered type, say)
+    return paths if position == count else None
+
+
+class _NotPlain(Exception):
+    """``plain_paths`` met a node it does not know, or leaves other than jax's."""
+
+
+_CONTAINERS = frozenset({dict, list, tuple})
+
+
 def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:
     """``(tree path, what the leaf asks for)`` of every leaf of ``like``, and its treedef;
     TypeError listing every leaf that describes no array."""
-    like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
+    leaves, like_treedef = jax.tree_util.tree_flatten(like)
+    paths = plain_paths(like, leaves)
+    if paths is None:
+        with_paths = jax.tree_util.tree_flatten_with_path(like)[0]
+        # jax.tree_util.keystr(key_path), without its call: this runs once per leaf.
+        paths = ["".join(map(str, key_path)) for key_path, _ in with_paths]
     targets: list[tuple[str, Target]] = []
     bad_like: list[str] = []
     abstract, new = jax.ShapeDtypeStruct, tuple.__new__
-    for key_path, leaf in like_leaves:
-        # jax.tree_util.keystr(key_path), without its call: this loop runs once per leaf.
-        path = "".join(map(str, key_path))
+    for path, leaf in zip(paths, leaves, strict=True):
         if type(leaf) is abstract:  # the usual like leaf (jax.eval_shape, nnx.eval_shape)
             target = new(Target, ("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding))
         else:
@@ -201,22 +263,22 @@ def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf], *,
     differences: they are simply not read."""
     problems = []
     missing = False
-    get = saved.get
     names: dict[Any, str] = {}  # dtype_name of each like dtype, asked once per dtype
     for path, target in targets:
-        entry = get(path)
-        if entry is None:
+        # Item access rather than calls (saved.get): this loop runs once per leaf.
+        if path not in saved:
             missing = True
             problems.append(f"{path}: missing from checkpoint (like has {target.describe()})")
             continue
-        # mismatch(), spelled out for the usual leaf: this loop runs once per leaf.
+        entry = saved[path]
+        # mismatch(), spelled out for the usual leaf.
         if target.target == "python":
             differs = mismatch(target, entry)
         else:
-            name = names.get(target.dtype)
-            if name is None:
-                name = names[target.dtype] = dtype_name(target.dtype)
-            differs = entry.shape != target.shape or entry.dtype != name
+            dtype = target.dtype
+            if dtype not in names:
+                names[dtype] = dtype_name(dtype)
+            differs = entry.shape != target.shape or entry.dtype != names[dtype]
         if differs:
             problems.append(f"{path}: expected {target.describe()}, checkpoint has "
                             f"{entry.describe()}")
@@ -549,10 +611,10 @@ class Unpacker:
                     if last_local is None:
                         last_local = local[sharding] = sharding.is_fully_addressable
                 usual = last_local and entry.kind == "array" and entry.data_dtype is None
-            found = members.get(entry.name)
-            if found is None:
-                found = members[entry.name] = []
-            found.append((slot, path, target, entry, offset, sharding, usual))
+            name = entry.name
+            if name not in members:
+                members[name] = []
+            members[name].append((slot, path, target, entry, offset, sharding, usual))
 
     def take(self, name: str, pack: Any) -> None:
         """Cut the leaves of the pack ``name`` out of ``pack`` (as read) and place them;
@@ -580,9 +642,9 @@ class Unpacker:
                 f"{directory}/{ARRAYS_DIR}/{name} has shape {np.shape(pack)}, not the "
                 "1-D pack tree.json describes. Fix: restore an older checkpoint.")
         found = (pack, pack.shape[0], pack.dtype.name)
-        batch_slots: list[int] = []
-        batch_data: list[np.ndarray] = []
-        batch_shardings: list[jax.sharding.Sharding] = []
+        # (slot, data, sharding) of each leaf placed in this pack's batch.
+        batch: list[tuple[int, np.ndarray, jax.sharding.Sharding]] = []
+        add = batch.append
         length, dtype = found[1], found[2]
         for slot, path, target, entry, offset, sharding, usual in members:
             # The usual leaf first, spelled out (this loop runs once per leaf): an array of
@@ -591,9 +653,7 @@ class Unpacker:
                 shape = entry.shape
                 count = prod(shape)
                 if offset + count <= length:
-                    batch_slots.append(slot)
-                    batch_data.append(pack[offset:offset + count].reshape(shape))
-                    batch_shardings.append(sharding)
+                    add((slot, pack[offset:offset + count].reshape(shape), sharding))
                     continue
             as_bytes = entry.data_dtype is not None and entry.kind == "array"
             data = _cut(directory, path, entry, offset, found, as_bytes)
@@ -601,15 +661,18 @@ class Unpacker:
                 data = from_bytes(data, entry)
             value = self._host_value(target, data, sharding)
             if value is None and sharding is not None:
-                batch_slots.append(slot)
-                batch_data.append(data)
-                batch_shardings.append(sharding)
+                add((slot, data, sharding))
             self._values[slot] = value
+        if not batch:
+            return
         # One batch per pack (``_orbax_place``: the cheap way where it applies). On CPU jax
         # adopts each leaf's memory in its pack (aligned by the writer) as it is, no copy:
         # a pack's memory is then freed once the last of its leaves is.
-        for slot, value in zip(batch_slots, place(batch_data, batch_shardings), strict=True):
-            self._values[slot] = value
+        slots, data_list, sharding_list = zip(*batch, strict=True)
+        values = self._values
+        for slot, value in zip(slots, place(list(data_list), list(sharding_list)),
+                               strict=True):
+            values[slot] = value
 
     def _host_value(self, target: Target, data: np.ndarray,
                     sharding: jax.sharding.Sharding | None) -> Any:

@@ -340,29 +340,34 @@ def parse_leaves(leaves: list[dict[str, Any]], packs: list[dict[str, Any]],
     saved: dict[str, SavedLeaf] = {}
     new, stored_dtype_of = _new_tuple, _stored_dtype
     for entry in leaves:
-        get = entry.get
-        name, offset, data_shape = entry["name"], get("offset"), get("data_shape")
+        # ``key in entry`` and ``entry[key]`` rather than entry.get(key): no call.
+        name = entry["name"]
+        offset = entry["offset"] if "offset" in entry else None
+        data_shape = entry["data_shape"] if "data_shape" in entry else None
         if name not in checked:
             if not isinstance(name, str) or not STORAGE_NAME.match(name):
-                raise ValueError(f"leaf {get('path')!r} has storage name {name!r}, which is "
-                                 "not one this backend writes (leaf_N or pack_DTYPE_N); "
-                                 "refusing a name that could point outside the checkpoint")
+                raise ValueError(f"leaf {entry.get('path')!r} has storage name {name!r}, "
+                                 "which is not one this backend writes (leaf_N or "
+                                 "pack_DTYPE_N); refusing a name that could point outside "
+                                 "the checkpoint")
             checked.add(name)
         # Positional, in field order: the keyword constructor costs twice as much.
         leaf = new(SavedLeaf, (
             entry["path"], name, entry["kind"], tuple(entry["shape"]), entry["dtype"],
-            get("impl"), None if data_shape is None else tuple(data_shape),
-            get("data_dtype"), get("python_type"), offset))
+            entry["impl"] if "impl" in entry else None,
+            None if data_shape is None else tuple(data_shape),
+            entry["data_dtype"] if "data_dtype" in entry else None,
+            entry["python_type"] if "python_type" in entry else None, offset))
         saved[leaf.path] = leaf
         if offset is None:  # not packed
             continue
         if type(offset) is not int or offset < 0:
             raise ValueError(f"leaf {leaf.path!r} has offset {offset!r}, not an "
                              "integer >= 0")
-        found = listed.get(name)
-        if found is None:
+        if name not in listed:
             raise ValueError(f"leaf {leaf.path} is packed into {name}, which is not in "
                              "the list of packs")
+        found = listed[name]
         # stored_shape and stored_dtype spelled out.
         kind, data_dtype = leaf.kind, leaf.data_dtype
         if kind == "key" or (kind == "array" and data_dtype is not None):
