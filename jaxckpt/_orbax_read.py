@@ -1,8 +1,10 @@
 """The Orbax backend's read path: matching a ``like`` tree to tree.json, and the way back.
 
-Owns: what each ``like`` leaf asks for (:class:`Target`), the comparison of ``like`` with
-the saved leaves by tree path (every mismatch at once; with ``partial``, like may be a
-subtree, and the scope of its deferred checks is limited to what it reads), the restore
+Owns: what each ``like`` leaf asks for (:class:`Target`) and its tree path (``plain_paths``
+for trees of plain containers), where each leaf goes (:class:`Shardings`), the comparison
+of ``like`` with the saved leaves by tree path (every mismatch at once; with ``partial``,
+like may be a subtree, and the scope of its deferred checks is limited to what it reads),
+the restore
 arguments handed to Orbax (shardings, typed keys' data), the native reader
 (``jaxckpt.zarr_io``, checking the deferred checksums of the files it reads as it reads
 them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves (packed leaves
@@ -239,6 +241,7 @@ def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:
     targets: list[tuple[str, Target]] = []
     bad_like: list[str] = []
     abstract, new = jax.ShapeDtypeStruct, tuple.__new__
+    target: Target | None
     for path, leaf in zip(paths, leaves, strict=True):
         if type(leaf) is abstract:  # the usual like leaf (jax.eval_shape, nnx.eval_shape)
             target = new(Target, ("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding))
@@ -652,7 +655,7 @@ class Unpacker:
             if usual and entry.dtype == dtype:
                 shape = entry.shape
                 count = prod(shape)
-                if offset + count <= length:
+                if offset + count <= length and sharding is not None:  # (it is: usual)
                     add((slot, pack[offset:offset + count].reshape(shape), sharding))
                     continue
             as_bytes = entry.data_dtype is not None and entry.kind == "array"
