@@ -334,7 +334,7 @@ def parse_leaves(leaves: list[dict[str, Any]], packs: list[dict[str, Any]],
     stored dtype. ValueError, KeyError or TypeError for anything else.
 
     One pass, the usual entry spelled out: it runs once per saved leaf, and a restore of
-    many small leaves reads tens of thousands (docs/performance.md, Tenth round)."""
+    many small leaves reads tens of thousands (docs/performance.md, Tenth round (leaves))."""
     listed = _listed_packs(packs)
     checked: set[str] = set()  # packed leaves share a few names: match each once
     saved: dict[str, SavedLeaf] = {}

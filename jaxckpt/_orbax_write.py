@@ -125,9 +125,10 @@ def host_view(array: Any) -> np.ndarray:
 
     For a dtype numpy has no buffer format for (bfloat16, the float8s, int4: ml_dtypes),
     ``np.asarray`` finds no buffer, falls back to ``jax.Array.__array__``, which returns
-    ``np.asarray(array._value)``: the same array, at about 2.5 times the cost of asking for
-    ``_value`` directly (10-30 us against 5-12, docs/performance.md, Tenth round). Those
-    dtypes ask for it; where it is missing, or for any other dtype, ``np.asarray``."""
+    ``np.asarray(array._value)``: the same array, at 1.2 times the cost of asking for
+    ``_value`` directly on a quiet thread and up to 2.5 times under load (docs/performance.md,
+    Tenth round (leaves)). Those dtypes ask for it; where it is missing, or for any other
+    dtype, ``np.asarray``."""
     if array.dtype.isbuiltin != 1:  # 2: a dtype of another library (ml_dtypes)
         value = getattr(array, "_value", None)
         if type(value) is np.ndarray:
