@@ -1,8 +1,10 @@
 """The Orbax backend's read path: matching a ``like`` tree to tree.json, and the way back.
 
-Owns: what each ``like`` leaf asks for (:class:`Target`), the comparison of ``like`` with
-the saved leaves by tree path (every mismatch at once; with ``partial``, like may be a
-subtree, and the scope of its deferred checks is limited to what it reads), the restore
+Owns: what each ``like`` leaf asks for (:class:`Target`) and its tree path (``plain_paths``
+for trees of plain containers), where each leaf goes (:class:`Shardings`), the comparison
+of ``like`` with the saved leaves by tree path (every mismatch at once; with ``partial``,
+like may be a subtree, and the scope of its deferred checks is limited to what it reads),
+the restore
 arguments handed to Orbax (shardings, typed keys' data), the native reader
 (``jaxckpt.zarr_io``, checking the deferred checksums of the files it reads as it reads
 them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves (packed leaves
@@ -27,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt import zarr_io
-from jaxckpt._orbax_place import place
+from jaxckpt._orbax_place import default_sharding, place
 from jaxckpt._orbax_tree import (
     ARRAYS_DIR,
     PY_SCALAR_DTYPE_KINDS,
@@ -46,8 +48,8 @@ from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, Tree
 if TYPE_CHECKING:
     from jaxckpt.read_claims import ReadClaims
 
-__all__ = ["Target", "match_like", "arrays_dir", "restore_args_for", "limit_claims",
-           "restore_request", "read_native", "Unpacker", "to_like_leaves"]
+__all__ = ["Target", "Shardings", "match_like", "arrays_dir", "restore_args_for",
+           "limit_claims", "restore_request", "read_native", "Unpacker", "to_like_leaves"]
 
 
 # ---------------------------------------------------------------------------- like leaves
@@ -108,59 +110,143 @@ def key_data_sharding(sharding: jax.sharding.Sharding, key_ndim: int,
     return None
 
 
-def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
-                  ) -> tuple[dict[str, Any], dict[str, jax.sharding.Sharding],
-                             dict[str, jax.sharding.Sharding]]:
-    """What to ask Orbax (or zarr_io) for: restore args by storage name; where each jax
-    leaf's stored data goes (for keys: the key_data's sharding); and the keys whose
-    key_data sharding cannot be derived (restored, then moved onto their sharding)."""
-    default_sharding = None
-    restore_args: dict[str, Any] = {}
-    # Where each jax leaf's stored data goes (for keys: the key_data's sharding).
-    placements: dict[str, jax.sharding.Sharding] = {}
-    # Keys whose key_data sharding we cannot derive: restored, then moved onto it.
-    move_after: dict[str, jax.sharding.Sharding] = {}
-    for path, target in targets:
-        entry = saved[path]
-        # Packs and arrays stored as bytes come to the host first; each leaf is cut
-        # out (or viewed as its dtype) there, then placed. (A pack is asked for once.)
-        packed = entry.offset is not None
-        if (packed or entry.as_bytes or target.target != "jax") and \
-                entry.name not in restore_args:
-            restore_args[entry.name] = ocp.RestoreArgs(restore_type=np.ndarray)
-        if target.target != "jax":
-            continue
+class Shardings:
+    """Where the stored data of each jax leaf goes: the like leaf's sharding (the default
+    device's where it has none), for a typed key the sharding of its ``key_data``; and the
+    keys whose ``key_data`` sharding cannot be derived (restored onto the default device,
+    then moved onto their sharding: ``move_after``). Used by one thread, for one read."""
+
+    def __init__(self) -> None:
+        self._default: jax.sharding.Sharding | None = None
+        self.move_after: dict[str, jax.sharding.Sharding] = {}
+
+    def default(self) -> jax.sharding.Sharding:
+        if self._default is None:
+            self._default = default_sharding()
+        return self._default
+
+    def of(self, path: str, target: Target, entry: SavedLeaf) -> jax.sharding.Sharding:
+        """Where the stored data of the jax leaf ``path`` goes."""
         sharding = target.sharding
         if sharding is None:
-            if default_sharding is None:
-                default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
-            sharding = default_sharding
-        if entry.kind == "key":
-            data_sharding = key_data_sharding(sharding, len(target.shape),
-                                              len(entry.stored_shape) - len(target.shape))
-            if data_sharding is None:
-                move_after[path] = sharding
-                if default_sharding is None:
-                    default_sharding = jax.device_put(np.zeros((), np.int8)).sharding
-                data_sharding = default_sharding
-            sharding = data_sharding
-        placements[path] = sharding
-        if not (packed or entry.as_bytes):
+            sharding = self.default()
+        if entry.kind != "key":
+            return sharding
+        data_sharding = key_data_sharding(sharding, len(target.shape),
+                                          len(entry.stored_shape) - len(target.shape))
+        if data_sharding is None:
+            self.move_after[path] = sharding
+            data_sharding = self.default()
+        return data_sharding
+
+
+def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
+                     shardings: Shardings) -> tuple[dict[str, Any],
+                                                    dict[str, jax.sharding.Sharding]]:
+    """What to ask Orbax (or zarr_io) for: restore args by storage name (a pack once), and
+    where each jax leaf that is not packed goes (``shardings.of``). Packed leaves cost one
+    look-up each here: where they go is worked out by ``Unpacker.prepare``, while the
+    packs are read."""
+    restore_args: dict[str, Any] = {}
+    placements: dict[str, jax.sharding.Sharding] = {}
+    to_host = ocp.RestoreArgs(restore_type=np.ndarray)
+    for path, target in targets:
+        entry = saved[path]
+        if entry.offset is not None:  # packed: its pack comes to the host, read once
+            if entry.name not in restore_args:
+                restore_args[entry.name] = to_host
+            continue
+        # Arrays stored as bytes come to the host first too, and are viewed as their
+        # dtype there; numpy and Python targets stay there.
+        if entry.as_bytes or target.target != "jax":
+            restore_args[entry.name] = to_host
+        if target.target != "jax":
+            continue
+        sharding = placements[path] = shardings.of(path, target, entry)
+        if not entry.as_bytes:
             restore_args[entry.name] = ocp.ArrayRestoreArgs(
                 sharding=sharding, global_shape=entry.stored_shape,
                 dtype=entry.stored_dtype)
-    return restore_args, placements, move_after
+    return restore_args, placements
+
+
+def plain_paths(tree: Any, leaves: list[Any]) -> list[str] | None:
+    """``jax.tree_util.keystr`` of the tree path of each of ``leaves`` (``tree``'s, as
+    ``jax.tree_util.tree_flatten`` gives them), where ``tree`` is made of plain dicts with
+    string keys, lists, tuples and None; None for any other tree (jax's own walk then).
+
+    jax's walk makes a key object per node and a string per key of every path, about 2 us
+    a leaf; here each key's text is made once and paths share their prefixes. The leaves
+    found must be ``leaves`` themselves, in order, or the answer is None."""
+    paths: list[str] = []
+    keys: dict[str, str] = {}  # a dict key -> its text in a path
+    count, position = len(leaves), 0
+
+    def leaf(node: Any, path: str) -> None:
+        nonlocal position
+        # Attribute and item access only, no calls: this runs once per leaf.
+        if position >= count or leaves[position] is not node:
+            raise _NotPlain
+        paths.append(path)
+        position += 1
+
+    def walk(node: Any, prefix: str) -> None:
+        nonlocal position
+        kind = node.__class__
+        if kind is dict:
+            for key in sorted(node):  # jax's order; a TypeError (mixed keys) ends the walk
+                if key.__class__ is not str:
+                    raise _NotPlain
+                if key in keys:
+                    text = keys[key]
+                else:
+                    text = keys[key] = f"[{key!r}]"
+                child = node[key]
+                if child.__class__ in _CONTAINERS or child is None:
+                    walk(child, prefix + text)
+                elif position < count and leaves[position] is child:  # leaf(), inline
+                    paths.append(prefix + text)
+                    position += 1
+                else:
+                    raise _NotPlain
+        elif kind is list or kind is tuple:
+            for index, child in enumerate(node):
+                walk(child, f"{prefix}[{index}]")
+        elif node is not None:
+            leaf(node, prefix)
+
+    try:
+        walk(tree, "")
+    except (_NotPlain, TypeError, RecursionError):
+        return None  # a node jax flattens differently (a registered type, say)
+    return paths if position == count else None
+
+
+class _NotPlain(Exception):
+    """``plain_paths`` met a node it does not know, or leaves other than jax's."""
+
+
+_CONTAINERS = frozenset({dict, list, tuple})
 
 
 def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:
     """``(tree path, what the leaf asks for)`` of every leaf of ``like``, and its treedef;
     TypeError listing every leaf that describes no array."""
-    like_leaves, like_treedef = jax.tree_util.tree_flatten_with_path(like)
+    leaves, like_treedef = jax.tree_util.tree_flatten(like)
+    paths = plain_paths(like, leaves)
+    if paths is None:
+        with_paths = jax.tree_util.tree_flatten_with_path(like)[0]
+        # jax.tree_util.keystr(key_path), without its call: this runs once per leaf.
+        paths = ["".join(map(str, key_path)) for key_path, _ in with_paths]
     targets: list[tuple[str, Target]] = []
     bad_like: list[str] = []
-    for key_path, leaf in like_leaves:
-        path = jax.tree_util.keystr(key_path)
-        target = target_of(leaf)
+    abstract, new = jax.ShapeDtypeStruct, tuple.__new__
+    target: Target | None
+    for path, leaf in zip(paths, leaves, strict=True):
+        if type(leaf) is abstract:  # the usual like leaf (jax.eval_shape, nnx.eval_shape)
+            target = new(Target, ("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding))
+        else:
+            target = target_of(leaf)
         if target is None:
             bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
         else:
@@ -179,18 +265,32 @@ def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf], *,
     ``partial`` (like is a subtree of what was saved) saved leaves outside like are not
     differences: they are simply not read."""
     problems = []
-    like_paths = set()
+    missing = False
+    names: dict[Any, str] = {}  # dtype_name of each like dtype, asked once per dtype
     for path, target in targets:
-        like_paths.add(path)
-        entry = saved.get(path)
-        if entry is None:
+        # Item access rather than calls (saved.get): this loop runs once per leaf.
+        if path not in saved:
+            missing = True
             problems.append(f"{path}: missing from checkpoint (like has {target.describe()})")
-        elif mismatch(target, entry):
+            continue
+        entry = saved[path]
+        # mismatch(), spelled out for the usual leaf.
+        if target.target == "python":
+            differs = mismatch(target, entry)
+        else:
+            dtype = target.dtype
+            if dtype not in names:
+                names[dtype] = dtype_name(dtype)
+            differs = entry.shape != target.shape or entry.dtype != names[dtype]
+        if differs:
             problems.append(f"{path}: expected {target.describe()}, checkpoint has "
                             f"{entry.describe()}")
-    for path, entry in saved.items():
-        if not partial and path not in like_paths:
-            problems.append(f"{path}: not in like (checkpoint has {entry.describe()})")
+    if not partial:
+        like_paths = {path for path, _ in targets}
+        # Every like path is saved: the saved ones outside like are the surplus, if any.
+        if missing or len(like_paths) != len(saved):
+            problems.extend(f"{path}: not in like (checkpoint has {entry.describe()})"
+                            for path, entry in saved.items() if path not in like_paths)
     # Sorted by path so that related problems (a renamed subtree) read side by side.
     return sorted(problems)
 
@@ -337,6 +437,7 @@ def _overlaps(chunk: tuple[slice, ...], part: tuple[slice, ...], shape: tuple[in
 def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,
                 pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
                 on_host: Callable[[str, np.ndarray], None] | None = None,
+                meanwhile: Callable[[], None] | None = None,
                 ) -> dict[str, Any] | None:
     """What Orbax's restore returns for ``restore_args``, read through ``files`` (zarr_io
     with O_DIRECT on a local disk, GETs on an object store) on ``pool``'s threads; None
@@ -352,7 +453,10 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
 
     ``on_host(name, array)`` is called, on the calling thread, for each array restored to
     the host (a pack) as soon as it is read, while the rest is still being read: the
-    backend cuts and places a pack's leaves meanwhile (``Unpacker.take``).
+    backend cuts and places a pack's leaves meanwhile (``Unpacker.take``), in the order
+    the reads finish. ``meanwhile()`` is called, on the calling thread, once every read is
+    queued and before the first ``on_host``: work of the caller's that needs no data
+    (``Unpacker.prepare``) runs while the files are read.
     """
     if not all(STORAGE_NAME.match(name) for name in restore_args):
         return None
@@ -391,12 +495,28 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
 
     jobs.sort(key=lambda job: -prod(job[2]) * job[3].itemsize)  # largest first
     arrays = dict(grids)
-    for name, data in pool.map(read, jobs):  # in job order, each as soon as it is read
-        if data is not None:
-            arrays[name] = data
-            if on_host is not None and not isinstance(restore_args[name],
-                                                      ocp.ArrayRestoreArgs):
-                on_host(name, data)
+    futures = [pool.submit(read, job) for job in jobs]
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        # In the order the reads finish, not the order they started: a pack read early is
+        # unpacked at once, not after the packs ahead of it in the queue.
+        for future in concurrent.futures.as_completed(futures):
+            name, data = future.result()
+            if data is not None:
+                arrays[name] = data
+                if on_host is not None and not isinstance(restore_args[name],
+                                                          ocp.ArrayRestoreArgs):
+                    on_host(name, data)
+    finally:
+        for future in futures:  # after a failure: the reads not started yet never start
+            future.cancel()
+    return _placed(restore_args, arrays)
+
+
+def _placed(restore_args: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """What ``read_native`` returns from the host arrays it read: each array that
+    ``restore_args`` sends to devices placed there, the others as they are."""
     restored: dict[str, Any] = {}
     placed: list[tuple[str, np.ndarray, Any]] = []
     for name, args in restore_args.items():
@@ -419,34 +539,85 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
 class Unpacker:
     """The stored data of every target of one read, gathered pack by pack.
 
-    A pack's leaves are cut out of it and placed on their devices as soon as the pack is
-    read (``take``, called by ``read_native`` while the other packs are still being read),
-    so that this per-leaf work overlaps the reading instead of following it; ``finish``
-    does the rest (packs not taken yet, leaves stored as arrays of their own).
+    ``prepare`` works out, for each packed leaf, its pack and where it goes; it needs no
+    data, and runs while the packs are read (``read_native``'s ``meanwhile``). A pack's
+    leaves are cut out of it and placed on their devices as soon as the pack is read
+    (``take``, called by ``read_native`` while the other packs are still being read), so
+    that this per-leaf work overlaps the reading instead of following it; ``finish`` does
+    the rest (packs not taken yet, leaves stored as arrays of their own).
     Concurrency contract: used by one thread (the one that reads), for one read.
     """
 
     def __init__(self, directory: str, targets: list[tuple[str, Target]],
-                 saved: dict[str, SavedLeaf], placements: dict[str, jax.sharding.Sharding]):
+                 saved: dict[str, SavedLeaf], placements: dict[str, jax.sharding.Sharding],
+                 shardings: Shardings):
         self._directory = directory
         self._targets = targets
         self._saved = saved
-        self._placements = placements
+        self._placements = placements  # of the leaves that are not packed
+        self._shardings = shardings
         self._values: list[Any] = [None] * len(targets)
-        # Pack name -> (slot, path, target, saved leaf, offset) of each leaf in it, in tree
-        # order.
-        self._members: dict[str, list[tuple[int, str, Target, SavedLeaf, int]]] = {}
-        for slot, (path, target) in enumerate(targets):
-            entry = saved[path]
-            if entry.offset is not None:
-                self._members.setdefault(entry.name, []).append(
-                    (slot, path, target, entry, entry.offset))
+        # Pack name -> (slot, path, target, saved leaf, offset, where it goes: None for a
+        # host target, whether it is the usual leaf: see _prepare) of each leaf in it, in
+        # tree order; filled by prepare.
+        self._members: dict[str, list[tuple[int, str, Target, SavedLeaf, int,
+                                            jax.sharding.Sharding | None, bool]]] = {}
+        self.converted: list[int] = []  # slots to_like_leaves converts (keys, host targets)
+        self._prepared = False
         self._taken: set[str] = set()
         # Whether each sharding is held by this process alone, asked once per sharding (a
         # state's leaves share a few; asking costs microseconds).
         self._local: dict[jax.sharding.Sharding, bool] = {}
         self._last_local: jax.sharding.Sharding | None = None  # the last one held alone
         self._failed: Exception | None = None  # what take() could not do (see take)
+
+    def prepare(self) -> None:
+        """Each packed leaf's pack and placement, and which leaves ``to_like_leaves``
+        converts. Once; a failure is kept and raised by ``finish`` (like ``take``'s)."""
+        if self._prepared or self._failed is not None:
+            return
+        self._prepared = True
+        try:
+            self._prepare()
+        except Exception as error:  # noqa: BLE001 - raised by finish, outside the read
+            self._failed = error
+
+    def _prepare(self) -> None:
+        saved, members, converted = self._saved, self._members, self.converted
+        shardings, local = self._shardings, self._local
+        # Equal shardings made one object, so that ``is`` finds them alike below and in
+        # ``_orbax_place`` (a sharding's hash and equality are Python code).
+        same: dict[jax.sharding.Sharding, jax.sharding.Sharding] = {}
+        default = last = None
+        last_local = False
+        for slot, (path, target) in enumerate(self._targets):
+            entry = saved[path]
+            jax_target = target.target == "jax"
+            if entry.kind == "key" or not jax_target:
+                converted.append(slot)
+            offset = entry.offset
+            if offset is None:
+                continue
+            sharding = None
+            usual = False  # an array of its own dtype going to this process's devices
+            if jax_target:
+                # The usual leaf spelled out (this loop runs once per leaf).
+                sharding = target.sharding
+                if entry.kind == "key":
+                    sharding = shardings.of(path, target, entry)
+                elif sharding is None:
+                    sharding = default = default or shardings.default()
+                if sharding is not last:
+                    sharding = same.setdefault(sharding, sharding)
+                    last = sharding
+                    last_local = local.get(sharding)  # type: ignore[assignment]
+                    if last_local is None:
+                        last_local = local[sharding] = sharding.is_fully_addressable
+                usual = last_local and entry.kind == "array" and entry.data_dtype is None
+            name = entry.name
+            if name not in members:
+                members[name] = []
+            members[name].append((slot, path, target, entry, offset, sharding, usual))
 
     def take(self, name: str, pack: Any) -> None:
         """Cut the leaves of the pack ``name`` out of ``pack`` (as read) and place them;
@@ -455,6 +626,7 @@ class Unpacker:
         Runs inside the read, where any failure means a damaged checkpoint: a failure here
         (placing on a device that is out of memory, say) is kept and raised by ``finish``
         instead, as it is, so that a valid checkpoint is never taken for a damaged one."""
+        self.prepare()
         if self._failed is not None:
             return
         try:
@@ -473,47 +645,45 @@ class Unpacker:
                 f"{directory}/{ARRAYS_DIR}/{name} has shape {np.shape(pack)}, not the "
                 "1-D pack tree.json describes. Fix: restore an older checkpoint.")
         found = (pack, pack.shape[0], pack.dtype.name)
-        batch_slots: list[int] = []
-        batch_data: list[np.ndarray] = []
-        batch_shardings: list[jax.sharding.Sharding] = []
-        placements, length, dtype = self._placements, found[1], found[2]
-        for slot, path, target, entry, offset in members:
+        # (slot, data, sharding) of each leaf placed in this pack's batch.
+        batch: list[tuple[int, np.ndarray, jax.sharding.Sharding]] = []
+        add = batch.append
+        length, dtype = found[1], found[2]
+        for slot, path, target, entry, offset, sharding, usual in members:
             # The usual leaf first, spelled out (this loop runs once per leaf): an array of
-            # the pack's dtype going to a sharding already known to be this process's alone.
-            sharding = placements.get(path)
-            if (sharding is not None and sharding is self._last_local
-                    and entry.kind == "array" and entry.data_dtype is None
-                    and entry.dtype == dtype and target.target == "jax"):
+            # the pack's dtype going to a sharding of this process's alone.
+            if usual and entry.dtype == dtype:
                 shape = entry.shape
                 count = prod(shape)
-                if offset + count <= length:
-                    batch_slots.append(slot)
-                    batch_data.append(pack[offset:offset + count].reshape(shape))
-                    batch_shardings.append(sharding)
+                if offset + count <= length and sharding is not None:  # (it is: usual)
+                    add((slot, pack[offset:offset + count].reshape(shape), sharding))
                     continue
             as_bytes = entry.data_dtype is not None and entry.kind == "array"
             data = _cut(directory, path, entry, offset, found, as_bytes)
             if as_bytes:
                 data = from_bytes(data, entry)
-            value = self._host_value(path, target, data)
-            if value is None:
-                batch_slots.append(slot)
-                batch_data.append(data)
-                batch_shardings.append(self._placements[path])
+            value = self._host_value(target, data, sharding)
+            if value is None and sharding is not None:
+                add((slot, data, sharding))
             self._values[slot] = value
+        if not batch:
+            return
         # One batch per pack (``_orbax_place``: the cheap way where it applies). On CPU jax
         # adopts each leaf's memory in its pack (aligned by the writer) as it is, no copy:
         # a pack's memory is then freed once the last of its leaves is.
-        for slot, value in zip(batch_slots, place(batch_data, batch_shardings), strict=True):
-            self._values[slot] = value
+        slots, data_list, sharding_list = zip(*batch, strict=True)
+        values = self._values
+        for slot, value in zip(slots, place(list(data_list), list(sharding_list)),
+                               strict=True):
+            values[slot] = value
 
-    def _host_value(self, path: str, target: Target, data: np.ndarray) -> Any:
+    def _host_value(self, target: Target, data: np.ndarray,
+                    sharding: jax.sharding.Sharding | None) -> Any:
         """What a leaf cut or viewed on the host becomes, but for jax leaves this process
-        places alone (None: the caller places those in one batch)."""
-        if target.target != "jax":
+        places alone (None: the caller places those, on ``sharding``, in one batch)."""
+        if target.target != "jax" or sharding is None:
             # A copy: a view would keep the whole pack alive as long as this leaf.
             return data.copy() if target.target == "numpy" else data
-        sharding = self._placements[path]
         if sharding is self._last_local:  # most leaves share one sharding object
             return None
         addressable = self._local.get(sharding)
@@ -530,6 +700,7 @@ class Unpacker:
         by storage name): unpacked leaves as Orbax restored them; packed ones cut out of
         their pack, arrays stored as bytes viewed as their dtype, and those two, for jax
         targets, placed on their sharding."""
+        self.prepare()
         if self._failed is not None:
             raise self._failed
         for name in self._members:
@@ -538,6 +709,7 @@ class Unpacker:
         values, directory = self._values, self._directory
         batch_slots: list[int] = []
         batch_data: list[np.ndarray] = []
+        batch_shardings: list[jax.sharding.Sharding] = []
         for slot, (path, target) in enumerate(self._targets):
             entry = self._saved[path]
             if entry.offset is not None:
@@ -552,13 +724,13 @@ class Unpacker:
                     f"{data.dtype}, not the bytes of leaf {path} ({entry.stored_shape} "
                     "uint8). Fix: restore an older checkpoint.")
             data = from_bytes(data, entry)
-            values[slot] = self._host_value(path, target, data)
-            if values[slot] is None:
+            sharding = self._placements.get(path)
+            values[slot] = self._host_value(target, data, sharding)
+            if values[slot] is None and sharding is not None:
                 batch_slots.append(slot)
                 batch_data.append(data)
-        placed = place(batch_data, [self._placements[self._targets[slot][0]]
-                                    for slot in batch_slots])
-        for slot, value in zip(batch_slots, placed, strict=True):
+                batch_shardings.append(sharding)
+        for slot, value in zip(batch_slots, place(batch_data, batch_shardings), strict=True):
             values[slot] = value
         return values
 
@@ -584,13 +756,16 @@ def _cut(directory: str, path: str, entry: SavedLeaf, offset: int,
 
 
 def to_like_leaves(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
-                   values: list[Any], move_after: dict[str, jax.sharding.Sharding]) -> list[Any]:
+                   values: list[Any], move_after: dict[str, jax.sharding.Sharding],
+                   converted: list[int] | None = None) -> list[Any]:
     """The leaves of ``like``, in order, from the stored data of each target (``Unpacker``):
     keys wrapped (and moved where their data's sharding could not be derived), numpy and
-    Python targets converted to their types."""
-    leaves = []
-    for (path, target), value in zip(targets, values, strict=True):
-        entry = saved[path]
+    Python targets converted to their types. ``converted``: the only slots that may need
+    it (``Unpacker.converted``); the others are ``values``' as they are. ``values`` is
+    changed in place and returned."""
+    for slot in range(len(targets)) if converted is None else converted:
+        path, target = targets[slot]
+        entry, value = saved[path], values[slot]
         if entry.kind == "key":
             value = jax.random.wrap_key_data(value, impl=entry.impl)
             if path in move_after:
@@ -601,5 +776,5 @@ def to_like_leaves(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf
             value = np.asarray(value, dtype=target.dtype)[()]
         elif target.target == "python":
             value = target.dtype(np.asarray(value).item())
-        leaves.append(value)
-    return leaves
+        values[slot] = value
+    return values

@@ -307,26 +307,14 @@ def read_tree_json(root: epath.Path, directory: str) -> dict[str, SavedLeaf]:
             "Orbax backend wrote completely.")
     document = parse_tree_record(tree_file.read_bytes(), directory)
     try:
-        entries = [SavedLeaf.from_json(entry) for entry in document["leaves"]]
-        checked: set[str] = set()  # packed leaves share a few names: match each once
-        for entry in entries:
-            # A storage name becomes a path under arrays/: only names this backend makes.
-            if type(entry.name) is str and entry.name in checked:
-                continue
-            if not isinstance(entry.name, str) or not STORAGE_NAME.match(entry.name):
-                raise ValueError(f"leaf {entry.path!r} has storage name {entry.name!r}, which is "
-                                 "not one this backend writes (leaf_N or pack_DTYPE_N); "
-                                 "refusing a name that could point outside the checkpoint")
-            checked.add(entry.name)
-        check_packs(entries, document.get("packs") or [])
+        return parse_leaves(document["leaves"], document.get("packs") or [])
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointCorruptError(f"{directory}/{TREE_FILE} is unreadable: {error}") \
             from error
-    return {entry.path: entry for entry in entries}
 
 
-def check_packs(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> None:
-    """Every packed leaf names a listed pack of its stored dtype and lies inside it."""
+def _listed_packs(packs: list[dict[str, Any]]) -> dict[str, tuple[np.dtype, int]]:
+    """tree.json's list of packs, checked: name -> (dtype, size in elements)."""
     listed: dict[str, tuple[np.dtype, int]] = {}
     for pack in packs:
         name, size = pack["name"], pack["size"]
@@ -336,24 +324,62 @@ def check_packs(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> None:
         if type(size) is not int or size < 0:
             raise ValueError(f"pack {name} has size {size!r}, not an integer >= 0")
         listed[name] = (np.dtype(pack["dtype"]), size)
-    for entry in entries:
-        offset = entry.offset
+    return listed
+
+
+def parse_leaves(leaves: list[dict[str, Any]], packs: list[dict[str, Any]],
+                 ) -> dict[str, SavedLeaf]:
+    """tree.json's leaves by tree path, checked: every storage name one this backend
+    makes (it becomes a path under arrays/), every packed leaf inside a listed pack of its
+    stored dtype. ValueError, KeyError or TypeError for anything else.
+
+    One pass, the usual entry spelled out: it runs once per saved leaf, and a restore of
+    many small leaves reads tens of thousands (docs/performance.md, Tenth round (leaves))."""
+    listed = _listed_packs(packs)
+    checked: set[str] = set()  # packed leaves share a few names: match each once
+    saved: dict[str, SavedLeaf] = {}
+    new, stored_dtype_of = _new_tuple, _stored_dtype
+    for entry in leaves:
+        # ``key in entry`` and ``entry[key]`` rather than entry.get(key): no call.
+        name = entry["name"]
+        offset = entry["offset"] if "offset" in entry else None
+        data_shape = entry["data_shape"] if "data_shape" in entry else None
+        if name not in checked:
+            if not isinstance(name, str) or not STORAGE_NAME.match(name):
+                raise ValueError(f"leaf {entry.get('path')!r} has storage name {name!r}, "
+                                 "which is not one this backend writes (leaf_N or "
+                                 "pack_DTYPE_N); refusing a name that could point outside "
+                                 "the checkpoint")
+            checked.add(name)
+        # Positional, in field order: the keyword constructor costs twice as much.
+        leaf = new(SavedLeaf, (
+            entry["path"], name, entry["kind"], tuple(entry["shape"]), entry["dtype"],
+            entry["impl"] if "impl" in entry else None,
+            None if data_shape is None else tuple(data_shape),
+            entry["data_dtype"] if "data_dtype" in entry else None,
+            entry["python_type"] if "python_type" in entry else None, offset))
+        saved[leaf.path] = leaf
         if offset is None:  # not packed
             continue
-        if entry.name not in listed:
-            raise ValueError(f"leaf {entry.path} is packed into {entry.name}, which is not in "
+        if type(offset) is not int or offset < 0:
+            raise ValueError(f"leaf {leaf.path!r} has offset {offset!r}, not an "
+                             "integer >= 0")
+        if name not in listed:
+            raise ValueError(f"leaf {leaf.path} is packed into {name}, which is not in "
                              "the list of packs")
-        dtype, size = listed[entry.name]
-        # stored_shape and stored_dtype spelled out: this runs once per saved leaf.
-        kind, data_dtype = entry.kind, entry.data_dtype
+        found = listed[name]
+        # stored_shape and stored_dtype spelled out.
+        kind, data_dtype = leaf.kind, leaf.data_dtype
         if kind == "key" or (kind == "array" and data_dtype is not None):
-            stored_shape, stored_dtype = tuple(entry.data_shape or ()), data_dtype
+            stored_shape, stored_dtype = leaf.data_shape or (), data_dtype
         else:
-            stored_shape, stored_dtype = entry.shape, entry.dtype
+            stored_shape, stored_dtype = leaf.shape, leaf.dtype
         count = prod(stored_shape)
         if type(count) is not int or count < 0:
-            raise ValueError(f"leaf {entry.path} has stored shape {stored_shape!r}, "
+            raise ValueError(f"leaf {leaf.path} has stored shape {stored_shape!r}, "
                              "not a shape of integers >= 0")
-        if offset + count > size or dtype != _stored_dtype(stored_dtype):
-            raise ValueError(f"leaf {entry.path} ({count} x {stored_dtype} at element "
-                             f"{offset}) does not fit pack {entry.name} ({size} x {dtype})")
+        dtype, size = found
+        if offset + count > size or dtype != stored_dtype_of(stored_dtype):
+            raise ValueError(f"leaf {leaf.path} ({count} x {stored_dtype} at element "
+                             f"{offset}) does not fit pack {name} ({size} x {dtype})")
+    return saved

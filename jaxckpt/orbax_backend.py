@@ -136,6 +136,14 @@ def _started(pool: concurrent.futures.ThreadPoolExecutor | None, workers: int,
                                                      thread_name_prefix=prefix)
     return pool
 
+def _write_local_native(root: epath.Path, tree_json: str | None,
+                        native: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
+    """The writer thread's half of an async write through zarr_io."""
+    if tree_json is not None:
+        write_durably(root / TREE_FILE, tree_json)
+    return native(root)
+
+
 class OrbaxBackend:
     """Writes and reads JAX pytrees with Orbax (see the module docstring for the layout).
 
@@ -323,7 +331,7 @@ class OrbaxBackend:
                     self._writer = concurrent.futures.ThreadPoolExecutor(
                         max_workers=1, thread_name_prefix="jaxckpt-orbax-write")
                 # Several processes: the primary wrote tree.json above.
-                work = (functools.partial(self._write_local_native, root,
+                work = (functools.partial(_write_local_native, root,
                                           tree_json if local else None, native)
                         if native else
                         functools.partial(self._write_local, root, tree_json, save_args))
@@ -351,14 +359,6 @@ class OrbaxBackend:
         """
         write_durably(root / TREE_FILE, tree_json)
         self._background.save(root / ARRAYS_DIR, args=save_args)
-
-    @staticmethod
-    def _write_local_native(root: epath.Path, tree_json: str | None,
-                            native: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
-        """The writer thread's half of an async write through zarr_io."""
-        if tree_json is not None:
-            write_durably(root / TREE_FILE, tree_json)
-        return native(root)
 
     def attach_storage(self, storage: Storage) -> None:
         """Write and read URLs of ``storage`` (an object-store root) natively through it."""
@@ -483,20 +483,25 @@ class OrbaxBackend:
                 _orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
                 return jax.tree_util.tree_unflatten(like_treedef, [])
             arrays_dir = _orbax_read.arrays_dir(root, directory)
-            restore_args, placements, move_after = _orbax_read.restore_args_for(targets,
-                                                                                saved)
+            shardings = _orbax_read.Shardings()
+            restore_args, placements = _orbax_read.restore_args_for(targets, saved,
+                                                                    shardings)
             _orbax_read.limit_claims(claims, directory, arrays_dir, restore_args,
                                      partial=partial)
-            unpacker = _orbax_read.Unpacker(directory, targets, saved, placements)
+            # The per-leaf work that needs no data (prepare) runs while the files are read.
+            unpacker = _orbax_read.Unpacker(directory, targets, saved, placements, shardings)
             restored = self._restore(directory, arrays_dir, restore_args, claims,
-                                     partial=partial, on_host=unpacker.take)
+                                     partial=partial, on_host=unpacker.take,
+                                     meanwhile=unpacker.prepare)
             values = unpacker.finish(restored)
-            leaves = _orbax_read.to_like_leaves(targets, saved, values, move_after)
+            leaves = _orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
+                                                unpacker.converted)
             return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
                  claims: ReadClaims | None, *, partial: bool = False,
-                 on_host: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+                 on_host: Callable[[str, Any], None] | None = None,
+                 meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where
         ``native_io`` applies and the files are in its layout (``on_host`` told of each
         host array as it arrives: ``_orbax_read.read_native``), else by Orbax (told, with
@@ -508,7 +513,7 @@ class OrbaxBackend:
             if files is not None:
                 restored = _orbax_read.read_native(
                     os.fspath(arrays_dir), restore_args, claims, pool=self._readers(),
-                    files=files, on_host=on_host)
+                    files=files, on_host=on_host, meanwhile=meanwhile)
             if claims is not None:
                 claims.close()
             if restored is None and files is not None and files is self._remote:
