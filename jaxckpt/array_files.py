@@ -194,14 +194,15 @@ class StorageArrayFiles:
     def finish(self, base: str, final: str) -> None:
         """Nothing to move: the objects are at their names, and only the checkpoint's commit
         marker (written later, by the store) makes them count. Waits for the small files
-        still being sent (``write_small``)."""
-        self._wait_sent(base)
+        still being sent (``write_small``) below the directory that holds ``base`` (the
+        state directory: its ``tree.json`` goes up beside ``arrays/``)."""
+        self._wait_sent(base.rsplit("/", 1)[0])
 
     def abandon(self, base: str) -> None:
         """Left to the manager, which removes an uncommitted checkpoint whole; the small
         files still being sent are waited for first, so that none lands after."""
         with contextlib.suppress(Exception):
-            self._wait_sent(base)
+            self._wait_sent(base.rsplit("/", 1)[0])
 
     def chunk_offset(self, array: np.ndarray, base: str) -> int:
         return 0  # no O_DIRECT on a network write: tensorstore's own layout

@@ -642,6 +642,56 @@ def test_small_objects_of_a_save_do_not_wait_on_the_chunk_threads(root, options)
         assert mgr.store.verify(report.path) == []
 
 
+def test_a_sync_save_sends_its_small_objects_while_the_chunks_go_up(root, options):
+    """Of what a sync save writes, only the commit (its listing and the marker) waits for
+    the last chunk: Orbax's three metadata files and tree.json are each in flight while a
+    chunk PUT is, and driver.json while the write's requests are (they went up one round
+    trip each in line, before the first chunk or after the last). Through a proxy that
+    delays every answer, so that requests sent one after the other are never in flight
+    together; the assertions count requests in flight, not time."""
+    rng = np.random.default_rng(6)
+    state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)
+             for i in range(2)}
+    proxy = FaultProxy(options["endpoint_url"], rates={"slow": 1.0}, slow_s=0.1)
+    lock = threading.Lock()
+    flying: set[str] = set()
+    overlapped: dict[str, set[str]] = {}  # request -> those in flight while it was
+
+    def start(event_name: str, params: dict, **kwargs) -> None:
+        key = params.get("Key", params.get("Prefix", ""))
+        if "/step_" in key:
+            name = f"{event_name.rsplit('.', 1)[-1]} {key.split('/step_00000001', 1)[1]}"
+            threading.current_thread().jaxckpt_request = name  # type: ignore[attr-defined]
+            with lock:
+                for other in flying:
+                    overlapped.setdefault(other, set()).add(name)
+                overlapped.setdefault(name, set()).update(flying)
+                flying.add(name)
+
+    def end(**kwargs) -> None:
+        with lock:
+            flying.discard(getattr(threading.current_thread(), "jaxckpt_request", ""))
+
+    try:
+        with manager(root, {**options, "endpoint_url": proxy.url}, mode="sync") as mgr:
+            events = mgr.store.storage.client.meta.events
+            events.register("before-parameter-build.s3", start)
+            events.register("after-call.s3", end)
+            report = mgr.save(step(1), state)
+            events.unregister("before-parameter-build.s3", start)
+            events.unregister("after-call.s3", end)
+            assert mgr.store.verify(report.path) == []
+    finally:
+        proxy.close()
+    chunks = {name for name in overlapped if "/c/" in name}
+    assert len(chunks) == 2, overlapped
+    for name in ("arrays/_METADATA", "arrays/_CHECKPOINT_METADATA",
+                 "arrays/commit_success.txt", "tree.json"):
+        assert overlapped[f"PutObject /state/{name}"] & chunks, (name, overlapped)
+    assert overlapped["PutObject /driver.json"], overlapped
+    assert not overlapped["PutObject /COMMITTED"], overlapped
+
+
 def test_a_chunk_put_carries_the_checksum_the_manifest_records(root, options):
     """Each chunk object goes up with the crc32c the writer computed of the bytes it sent
     (``x-amz-checksum-crc32c``: S3 refuses a body that does not match, and botocore
