@@ -233,20 +233,20 @@ class StorageArrayFiles:
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
                     offset: int) -> tuple[int, str]:
-        # The object is built in one buffer (one copy of the array): a PUT needs its bytes,
-        # and its checksum is taken from exactly the bytes sent.
+        # The object is the array's bytes then the shard index, sent from where they are
+        # (``Storage.write_joined``: a copy into one fresh buffer cost here about the CPU
+        # of the PUT itself); its checksum is taken from exactly those bytes.
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         index = zarr_io.shard_index(flat.size, offset)
-        image = bytearray(offset + flat.size + len(index))
-        view = np.frombuffer(image, np.uint8)
-        view[offset:offset + flat.size] = flat
-        view[offset + flat.size:] = np.frombuffer(index, np.uint8)
-        crc = extend(algorithm, 0, view)
+        pieces = [bytes(offset), memoryview(flat), index]
+        crc = 0
+        for piece in pieces:
+            crc = extend(algorithm, crc, piece)
         if algorithm == "crc32c":  # the server checks what it received against it
-            self.storage.write_checked(path, image, crc32c=crc)
+            self.storage.write_joined(path, pieces, crc32c=crc)
         else:
-            self.storage.write(path, image)
-        return len(image), f"{crc:08x}"
+            self.storage.write(path, b"".join(pieces))
+        return offset + flat.size + len(index), f"{crc:08x}"
 
     def read_small(self, path: str, limit: int) -> bytes:
         return self.storage.read(path, length=limit)
