@@ -14,11 +14,18 @@ def pieces() -> list:
     return [b"", memoryview(np.arange(10, dtype=np.uint8)), b"", b"abc"]
 
 
+def _read_all(reader: JoinedReader, size: int) -> bytes:
+    chunks = []
+    while chunk := reader.read(size):
+        chunks.append(bytes(chunk))
+    return b"".join(chunks)
+
+
 def test_reads_in_any_sizes_give_the_concatenation_and_then_empty_bytes():
     want = bytes(range(10)) + b"abc"
     for size in (1, 3, 4, 100):
         reader = JoinedReader(pieces())
-        got = b"".join(bytes(chunk) for chunk in iter(lambda: reader.read(size), b""))
+        got = _read_all(reader, size)
         assert got == want, size
         assert reader.read(5) == b"" and reader.tell() == len(want) == len(reader)
 
