@@ -238,7 +238,7 @@ class StorageArrayFiles:
         # of the PUT itself); its checksum is taken from exactly those bytes.
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         index = zarr_io.shard_index(flat.size, offset)
-        pieces = [bytes(offset), memoryview(flat), index]
+        pieces: list[bytes | memoryview] = [bytes(offset), flat.data, index]
         crc = 0
         for piece in pieces:
             crc = extend(algorithm, crc, piece)

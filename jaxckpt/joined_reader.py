@@ -48,7 +48,7 @@ class JoinedReader(io.RawIOBase):
         self._position = base + offset
         return self._position
 
-    def read(self, size: int | None = -1) -> bytes | memoryview:  # type: ignore[override]
+    def read(self, size: int | None = -1) -> bytes | memoryview:
         if size is None or size < 0:  # everything left: one copy, as a plain file gives
             return b"".join(self._rest())
         start = self._position
