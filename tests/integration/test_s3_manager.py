@@ -543,7 +543,7 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
                  recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1),
                                                keep_last_n=None)) as mgr:
         mgr.save(step(1), state)
-        mgr.wait()  # the first save's retention runs in the background: not counted
+        mgr.wait()  # the first save's retention (background) is not the second save's
         stop = _recording(mgr.store.storage, calls)
         mgr.save(step(2), state)
         mgr.wait()
@@ -552,12 +552,13 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
     chunks = sum(op == "PutObject" and "/c/" in key for op, key in save)
     assert chunks == arrays, save
     # A zarr.json and a chunk per array, 3 Orbax metadata files, tree.json, driver.json,
-    # the marker; 7 listings (room: the root, items, the step, its state/; the commit's;
-    # retention: the root, items) and pins.json. No HEAD: retention knows the markers
-    # this process wrote.
+    # the marker; 5 listings (room: the step, its state/; the commit's; retention: the
+    # root, items) and pins.json. No HEAD: retention knows the markers this process wrote.
+    # (Counted from the end of the first save's retention: before, whether its two
+    # listings fell inside the count depended on the threads' timing, 2A + 12 or 14.)
     assert sum(op == "PutObject" for op, _ in save) == 2 * arrays + 6, save
     assert not [c for c in save if c[0] == "HeadObject"], save
-    assert len(save) == 2 * arrays + 14, "\n".join(map(str, save))
+    assert len(save) == 2 * arrays + 12, "\n".join(map(str, save))
     calls.clear()
     with manager(root, options) as mgr:
         stop = _recording(mgr.store.storage, calls)
