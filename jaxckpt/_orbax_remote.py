@@ -5,7 +5,8 @@ native write a save gets there (``writer_for``)
 (``files_for``: zarr_io on a local disk, the attached storage for a URL, none where Orbax
 does the work), the directory as a path object (``path_for``), the checks that keep
 object-store locations on the native path (``check_arrays``) and the error for a checkpoint
-it cannot read there (``refuse_foreign``). Orbax 0.12 cannot write ``s3://`` (it finalizes
+it cannot read there (``refuse_foreign``), and how ``tree.json`` is written there
+(``write_tree``). Orbax 0.12 cannot write ``s3://`` (it finalizes
 by renaming directories, and it creates a local ``./s3:`` directory), so on an object store
 every array goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout (each
 process its own shards): dtypes zarr_io stores, shards on a regular grid. Anything else
@@ -19,6 +20,7 @@ Concurrency contract: stateless functions; safe from any thread.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any, Callable
 
 import jax
@@ -28,6 +30,8 @@ from etils import epath
 from jaxckpt import zarr_io
 from jaxckpt._orbax_options import OrbaxOptions
 from jaxckpt._orbax_shards import native_writer
+from jaxckpt._orbax_tree import TREE_FILE
+from jaxckpt._orbax_write import write_durably
 from jaxckpt.array_files import (
     ArrayFiles,
     LocalArrayFiles,
@@ -38,7 +42,7 @@ from jaxckpt.array_files import (
 from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
 
 __all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign", "refuse_uneven",
-           "writer_for"]
+           "write_tree", "writer_for"]
 
 
 def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
@@ -125,3 +129,16 @@ def refuse_foreign(directory: str) -> None:
         f"{directory}: its arrays are not stored in the single-chunk zarr3 layout jaxckpt "
         f"reads from object storage (written by another tool, or damaged). Copy it to a "
         f"local disk to read it with Orbax, or restore another checkpoint.")
+
+
+def write_tree(remote: StorageArrayFiles | None, root: Any, directory: str, tree_json: str,
+               *, alongside: bool) -> None:
+    """Write ``tree.json`` into the state directory ``root``. On an object store, when the
+    native write of arrays follows (``alongside``), it is sent on the small-object threads
+    (``StorageArrayFiles.write_small``) and that write's ``finish`` waits for it: a round
+    trip the first chunk upload no longer waits for. Elsewhere complete or absent after a
+    crash, before returning (``write_durably``)."""
+    if alongside and remote is not None and "://" in directory:
+        remote.write_small(f"{os.fspath(root).rstrip('/')}/{TREE_FILE}", tree_json)
+        return
+    write_durably(root / TREE_FILE, tree_json)

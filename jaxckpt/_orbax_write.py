@@ -19,6 +19,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -335,11 +336,24 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
     # Largest first, so that the threads finish together.
     jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)
     known: dict[str, tuple[int, str]] = {}
+    unstarted = [len(jobs)]
+    unstarted_lock = threading.Lock()
 
     def small(relative: str, text: str) -> None:
         entry = files.write_small(f"{base}/{relative}", text)
         if entry is not None:
             known[relative] = entry
+
+    def orbax_metadata() -> None:
+        # Sent as the last array's write begins, not after it ends: on an object store
+        # each is a round trip that would otherwise follow the data (``write_small``
+        # sends it alongside, and ``finish`` waits for it). The "commit" time Orbax
+        # records is then that of the last array's start; the checkpoint's own commit is
+        # the marker, later still.
+        small("_METADATA", zarr_io.tree_metadata_text(list(arrays)))
+        small("_CHECKPOINT_METADATA",
+              zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
+        small("commit_success.txt", zarr_io.commit_success_text(final))
 
     def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
         # Each array's directories and zarr.json are made on the I/O threads too: a
@@ -357,13 +371,17 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         offset = files.chunk_offset(array, base)
         small(f"{name}/{ZARR_JSON}",
               zarr_io.metadata_text(array.shape, array.dtype.name, offset))
+        with unstarted_lock:
+            unstarted[0] -= 1
+            last = not unstarted[0]
+        if last:
+            orbax_metadata()
         size, crc = files.write_chunk(chunk, array, algorithm=algorithm, offset=offset)
         return relative, size, crc
 
     results = list(pool.map(write, jobs))
-    small("_METADATA", zarr_io.tree_metadata_text(list(arrays)))
-    small("_CHECKPOINT_METADATA", zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
-    small("commit_success.txt", zarr_io.commit_success_text(final))
+    if not jobs:
+        orbax_metadata()
     entries = {relative: (size, crc) for relative, size, crc in results}
     entries.update(known)
     return {f"{ARRAYS_DIR}/{relative}": {"size": size, algorithm: crc}

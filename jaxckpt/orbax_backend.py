@@ -315,9 +315,9 @@ class OrbaxBackend:
             primary = jax.process_index() == 0
             if primary:
                 create_directory(root, directory)
-            if not arrays or not asynchronous or not local:
-                if primary:
-                    write_durably(root / TREE_FILE, tree_json)
+            if (not arrays or not asynchronous or not local) and primary:
+                _orbax_remote.write_tree(self._remote, root, directory, tree_json,
+                                         alongside=bool(arrays) and native is not None)
             if not arrays:  # Orbax refuses an empty tree; tree.json alone describes it.
                 return OrbaxWriteHandle(directory, nbytes)
             save_args = None if native else ocp.args.PyTreeSave(item=arrays)

@@ -44,10 +44,11 @@ import concurrent.futures
 import contextlib
 import random
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .checksum import extend
+from .joined_reader import JoinedReader
 from .storage import ObjectWriter, ReadHolds, RootLease, Storage, object_name
 
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
@@ -259,6 +260,20 @@ class S3Storage(Storage):
         the bytes saved); the parts of a multipart upload go as ``write`` sends them."""
         digest = base64.b64encode(crc32c.to_bytes(4, "big")).decode("ascii")
         self._put(path, data, {"ChecksumCRC32C": digest})
+
+    def write_joined(self, path: str, pieces: Sequence[bytes | bytearray | memoryview], *,
+                     crc32c: int) -> None:
+        """One PUT whose body reads the pieces in place (``JoinedReader``), with their
+        crc32c; joined first where the object is kept (small) or goes up in parts."""
+        key = self.key(path)
+        size = sum(memoryview(piece).nbytes for piece in pieces)
+        if size > MULTIPART_OVER or _SmallObjects.keeps(key, size):
+            super().write_joined(path, pieces, crc32c=crc32c)
+            return
+        self._small.drop(key)
+        digest = base64.b64encode(crc32c.to_bytes(4, "big")).decode("ascii")
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=JoinedReader(pieces),
+                               ContentLength=size, ChecksumCRC32C=digest)
 
     def _put(self, path: str, data: bytes | bytearray, extra: dict[str, str]) -> None:
         key = self.key(path)

@@ -5,10 +5,11 @@ The steps of a save of step S into D = recover/step_S:
 
 1. training thread (``RecoverySaver.save``, this is ``report.blocking_s``): wait for the
    previous save (only one is ever in flight), snapshot the driver state to JSON bytes, let
-   the backend stage the arrays of the checkpoint and of every item version not on disk yet
-   (``backend.write`` returns once the caller may touch its arrays again);
+   the store's pool start writing the driver JSON, let the backend stage the arrays of the
+   checkpoint and of every item version not on disk yet (``backend.write`` returns once the
+   caller may touch its arrays again; a sync write has written them);
 2. background thread, or inline in sync mode (the ``finish`` job handed to the
-   ``SavePipeline``): write the driver JSON, wait for the backend's writes, commit each new
+   ``SavePipeline``): wait for the driver JSON and the backend's writes, commit each new
    item version and then the checkpoint: in multi-process runs every process drops
    ``done.p{i}`` and the primary waits for all of them; the primary checksums and fsyncs every
    file and writes ``COMMITTED`` atomically (``store.commit``);
@@ -41,6 +42,7 @@ import time
 import types
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from . import driver as drv
@@ -51,6 +53,7 @@ from .layout import DRIVER_FILE, STATE_DIR
 from .pipeline import SavePipeline
 from .reports import SaveReport, mark_done
 from .retention import CheckpointFacts, RetentionRules, decide
+from .store import write_file_soon
 
 __all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
 
@@ -126,7 +129,8 @@ class RecoverySaver:
                             reason=reason, tier=self._tier)
         ctx.recover_trigger.mark_saved()
         try:
-            handle, item_writes = self._start_writes(path, state, item_versions, mode)
+            handle, item_writes, driver_sent = self._start_writes(
+                path, state, item_versions, mode, (driver_file, driver_bytes))
         except (CheckpointError, TypeError):
             raise  # bad input (a tree the backend refuses): the caller's to fix, not a write
             # failure
@@ -137,7 +141,7 @@ class RecoverySaver:
         ctx.last["recover"] = report
 
         def finish() -> None:
-            ctx.store.write_file(path, driver_file, driver_bytes)
+            driver_sent.result()
             item_bytes = 0
             for name, version, item_dir, item_handle in item_writes:
                 item_handle.wait()
@@ -183,10 +187,29 @@ class RecoverySaver:
         return DRIVER_FILE, json.dumps(body, separators=(",", ":")).encode()
 
     def _start_writes(self, path: str, state: Any, item_versions: dict[str, tuple[int, Any]],
-                      mode: str) -> tuple[Any, list[tuple[str, int, str, Any]]]:
-        """Training thread: create the directories and stage every write of one save."""
+                      mode: str, driver: tuple[str, bytes],
+                      ) -> tuple[Any, list[tuple[str, int, str, Any]], Future[None]]:
+        """Training thread: create the directories, start the driver file's write (it goes
+        up while the arrays do: on an object store a sync save's data no longer waits for
+        its round trip) and stage every write of one save. On a failure the driver file's
+        write is waited for, and the file of a refused tree removed, before raising."""
         ctx = self._ctx
         ctx.store.storage.make_prefix(path)
+        driver_sent = write_file_soon(ctx.store, path, *driver)
+        try:
+            handle, item_writes = self._start_array_writes(path, state, item_versions, mode)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                driver_sent.result()
+                if isinstance(exc, (CheckpointError, TypeError)):  # nothing else was written
+                    ctx.store.storage.delete(os.path.join(path, driver[0]))
+            raise
+        return handle, item_writes, driver_sent
+
+    def _start_array_writes(self, path: str, state: Any,
+                            item_versions: dict[str, tuple[int, Any]],
+                            mode: str) -> tuple[Any, list[tuple[str, int, str, Any]]]:
+        ctx = self._ctx
         # Item versions no checkpoint has written yet go first; the backend serialises writes,
         # so this costs time only on saves where an item changed.
         item_writes: list[tuple[str, int, str, Any]] = []

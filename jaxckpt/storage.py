@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -122,6 +122,13 @@ class Storage(abc.ABC):
         can send it along (S3: ``x-amz-checksum-crc32c``) has the server check the bytes it
         received against it, and computes no checksum of its own; others just write."""
         self.write(path, data)
+
+    def write_joined(self, path: str, pieces: Sequence[bytes | bytearray | memoryview], *,
+                     crc32c: int) -> None:
+        """``write_checked`` of the concatenation of ``pieces`` (``crc32c``: of all of it).
+        A storage that can send them in turn as one object's bytes does, without joining
+        them (S3: one PUT whose body reads each piece in place); others join them first."""
+        self.write_checked(path, b"".join(pieces), crc32c=crc32c)
 
     @abc.abstractmethod
     def create(self, path: str, data: bytes) -> None:

@@ -76,7 +76,7 @@ from .read_claims import ReadClaims
 from .roots import foreign_entries
 from .storage import PosixStorage, RootLease, RootLock, Storage
 
-__all__ = ["CheckpointStore", "Entry", "Status"]
+__all__ = ["CheckpointStore", "Entry", "Status", "write_file_soon"]
 
 # Names tests (and code outside the package) imported from here before the store was split
 # into layout / manifest / storage / roots; new code imports them from where they live.
@@ -600,3 +600,9 @@ def _summarise(storage: Storage, path: str, rels: list[str],
 
     pool = _pool(storage.concurrent_requests)
     return dict(zip(rels, pool.map(summarise, rels), strict=True))
+
+
+def write_file_soon(store: CheckpointStore, path: str, name: str, data: bytes) -> Future[None]:
+    """``store.write_file``, started on the store's pool: the caller goes on (with the
+    arrays' write) and waits for the returned future before committing."""
+    return _pool(store.storage.concurrent_requests).submit(store.write_file, path, name, data)

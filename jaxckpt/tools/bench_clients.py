@@ -16,8 +16,12 @@ The clients:
   concurrency), every object's write or read issued at once and awaited;
 - ``obstore`` (Rust ``object_store``) when importable: every object's put or get issued
   at once on an event loop and awaited; not a dependency of jaxckpt;
-- ``s3fs``: named when importable, not measured (its aiobotocore pins botocore versions
-  that clash with the boto3 this library uses: the install trap issue 19 describes).
+- ``s3fs`` (fsspec over aiobotocore) when importable: every object's put or get handed to
+  one batched call (``pipe``, ``cat``) that runs them at once on its own event loop; not a
+  dependency of jaxckpt. Its aiobotocore pins botocore to a few releases, which clashes with
+  the boto3 the library's extras allow (the install trap issue 19 describes): measure it in
+  a virtualenv of its own, with the boto3 release that matches its botocore (docs/cloud.md,
+  "Which client").
 
 Endpoint, region and credentials come from ``storage_options`` for boto3 and from the
 same values passed to the other clients' own settings. Must not import: torch. Imports the
@@ -30,7 +34,6 @@ deletes at the end.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import os
 import statistics
 import sys
@@ -98,11 +101,33 @@ def _clients(storage: Any, options: Mapping[str, Any],
         log("obstore: not installed, skipped")
     else:
         clients["obstore"] = _obstore(obstore, S3Store, storage, options)
-    if importlib.util.find_spec("s3fs") is None:
+    try:  # not a dependency of ours either; see the module docstring
+        import s3fs
+    except ImportError:
         log("s3fs: not installed, skipped")
     else:
-        log("s3fs: installed, but not measured by this script yet")
+        clients["s3fs"] = _s3fs(s3fs, storage, options)
     return clients
+
+
+def _s3fs(s3fs: Any, storage: Any, options: Mapping[str, Any]) -> tuple[Transfer, Any]:
+    """s3fs: the objects of a row put by one ``pipe`` and fetched by one ``cat``, each of
+    which sends its requests at once (in batches) on s3fs's own event loop."""
+    settings: dict[str, Any] = {
+        "client_kwargs": {"region_name": options.get("region_name", "us-east-1")}}
+    for option, key in (("endpoint_url", "endpoint_url"), ("aws_access_key_id", "key"),
+                        ("aws_secret_access_key", "secret")):
+        if option in options:
+            settings[key] = options[option]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **settings)
+
+    def put(names: list[str], blobs: list[bytes]) -> None:
+        fs.pipe({f"{storage.bucket}/{n}": b for n, b in zip(names, blobs, strict=True)})
+
+    def get(names: list[str]) -> None:
+        fs.cat([f"{storage.bucket}/{n}" for n in names])
+
+    return put, get
 
 
 def _obstore(obstore: Any, store_class: Any, storage: Any,

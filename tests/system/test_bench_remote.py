@@ -52,7 +52,7 @@ def test_bench_clients_moves_the_same_bytes_through_each_installed_client(capsys
         left = s3_client(options).list_objects_v2(Bucket="clients").get("KeyCount")
     import importlib.util
 
-    clients = ["boto3"] + [name for name in ("tensorstore", "obstore")
+    clients = ["boto3"] + [name for name in ("tensorstore", "obstore", "s3fs")
                            if importlib.util.find_spec(name) is not None]
     for client in clients:
         for row in ("big_put", "big_get", "small_put", "small_get"):
