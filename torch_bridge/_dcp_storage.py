@@ -38,8 +38,6 @@ import shutil
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
 from jaxckpt.checksum import default_algorithm, extend, file_checksum
 from jaxckpt.errors import (
     CheckpointCorruptError,
@@ -49,6 +47,7 @@ from jaxckpt.errors import (
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import Storage, fsync_dir
+from jaxckpt.zarr_io import fresh_blocks
 
 from . import _dcp_metadata
 from ._dcp_local_writer import checksumming_writer
@@ -408,7 +407,11 @@ def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
     """Bytes [start, end) of ``path`` streamed into one fresh buffer (``read_into``: on an
     object store straight from the socket, no body object joined and copied), in pieces of
     ``piece`` bytes fetched on ``pool``; shorter where the object ends sooner."""
-    buffer = np.empty(end - start, dtype=np.uint8)  # every byte is written before it is read
+    # A map of our own in 4 KiB pages, as the JAX reader's (every byte is written before it
+    # is read): numpy's np.empty asks for huge pages, whose cost on a VM that hands freed
+    # memory back to its host swings with the memory's history; a 256 MiB restore from moto
+    # took 0.77 s into np.empty against 0.45 s into this map (raw download 0.37 s).
+    buffer = fresh_blocks(end - start)[:end - start]
     view = buffer.data
     spans = [(offset, min(end, offset + piece)) for offset in range(start, end, piece)]
 
