@@ -166,42 +166,19 @@ class _HeldFiles:
 def test_a_packs_leaves_are_placed_while_later_packs_are_still_read(tmp_path, monkeypatch):
     # Cutting and placing thousands of leaves costs microseconds each: done pack by pack
     # as the packs arrive, it overlaps the reading of the rest instead of following it.
-    backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=8192, read_threads=2)
-    try:
-        state = {f"l{i}": jnp.full((1000,), i, jnp.float32) for i in range(6)}  # 3 packs
-        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        directory = str(tmp_path / "c")
-        backend.write(directory, state, asynchronous=False)
-        placed = threading.Event()
-        place_leaves = _orbax_read.place
-
-        def place_and_tell(arrays, shardings):
-            placed.set()
-            return place_leaves(arrays, shardings)
-
-        monkeypatch.setattr(_orbax_read, "place", place_and_tell)
-        files_for = backend._files_for
-        held: list[_HeldFiles] = []
-
-        def held_files(path):
-            held.append(_HeldFiles(files_for(path), "/pack_float32_002/", placed))
-            return held[-1]
-
-        monkeypatch.setattr(backend, "_files_for", held_files)
-        restored = backend.read(directory, like)
-        assert [files.released for files in held] == [[True]]
-        for path, value in state.items():
-            np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
-    finally:
-        backend.close()
+    held, _, state, restored = _read_holding(tmp_path, monkeypatch, "/pack_float32_002/",
+                                             wait_s=20, read_threads=2)
+    assert [files.released for files in held] == [[True]]
+    for path, value in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(value))
 
 
-def _read_holding(tmp_path, monkeypatch, held: str, wait_s: float,
+def _read_holding(tmp_path, monkeypatch, held: str, wait_s: float, read_threads: int = 3,
                   ) -> tuple[list[_HeldFiles], threading.Event, dict, dict]:
-    """A checkpoint of 3 packs of 2 leaves written, and a backend of 3 read threads whose
-    reads of ``held`` wait until a leaf is placed (or ``wait_s``); read and return the
-    held files, the placed event, the state and the restored tree."""
-    backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=8192, read_threads=3)
+    """A checkpoint of 3 packs of 2 leaves written, and a backend of ``read_threads`` read
+    threads whose reads of ``held`` wait until a leaf is placed (or ``wait_s``); read and
+    return the held files, the placed event, the state and the restored tree."""
+    backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=8192, read_threads=read_threads)
     try:
         state = {f"l{i}": jnp.full((1000,), i, jnp.float32) for i in range(6)}
         like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)

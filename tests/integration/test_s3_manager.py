@@ -6,6 +6,7 @@ saves through a fault-injecting proxy (tests/support/fault_proxy.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -575,6 +576,50 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
     assert len(read) == 2 * arrays + 8, "\n".join(map(str, read))
 
 
+class _InFlight:
+    """Which S3 requests of a step were in flight together, seen through a proxy that
+    delays every answer (so that requests sent one after the other never overlap):
+    ``overlapped[name]`` holds the requests in flight at some moment while ``name`` was.
+    A request is named by its operation and its key after ``split``."""
+
+    def __init__(self, options: dict, split: str):
+        self.proxy = FaultProxy(options["endpoint_url"], rates={"slow": 1.0}, slow_s=0.1)
+        self.options = {**options, "endpoint_url": self.proxy.url}
+        self.overlapped: dict[str, set[str]] = {}
+        self._split = split
+        self._lock = threading.Lock()
+        self._flying: set[str] = set()
+
+    def _start(self, event_name: str, params: dict, **kwargs) -> None:
+        key = params.get("Key", params.get("Prefix", ""))
+        if "/step_" in key:
+            name = f"{event_name.rsplit('.', 1)[-1]} {key.split(self._split, 1)[1]}"
+            threading.current_thread().jaxckpt_request = name  # type: ignore[attr-defined]
+            with self._lock:
+                for other in self._flying:
+                    self.overlapped.setdefault(other, set()).add(name)
+                self.overlapped.setdefault(name, set()).update(self._flying)
+                self._flying.add(name)
+
+    def _end(self, **kwargs) -> None:
+        with self._lock:
+            self._flying.discard(getattr(threading.current_thread(), "jaxckpt_request", ""))
+
+    @contextlib.contextmanager
+    def watching(self, mgr):
+        events = mgr.store.storage.client.meta.events
+        events.register("before-parameter-build.s3", self._start)
+        events.register("after-call.s3", self._end)
+        try:
+            yield
+        finally:
+            events.unregister("before-parameter-build.s3", self._start)
+            events.unregister("after-call.s3", self._end)
+
+    def close(self) -> None:
+        self.proxy.close()
+
+
 def test_the_prelude_of_a_restore_overlaps_its_round_trips(root, options):
     """Before its first chunk GET a restore waits on small requests only where one needs
     another's answer: the step's listing is in flight while its marker is fetched (both
@@ -586,36 +631,13 @@ def test_the_prelude_of_a_restore_overlaps_its_round_trips(root, options):
              for i in range(3)}
     with manager(root, options, mode="sync") as mgr:
         mgr.save(step(1), state)
-    proxy = FaultProxy(options["endpoint_url"], rates={"slow": 1.0}, slow_s=0.1)
-    lock = threading.Lock()
-    flying: set[str] = set()
-    overlapped: dict[str, set[str]] = {}  # request -> those in flight while it was
-
-    def start(event_name: str, params: dict, **kwargs) -> None:
-        key = params.get("Key", params.get("Prefix", ""))
-        if "/step_" in key:
-            name = f"{event_name.rsplit('.', 1)[-1]} {key.split('/step_', 1)[1]}"
-            threading.current_thread().jaxckpt_request = name  # type: ignore[attr-defined]
-            with lock:
-                for other in flying:
-                    overlapped.setdefault(other, set()).add(name)
-                overlapped.setdefault(name, set()).update(flying)
-                flying.add(name)
-
-    def end(**kwargs) -> None:
-        with lock:
-            flying.discard(getattr(threading.current_thread(), "jaxckpt_request", ""))
-
+    flight = _InFlight(options, "/step_")
     try:
-        with manager(root, {**options, "endpoint_url": proxy.url}) as mgr:
-            events = mgr.store.storage.client.meta.events
-            events.register("before-parameter-build.s3", start)
-            events.register("after-call.s3", end)
+        with manager(root, flight.options) as mgr, flight.watching(mgr):
             restored = mgr.restore(like_of(state))
-            events.unregister("before-parameter-build.s3", start)
-            events.unregister("after-call.s3", end)
     finally:
-        proxy.close()
+        flight.close()
+    overlapped = flight.overlapped
     assert_bit_equal(restored.state, state)
     assert "ListObjectsV2 00000001/" in overlapped["GetObject 00000001/COMMITTED"], overlapped
     small = [name for name in overlapped if name.startswith("GetObject")
@@ -654,37 +676,15 @@ def test_a_sync_save_sends_its_small_objects_while_the_chunks_go_up(root, option
     rng = np.random.default_rng(6)
     state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)
              for i in range(2)}
-    proxy = FaultProxy(options["endpoint_url"], rates={"slow": 1.0}, slow_s=0.1)
-    lock = threading.Lock()
-    flying: set[str] = set()
-    overlapped: dict[str, set[str]] = {}  # request -> those in flight while it was
-
-    def start(event_name: str, params: dict, **kwargs) -> None:
-        key = params.get("Key", params.get("Prefix", ""))
-        if "/step_" in key:
-            name = f"{event_name.rsplit('.', 1)[-1]} {key.split('/step_00000001', 1)[1]}"
-            threading.current_thread().jaxckpt_request = name  # type: ignore[attr-defined]
-            with lock:
-                for other in flying:
-                    overlapped.setdefault(other, set()).add(name)
-                overlapped.setdefault(name, set()).update(flying)
-                flying.add(name)
-
-    def end(**kwargs) -> None:
-        with lock:
-            flying.discard(getattr(threading.current_thread(), "jaxckpt_request", ""))
-
+    flight = _InFlight(options, "/step_00000001")
     try:
-        with manager(root, {**options, "endpoint_url": proxy.url}, mode="sync") as mgr:
-            events = mgr.store.storage.client.meta.events
-            events.register("before-parameter-build.s3", start)
-            events.register("after-call.s3", end)
-            report = mgr.save(step(1), state)
-            events.unregister("before-parameter-build.s3", start)
-            events.unregister("after-call.s3", end)
+        with manager(root, flight.options, mode="sync") as mgr:
+            with flight.watching(mgr):
+                report = mgr.save(step(1), state)
             assert mgr.store.verify(report.path) == []
     finally:
-        proxy.close()
+        flight.close()
+    overlapped = flight.overlapped
     chunks = {name for name in overlapped if "/c/" in name}
     assert len(chunks) == 2, overlapped
     for name in ("arrays/_METADATA", "arrays/_CHECKPOINT_METADATA",
