@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickletools
+import pickletools  # restricted: genops lists opcodes, nothing is unpickled (test_security)
 import struct
 import sys
 from collections.abc import Callable

@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import functools
-import io
 import os
 import shutil
 from collections.abc import Iterable
@@ -44,6 +43,7 @@ from jaxckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from jaxckpt.joined_reader import SeekableReader
 from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import Storage, fsync_dir
@@ -249,7 +249,7 @@ def _entry(data: bytes) -> dict[str, Any]:
     return {"size": len(data), algorithm: f"{extend(algorithm, 0, data):08x}"}
 
 
-class _RangeFile(io.RawIOBase):
+class _RangeFile(SeekableReader):
     """A read-only, seekable view of one object: bytes inside the prefetched ranges come
     from memory, anything else is fetched by a ranged GET."""
 
@@ -262,25 +262,9 @@ class _RangeFile(io.RawIOBase):
         self._ranges = sorted(((start, memoryview(data)) for start, data in ranges),
                               key=lambda item: item[0])
         self._starts = [start for start, _ in self._ranges]
-        self._position = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self._position = offset
-        elif whence == io.SEEK_CUR:
-            self._position += offset
-        else:
-            self._position = self._storage.size(self._path) + offset
-        return self._position
+    def _end(self) -> int:
+        return self._storage.size(self._path)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
