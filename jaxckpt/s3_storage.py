@@ -136,6 +136,11 @@ def is_precondition_failed(exc: Exception) -> bool:
         _status(exc) in (409, 412)
 
 
+def _checksum_field(crc32c: int) -> dict[str, str]:
+    """The PUT field that hands S3 the body's crc32c (base64 of its 4 big-endian bytes)."""
+    return {"ChecksumCRC32C": base64.b64encode(crc32c.to_bytes(4, "big")).decode("ascii")}
+
+
 def _stream_into(body: Any, out: memoryview) -> int:
     """Read a GET's body into ``out`` until it is full or the body ends; the byte count.
 
@@ -258,8 +263,7 @@ class S3Storage(Storage):
         """A single PUT carries the caller's crc32c (the server rejects bytes that do not
         match it, and botocore skips computing its own checksum of the body: a pass over
         the bytes saved); the parts of a multipart upload go as ``write`` sends them."""
-        digest = base64.b64encode(crc32c.to_bytes(4, "big")).decode("ascii")
-        self._put(path, data, {"ChecksumCRC32C": digest})
+        self._put(path, data, _checksum_field(crc32c))
 
     def write_joined(self, path: str, pieces: Sequence[bytes | bytearray | memoryview], *,
                      crc32c: int) -> None:
@@ -271,9 +275,8 @@ class S3Storage(Storage):
             super().write_joined(path, pieces, crc32c=crc32c)
             return
         self._small.drop(key)
-        digest = base64.b64encode(crc32c.to_bytes(4, "big")).decode("ascii")
         self.client.put_object(Bucket=self.bucket, Key=key, Body=JoinedReader(pieces),
-                               ContentLength=size, ChecksumCRC32C=digest)
+                               ContentLength=size, **_checksum_field(crc32c))
 
     def _put(self, path: str, data: bytes | bytearray, extra: dict[str, str]) -> None:
         key = self.key(path)

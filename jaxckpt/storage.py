@@ -70,28 +70,29 @@ class ObjectWriter(Protocol):
 
 
 class _GatheredWriter:
-    """``ObjectWriter`` for any storage: the bytes are kept in memory and written whole,
-    with ``Storage.write``, at ``close``."""
+    """``ObjectWriter`` for any storage: the bytes are gathered in one growing buffer (each
+    copied once: the caller may reuse its own) and written whole, with ``Storage.write``,
+    at ``close``."""
 
     def __init__(self, storage: Storage, path: str):
         self._storage = storage
         self._path = path
-        self._pieces: list[bytes] | None = []
+        self._data: bytearray | None = bytearray()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        if self._pieces is None:
+        if self._data is None:
             raise ValueError(f"write to {self._path} after close or abort")
-        piece = bytes(data)  # a copy: the caller may reuse its buffer
-        self._pieces.append(piece)
-        return len(piece)
+        view = memoryview(data).cast("B")
+        self._data += view
+        return len(view)
 
     def close(self) -> None:
-        if self._pieces is not None:
-            data, self._pieces = b"".join(self._pieces), None
+        if self._data is not None:
+            data, self._data = self._data, None
             self._storage.write(self._path, data)
 
     def abort(self) -> None:
-        self._pieces = None
+        self._data = None
 
 
 class Storage(abc.ABC):
