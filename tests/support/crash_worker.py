@@ -50,15 +50,13 @@ import sys
 from typing import Any
 
 import numpy as np
+from worker_lines import claim_stdout, emit  # a sibling: workers run by path
 
 HIDDEN = 16
 IN_DIM = 8
 BATCH = 8
 STEPS_PER_EPOCH = 7  # small and odd: epochs roll over mid-run and between save steps
 
-
-def emit(line: str) -> None:
-    os.write(1, (line + "\n").encode())
 
 
 def seam_backend() -> Any:
@@ -268,4 +266,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    claim_stdout()
     sys.exit(main())

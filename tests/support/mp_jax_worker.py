@@ -45,15 +45,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kill_points
+from worker_lines import claim_stdout, emit
 
 GLOBAL_BATCH = 8
 FEATURES = 4
 ROWS = 8
 STEPS_PER_EPOCH = 5
 
-
-def emit(line: str) -> None:
-    os.write(1, (line + "\n").encode())
 
 
 class Loader:
@@ -247,4 +245,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    claim_stdout()
     main(sys.argv[1:])

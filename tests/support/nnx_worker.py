@@ -29,6 +29,7 @@ import warnings
 from functools import partial
 
 import numpy as np
+from worker_lines import claim_stdout, emit  # a sibling: workers run by path
 
 IMAGE = 8
 CLASSES = 10
@@ -37,9 +38,6 @@ BATCH = 8
 STEPS_PER_EPOCH = SAMPLES // BATCH
 METRICS_EVERY = 5
 
-
-def emit(line: str) -> None:
-    os.write(1, (line + "\n").encode())
 
 
 def build(seed: int):
@@ -178,4 +176,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    claim_stdout()
     sys.exit(main())

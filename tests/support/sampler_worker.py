@@ -25,6 +25,7 @@ import numpy as np
 
 # Scripts run from tests/support, which is therefore first on sys.path.
 from file_group import FileGroupBackend
+from worker_lines import claim_stdout, emit
 
 from jaxckpt import CheckpointManager, Every, IndexSampler, RecoverConfig, StepInfo
 
@@ -61,10 +62,10 @@ def main(args: argparse.Namespace) -> None:
     with manager as mgr:
         recovered = mgr.recover(state, stateful={"data": sampler})
         if recovered is None:
-            print("FRESH", flush=True)
+            emit("FRESH")
             info = StepInfo(0, 0, 0, sampler.batches_per_epoch)
         else:
-            print(f"RESUMED {recovered.step_info.global_step}", flush=True)
+            emit(f"RESUMED {recovered.step_info.global_step}")
             state = recovered.state
             info = recovered.step_info.next()
         while info.global_step < total:
@@ -73,17 +74,18 @@ def main(args: argparse.Namespace) -> None:
             assert (sampler.epoch, sampler.position) == (info.epoch, info.epoch_step + 1), (
                 sampler.epoch, sampler.position, info)
             state = {"trained": state["trained"] + 1}
-            print("BATCH " + json.dumps({"step": info.global_step, "epoch": sampler.epoch,
-                                         "batch": sampler.position - 1,
-                                         "indices": indices.tolist()}), flush=True)
+            emit("BATCH " + json.dumps({"step": info.global_step, "epoch": sampler.epoch,
+                                        "batch": sampler.position - 1,
+                                        "indices": indices.tolist()}))
             mgr.maybe_save(info, state)
             if info.global_step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             info = info.next()
-    print("DONE", flush=True)
+    emit("DONE")
 
 
 if __name__ == "__main__":
+    claim_stdout()
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("sync_dir")

@@ -54,6 +54,7 @@ from torch_bridge.dcp_backend import DcpWriteHandle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kill_points  # a sibling script: the workers run by path
+from worker_lines import claim_stdout, emit
 
 SAMPLES = 48
 FEATURES = 6
@@ -166,10 +167,6 @@ class Log:
         self.file.flush()
         os.fsync(self.file.fileno())  # the process may be SIGKILLed right after
 
-
-def emit(line: str) -> None:
-    """One stdout line for the kill trials' harness, in one write."""
-    os.write(1, (line + "\n").encode())
 
 
 def reported(report, storage) -> None:
@@ -400,4 +397,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    claim_stdout()
     main(sys.argv[1:])

@@ -18,6 +18,9 @@ from support.harness import Worker, repo_env, run_all
 
 _JAX_WORKER = """\
 import json, os, sys, threading, traceback, warnings
+sys.path.insert(0, @SUPPORT@)
+from worker_lines import claim_stdout
+claim_stdout()  # gloo's chatter goes to stderr, where it cannot split a printed line
 index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 try:
     import jax
@@ -43,6 +46,7 @@ def jax_worker(body: str, *, init_timeout: int = 60) -> str:
     traceback and exits 1; success prints "worker ok" and exits without jax's shutdown
     barrier, which would hang if the other process already failed."""
     return (_JAX_WORKER.replace("@INIT_TIMEOUT@", str(init_timeout))
+            .replace("@SUPPORT@", repr(str(Path(__file__).resolve().parent)))
             .replace("@BODY@", textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")))
 
 
