@@ -451,8 +451,20 @@ class CheckpointStore:
                 raise ValueError(f"commit of {path}: the writer's checksum entry for {rel!r} "
                                  f"({info!r}) names no file of the checkpoint or is not "
                                  f"{{'size', {algorithm!r}}}")
-        sums = _summarise(self.storage, path, [rel for rel in files if rel not in known],
-                          algorithm)
+        # The names are made durable while the files the writer left are read, checksummed
+        # and fsynced: both are flushes of the device's cache that gain from being in
+        # flight together, and neither needs the other, only the marker needs both.
+        # Summarised first, then named, a commit of 64 arrays took 81 ms; together, 54 ms
+        # (docs/performance.md, "Eleventh round (savewrite)").
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxckpt-names") as names:
+            named = names.submit(self.storage.sync, path, data=False)
+            try:
+                sums = _summarise(self.storage, path,
+                                  [rel for rel in files if rel not in known], algorithm)
+            finally:
+                named_error = named.exception()
+        if named_error is not None:
+            raise named_error
         for rel, info in known.items():
             size = listed[rel]
             if size != info["size"]:
@@ -461,9 +473,6 @@ class CheckpointStore:
                     f"{info['size']}: the file changed after it was written. This save is "
                     "not committed.")
             sums[rel] = (size, info[algorithm])
-        # The contents are durable (summarised with sync, or by their writer): make the
-        # names durable too, before the marker vouches for them.
-        self.storage.sync(path, data=False)
         manifest = Manifest(step=step, created=time.time(),
                             files={rel: {"size": sums[rel][0], algorithm: sums[rel][1]}
                                    for rel in files})
