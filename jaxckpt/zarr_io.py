@@ -571,6 +571,7 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     head = min(ALIGN, whole) if zero_copy and offset else 0
     crc = 0
     position = 0
+    source: np.ndarray | None  # None: written from the array's own memory
     while position < whole:
         if position < head:
             count, source = head, bounce
