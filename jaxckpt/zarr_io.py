@@ -34,11 +34,15 @@ loop's 72 MiB state, Orbax + tensorstore spent ~60 ms of CPU a save against ~22 
 plain buffered write of the same bytes; the commit then read every file back to checksum
 it. Here the bytes go to disk with ``O_DIRECT``: the device copies from our memory, so
 nothing is copied into the page cache (~5 ms of CPU), and the bytes are checksummed
-(crc32c) from the memory that is written, so the commit does not read them again. Where
-the array's memory and its file's blocks line up (the offset above; our own staging
-buffers, page-aligned, at offset 0) the blocks are written from the array itself; where
-they do not (jax's host buffers are only 64-byte aligned, ``O_DIRECT`` wants 512 or 4096)
-each piece is copied through one reused, aligned buffer per thread first. ``O_DIRECT`` also
+(crc32c) from the memory that is written, so the commit does not read them again. Each
+I/O thread has one reused bounce buffer backed by huge pages where the system gives them;
+then every piece is copied through it and written from it, because the device takes a
+write from huge pages in a third as many requests as one from an array's own 4 KiB pages
+(jax's host memory), and that is faster than the copy costs. Without huge pages, where the
+array's memory and its file's blocks line up (the offset above; our own staging buffers,
+page-aligned, at offset 0) the blocks are written from the array itself; where they do
+not (jax's host buffers are only 64-byte aligned, ``O_DIRECT`` wants 512 or 4096) each
+piece is copied through the bounce buffer first. ``O_DIRECT`` also
 keeps gigabytes of checkpoint out of the page cache, where they would push out the
 training data's pages. Filesystems that refuse ``O_DIRECT`` (tmpfs, some network and FUSE
 filesystems) get plain buffered writes, checksummed from the source the same way.
@@ -65,6 +69,7 @@ Must not import: jax, orbax, tensorstore, torch.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -326,14 +331,59 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any, *, fresh: bool = False) ->
 
 
 _local = threading.local()
+#: Size and alignment of a transparent huge page (x86-64 and arm64 with 4 KiB pages).
+_HUGE_PAGE = 2 << 20
+#: Bytes copied into the bounce buffer, then checksummed there, at a time: the checksum
+#: reads what was just copied while it is still in the CPU's cache.
+_COPY_STEP = 1 << 20
 
 
-def _bounce() -> np.ndarray:
-    """This thread's aligned bounce buffer (anonymous memory: page-aligned)."""
-    buffer = getattr(_local, "bounce", None)
-    if buffer is None:
-        buffer = _local.bounce = np.frombuffer(mmap.mmap(-1, PIECE + ALIGN), np.uint8)
-    return buffer
+def _bounce() -> tuple[np.ndarray, bool]:
+    """This thread's bounce buffer of ``PIECE`` bytes, made once, and whether huge pages
+    back it (then every block is written from it: ``_write_direct``).
+
+    Private anonymous memory, aligned to a huge page, with huge pages asked for
+    (``MADV_HUGEPAGE``): ``O_DIRECT`` hands the device the buffer's pages, and a request
+    holds a bounded number of physically contiguous runs (254 on the development VM's
+    virtio disk), so 4 KiB pages cut a write into requests of about 400 KiB where huge
+    pages make them 1-4 MiB. Written from jax's host memory (4 KiB pages), 256 MiB went
+    to the disk in about 700 requests, through this buffer in about 210; 512 MiB took
+    0.327 s through it against 0.379 s before, in turns (docs/performance.md, "Eleventh
+    round (savewrite)"). Python's ``mmap`` maps shared memory by default, which never gets
+    huge pages here: hence ``MAP_PRIVATE``."""
+    found = getattr(_local, "bounce", None)
+    if found is None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        memory = mmap.mmap(-1, PIECE + _HUGE_PAGE, flags=flags)
+        raw = np.frombuffer(memory, np.uint8)
+        start = (-raw.ctypes.data) % _HUGE_PAGE
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            with contextlib.suppress(OSError):
+                memory.madvise(advice, start, PIECE)
+        buffer = raw[start:start + PIECE]
+        buffer[:] = 0  # faulted in now, so that the kernel's choice of pages can be seen
+        found = _local.bounce = (buffer, _huge_pages_at(buffer.ctypes.data))
+    return found
+
+
+def _huge_pages_at(address: int) -> bool:
+    """Whether transparent huge pages back the memory mapping that holds ``address``
+    (Linux: its ``AnonHugePages`` in ``/proc/self/smaps``); False where that cannot be
+    told. About 5 ms in a process using jax: asked once per thread."""
+    try:
+        with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
+            inside = False
+            for line in smaps:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:  # a mapping's first line: low-high ...
+                    low, _, high = head.partition("-")
+                    inside = int(low, 16) <= address < int(high, 16)
+                elif inside and line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) > 0
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 # Filesystems (st_dev) found to refuse O_DIRECT: asked once, then written buffered.
@@ -353,6 +403,9 @@ def data_offset(array: np.ndarray, directory: str, *, direct: bool = True) -> in
     shard index records
     the offset, so Orbax reads the file as it is; zarr.json records it too
     (``metadata_text``), so that readers that only know offset 0 hand the array to Orbax.
+    Where the I/O thread's bounce buffer has huge pages, every block is copied through it
+    anyway (``_write_direct``); the offset is kept, so that the layout does not depend on
+    the memory a save happened to get.
 
     0 (the layout tensorstore writes, byte for byte) for arrays under ``ZERO_COPY_MIN``
     (the copy costs little there), for memory not aligned to 64 bytes (the restored array
@@ -490,16 +543,20 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     same descriptor, flushed by the caller's fsync: the last partial block and the shard
     index (under 4 KiB + 20 bytes).
 
-    The blocks come straight from the array's memory when it lines up with the file
-    (``data_offset``); otherwise each piece is copied into this thread's aligned bounce
-    buffer first. With a nonzero offset, the first block (the zeros and the array's first
-    bytes) is put together in the bounce buffer and written with O_DIRECT too: through the
-    page cache it cost a copy, a dirty page for the fsync to write back, and 4 KiB of the
-    array in the cache, per file. Checksums are taken in file order from the memory that
-    is written; a piece written from the array's own memory is checksummed on another
-    thread during its write (the checksum of 1 GiB is about 0.1 s of CPU: in turns with
-    the writes it made the write 0.573 s against 0.532 s without it, the floor 0.506 s;
-    docs/performance.md, Eighth round, item 12).
+    Where huge pages back this thread's bounce buffer (``_bounce``), every piece is copied
+    into it, a megabyte at a time, checksummed there while in the CPU's cache, and written
+    from it: the device then gets a few large requests where the array's own 4 KiB pages
+    made three times as many small ones, which is slower by more than the copy costs.
+    Otherwise the blocks come straight from the array's memory when it lines up with the
+    file (``data_offset``), and each piece of an array that does not is copied into the
+    bounce buffer first. With a nonzero offset, the first block (the zeros and the
+    array's first bytes) is put together in the bounce buffer and written with O_DIRECT
+    too: through the page cache it cost a copy, a dirty page for the fsync to write back,
+    and 4 KiB of the array in the cache, per file. Checksums are taken in file order from
+    the memory that is written; a piece written from the array's own memory is
+    checksummed on another thread during its write (the checksum of 1 GiB is about 0.1 s
+    of CPU: in turns with the writes it made the write 0.573 s against 0.532 s without
+    it, the floor 0.506 s; docs/performance.md, Eighth round, item 12).
 
     Padding the last block and truncating the file afterwards costs more: shrinking to
     a size inside a block makes the filesystem zero the rest of that block in the page
@@ -507,13 +564,14 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     4 threads: 0.73 s with the truncate, 0.67 s like this; docs/performance.md)."""
     flat, offset = image.flat, image.offset
     whole = image.end - image.end % ALIGN
-    zero_copy = (flat.ctypes.data - offset) % ALIGN == 0
+    bounce, huge = _bounce()
+    zero_copy = not huge and (flat.ctypes.data - offset) % ALIGN == 0
     # With zero copy, the block holding the leading zeros cannot come from the array:
     # it goes through the bounce buffer, the rest from the array's memory.
     head = min(ALIGN, whole) if zero_copy and offset else 0
-    bounce = _bounce() if head or not zero_copy else None
     crc = 0
     position = 0
+    source: np.ndarray | None  # None: written from the array's own memory
     while position < whole:
         if position < head:
             count, source = head, bounce
@@ -528,8 +586,10 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
             pending = _checksummer().submit(extend, algorithm, crc, memory)
         else:
             memory = source[:count]
-            image.fill(memory, position)
-            crc = extend(algorithm, crc, memory)
+            for step in range(0, count, _COPY_STEP):
+                part = memory[step:step + _COPY_STEP]
+                image.fill(part, position + step)
+                crc = extend(algorithm, crc, part)
         try:
             _pwrite_all(fd, memory.data, position)
         except OSError as error:

@@ -110,6 +110,14 @@ def placed(array: np.ndarray, past_page: int) -> np.ndarray:
     return out
 
 
+def bounce_of_kind(monkeypatch: pytest.MonkeyPatch, huge: bool) -> None:
+    """Make the writer's bounce buffers anew, seen as backed by huge pages or not (which
+    decides whether every block goes through them: ``zarr_io._write_direct``), whatever
+    pages this system gives."""
+    monkeypatch.setattr(zarr_io, "_local", threading.local())
+    monkeypatch.setattr(zarr_io, "_huge_pages_at", lambda address: huge)
+
+
 def stored_chunk(directory: Path, rel: str) -> tuple[int, bytes]:
     """(offset, array bytes) of the chunk file ``rel`` under ``directory``, after checking
     that the file is exactly ``offset`` zeros, the bytes, and the shard index naming them."""
@@ -305,7 +313,10 @@ def test_a_restore_reads_into_memory_it_hands_over_without_advising_huge_pages(
                          ids=["zero-copy", "zero-copy-448", "aligned", "bounce", "bounce-far"])
 @pytest.mark.parametrize("nbytes", [ALIGN - 64, 2 * ALIGN + 7, PIECE + 3 * ALIGN + 5],
                          ids=["one-block", "blocks", "pieces"])
-def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, direct, past_page, offset, nbytes):
+@pytest.mark.parametrize("huge", [False, True], ids=["4k-bounce", "huge-bounce"])
+def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, monkeypatch, direct, past_page,
+                                                  offset, nbytes, huge):
+    bounce_of_kind(monkeypatch, huge)
     data = placed(random_array("uint8", (nbytes,), np.random.default_rng(nbytes)), past_page)
     path = tmp_path / "chunk"
     size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, direct=direct,
@@ -330,12 +341,15 @@ def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, direct, past_page, o
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
 @pytest.mark.parametrize("past_page,offset", [(64, 64), (16, 64), (0, 0)],
                          ids=["zero-copy", "bounce", "aligned"])
+@pytest.mark.parametrize("huge", [False, True], ids=["4k-bounce", "huge-bounce"])
 def test_write_chunk_sends_only_the_last_partial_block_through_the_page_cache(
-        tmp_path, monkeypatch, past_page, offset):
+        tmp_path, monkeypatch, past_page, offset, huge):
     """Every whole block of a chunk file, the first one included when the array starts
     past the file's beginning, is written with O_DIRECT; what goes through the page cache
     is the last partial block and the shard index, less than a block and 20 bytes."""
     import fcntl
+
+    bounce_of_kind(monkeypatch, huge)
 
     nbytes = 2 * PIECE + 3 * ALIGN + 100
     data = placed(random_array("uint8", (nbytes,), np.random.default_rng(1)), past_page)
@@ -362,7 +376,10 @@ def test_write_chunk_sends_only_the_last_partial_block_through_the_page_cache(
 def test_write_chunk_checksums_a_piece_of_the_array_while_writing_it(tmp_path, monkeypatch):
     """A piece written from the array's own memory is checksummed during its write, not
     before it: here each checksum of a whole piece waits until that piece's write has
-    started (done in turn on one thread, it would wait forever; the timeout says so)."""
+    started (done in turn on one thread, it would wait forever; the timeout says so).
+    Pieces are written from the array's memory where the bounce buffer has no huge
+    pages (elsewhere they are copied through it: the next test)."""
+    bounce_of_kind(monkeypatch, False)
     nbytes = 2 * PIECE + ALIGN
     data = placed(random_array("uint8", (nbytes,), np.random.default_rng(2)), 0)
     started: dict[int, threading.Event] = {}
@@ -391,6 +408,63 @@ def test_write_chunk_checksums_a_piece_of_the_array_while_writing_it(tmp_path, m
     if os.stat(tmp_path).st_dev in zarr_io._no_direct:
         pytest.skip("this filesystem refuses O_DIRECT")
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+@pytest.mark.parametrize("past_page,offset", [(64, 64), (0, 0)], ids=["jax-like", "aligned"])
+def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
+        tmp_path, monkeypatch, past_page, offset):
+    """Where huge pages back the thread's bounce buffer, every O_DIRECT write comes from
+    it, even for an array whose memory lines up with the file: the device then gets a
+    few large requests where an array's own 4 KiB pages make many small ones
+    (docs/performance.md, "Eleventh round (savewrite)"). The checksum is still that of
+    the bytes written."""
+    import fcntl
+
+    bounce_of_kind(monkeypatch, True)
+    nbytes = 2 * PIECE + 3 * ALIGN + 100
+    data = placed(random_array("uint8", (nbytes,), np.random.default_rng(3)), past_page)
+    sources: list[int] = []
+    pwrite = os.pwrite
+
+    def recording(fd, view, position):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            sources.append(np.frombuffer(view, np.uint8).ctypes.data)
+        return pwrite(fd, view, position)
+
+    monkeypatch.setattr(zarr_io.os, "pwrite", recording)
+    path = tmp_path / "chunk"
+    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=offset)
+    if os.stat(tmp_path).st_dev in zarr_io._no_direct:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    bounce, huge = zarr_io._bounce()
+    assert huge
+    start, end = bounce.ctypes.data, bounce.ctypes.data + bounce.nbytes
+    assert len(sources) == 3  # one piece after another, each from the bounce buffer
+    assert all(start <= source < end for source in sources)
+    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_io.shard_index(nbytes,
+                                                                                     offset)
+    assert (size, crc) == file_checksum(str(path), ALGORITHM)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+def test_the_bounce_buffer_is_private_memory_that_asks_for_huge_pages(monkeypatch):
+    """Huge pages need private anonymous memory (Python's ``mmap`` maps shared memory by
+    default, which never gets them here), aligned to a huge page and advised to use them;
+    one buffer per thread, made once."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE here")
+    monkeypatch.setattr(zarr_io, "_local", threading.local())
+    bounce, _ = zarr_io._bounce()
+    assert bounce.nbytes == PIECE
+    assert bounce.ctypes.data % (2 << 20) == 0
+    flags = mapping_flags(bounce.ctypes.data)
+    assert "hg" in flags and "sh" not in flags, flags
+    assert zarr_io._bounce()[0] is bounce
+    with concurrent.futures.ThreadPoolExecutor(1) as other:
+        assert other.submit(lambda: zarr_io._bounce()[0]).result() is not bounce
 
 
 def test_write_chunk_refuses_an_offset_outside_a_block(tmp_path):

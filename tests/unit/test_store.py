@@ -77,6 +77,35 @@ def test_bit_flip_passes_size_check_but_not_checksum(store):
     assert "crc32" in store.verify(path, checksums=True)[0]
 
 
+def test_commit_makes_the_names_durable_while_it_checksums_the_files(store, monkeypatch):
+    """The directories' fsyncs and the files' checksum-and-fsync pass are in flight
+    together (each fsync waits for a flush of the device's cache, and flushes issued
+    together are shared), and the marker comes after both: here every file's checksum
+    waits until a directory fsync has begun. Done one after the other, the checksums
+    would wait in vain (the timeout says so)."""
+    from jaxckpt import storage as storage_module
+
+    path = make_step(store, 1, commit=False)
+    naming = threading.Event()
+    fsync_dir, checksum = storage_module.fsync_dir, storage_module.PosixStorage.checksum
+    synced: list[str] = []
+
+    def naming_fsync(directory):
+        naming.set()
+        fsync_dir(directory)
+        synced.append(directory)
+
+    def waiting_checksum(self, file, algorithm, *, sync=False):
+        assert naming.wait(timeout=10), "the files were checksummed before any name synced"
+        return checksum(self, file, algorithm, sync=sync)
+
+    monkeypatch.setattr(storage_module, "fsync_dir", naming_fsync)
+    monkeypatch.setattr(storage_module.PosixStorage, "checksum", waiting_checksum)
+    store.commit(path, 1)
+    assert store.verify(path) == []
+    assert {os.path.join(path, "state", "arrays"), path} <= set(synced)
+
+
 def test_new_commits_record_crc32c_of_each_file(store):
     import google_crc32c
 
