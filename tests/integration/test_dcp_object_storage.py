@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import uuid
 
 import pytest
@@ -194,8 +195,8 @@ def counting_gets(monkeypatch) -> dict[str, int]:
         fetched[path] = fetched.get(path, 0) + len(data)
         return data
 
-    def read_into(self, path, out, *, offset=0):
-        count = real_read_into(self, path, out, offset=offset)
+    def read_into(self, path, out, **kwargs):
+        count = real_read_into(self, path, out, **kwargs)
         fetched[path] = fetched.get(path, 0) + count
         return count
 
@@ -291,6 +292,58 @@ def test_a_restore_from_s3_streams_each_data_file_into_one_buffer_and_skips_torc
     assert torch.equal(like["big"], big) and tensors_of(fresh) == tensors_of(state)
     assert all(torch.equal(model_only.state_dict()[key], value)
                for key, value in state["model"].state_dict().items())
+
+
+def test_a_restore_from_s3_asks_for_the_data_before_checking_the_small_files(
+        options, root, monkeypatch):
+    # The manifest names the data file and its size, so its GET goes out as soon as the
+    # manifest is read; the verification's listing and small GETs and DCP's parsing run
+    # while the data comes down (they used to come first, then the data GET). Here the
+    # verification's GET of driver.json waits (up to 20 s) for the data to have been asked
+    # for: in the old order it never was by then. The data's checksum is computed as its
+    # pieces land (never over the whole file once it is in), still before DCP loads it.
+    from jaxckpt import checksum, read_ahead
+    from torch_bridge import _dcp_storage
+
+    state, _, _ = training()
+    big = torch.randn(1_600_000)  # 6.4 MB: more than one progress piece
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(STEP, {**state, "big": big})
+    asked = threading.Event()
+    waited: list[bool] = []
+    summed: list[int] = []
+    real_read_into, real_checksum = s3_storage.S3Storage.read_into, s3_storage.S3Storage.checksum
+
+    def read_into(self, path, out, **kwargs):
+        if path.endswith(".distcp"):
+            asked.set()
+        return real_read_into(self, path, out, **kwargs)
+
+    def checksum_of(self, path, algorithm, **kwargs):
+        if path.endswith("/driver.json"):
+            waited.append(asked.wait(timeout=20))
+        return real_checksum(self, path, algorithm, **kwargs)
+
+    def extend(algorithm, crc, data):
+        summed.append(len(memoryview(data).cast("B")))
+        return checksum.extend(algorithm, crc, data)
+
+    monkeypatch.setattr(s3_storage.S3Storage, "read_into", read_into)
+    monkeypatch.setattr(s3_storage.S3Storage, "checksum", checksum_of)
+    monkeypatch.setattr(read_ahead, "extend", extend)
+    monkeypatch.setattr(_dcp_storage, "extend", extend)
+    for how in ("step", "latest"):
+        asked.clear()
+        fresh, _, _ = training(seed=5)
+        like = {**fresh, "big": torch.zeros_like(big)}
+        with manager(root, options) as mgr:  # a new manager: nothing kept from the save
+            if how == "step":
+                mgr.restore(like, step=3)
+            else:
+                mgr.recover(like)
+        assert torch.equal(like["big"], big) and tensors_of(fresh) == tensors_of(state)
+    assert waited == [True, True]
+    assert summed and max(summed) <= s3_storage._PROGRESS_PIECE, summed
 
 
 def test_damaged_data_on_s3_leaves_the_live_tensors_untouched_and_recover_falls_back(
