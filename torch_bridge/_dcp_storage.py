@@ -34,6 +34,7 @@ import concurrent.futures
 import functools
 import os
 import shutil
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -485,6 +486,16 @@ def _fetch_files(storage: Storage, paths: dict[str, str],
     return fetched, sums
 
 
+def _let_go(fetched: dict[str, list[tuple[int, Any]]]) -> None:
+    """Drop the fetched buffers (``fetched`` is emptied) on a thread of their own: handing
+    128 MiB of pages back to the system (the buffer's ``munmap``, which releases the GIL)
+    took 5-15 ms here, which the restore need not wait for. The caller keeps no other
+    reference to them."""
+    buffers = [data for ranges in fetched.values() for _, data in ranges]
+    fetched.clear()
+    threading.Thread(target=buffers.clear, name="jaxckpt-let-go", daemon=True).start()
+
+
 @functools.cache
 def _storage_reader_class() -> type:
     SafeReader = _dcp_metadata.safe_reader_class()
@@ -545,5 +556,6 @@ def _storage_reader_class() -> type:
                 return super().read_data(plan, planner)
             finally:
                 self.fs.prefetched = {}
+                _let_go(fetched)
 
     return _StorageReader
