@@ -2,7 +2,9 @@
 read it.
 
 Owns: choosing the step (the primary walks the committed checkpoints newest first, checks
-each and the item versions it refers to, and shares its choice), failing closed when
+each and the item versions it refers to, and shares its choice; on an object store it
+starts fetching a candidate's bulk state files as soon as the manifest names them:
+``read_ahead``), failing closed when
 checkpoints exist and none verifies (``RecoverConfig.on_corrupt``), reading the driver state,
 the arrays and the requested items under a reader lock (retention keeps off), judging the
 read once the deferred checksums are in (``verification``), falling back when they fail,

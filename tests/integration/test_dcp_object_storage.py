@@ -469,6 +469,28 @@ def test_the_object_store_bench_compares_with_raw_transfers_and_cleans_up(option
     assert storage.list_files(root) == {}  # the bench deleted what it wrote
 
 
+def test_the_object_store_bench_times_the_raw_download_after_the_save_has_ended(
+        options, root, monkeypatch):
+    # A sync save returns at its marker; its retention lists the root in the background.
+    # Those requests must not land inside the raw download's (or the restore's) timing.
+    from jaxckpt.tools.bench_dcp_remote import dcp_remote_rows
+
+    events: list[str] = []
+    real_wait, real_read = DcpCheckpointManager.wait, s3_storage.S3Storage.read
+    monkeypatch.setattr(DcpCheckpointManager, "wait",
+                        lambda self: events.append("wait") or real_wait(self))
+
+    def read(self, path, **kwargs):
+        if "/raw/" in path:
+            events.append("raw download")
+        return real_read(self, path, **kwargs)
+
+    monkeypatch.setattr(s3_storage.S3Storage, "read", read)
+    dcp_remote_rows(root, options, nbytes=1 << 20, tensors=2, repeats=2)
+    downloads = [i for i, event in enumerate(events) if event == "raw download"]
+    assert len(downloads) == 2 and all(events[i - 1] == "wait" for i in downloads), events
+
+
 class _BytesStorage:
     """The two reads _dcp_storage's fetches use, over one object's bytes."""
 
