@@ -56,6 +56,11 @@ class BackendFeatures:
     nothing and raises; the manager then defers the data checksums of a single-process
     restore to it (one pass over the bytes instead of two), and checks every file first in
     a run of several processes (only the primary is given claims)."""
+    takes_read_ahead: bool = False
+    """With ``verifies_reads`` and ``reads_in_place``: a full single-process ``read`` claims
+    every deferred file of the state it is given and loads each one whole from one fetch,
+    taking the bytes from ``claims.fetched`` where the manager fetched them ahead (an
+    object-store root: ``read_ahead``). False: the manager fetches nothing ahead."""
     export_needs_copy: bool = False
     """Exporters always receive ``host_copy(state)`` (e.g. torch state dicts rather than live
     modules), whatever the export mode. False: a sync single-process export gets ``state``."""

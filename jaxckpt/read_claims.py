@@ -2,9 +2,10 @@
 
 Owns: ``ReadClaims``, the hand-over by which a backend that reads a file whole checks that
 file's deferred checksum (``manifest.DEFER_CHECKSUMS_OVER``) from the bytes it read, so that
-the file is not read twice, while the manager's checking thread checks the rest; and, for a
-partial restore, the scope that a backend gives of the files its read can touch (``limit``),
-outside which nothing is checked, since nothing there is read.
+the file is not read twice, while the manager's checking thread checks the rest; the
+hand-over of those files' bytes where the manager fetched them ahead (``read_ahead``); and,
+for a partial restore, the scope that a backend gives of the files its read can touch
+(``limit``), outside which nothing is checked, since nothing there is read.
 
 Must not import: jax, orbax, torch.
 """
@@ -16,6 +17,7 @@ import threading
 from typing import Any
 
 from .manifest import algorithm_of, checksum_problem
+from .read_ahead import Fetched, ReadAhead
 
 __all__ = ["ReadClaims"]
 
@@ -34,7 +36,10 @@ class ReadClaims:
     Concurrency contract: every method may be called from any thread of one process.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ahead: ReadAhead | None = None) -> None:
+        """``ahead``: the fetches the manager started for this restore's bulk files, which a
+        backend takes through ``fetched`` instead of fetching those files itself."""
+        self._ahead = ahead
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # realpath of the file -> (directory it was offered with, manifest path, entry)
@@ -74,6 +79,13 @@ class ReadClaims:
             self._claimed[full] = item
             algorithm = algorithm_of(item[2])
             return algorithm, item[2][algorithm]
+
+    def fetched(self, file: str) -> Fetched | None:
+        """The bytes of the claimed ``file`` as fetched ahead (``read_ahead``), with their
+        checksum computed as they came, once the fetch ended; None when none was started
+        for it (fetch it then). Settle the claim with that checksum before loading any of
+        those bytes."""
+        return None if self._ahead is None else self._ahead.take(file)
 
     def settle(self, file: str, checksum: str) -> None:
         """The checksum of what was read from a claimed ``file``."""

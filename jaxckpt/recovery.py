@@ -2,7 +2,9 @@
 read it.
 
 Owns: choosing the step (the primary walks the committed checkpoints newest first, checks
-each and the item versions it refers to, and shares its choice), failing closed when
+each and the item versions it refers to, and shares its choice; on an object store it
+starts fetching a candidate's bulk state files as soon as the manifest names them:
+``read_ahead``), failing closed when
 checkpoints exist and none verifies (``RecoverConfig.on_corrupt``), reading the driver state,
 the arrays and the requested items under a reader lock (retention keeps off), judging the
 read once the deferred checksums are in (``verification``), falling back when they fail,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -40,9 +43,11 @@ from .errors import (
     CheckpointWarning,
 )
 from .layout import STATE_DIR
-from .manifest import Manifest
+from .manifest import Manifest, deferrable
+from .read_ahead import ReadAhead
 from .read_claims import ReadClaims
 from .reports import Recovered
+from .storage import PosixStorage
 from .store import Entry
 from .verification import DeferredChecksumsFailed, Verification, Verifier
 
@@ -50,6 +55,16 @@ __all__ = ["Recovery"]
 
 _FAIL_CLOSED = -2
 """What ``_choose`` shares when committed checkpoints exist and none verifies (-1: none)."""
+
+
+def _fetch_state_ahead(ahead: ReadAhead, checks: Verification, path: str,
+                       manifest: Manifest) -> None:
+    """Start fetching the deferred files of ``path``'s state (those the backend claims)."""
+    inside = STATE_DIR + "/"
+    ahead.start((os.path.join(path, *rel.split("/")), info)
+                for rel, info in sorted(manifest.files.items())
+                if rel.startswith(inside) and checks.defer_over is not None
+                and deferrable(rel, info, checks.defer_over))
 
 
 class Recovery:
@@ -75,8 +90,9 @@ class Recovery:
                                    processes=ctx.process_count)
         bad: list[Entry] = []
         limit: int | None = None
+        ahead = self._read_ahead(checks)
         while True:
-            chosen, manifest = self._choose(step, checks, limit, bad)
+            chosen, manifest = self._choose(step, checks, limit, bad, ahead)
             skipped = [f"{item.path}: {item.status}: "
                        + ("; ".join(item.problems) or "no commit marker (interrupted save)")
                        for item in bad]
@@ -88,7 +104,8 @@ class Recovery:
             path = ctx.store.step_path(chosen)
             try:
                 body, state, versions, restored_items = self._read_checkpoint(
-                    path, like, items, chosen, checks, partial=partial, manifest=manifest)
+                    path, like, items, chosen, checks, partial=partial, manifest=manifest,
+                    ahead=ahead)
             except DeferredChecksumsFailed as failed:
                 # What was read went with the exception; nothing else was touched yet. The
                 # same outcome as when these checksums fail up front: an explicit step is an
@@ -176,21 +193,49 @@ class Recovery:
             f"opt in to starting over with RecoverConfig(on_corrupt=\"start_fresh\") (the "
             f"damaged checkpoints are then moved to {where}/superseded/).")
 
+    def _read_ahead(self, checks: Verification) -> ReadAhead | None:
+        """Where the plan allows it on an object store (a round trip per request; a disk
+        is read by the backend itself), the primary's fetches of the state's bulk files,
+        started as each candidate's manifest is read (``_choose``)."""
+        ctx = self._ctx
+        if (not checks.read_ahead or not ctx.primary
+                or isinstance(ctx.store.storage, PosixStorage)):
+            return None
+        return ReadAhead(ctx.store.storage)
+
     def _choose(self, step: int | None, checks: Verification, limit: int | None,
-                bad: list[Entry]) -> tuple[int, Manifest | None]:
+                bad: list[Entry], ahead: ReadAhead | None = None,
+                ) -> tuple[int, Manifest | None]:
         """The step to restore (-1: none), decided by the primary and shared, with the
         manifest the primary verified it by (None elsewhere). Unusable newer checkpoints
         found on the way are appended to ``bad``. Checksums that ``checks.defer_over``
-        leaves out are checked later, by ``_read_checkpoint``, against that manifest."""
+        leaves out are checked later, by ``_read_checkpoint``, against that manifest.
+        ``ahead``: started on each candidate's bulk state files as soon as its manifest is
+        read; cancelled here unless a step is chosen."""
+        try:
+            chosen, manifest = self._choose_step(step, checks, limit, bad, ahead)
+        except BaseException:
+            if ahead is not None:
+                ahead.cancel()
+            raise
+        if chosen < 0 and ahead is not None:
+            ahead.cancel()
+        return chosen, manifest
+
+    def _choose_step(self, step: int | None, checks: Verification, limit: int | None,
+                     bad: list[Entry], ahead: ReadAhead | None,
+                     ) -> tuple[int, Manifest | None]:
         ctx = self._ctx
         chosen = -1
         manifest: Manifest | None = None
+        on_manifest = None if ahead is None else functools.partial(_fetch_state_ahead, ahead,
+                                                                    checks)
         if ctx.primary:
             if step is None:
                 while True:
                     entry, newly_bad = ctx.store.latest_valid(
                         checksums=checks.checksums, at_or_before=limit,
-                        defer_over=checks.defer_over)
+                        defer_over=checks.defer_over, on_manifest=on_manifest)
                     bad += newly_bad
                     if entry is None:
                         break
@@ -206,7 +251,8 @@ class Recovery:
                         and any(entry.status != "partial" for entry in bad)):
                     chosen = _FAIL_CLOSED
             else:
-                manifest = self._verifier.check_requested_manifest(step, checks)
+                manifest = self._verifier.check_requested_manifest(step, checks,
+                                                                   on_manifest=on_manifest)
                 chosen = step
                 problems = self._verifier.item_problems(ctx.store.step_path(step), checks)
                 if problems:
@@ -219,7 +265,7 @@ class Recovery:
 
     def _read_checkpoint(self, path: str, like: Any, items: Mapping[str, Any] | None,
                          step: int, checks: Verification, *, partial: bool = False,
-                         manifest: Manifest | None = None,
+                         manifest: Manifest | None = None, ahead: ReadAhead | None = None,
                          ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:
         """Driver, arrays and requested items of one checkpoint, under a reader lock that
         keeps retention away from it.
@@ -232,8 +278,9 @@ class Recovery:
             self._ctx.reading.add(step)
         try:
             with self._ctx.store.reading(path):
-                claims = (ReadClaims() if checks.defer_over is not None and self._ctx.primary
-                          and self._ctx.backend.features.verifies_reads else None)
+                claims = (ReadClaims(ahead) if checks.defer_over is not None
+                          and self._ctx.primary and self._ctx.backend.features.verifies_reads
+                          else None)
                 checking = self._verifier.start_deferred_checks(path, checks, claims,
                                                                 manifest=manifest)
                 result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]] | None = None
@@ -271,6 +318,8 @@ class Recovery:
                 assert result is not None
                 return self._finish_read(result)
         finally:
+            if ahead is not None:
+                ahead.cancel()  # what the reader did not take is dropped
             with self._ctx.state_lock:
                 self._ctx.reading.discard(step)
 

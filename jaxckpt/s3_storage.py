@@ -44,7 +44,7 @@ import concurrent.futures
 import contextlib
 import random
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .checksum import extend
@@ -54,6 +54,8 @@ from .storage import ObjectWriter, ReadHolds, RootLease, Storage, object_name
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
 
 _READ_PIECE = 8 * 1024 * 1024
+#: how much of a GET's body lands between two ``read_into`` progress calls.
+_PROGRESS_PIECE = 4 * 1024 * 1024
 #: Objects above this many bytes are uploaded in parts of ``PART_BYTES``, ``PART_THREADS``
 #: at a time (S3 allows 10,000 parts of 5 MiB to 5 GiB: 64 MiB parts reach 640 GB).
 MULTIPART_OVER = 64 << 20
@@ -141,8 +143,11 @@ def _checksum_field(crc32c: int) -> dict[str, str]:
     return {"ChecksumCRC32C": base64.b64encode(crc32c.to_bytes(4, "big")).decode("ascii")}
 
 
-def _stream_into(body: Any, out: memoryview) -> int:
+def _stream_into(body: Any, out: memoryview,
+                 progress: Callable[[int], None] | None = None) -> int:
     """Read a GET's body into ``out`` until it is full or the body ends; the byte count.
+    With ``progress``, in slices of ``_PROGRESS_PIECE`` bytes, each followed by
+    ``progress(bytes in so far)`` (a reader checksums what landed while the rest comes).
 
     Straight from the socket where the body is plain bytes (no content encoding): the
     HTTP response under botocore's and urllib3's wrappers reads into ``out`` itself, where
@@ -155,12 +160,15 @@ def _stream_into(body: Any, out: memoryview) -> int:
     plain = (direct is not None and hasattr(direct, "readinto")
              and not headers.get("content-encoding") and hasattr(raw, "release_conn"))
     read = direct.readinto if plain else body.readinto
+    step = len(out) if progress is None else _PROGRESS_PIECE
     got = 0
     while got < len(out):
-        count = read(out[got:])
+        count = read(out[got:got + step])
         if not count:
             break
         got += count
+        if progress is not None:
+            progress(got)
     if plain and direct.isclosed():  # the whole body was read: the connection is free
         raw.release_conn()
     return got
@@ -385,8 +393,10 @@ class S3Storage(Storage):
         with contextlib.closing(response["Body"]) as body:
             return body.read()
 
-    def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
-        """One GET (ranged past the start), its body streamed into ``out``."""
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0,
+                  progress: Callable[[int], None] | None = None) -> int:
+        """One GET (ranged past the start), its body streamed into ``out`` (``progress``:
+        called every ``_PROGRESS_PIECE`` bytes)."""
         if not len(out):
             return 0
         # From the start: a plain GET, read as far as ``out`` goes (no Range: servers that
@@ -402,7 +412,7 @@ class S3Storage(Storage):
                 return 0
             raise
         with contextlib.closing(response["Body"]) as body:
-            return _stream_into(body, out)
+            return _stream_into(body, out, progress)
 
     def size(self, path: str) -> int:
         try:

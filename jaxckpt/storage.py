@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -146,13 +146,18 @@ class Storage(abc.ABC):
         """The bytes of the object at ``path`` (``length`` bytes from ``offset``, or to its
         end; fewer at the end of the object). ``FileNotFoundError`` when there is none."""
 
-    def read_into(self, path: str, out: memoryview, *, offset: int = 0) -> int:
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0,
+                  progress: Callable[[int], None] | None = None) -> int:
         """Read the object at ``path`` from ``offset`` into the writable buffer ``out`` (up
         to its length; fewer bytes at the end of the object); returns how many were read.
         ``FileNotFoundError`` when there is none. Object stores stream into ``out`` without
-        an intermediate copy; this default reads, then copies."""
+        an intermediate copy; this default reads, then copies. ``progress(count)``, called
+        on the reading thread: the first ``count`` bytes of ``out`` are in (as often as the
+        storage can tell; here once, at the end); what it raises stops the read."""
         data = self.read(path, offset=offset, length=len(out))
         out[:len(data)] = data
+        if progress is not None:
+            progress(len(data))
         return len(data)
 
     @abc.abstractmethod

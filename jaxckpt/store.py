@@ -76,7 +76,11 @@ from .read_claims import ReadClaims
 from .roots import foreign_entries
 from .storage import PosixStorage, RootLease, RootLock, Storage
 
-__all__ = ["CheckpointStore", "Entry", "Status", "write_file_soon"]
+__all__ = ["CheckpointStore", "Entry", "OnManifest", "Status", "write_file_soon"]
+
+OnManifest = Callable[[str, Manifest], None]
+"""Told (directory, manifest) as soon as a committed checkpoint's manifest is read, before
+the rest of it is verified (a restore starts fetching its bulk files there)."""
 
 # Names tests (and code outside the package) imported from here before the store was split
 # into layout / manifest / storage / roots; new code imports them from where they live.
@@ -367,23 +371,6 @@ class CheckpointStore:
         return _run_checks(lambda item: _check_file(storage, path, *item, checksums=True),
                            entries, storage.concurrent_requests)
 
-    def _classify(self, step: int, path: str, *, checksums: bool,
-                  defer_over: int | None = None) -> Entry:
-        """One step directory with its status: partial (no marker), corrupt, or committed
-        (``defer_over``: as in :meth:`verify`), listed while its marker is read (two round
-        trips at once on an object store)."""
-        listed = _listing(self.storage, path)
-        try:
-            manifest = self.read_manifest(path)
-        except CheckpointCorruptError as exc:
-            return Entry(step=step, path=path, status="corrupt", problems=(str(exc),))
-        if manifest is None:
-            return Entry(step=step, path=path, status="partial")
-        problems = tuple(self.verify(path, checksums=checksums, defer_over=defer_over,
-                                     manifest=manifest, listed=listed))
-        return Entry(step=step, path=path, status="corrupt" if problems else "committed",
-                     problems=problems, manifest=manifest)
-
     def entry(self, path: str, *, checksums: bool = False) -> Entry:
         """One checkpoint directory with its status, as :meth:`entries` reports it; its step
         is the manifest's, else the one in its name (``step_N``, ``vN``), else 0."""
@@ -391,7 +378,7 @@ class CheckpointStore:
         step = parse_step_dirname(name)
         if step is None:
             step = parse_version_dirname(name)
-        entry = self._classify(step or 0, path, checksums=checksums)
+        entry = _classify(self, step or 0, path, checksums=checksums)
         if entry.manifest is not None and entry.manifest.step != entry.step:
             entry = dataclasses.replace(entry, step=entry.manifest.step)
         return entry
@@ -403,7 +390,7 @@ class CheckpointStore:
         found = self._step_dirs()
         entries = []
         for step, path in found:
-            entries.append(self._classify(step, path, checksums=checksums))
+            entries.append(_classify(self, step, path, checksums=checksums))
             if progress is not None:
                 progress(len(entries), len(found))
         return entries
@@ -414,16 +401,19 @@ class CheckpointStore:
                 if self.storage.exists(os.path.join(path, COMMIT_MARKER))]
 
     def latest_valid(self, *, checksums: bool = True, at_or_before: int | None = None,
-                     defer_over: int | None = None) -> tuple[Entry | None, list[Entry]]:
+                     defer_over: int | None = None, on_manifest: OnManifest | None = None,
+                     ) -> tuple[Entry | None, list[Entry]]:
         """The newest valid checkpoint and the newer ones skipped (partial or corrupt).
 
         With ``defer_over`` (see :meth:`verify`) the returned entry is valid except for the
-        checksums left out, which the caller must check with :meth:`verify_deferred`."""
+        checksums left out, which the caller must check with :meth:`verify_deferred`.
+        ``on_manifest``: told each candidate's manifest before the candidate is verified."""
         skipped: list[Entry] = []
         for step, path in reversed(self._step_dirs()):
             if at_or_before is not None and step > at_or_before:
                 continue
-            entry = self._classify(step, path, checksums=checksums, defer_over=defer_over)
+            entry = _classify(self, step, path, checksums=checksums, defer_over=defer_over,
+                                   on_manifest=on_manifest)
             if entry.status == "committed":
                 return entry, skipped
             skipped.append(entry)
@@ -622,3 +612,25 @@ def write_file_soon(store: CheckpointStore, path: str, name: str, data: bytes) -
     """``store.write_file``, started on the store's pool: the caller goes on (with the
     arrays' write) and waits for the returned future before committing."""
     return _pool(store.storage.concurrent_requests).submit(store.write_file, path, name, data)
+
+
+def _classify(store: CheckpointStore, step: int, path: str, *, checksums: bool,
+              defer_over: int | None = None, on_manifest: OnManifest | None = None,
+              ) -> Entry:
+    """One step directory of ``store`` with its status: partial (no marker), corrupt, or
+    committed (``defer_over``: as in ``CheckpointStore.verify``), listed while its marker is
+    read (two round trips at once on an object store); ``on_manifest`` is told the manifest
+    before the rest is verified."""
+    listed = _listing(store.storage, path)
+    try:
+        manifest = store.read_manifest(path)
+    except CheckpointCorruptError as exc:
+        return Entry(step=step, path=path, status="corrupt", problems=(str(exc),))
+    if manifest is None:
+        return Entry(step=step, path=path, status="partial")
+    if on_manifest is not None:
+        on_manifest(path, manifest)
+    problems = tuple(store.verify(path, checksums=checksums, defer_over=defer_over,
+                                  manifest=manifest, listed=listed))
+    return Entry(step=step, path=path, status="corrupt" if problems else "committed",
+                 problems=problems, manifest=manifest)

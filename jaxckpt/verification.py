@@ -27,7 +27,7 @@ from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .layout import DRIVER_FILE
 from .manifest import DEFER_CHECKSUMS_OVER, Manifest
 from .read_claims import ReadClaims
-from .store import CheckpointStore
+from .store import CheckpointStore, OnManifest
 
 __all__ = ["Verification", "DeferredChecksumsFailed", "Verifier", "plan"]
 
@@ -43,6 +43,11 @@ class Verification:
     (``CheckpointStore.verify(defer_over=...)``); None: every checksum up front."""
     deferred_items: frozenset[str]
     """Items whose bulk checksums are deferred as well: those being restored."""
+    read_ahead: bool = False
+    """The state's deferred files are all claimed and loaded whole by the backend
+    (``BackendFeatures.takes_read_ahead``, a full restore in one process): on an object
+    store the manager starts fetching them as soon as it has the manifest
+    (``read_ahead.ReadAhead``), before the verification's other requests."""
 
 
 class DeferredChecksumsFailed(Exception):
@@ -98,8 +103,10 @@ def plan(config: RecoverConfig, backend: Any, items: Mapping[str, Any] | None, *
     overlap = checksums and (not in_place or checks_first)
     defer_over = (0 if partial else DEFER_CHECKSUMS_OVER) if overlap else None
     deferred_items = frozenset(items or ()) if overlap and not in_place else frozenset()
+    # A partial restore fetches only what it loads: nothing is fetched before it knows.
+    read_ahead = checksums and checks_first and not partial and features.takes_read_ahead
     return Verification(checksums=checksums, defer_over=defer_over,
-                        deferred_items=deferred_items)
+                        deferred_items=deferred_items, read_ahead=read_ahead)
 
 
 class Verifier:
@@ -211,8 +218,11 @@ class Verifier:
         self.check_requested_manifest(step, checks)
         return step
 
-    def check_requested_manifest(self, step: int, checks: Verification) -> Manifest:
-        """``check_requested``, giving the manifest it verified (for the deferred checks)."""
+    def check_requested_manifest(self, step: int, checks: Verification, *,
+                                 on_manifest: OnManifest | None = None) -> Manifest:
+        """``check_requested``, giving the manifest it verified (for the deferred checks);
+        ``on_manifest(path, manifest)`` is called once the manifest is read, before the
+        rest is checked (``store.CheckpointStore.latest_valid``)."""
         path = self._store.step_path(step)
         if not self._store.storage.is_prefix(path):
             available = self._store.committed_steps()
@@ -220,6 +230,8 @@ class Verifier:
                 f"no checkpoint for step {step} under {self._store.recover_dir}; committed steps "
                 f"are {available or 'none'}. Pass one of those, or step=None for the latest.")
         manifest = self._store.committed_manifest(path)
+        if on_manifest is not None:
+            on_manifest(path, manifest)
         problems = self._store.verify(path, checksums=checks.checksums,
                                       defer_over=checks.defer_over, manifest=manifest)
         if problems:

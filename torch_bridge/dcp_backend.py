@@ -427,9 +427,11 @@ class DcpBackend:
     #: mode. read() loads into the caller's live modules and tensors, which cannot be taken
     #: back, so it checks each data file it claims before loading any (verifies_reads);
     #: in a run of several processes the manager checks every file before reading.
-    #: Object-store roots through the storage the manager attaches.
+    #: Object-store roots through the storage the manager attaches; there the reader
+    #: takes the data files the manager fetched ahead (takes_read_ahead).
     features = BackendFeatures(supports_async=True, export_needs_copy=True,
-                               reads_in_place=True, verifies_reads=True, object_storage=True)
+                               reads_in_place=True, verifies_reads=True, object_storage=True,
+                               takes_read_ahead=True)
 
     def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
                  reuse_staging_memory: bool = True, sync_files: bool = False,

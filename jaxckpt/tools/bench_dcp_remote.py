@@ -76,6 +76,10 @@ def dcp_remote_rows(root: str, storage_options: Mapping[str, Any] | None = None,
                 # Each callable runs at once, inside this iteration: binding late is fine.
                 times["raw_upload"].append(_timed(lambda: storage.write(raw, blob)))  # noqa: B023
                 times["dcpm_save"].append(_timed(lambda: mgr.save(info, state)))  # noqa: B023
+                # The save's housekeeping (retention's listings) runs in the background after
+                # save() returns: let it end, so that its requests share moto with neither
+                # the raw download nor the restore timed next.
+                mgr.wait()
                 times["raw_download"].append(_timed(lambda: storage.read(raw)))  # noqa: B023
                 times["dcpm_restore"].append(
                     _timed(lambda: mgr.restore(like, step=step)))  # noqa: B023

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import uuid
 
 import pytest
@@ -194,8 +195,8 @@ def counting_gets(monkeypatch) -> dict[str, int]:
         fetched[path] = fetched.get(path, 0) + len(data)
         return data
 
-    def read_into(self, path, out, *, offset=0):
-        count = real_read_into(self, path, out, offset=offset)
+    def read_into(self, path, out, **kwargs):
+        count = real_read_into(self, path, out, **kwargs)
         fetched[path] = fetched.get(path, 0) + count
         return count
 
@@ -293,6 +294,84 @@ def test_a_restore_from_s3_streams_each_data_file_into_one_buffer_and_skips_torc
                for key, value in state["model"].state_dict().items())
 
 
+def test_a_restore_from_s3_asks_for_the_data_before_checking_the_small_files(
+        options, root, monkeypatch):
+    # The manifest names the data file and its size, so its GET goes out as soon as the
+    # manifest is read; the verification's listing and small GETs and DCP's parsing run
+    # while the data comes down (they used to come first, then the data GET). Here the
+    # verification's GET of driver.json waits (up to 20 s) for the data to have been asked
+    # for: in the old order it never was by then. The data's checksum is computed as its
+    # pieces land (never over the whole file once it is in), still before DCP loads it.
+    from jaxckpt import checksum, read_ahead
+    from torch_bridge import _dcp_storage
+
+    state, _, _ = training()
+    big = torch.randn(1_600_000)  # 6.4 MB: more than one progress piece
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(STEP, {**state, "big": big})
+    asked = threading.Event()
+    waited: list[bool] = []
+    summed: list[int] = []
+    real_read_into, real_checksum = s3_storage.S3Storage.read_into, s3_storage.S3Storage.checksum
+
+    def read_into(self, path, out, **kwargs):
+        if path.endswith(".distcp"):
+            asked.set()
+        return real_read_into(self, path, out, **kwargs)
+
+    def checksum_of(self, path, algorithm, **kwargs):
+        if path.endswith("/driver.json"):
+            waited.append(asked.wait(timeout=20))
+        return real_checksum(self, path, algorithm, **kwargs)
+
+    def extend(algorithm, crc, data):
+        summed.append(len(memoryview(data).cast("B")))
+        return checksum.extend(algorithm, crc, data)
+
+    monkeypatch.setattr(s3_storage.S3Storage, "read_into", read_into)
+    monkeypatch.setattr(s3_storage.S3Storage, "checksum", checksum_of)
+    monkeypatch.setattr(read_ahead, "extend", extend)
+    monkeypatch.setattr(_dcp_storage, "extend", extend)
+    for how in ("step", "latest"):
+        asked.clear()
+        fresh, _, _ = training(seed=5)
+        like = {**fresh, "big": torch.zeros_like(big)}
+        with manager(root, options) as mgr:  # a new manager: nothing kept from the save
+            if how == "step":
+                mgr.restore(like, step=3)
+            else:
+                mgr.recover(like)
+        assert torch.equal(like["big"], big) and tensors_of(fresh) == tensors_of(state)
+    assert waited == [True, True]
+    assert summed and max(summed) <= s3_storage._PROGRESS_PIECE, summed
+
+
+def test_a_restore_from_s3_lets_go_of_the_fetched_data_on_a_thread_of_its_own(
+        options, root, monkeypatch):
+    # Handing a fetched file's pages back to the system (munmap: 5-15 ms for 128 MiB here)
+    # happens beside the training thread, not before restore() returns.
+    from jaxckpt import read_ahead
+
+    big = torch.randn(600_000)
+    with manager(root, options, mode="sync") as mgr:
+        mgr.save(STEP, {"big": big})
+    freed: list[str] = []
+    gone = threading.Event()
+
+    class Tracked(bytearray):
+        def __del__(self):
+            freed.append(threading.current_thread().name)
+            gone.set()
+
+    monkeypatch.setattr(read_ahead, "_fresh", lambda nbytes: memoryview(Tracked(nbytes)))
+    like = {"big": torch.zeros_like(big)}
+    with manager(root, options) as mgr:
+        mgr.restore(like)
+    assert torch.equal(like["big"], big)
+    assert gone.wait(timeout=30)
+    assert freed == ["jaxckpt-let-go"], freed
+
+
 def test_damaged_data_on_s3_leaves_the_live_tensors_untouched_and_recover_falls_back(
         options, root, monkeypatch):
     # The data is checked as it arrives, no longer before the read: the damaged file is
@@ -388,6 +467,28 @@ def test_the_object_store_bench_compares_with_raw_transfers_and_cleans_up(option
     assert "save / raw upload" in format_rows(result)
     _, storage = parse_root(root, options)
     assert storage.list_files(root) == {}  # the bench deleted what it wrote
+
+
+def test_the_object_store_bench_times_the_raw_download_after_the_save_has_ended(
+        options, root, monkeypatch):
+    # A sync save returns at its marker; its retention lists the root in the background.
+    # Those requests must not land inside the raw download's (or the restore's) timing.
+    from jaxckpt.tools.bench_dcp_remote import dcp_remote_rows
+
+    events: list[str] = []
+    real_wait, real_read = DcpCheckpointManager.wait, s3_storage.S3Storage.read
+    monkeypatch.setattr(DcpCheckpointManager, "wait",
+                        lambda self: events.append("wait") or real_wait(self))
+
+    def read(self, path, **kwargs):
+        if "/raw/" in path:
+            events.append("raw download")
+        return real_read(self, path, **kwargs)
+
+    monkeypatch.setattr(s3_storage.S3Storage, "read", read)
+    dcp_remote_rows(root, options, nbytes=1 << 20, tensors=2, repeats=2)
+    downloads = [i for i, event in enumerate(events) if event == "raw download"]
+    assert len(downloads) == 2 and all(events[i - 1] == "wait" for i in downloads), events
 
 
 class _BytesStorage:

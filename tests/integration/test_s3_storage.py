@@ -21,7 +21,7 @@ from support.fault_proxy import FaultProxy
 pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
-from jaxckpt import RootLockedError  # noqa: E402
+from jaxckpt import RootLockedError, s3_storage  # noqa: E402
 from jaxckpt.s3_storage import S3Storage, s3_client  # noqa: E402
 from jaxckpt.storage import Storage  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
@@ -325,6 +325,32 @@ def test_retries_leave_the_global_random_stream_alone(options, base):
         assert random.getstate() == before
     finally:
         proxy.close()
+
+
+def test_read_into_reports_each_piece_as_it_lands_and_a_raising_progress_stops_it(
+        storage, base, monkeypatch):
+    """``progress`` hears of the body every ``_PROGRESS_PIECE`` bytes, in order, on the
+    reading thread (the DCP restore's read-ahead checksums each piece while the rest comes
+    down); what it raises ends the read there."""
+    monkeypatch.setattr(s3_storage, "_PROGRESS_PIECE", 1 << 20)
+    data = os.urandom((3 << 20) + 123)
+    storage.write(f"{base}/blob", data)
+    counts: list[int] = []
+    out = bytearray(len(data) + 1)
+    assert storage.read_into(f"{base}/blob", memoryview(out), progress=counts.append) == len(data)
+    assert bytes(out[:len(data)]) == data
+    assert counts == sorted(counts) and counts[-1] == len(data) and len(counts) >= 4
+    assert all(b - a <= 1 << 20 for a, b in zip([0, *counts[:-1]], counts, strict=True))
+
+    class Stop(Exception):
+        pass
+
+    def stop(count):
+        raise Stop
+
+    with pytest.raises(Stop):
+        storage.read_into(f"{base}/blob", memoryview(bytearray(len(data))), progress=stop)
+    assert storage.read(f"{base}/blob") == data  # the client goes on working
 
 
 def test_read_into_fills_the_buffer_from_the_socket_and_keeps_the_connection(
