@@ -81,15 +81,18 @@ def _serves(child: subprocess.Popen[bytes], log: Any, port: int, bucket: str) ->
     with "Address already in use" while the process waits on it for ever."""
     deadline = time.monotonic() + 60
     while True:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             connection.request("GET", f"/storage/v1/b/{bucket}")
             if connection.getresponse().status == 200:
                 return True
-        except OSError:
+        except (OSError, http.client.HTTPException):
             pass
-        log.seek(0)
-        if child.poll() is not None or b"Address already in use" in log.read():
+        finally:
+            connection.close()
+        # pread: a seek would move the offset the child writes its stderr through.
+        if child.poll() is not None or b"Address already in use" in os.pread(
+                log.fileno(), 1 << 20, 0):
             return False
         if time.monotonic() > deadline:
             raise RuntimeError(f"the GCS emulator did not start (exit {child.poll()})")
