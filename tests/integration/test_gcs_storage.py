@@ -195,10 +195,14 @@ def _plant_expired_lease(storage, base) -> int:
 def test_lease_requests_are_conditional_on_the_generation_they_read(storage, base, proxy):
     generation = _plant_expired_lease(storage, base)
     proxy.requests.clear()
-    lease = storage.lock_root(base)
-    time.sleep(1.5)  # a few renewals
-    lease.release()
     name = storage.name(f"{base}/.lock")
+    lease = storage.lock_root(base)
+    # Two renewals at least (the heartbeat's, every 0.5 s), however slowly they come.
+    deadline = time.monotonic() + 60
+    while sum(r.name == name and r.method == "POST" for r in list(proxy.requests)) < 4:
+        assert time.monotonic() < deadline, "the lease was never renewed"
+        time.sleep(0.05)
+    lease.release()
     writes = [r for r in proxy.requests if r.name == name and r.method in ("POST", "DELETE")]
     conditions = [(r.method, r.query.get("ifGenerationMatch"), r.answered) for r in writes]
     assert conditions[:2] == [("POST", "0", 412), ("POST", str(generation), 200)]

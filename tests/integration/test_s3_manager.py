@@ -11,6 +11,7 @@ import os
 import threading
 import uuid
 import warnings
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -576,19 +577,33 @@ def test_requests_of_a_save_and_a_restore_are_pinned_per_array(root, options, ar
     assert len(read) == 2 * arrays + 8, "\n".join(map(str, read))
 
 
+#: A request to hold in flight (its name passes the first test) until the names of every
+#: request started so far pass the second.
+Hold = tuple[Callable[[str], bool], Callable[[list[str]], bool]]
+HOLD_DEADLINE_S = 30.0  # reached only when what a hold waits for never comes: a failure
+
+
 class _InFlight:
     """Which S3 requests of a step were in flight together, seen through a proxy that
     delays every answer (so that requests sent one after the other never overlap):
     ``overlapped[name]`` holds the requests in flight at some moment while ``name`` was.
-    A request is named by its operation and its key after ``split``."""
+    A request is named by its operation and its key after ``split``.
 
-    def __init__(self, options: dict, split: str):
+    ``holds`` keep a request in flight until other requests have started (or
+    ``HOLD_DEADLINE_S`` passed): two requests sent independently then overlap however the
+    threads are scheduled (with the delay alone, a thread that a loaded machine started
+    0.1 s late missed its partner), and a request sent only after another one finished
+    still never overlaps it (it cannot start while that one waits for it)."""
+
+    def __init__(self, options: dict, split: str, holds: Sequence[Hold] = ()):
         self.proxy = FaultProxy(options["endpoint_url"], rates={"slow": 1.0}, slow_s=0.1)
         self.options = {**options, "endpoint_url": self.proxy.url}
         self.overlapped: dict[str, set[str]] = {}
         self._split = split
-        self._lock = threading.Lock()
+        self._holds = list(holds)
+        self._lock = threading.Condition()
         self._flying: set[str] = set()
+        self._started: list[str] = []
 
     def _start(self, event_name: str, params: dict, **kwargs) -> None:
         key = params.get("Key", params.get("Prefix", ""))
@@ -600,6 +615,12 @@ class _InFlight:
                     self.overlapped.setdefault(other, set()).add(name)
                 self.overlapped.setdefault(name, set()).update(self._flying)
                 self._flying.add(name)
+                self._started.append(name)
+                self._lock.notify_all()
+                for matches, until in self._holds:
+                    if matches(name):
+                        self._lock.wait_for(lambda until=until: until(self._started),
+                                            timeout=HOLD_DEADLINE_S)
 
     def _end(self, **kwargs) -> None:
         with self._lock:
@@ -631,7 +652,15 @@ def test_the_prelude_of_a_restore_overlaps_its_round_trips(root, options):
              for i in range(3)}
     with manager(root, options, mode="sync") as mgr:
         mgr.save(step(1), state)
-    flight = _InFlight(options, "/step_")
+    def small(name: str) -> bool:
+        return name.startswith("GetObject") and "/c/" not in name \
+            and not name.endswith("/COMMITTED")
+
+    marker, listing = "GetObject 00000001/COMMITTED", "ListObjectsV2 00000001/"
+    flight = _InFlight(options, "/step_", holds=[
+        (lambda name: name == marker, lambda started: listing in started),
+        (lambda name: name == listing, lambda started: marker in started),
+        (small, lambda started: sum(map(small, started)) >= 3 + 3 + 2)])
     try:
         with manager(root, flight.options) as mgr, flight.watching(mgr):
             restored = mgr.restore(like_of(state))
@@ -676,7 +705,18 @@ def test_a_sync_save_sends_its_small_objects_while_the_chunks_go_up(root, option
     rng = np.random.default_rng(6)
     state = {f"w{i}": jnp.asarray(rng.standard_normal(300_000), jnp.float32)
              for i in range(2)}
-    flight = _InFlight(options, "/step_00000001")
+    metadata = ["PutObject /state/arrays/_METADATA", "PutObject /state/arrays/_CHECKPOINT_METADATA",
+                "PutObject /state/arrays/commit_success.txt"]
+
+    def chunk(name: str) -> bool:
+        return name.startswith("PutObject") and "/c/" in name
+
+    flight = _InFlight(options, "/step_00000001", holds=[
+        (lambda name: name == "PutObject /state/tree.json",
+         lambda started: any(map(chunk, started))),
+        (chunk, lambda started: set(metadata) <= set(started)),
+        (lambda name: name == "PutObject /driver.json",
+         lambda started: len(started) > started.index("PutObject /driver.json") + 1)])
     try:
         with manager(root, flight.options, mode="sync") as mgr:
             with flight.watching(mgr):

@@ -25,10 +25,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from typing import Any
 
 _OBJECT_PATH = re.compile(r"^(?:/upload|/download)?/storage/v1/b/([^/]+)/o(?:/([^?]+))?$")
 
@@ -39,37 +41,72 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+#: Emulators started before giving up: a port found free can be taken before one binds it.
+START_TRIES = 3
+
+
 @contextlib.contextmanager
 def emulator(bucket: str) -> Iterator[str]:
     """Run the emulator (in memory, ``bucket`` created) until the block ends; yields its
     endpoint URL. Stopped by its PID (SIGTERM, then SIGKILL)."""
-    port = free_port()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-         "--port", str(port), "--in-memory", "--default-bucket", bucket, "--quiet"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    for _ in range(START_TRIES):
+        port = free_port()
+        log = tempfile.TemporaryFile()
+        child = subprocess.Popen(
+            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+             "--port", str(port), "--in-memory", "--default-bucket", bucket, "--quiet"],
+            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        try:
+            started = _serves(child, log, port, bucket)
+        except BaseException:
+            _stop(child)
+            raise
+        finally:
+            log.close()
+        if started:
+            break
+        _stop(child)
+    else:
+        raise RuntimeError(f"the GCS emulator did not start: its port was taken {START_TRIES} "
+                           "times")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                connection.request("GET", f"/storage/v1/b/{bucket}")
-                if connection.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if child.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the GCS emulator did not start (exit {child.poll()})")
-            time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait(timeout=10)
+        _stop(child)
+
+
+def _serves(child: subprocess.Popen[bytes], log: Any, port: int, bucket: str) -> bool:
+    """Wait until the emulator answers for ``bucket`` on ``port``: True. False when it could
+    not bind the port (taken since ``free_port``): then it exits, or its server thread dies
+    with "Address already in use" while the process waits on it for ever."""
+    deadline = time.monotonic() + 60
+    while True:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            connection.request("GET", f"/storage/v1/b/{bucket}")
+            if connection.getresponse().status == 200:
+                return True
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            connection.close()
+        # pread: a seek would move the offset the child writes its stderr through.
+        if child.poll() is not None or b"Address already in use" in os.pread(
+                log.fileno(), 1 << 20, 0):
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the GCS emulator did not start (exit {child.poll()})")
+        time.sleep(0.1)
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is None:
+        os.kill(child.pid, signal.SIGTERM)
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=10)
 
 
 @dataclasses.dataclass(frozen=True)

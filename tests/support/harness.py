@@ -99,9 +99,13 @@ class Worker:
         """The last ``limit`` characters the worker wrote to stderr so far."""
         if self._stderr_text is not None:
             return self._stderr_text[-limit:]
-        self._stderr.flush()
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")[-limit:]
+        # pread, not seek and read: the worker writes through the same open file, whose
+        # offset a seek would move back under its next write (overwriting what it wrote).
+        fd, pieces, offset = self._stderr.fileno(), [], 0
+        while piece := os.pread(fd, 1 << 20, offset):
+            pieces.append(piece)
+            offset += len(piece)
+        return b"".join(pieces).decode(errors="replace")[-limit:]
 
     # ---------------------------------------------------------------- running, killing
 

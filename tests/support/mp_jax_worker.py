@@ -141,7 +141,7 @@ def setup(opts: argparse.Namespace) -> Any:
     if opts.count > 1:
         jax.distributed.initialize(f"127.0.0.1:{opts.port}", num_processes=opts.count,
                                    process_id=opts.index, initialization_timeout=60,
-                                   heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
+                                   heartbeat_timeout_seconds=10, shutdown_timeout_seconds=60)
     return jax
 
 
@@ -212,9 +212,10 @@ def run(opts: argparse.Namespace) -> None:
         emit("REFERENCE DONE")
     train(jax, opts, opts.root, opts.log, opts.final, dict(os.environ))
     if opts.count > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("mp-jax-worker-end")  # process 0 serves the others
+        # Leave together: process 0 hosts the coordination service, and a process still
+        # connected to it when process 0 exits aborts if it lags by more than about 0.1 s.
+        # shutdown() waits for every process and disconnects each before any exits.
+        jax.distributed.shutdown()
     emit("DONE")
 
 

@@ -10,6 +10,7 @@ processes and CLI commands. Imports nothing from the library but ``s3_client``.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import socket
@@ -29,37 +30,71 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+#: Servers started before giving up: a port found free can be taken before the server binds it.
+START_TRIES = 3
+
+
 @contextlib.contextmanager
 def moto_s3(*buckets: str, timeout_s: float = 30.0) -> Iterator[dict[str, Any]]:
     """A fresh moto server holding the empty ``buckets``; yields client ``storage_options``
     (few retries, short timeouts: a test failure shows quickly)."""
     from jaxckpt.s3_storage import s3_client
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc, port = _start(timeout_s)
     options = {"endpoint_url": f"http://127.0.0.1:{port}", **CREDENTIALS, "max_attempts": 3,
                "connect_timeout": 5, "read_timeout": 30}
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"moto server did not start (exit {proc.poll()})") from None
-                time.sleep(0.1)
         client = s3_client(options)
         for bucket in buckets:
             client.create_bucket(Bucket=bucket)
         yield options
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _stop(proc)
+
+
+def _start(timeout_s: float) -> tuple[subprocess.Popen[bytes], int]:
+    """A moto server answering HTTP: its process and port. One that exits first (its port
+    was taken between ``_free_port`` and its bind) is started again on another port."""
+    for _ in range(START_TRIES):
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                 str(port)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            if _answers(proc, port, timeout_s):
+                return proc, port
+        except BaseException:
+            _stop(proc)
+            raise
+        _stop(proc)
+    raise RuntimeError(f"moto server did not start: it exited on {START_TRIES} ports")
+
+
+def _answers(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> bool:
+    """Wait until ``port`` answers an HTTP request while ``proc`` runs: True. False when
+    ``proc`` exits first. A socket that accepts connections is not enough: whoever took the
+    port may be listening there."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            connection.request("GET", "/")
+            connection.getresponse().read()
+            return proc.poll() is None
+        except (OSError, http.client.HTTPException):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto server did not answer on port {port} within "
+                                   f"{timeout_s} s") from None
+            time.sleep(0.1)
+        finally:
+            connection.close()
+    return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 def server_env(options: dict[str, Any], base: dict[str, str] | None = None) -> dict[str, str]:

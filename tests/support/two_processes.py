@@ -27,15 +27,20 @@ try:
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index,
                                initialization_timeout=@INIT_TIMEOUT@,
-                               heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
+                               heartbeat_timeout_seconds=10, shutdown_timeout_seconds=60)
 @BODY@
+    # Leave together: process 0 hosts the coordination service, and a process still
+    # connected to it when process 0 exits aborts (SIGABRT, "the JAX distributed service
+    # detected fatal errors") if it lags by more than about 0.1 s. shutdown() waits for
+    # both and disconnects each before either exits.
+    jax.distributed.shutdown()
     print("worker ok", flush=True)
 except BaseException:
     traceback.print_exc()
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(1)
 sys.stdout.flush()
-os._exit(0)  # never wait in jax.distributed's shutdown barrier
+os._exit(0)  # shut down above; skip the interpreter's own teardown of jax
 """
 
 
@@ -43,8 +48,10 @@ def jax_worker(body: str, *, init_timeout: int = 60) -> str:
     """A worker script: ``index``, ``port`` and ``root`` from the arguments, jax with 2 CPU
     devices joined to the other process, then ``body`` (any indentation; ``json``, ``os``,
     ``sys``, ``threading`` and ``warnings`` are imported). Any exception prints its
-    traceback and exits 1; success prints "worker ok" and exits without jax's shutdown
-    barrier, which would hang if the other process already failed."""
+    traceback and exits 1 at once (no shutdown barrier, which would wait for a peer that
+    may have failed too); success shuts jax.distributed down in both processes (a process
+    still connected when process 0, the service's host, exits would abort), then prints
+    "worker ok"."""
     return (_JAX_WORKER.replace("@INIT_TIMEOUT@", str(init_timeout))
             .replace("@SUPPORT@", repr(str(Path(__file__).resolve().parent)))
             .replace("@BODY@", textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")))

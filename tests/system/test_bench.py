@@ -4,11 +4,16 @@ full runs; this keeps the benchmark working)."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
 from jaxckpt.tools import cli
 from jaxckpt.tools.bench import BenchConfig, BenchResult, _Target, format_table, held
+
+from support.harness import Worker, repo_env, run_all
+from support.two_processes import free_port
 
 
 def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
@@ -296,3 +301,37 @@ def test_read_floors_read_on_as_many_threads_as_a_restore():
     from jaxckpt.tools import bench
 
     assert bench._READ_THREADS == OrbaxOptions().read_threads
+
+
+LAGGING_EXIT = """\
+import os, sys, threading
+from jaxckpt.tools import bench_multiprocess
+
+exit_now = os._exit
+
+
+def exit_late(code):
+    threading.Event().wait(2.0)  # this process leaves 2 s after process 0
+    exit_now(code)
+
+
+os._exit = exit_late
+bench_multiprocess.main(sys.argv[1:])
+"""
+
+
+def test_the_two_process_bench_worker_that_leaves_last_exits_cleanly(tmp_path):
+    """The 2-process bench row: process 0 hosts jax.distributed's coordination service, and
+    a process still connected when it exits aborts (SIGABRT) once it lags by more than about
+    0.1 s. Process 1 is made to leave 2 s late: both must still exit 0 with a report."""
+    port = str(free_port())
+    env = repo_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                   JAX_PLATFORMS="cpu")
+    args = ["--count", "2", "--port", port, "--root", str(tmp_path / "root"), "--size-mb", "1"]
+    workers = [Worker([sys.executable, "-m", "jaxckpt.tools.bench_multiprocess", "--index", "0",
+                       *args], env=env, timeout_s=180),
+               Worker([sys.executable, "-c", LAGGING_EXIT, "--index", "1", *args], env=env,
+                      timeout_s=180)]
+    codes, outputs = run_all(workers)
+    assert codes == [0, 0], "\n---\n".join(output[-3000:] for output in outputs)
+    assert all("REPORT " in output for output in outputs)

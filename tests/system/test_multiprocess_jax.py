@@ -427,3 +427,19 @@ def test_each_process_reads_only_the_chunks_under_its_own_devices(two_process_ro
     root, _ = two_process_root
     state_dir = os.path.join(root, "recover", "step_00000003", "state")
     run_two_workers(NATIVE_READER, tmp_path, dirname=state_dir)
+
+
+LAGGING_END = jax_worker('''
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("jaxckpt-test-end")
+        if index == 1:
+            threading.Event().wait(2.0)  # still connected, and 2 s behind process 0
+''')
+
+
+def test_a_process_finishing_after_process_0_still_exits_cleanly(tmp_path):
+    """Process 0 hosts jax.distributed's coordination service: a process still connected
+    when process 0 exits aborts with SIGABRT once it lags by more than about 0.1 s (a
+    loaded 2-core machine can stall one that long between the last barrier and its exit).
+    Both leave through ``jax.distributed.shutdown()``, which waits for the slower one."""
+    run_two_workers(LAGGING_END, tmp_path)

@@ -86,7 +86,10 @@ def test_kernel_runs_this_interpreter(tmp_path):
     nb.cells = [nbformat.v4.new_code_cell(
         "import os, sys\nprint(sys.executable)\nprint(os.getcwd())")]
     _execute(nb, str(tmp_path))
-    lines = nb.cells[0].outputs[0]["text"].splitlines()
+    # The kernel sends what a cell prints in pieces, each flushed 0.2 s after its first
+    # write: a kernel stalled between the two prints sends two stream outputs. Read them all.
+    lines = "".join(output["text"] for output in nb.cells[0].outputs
+                    if output.get("name") == "stdout").splitlines()
     assert os.path.realpath(lines[0]) == os.path.realpath(sys.executable)
     assert os.path.realpath(lines[1]) == os.path.realpath(str(tmp_path))
 

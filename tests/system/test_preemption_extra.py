@@ -239,9 +239,14 @@ def test_sigterm_to_the_supervisor_during_backoff_starts_no_new_attempt(tmp_path
     supervisor = start(argv, timeout=60)
     try:
         supervisor.wait_for("ATTEMPT 0")
-        time.sleep(0.8)  # the child has exited; the supervisor sleeps 3 s before attempt 1
+        # The child has exited once the supervisor says when it restarts it (3 s later).
+        deadline = time.monotonic() + 60
+        while "restart 1 of 3 in 3.0 s" not in supervisor.stderr():
+            assert time.monotonic() < deadline, supervisor.stderr()
+            time.sleep(0.02)
         os.kill(supervisor.proc.pid, signal.SIGTERM)
         supervisor.finish()
     finally:
         supervisor.close()
     assert attempts.read_text().split() == ["0"], "an attempt was started after SIGTERM"
+    assert "got SIGTERM while waiting to restart; not restarting" in supervisor.stderr()
