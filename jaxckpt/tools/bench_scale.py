@@ -6,7 +6,9 @@ of ``leaf_mb`` (the "shard": the largest array a save writes at once), and for e
 per round: a sync save (time per GiB and the peak host memory it adds), an async save (the
 training loop's blocking time), a cold restore (time per GiB and the peak host memory
 above the restored state itself) and, taking turns with it, the read floor: a bare read
-of the checkpoint's own files into new memory of the kind a restore reads into. Then
+of the checkpoint's own files into new memory of the kind a restore reads into, each of
+the two right after as much new memory was faulted in and freed (``_prime_new_memory``),
+so that they start from the same memory. Then
 ``saves`` consecutive async saves of one state, following host memory (RSS) and each
 save's time, each followed by the raw write floor of the same bytes under the same
 pattern: memory and time must stay flat. The floors are there because on the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import mmap
 import os
 import shutil
 import statistics
@@ -223,6 +226,24 @@ def _read_fresh(path: str, size: int) -> np.ndarray:
     return buffer
 
 
+def _prime_new_memory(nbytes: int) -> None:
+    """Fault in ``nbytes`` of new memory of the kind a restore reads into, one write per
+    page, and free it, so that the next row starts right after that much memory was freed.
+
+    Why: of the two rows of a round, the second reads into memory the first freed a moment
+    before, while the first meets whatever the saves before it left. On the development VM
+    (whose host takes freed memory back: virtio-balloon free page reporting) the first
+    row of the first 4 GiB round (the restore) spent 2.5 times the system CPU per page of
+    the floor after it (5.9 s against 2.4 s); with a primer before each row the primer
+    paid that (4.8 s) and the rows did not (1.4-1.6 s each; docs/performance.md, "Eleventh
+    round (scale4g)"). Primed, both rows start alike."""
+    from jaxckpt import zarr_io
+
+    blocks = zarr_io.fresh_blocks(nbytes)
+    blocks[::mmap.PAGESIZE] = 0
+    del blocks  # unmapped here: its pages are free again before the row starts
+
+
 def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
                        found: dict[str, Any], turn: int) -> None:
     """A cold restore and the read floor at this size, taking turns going first: a bare
@@ -230,7 +251,9 @@ def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
     kind the restore's arrays live in. On this VM what new memory costs per GiB changes
     from one moment to the next and was dearer at 4 GiB than at 1 GiB (docs/performance.md,
     "Tenth round (scale)"); the floor pays it as the restore does, so restore / floor is
-    the library's share."""
+    the library's share. Each row starts from the same memory (``_prime_new_memory``):
+    without it the first row of a round paid for memory the host had taken back and the
+    second did not."""
     import concurrent.futures
 
     from jaxckpt.layout import STATE_DIR
@@ -256,6 +279,7 @@ def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
     for row in (restore, floor) if turn % 2 == 0 else (floor, restore):
         _drop_page_cache()
         _settle()
+        _prime_new_memory(nbytes)
         row()
 
 

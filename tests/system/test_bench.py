@@ -245,6 +245,52 @@ def test_write_floor_keeps_the_previous_copy_until_the_new_one_is_written(tmp_pa
     assert after == [["copy_00000"], ["copy_00001"], ["copy_00002"]]
     assert not root.exists()
 
+def test_restore_and_its_floor_each_start_right_after_new_memory_was_freed(tmp_path,
+                                                                           monkeypatch):
+    """The second of the two rows reads into the memory the first freed a moment before;
+    the first met what the saves left, at 4 GiB memory the VM's host had taken back
+    (docs/performance.md, Eleventh round (scale4g)). Each row, whichever goes first,
+    follows a primer of its own size, after the page cache is dropped."""
+    from types import SimpleNamespace
+
+    from jaxckpt.tools import bench_scale
+
+    events: list[tuple[str, int] | str] = []
+    state_dir = tmp_path / "step" / "state"
+    state_dir.mkdir(parents=True)
+    (state_dir / "leaf").write_bytes(b"x" * 8192)
+    monkeypatch.setattr(bench_scale, "_drop_page_cache", lambda: events.append("drop"))
+    monkeypatch.setattr(bench_scale, "_prime_new_memory",
+                        lambda nbytes: events.append(("prime", nbytes)))
+    monkeypatch.setattr(bench_scale, "_read_fresh",
+                        lambda path, size: events.append("floor") or bytearray(size))
+    saver = SimpleNamespace(manager=SimpleNamespace(
+        restore=lambda like: events.append("restore") or {}))
+    found: dict[str, list[float]] = {"restore_s": [], "floor_s": [], "restore_extra": []}
+    for turn in (0, 1):
+        bench_scale._restore_and_floor(saver, {}, str(tmp_path / "step"), 8192, found, turn)
+
+    row = [("prime", 8192)]
+    assert events == (["drop", *row, "restore", "drop", *row, "floor"]
+                      + ["drop", *row, "floor", "drop", *row, "restore"])
+    assert len(found["restore_s"]) == len(found["floor_s"]) == 2
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="no /proc")
+def test_memory_primer_faults_in_every_page_and_frees_it():
+    import resource
+
+    from jaxckpt.tools.bench_scale import _prime_new_memory
+
+    nbytes = 32 << 20
+    before_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = _resident()
+    _prime_new_memory(nbytes)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before_faults
+    assert faults >= nbytes // 4096, "every page of the primer is faulted in"
+    assert _resident() - before < 4 << 20, "and freed before the row starts"
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="no /proc")
 def test_read_floors_read_into_the_memory_a_restore_hands_over(tmp_path, monkeypatch):
     """A read floor reads into the kind of memory a restore reads into (``fresh_blocks``,
