@@ -338,6 +338,27 @@ def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, monkeypatch, direct,
         zarr_io.array_bytes(str(path), read, nbytes - 1, offset + 1)
 
 
+def write_recording(monkeypatch, path, data, offset):
+    """``zarr_io.write_chunk`` of ``data`` to ``path``, recording each ``pwrite`` as
+    (position, length, source address, O_DIRECT or not): (size, crc, writes). Skips where
+    the filesystem refuses O_DIRECT."""
+    import fcntl
+
+    writes: list[tuple[int, int, int, bool]] = []
+    pwrite = os.pwrite
+
+    def recording(fd, view, position):
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        writes.append((position, len(view), np.frombuffer(view, np.uint8).ctypes.data, direct))
+        return pwrite(fd, view, position)
+
+    monkeypatch.setattr(zarr_io.os, "pwrite", recording)
+    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=offset)
+    if os.stat(path.parent).st_dev in zarr_io._no_direct:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    return size, crc, writes
+
+
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
 @pytest.mark.parametrize("past_page,offset", [(64, 64), (16, 64), (0, 0)],
                          ids=["zero-copy", "bounce", "aligned"])
@@ -347,27 +368,14 @@ def test_write_chunk_sends_only_the_last_partial_block_through_the_page_cache(
     """Every whole block of a chunk file, the first one included when the array starts
     past the file's beginning, is written with O_DIRECT; what goes through the page cache
     is the last partial block and the shard index, less than a block and 20 bytes."""
-    import fcntl
-
     bounce_of_kind(monkeypatch, huge)
-
     nbytes = 2 * PIECE + 3 * ALIGN + 100
     data = placed(random_array("uint8", (nbytes,), np.random.default_rng(1)), past_page)
-    cached: list[tuple[int, int]] = []
-    pwrite = os.pwrite
-
-    def recording(fd, view, position):
-        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            cached.append((position, len(view)))
-        return pwrite(fd, view, position)
-
-    monkeypatch.setattr(zarr_io.os, "pwrite", recording)
     path = tmp_path / "chunk"
-    size, _ = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=offset)
-    if os.stat(tmp_path).st_dev in zarr_io._no_direct:
-        pytest.skip("this filesystem refuses O_DIRECT")
+    size, _, writes = write_recording(monkeypatch, path, data, offset)
     whole = size - size % ALIGN
-    assert cached == [(whole, size - whole)]
+    assert [(position, length) for position, length, _, direct in writes
+            if not direct] == [(whole, size - whole)]
     assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_io.shard_index(nbytes,
                                                                                      offset)
 
@@ -420,24 +428,12 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
     "Eleventh round (savewrite)"). One of our own page-aligned buffers at offset 0
     (staging, packs: numpy's huge pages) is written from its own memory, with no copy.
     The checksum is that of the bytes written either way."""
-    import fcntl
-
     bounce_of_kind(monkeypatch, True)
     nbytes = 2 * PIECE + 3 * ALIGN + 100
     data = placed(random_array("uint8", (nbytes,), np.random.default_rng(3)), past_page)
-    sources: list[int] = []
-    pwrite = os.pwrite
-
-    def recording(fd, view, position):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            sources.append(np.frombuffer(view, np.uint8).ctypes.data)
-        return pwrite(fd, view, position)
-
-    monkeypatch.setattr(zarr_io.os, "pwrite", recording)
     path = tmp_path / "chunk"
-    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=offset)
-    if os.stat(tmp_path).st_dev in zarr_io._no_direct:
-        pytest.skip("this filesystem refuses O_DIRECT")
+    size, crc, writes = write_recording(monkeypatch, path, data, offset)
+    sources = [address for _, _, address, direct in writes if direct]
     bounce, huge = zarr_io._bounce()
     assert huge
     start, end = bounce.ctypes.data, bounce.ctypes.data + bounce.nbytes
