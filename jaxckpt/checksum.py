@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALGORITHMS", "default_algorithm", "extend", "file_checksum", "fd_checksum"]
+__all__ = ["ALGORITHMS", "RunningChecksum", "default_algorithm", "extend", "file_checksum",
+           "fd_checksum"]
 
 ALGORITHMS = ("crc32c", "crc32")
 _PIECE = 1024 * 1024
@@ -108,6 +109,27 @@ def extend(algorithm: str, crc: int, data: Any) -> int:
     if isinstance(data, memoryview):  # google-crc32c's extension refuses memoryviews
         data = np.frombuffer(data, np.uint8)
     return _extend(algorithm, crc, data)
+
+
+class RunningChecksum:
+    """A file's manifest entry (its size and checksum) built up as its bytes go by, in
+    ``algorithm`` (default: the one new commits use): what a writer that checksums on the
+    way reports, and the entry of bytes held whole (``RunningChecksum().add(data)``)."""
+
+    def __init__(self, algorithm: str | None = None):
+        self.algorithm = algorithm or default_algorithm()
+        self.crc = 0
+        self.size = 0
+
+    def add(self, data: Any) -> RunningChecksum:
+        """Extend the entry over ``data`` (bytes, a numpy array or a memoryview)."""
+        self.crc = extend(self.algorithm, self.crc, data)
+        self.size += memoryview(data).nbytes
+        return self
+
+    def entry(self) -> dict[str, Any]:
+        """``{"size": ..., algorithm: "8 hex digits"}``, as a manifest lists a file."""
+        return {"size": self.size, self.algorithm: f"{self.crc:08x}"}
 
 
 def _buffer() -> tuple[memoryview, np.ndarray]:

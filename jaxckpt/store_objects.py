@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from .checksum import default_algorithm, extend
+from .checksum import RunningChecksum
 from .layout import parse_export_dirname
 
 if TYPE_CHECKING:
@@ -61,7 +61,6 @@ def publish_export(store: CheckpointStore, tmp: str, final: str) -> None:
     try:
         if store.storage.is_prefix(final):
             store.delete(final)
-        algorithm = default_algorithm()
         known: dict[str, dict[str, Any]] = {}
         for dirpath, _, filenames in os.walk(tmp):
             for filename in sorted(filenames):
@@ -70,7 +69,7 @@ def publish_export(store: CheckpointStore, tmp: str, final: str) -> None:
                 with open(local, "rb") as stream:
                     data = stream.read()
                 store.storage.write(f"{final}/{rel}", data)
-                known[rel] = {"size": len(data), algorithm: f"{extend(algorithm, 0, data):08x}"}
+                known[rel] = RunningChecksum().add(data).entry()
         parsed = parse_export_dirname(os.path.basename(final))
         store.commit(final, parsed[2] if parsed else 0, known=known)
     finally:

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.checksum import RunningChecksum
 
 __all__ = ["checksumming_writer"]
 
@@ -37,9 +37,7 @@ class _ChecksummingStream:
     def __init__(self, raw: Any, report: Any):
         self._raw = raw
         self._report = report
-        self._algorithm = default_algorithm()
-        self._crc = 0
-        self._size = 0
+        self._sum = RunningChecksum()
         self._sequential = True
         self.closed = False
 
@@ -47,8 +45,7 @@ class _ChecksummingStream:
         view = memoryview(data).cast("B")
         count = self._raw.write(view)
         # A raw (unbuffered) file may take less than it was given; a buffered one never.
-        self._crc = extend(self._algorithm, self._crc, view[:count])
-        self._size += count
+        self._sum.add(view[:count])
         return count
 
     def tell(self) -> int:
@@ -79,7 +76,7 @@ class _ChecksummingStream:
         os.fsync(self._raw.fileno())
         self._raw.close()
         if self._sequential:
-            self._report({"size": self._size, self._algorithm: f"{self._crc:08x}"})
+            self._report(self._sum.entry())
 
 
 @functools.cache

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from jaxckpt.checksum import default_algorithm, extend, file_checksum
+from jaxckpt.checksum import RunningChecksum, extend, file_checksum
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -246,8 +246,7 @@ class StorageDcpFiles:
 
 def _entry(data: bytes) -> dict[str, Any]:
     """The manifest entry of ``data`` in the commit's algorithm."""
-    algorithm = default_algorithm()
-    return {"size": len(data), algorithm: f"{extend(algorithm, 0, data):08x}"}
+    return RunningChecksum().add(data).entry()
 
 
 class _RangeFile(SeekableReader):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.checksum import RunningChecksum
 from jaxckpt.storage import Storage
 
 __all__ = ["UploadStream"]
@@ -36,20 +36,17 @@ class UploadStream:
         self._target = storage.open_writer(path)
         self._path = path
         self._written = written
-        self._algorithm = default_algorithm()
-        self._crc = 0
-        self._size = 0
+        self._sum = RunningChecksum()
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._crc = extend(self._algorithm, self._crc, view)
+        self._sum.add(view)
         self._target.write(view)
-        self._size += len(view)
         return len(view)
 
     def tell(self) -> int:
-        return self._size
+        return self._sum.size
 
     def writable(self) -> bool:
         return True
@@ -62,8 +59,7 @@ class UploadStream:
             return
         self.closed = True
         self._target.close()
-        self._written[self._path] = {"size": self._size,
-                                     self._algorithm: f"{self._crc:08x}"}
+        self._written[self._path] = self._sum.entry()
 
     def abort(self) -> None:
         if not self.closed:
