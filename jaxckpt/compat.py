@@ -1,9 +1,15 @@
 """Reading checkpoint settings written for other frameworks: AReaL-style and torchtune configs.
 
-Owns: translating those dicts (or YAML files) into jaxckpt's configs, as a ``ManagerSpec``
-that builds a manager. Only fields that mean something here are read; a field that is known
+Owns: translating those configs (dicts, OmegaConf ``DictConfig`` objects or YAML files) into
+jaxckpt's configs, as a ``ManagerSpec`` that builds a manager. Both dialects come from
+OmegaConf-based tools, so they are read with OmegaConf itself: ``${a.b}`` interpolations,
+``???`` mandatory values and YAML parsing behave as in those tools, and a reference that does
+not resolve or a value left ``???`` is an error naming the key and the file. Only the keys
+this module reads are resolved (a file may hold resolvers such as ``${eval:...}`` that only
+its own tool registers). Only fields that mean something here are read; a field that is known
 but has no meaning here is reported in ``ManagerSpec.ignored``, and an unknown field in a
-section this module reads is an error naming it (a typo must not silently disable saving).
+section this module reads is an error naming it, the nearest known name and the file (a typo
+must not silently disable saving).
 
 AReaL-style (``recover`` and ``saver`` sections share ``freq_epochs``/``freq_steps``/
 ``freq_secs``, plus ``experiment_name``/``trial_name``/``fileroot``)::
@@ -14,31 +20,39 @@ AReaL-style (``recover`` and ``saver`` sections share ``freq_epochs``/``freq_ste
     recover: {mode: auto, freq_steps: 500, freq_secs: 3600, retries: 3}
     saver: {freq_epochs: 1, mode: async}
 
-torchtune (recipe-level keys, also accepted inside ``checkpointer``)::
+torchtune (recipe-level keys; the checkpointer's own section; the async GRPO recipe keeps
+``save_every_n_steps`` and ``checkpointer`` under ``training``)::
 
     output_dir: /ckpt/run-1
     enable_async_checkpointing: true
-    keep_last_n_checkpoints: 2
     save_every_n_steps: 1000
+    resume_from_checkpoint: true
+    checkpointer: {output_dir: ${output_dir}, keep_last_n_checkpoints: 2}
 
-Must not import: jax, orbax, torch. PyYAML is imported only to read a YAML file.
+Must not import: jax, orbax, torch. OmegaConf (pure Python, the ``compat`` extra) is imported
+when a config is read; without it a ``MissingExtraError`` names ``pip install
+'jaxckpt[compat]'``.
+
+Concurrency contract: functions without state; a ``ManagerSpec`` is frozen.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import getpass
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
 from .config import Every, ExportConfig, RecoverConfig, RecoverMode, SaveMode
 from .errors import CheckpointWarning, ConfigError
+from .extras import requires_extra
 
 __all__ = ["ManagerSpec", "load_config", "from_areal", "from_torchtune"]
 
+_FEATURE = "reading AReaL and torchtune configs (jaxckpt.compat)"
 _AREAL_MODES: dict[str, RecoverMode] = {
     "on": "on", "auto": "auto", "off": "off", "disabled": "disabled",
     # Older AReaL spellings. "fault" resumed only after a failure, which is what
@@ -47,9 +61,15 @@ _AREAL_MODES: dict[str, RecoverMode] = {
 _AREAL_TIMER = {"freq_epochs", "freq_steps", "freq_secs", "experiment_name", "trial_name",
                 "fileroot"}
 _AREAL_IGNORED = {"no_save_optim", "no_load_optim"}
+# Recipe-level keys read here. Earlier versions also documented them inside ``checkpointer``.
 _TORCHTUNE_KEYS = {"output_dir", "enable_async_checkpointing", "keep_last_n_checkpoints",
-                   "save_every_n_steps", "save_every_n_epochs"}
-_INTERPOLATION = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
+                   "save_every_n_steps", "save_every_n_epochs", "resume_from_checkpoint"}
+# The parameters of torchtune's checkpointers (FullModelHF/Meta/TorchTune, Distributed):
+# anything else under ``checkpointer`` would make torchtune fail at instantiation too.
+_TORCHTUNE_CHECKPOINTER = _TORCHTUNE_KEYS | {
+    "_component_", "checkpoint_dir", "checkpoint_files", "model_type", "adapter_checkpoint",
+    "recipe_checkpoint", "safe_serialization", "should_load_recipe_state", "enable_dcp",
+    "process_group"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,119 +114,226 @@ class ManagerSpec:
         return {"root": root, "recover": self.recover, "export": export, "mode": self.mode}
 
 
-def _resolve(value: Any, top: Mapping[str, Any]) -> Any:
-    """Resolve an OmegaConf-style ``${a.b}`` reference to a top-level key, as AReaL YAML uses."""
-    if not isinstance(value, str):
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """A config as OmegaConf holds it, with where it came from (for messages)."""
+
+    node: Any
+    """The top-level ``DictConfig``."""
+    origin: str
+    """The file it was read from, or a description of the object given."""
+    error: type[Exception]
+    """OmegaConf's base exception (imported with OmegaConf)."""
+
+    def section(self, parent: Any, name: str, where: str) -> Any:
+        """``parent[name]`` as a mapping, or None when absent or null."""
+        value = self.value(parent, name, where)
+        if value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{self.origin}: {where} must be a mapping, got {value!r}.")
         return value
-    match = _INTERPOLATION.match(value)
-    if not match:
-        return value
-    node: Any = top
-    for part in match.group(1).split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            raise ConfigError(f"cannot resolve {value!r}: no key {match.group(1)!r} in the config.")
-        node = node[part]
-    return node
+
+    def value(self, parent: Any, name: str, where: str) -> Any:
+        """``parent[name]`` resolved (None when absent). A reference that does not resolve,
+        or a mandatory value left ``???``, raises ``ConfigError`` naming the key."""
+        if parent is None or name not in parent.keys():
+            return None
+        try:
+            return parent[name]
+        except self.error as exc:
+            key = getattr(exc, "full_key", None) or where
+            reason = str(exc).splitlines()[0]
+            if "Missing mandatory value" in str(exc):  # itself, or what it refers to
+                raise ConfigError(
+                    f"{self.origin}: {key} needs a missing mandatory value ('???'): "
+                    f"{reason}. Set it in the config (or as an override of the tool that "
+                    f"reads it).") from exc
+            raise ConfigError(
+                f"{self.origin}: cannot resolve {key} ({_raw(parent, name)}): {reason}. "
+                f"Define the key it refers to, or write the value itself.") from exc
+
+    def check_known(self, section: Any, known: set[str], where: str) -> None:
+        """``ConfigError`` naming every field of ``section`` outside ``known``, each with the
+        nearest known name."""
+        unknown = sorted(str(key) for key in section.keys() if key not in known)
+        if not unknown:
+            return
+        names = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            names.append(f"{where}.{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ConfigError(f"{self.origin}: unknown field(s) {', '.join(names)}; {where} "
+                          f"knows {sorted(known)}. Fix the spelling or remove them: an unknown "
+                          f"field would otherwise be dropped silently.")
 
 
-def _every(section: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> Every:
-    def get(name: str) -> Any:
-        return _resolve(section.get(name), top)
-
+def _raw(parent: Any, name: str) -> str:
+    """The text of an unresolved value (``'${output_dir}'``), for a message."""
     try:
-        return Every(steps=get("freq_steps"), epochs=get("freq_epochs"), seconds=get("freq_secs"))
+        return repr(parent._get_node(name)._value())
+    except Exception:  # OmegaConf internals: the message only loses a detail
+        return "a reference"
+
+
+def _open(source: Any, origin: str | None = None) -> _Config:
+    """The config as an OmegaConf ``DictConfig``: a YAML path is loaded, a mapping wrapped."""
+    with requires_extra("compat", _FEATURE):
+        from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist.")
+        try:
+            node: Any = OmegaConf.load(path)
+        except Exception as exc:  # YAML syntax, duplicate keys: what OmegaConf refuses
+            raise ConfigError(f"{path}: OmegaConf cannot read this file: {exc}") from exc
+        origin = origin or path
+    elif isinstance(source, DictConfig):
+        node = source
+    elif isinstance(source, Mapping):
+        try:
+            node = OmegaConf.create(dict(source))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{origin or 'the config'}: OmegaConf cannot hold it: {exc}"
+                              ) from exc
+    else:
+        raise ConfigError(f"a config must be a mapping, got {type(source).__name__}.")
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{origin or 'the config'}: a config must be a mapping, got "
+                          f"{type(node).__name__}.")
+    return _Config(node, origin or "the config", OmegaConfBaseException)
+
+
+def _every(cfg: _Config, section: Any, where: str) -> Every:
+    steps, epochs, seconds = (cfg.value(section, name, f"{where}.{name}")
+                              for name in ("freq_steps", "freq_epochs", "freq_secs"))
+    try:
+        return Every(steps=steps, epochs=epochs, seconds=seconds)
     except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc} (from freq_steps/freq_epochs/freq_secs)") from None
+        raise ConfigError(f"{cfg.origin}: {where}: {exc} (from freq_steps/freq_epochs/"
+                          f"freq_secs)") from None
 
 
-def _check_known(section: Mapping[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ConfigError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}. "
-                          f"Fix the spelling or remove them.")
+def _areal_root(cfg: _Config, recover: Any) -> str | None:
+    """AReaL's layout: ``{fileroot}/checkpoints/{user}/{experiment}/{trial}``."""
+    top = cfg.node
+    cluster = cfg.section(top, "cluster", "cluster")
+    fileroot = (cfg.value(recover, "fileroot", "recover.fileroot")
+                or cfg.value(cluster, "fileroot", "cluster.fileroot")
+                or cfg.value(top, "fileroot", "fileroot"))
+    experiment = (cfg.value(recover, "experiment_name", "recover.experiment_name")
+                  or cfg.value(top, "experiment_name", "experiment_name"))
+    trial = (cfg.value(recover, "trial_name", "recover.trial_name")
+             or cfg.value(top, "trial_name", "trial_name"))
+    if not (fileroot and experiment and trial):
+        return None
+    return os.path.join(str(fileroot), "checkpoints", getpass.getuser(), str(experiment),
+                        str(trial))
 
 
-def from_areal(config: Mapping[str, Any]) -> ManagerSpec:
-    """Translate an AReaL-style config (top-level dict with ``recover`` and/or ``saver``)."""
-    recover = config.get("recover") or {}
-    saver = config.get("saver")
-    if not isinstance(recover, Mapping) or (saver is not None and not isinstance(saver, Mapping)):
-        raise ConfigError("recover and saver must be mappings in an AReaL-style config.")
-    _check_known(recover, _AREAL_TIMER | _AREAL_IGNORED | {"mode", "retries"}, "recover")
-    raw_mode = str(_resolve(recover.get("mode", "disabled"), config))
+def from_areal(config: Mapping[str, Any], *, origin: str | None = None) -> ManagerSpec:
+    """Translate an AReaL-style config (top-level mapping with ``recover`` and/or ``saver``);
+    ``origin`` names it in errors (a file's path)."""
+    cfg = config if isinstance(config, _Config) else _open(config, origin)
+    recover = cfg.section(cfg.node, "recover", "recover")
+    saver = cfg.section(cfg.node, "saver", "saver")
+    if recover is not None:
+        cfg.check_known(recover, _AREAL_TIMER | _AREAL_IGNORED | {"mode", "retries"}, "recover")
+    raw_mode = str(cfg.value(recover, "mode", "recover.mode") or "disabled")
     if raw_mode not in _AREAL_MODES:
-        raise ConfigError(f"recover.mode={raw_mode!r} is not an AReaL recover mode; use one of "
-                          f"{sorted(_AREAL_MODES)}.")
-    retries = _resolve(recover.get("retries", 3), config)
+        raise ConfigError(f"{cfg.origin}: recover.mode={raw_mode!r} is not an AReaL recover "
+                          f"mode; use one of {sorted(_AREAL_MODES)}.")
+    retries = cfg.value(recover, "retries", "recover.retries")
     recover_config = RecoverConfig(mode=_AREAL_MODES[raw_mode],
-                                   every=_every(recover, "recover", config),
-                                   keep_last_n=1, retries=retries)
+                                   every=_every(cfg, recover, "recover"),
+                                   keep_last_n=1, retries=3 if retries is None else retries)
     export_every: Every | None = None
     export_mode: SaveMode = "auto"
     if saver is not None:
-        _check_known(saver, _AREAL_TIMER | {"mode"}, "saver")
-        export_every = _every(saver, "saver", config)
-        raw_export_mode = str(_resolve(saver.get("mode", "auto"), config))
+        cfg.check_known(saver, _AREAL_TIMER | {"mode"}, "saver")
+        export_every = _every(cfg, saver, "saver")
+        raw_export_mode = str(cfg.value(saver, "mode", "saver.mode") or "auto")
         if raw_export_mode not in ("auto", "sync", "async"):
-            raise ConfigError(f"saver.mode={raw_export_mode!r}: use 'auto', 'sync' or 'async'.")
+            raise ConfigError(f"{cfg.origin}: saver.mode={raw_export_mode!r}: use 'auto', "
+                              f"'sync' or 'async'.")
         export_mode = cast(SaveMode, raw_export_mode)
-    fileroot = _resolve(recover.get("fileroot") or (config.get("cluster") or {}).get("fileroot")
-                        or config.get("fileroot"), config)
-    experiment = _resolve(recover.get("experiment_name") or config.get("experiment_name"), config)
-    trial = _resolve(recover.get("trial_name") or config.get("trial_name"), config)
-    root = None
-    if fileroot and experiment and trial:
-        # AReaL's layout: {fileroot}/checkpoints/{user}/{experiment}/{trial}
-        root = os.path.join(str(fileroot), "checkpoints", getpass.getuser(), str(experiment),
-                            str(trial))
-    ignored = tuple(f"recover.{k}" for k in sorted(_AREAL_IGNORED & set(recover)))
-    return ManagerSpec(root=root, recover=recover_config, mode="auto", export_every=export_every,
-                       export_mode=export_mode, ignored=ignored)
+    ignored = tuple(f"recover.{k}" for k in sorted(_AREAL_IGNORED & set(recover or ())))
+    return ManagerSpec(root=_areal_root(cfg, recover), recover=recover_config, mode="auto",
+                       export_every=export_every, export_mode=export_mode, ignored=ignored)
 
 
-def from_torchtune(config: Mapping[str, Any]) -> ManagerSpec:
-    """Translate torchtune recipe keys (top level, or inside ``checkpointer``)."""
-    merged: dict[str, Any] = {}
-    checkpointer = config.get("checkpointer") or {}
-    for source in (checkpointer, config):  # recipe-level keys win
-        if isinstance(source, Mapping):
-            merged.update({k: v for k, v in source.items() if k in _TORCHTUNE_KEYS})
-    keep = merged.get("keep_last_n_checkpoints")
-    async_on = merged.get("enable_async_checkpointing", False)
-    if not isinstance(async_on, bool):
-        raise ConfigError(f"enable_async_checkpointing must be true or false, got {async_on!r}.")
+def _flag(cfg: _Config, value: Any, key: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{cfg.origin}: {key} must be true or false, got {value!r}.")
+    return value
+
+
+def _torchtune_places(cfg: _Config) -> list[tuple[str, Any]]:
+    """Where torchtune recipes keep the keys read here, first match wins: the recipe's top
+    level, the async GRPO recipe's ``training`` section, then the checkpointer's section
+    (which is checked for unknown fields)."""
+    top = cfg.node
+    training = cfg.section(top, "training", "training")
+    places: list[tuple[str, Any]] = [("", top)]
+    if training is not None:
+        places.append(("training.", training))
+    checkpointer, where = cfg.section(top, "checkpointer", "checkpointer"), "checkpointer"
+    if checkpointer is None and training is not None:
+        checkpointer = cfg.section(training, "checkpointer", "training.checkpointer")
+        where = "training.checkpointer"
+    if checkpointer is not None:
+        cfg.check_known(checkpointer, _TORCHTUNE_CHECKPOINTER, where)
+        places.append((where + ".", checkpointer))
+    return places
+
+
+def from_torchtune(config: Mapping[str, Any], *, origin: str | None = None) -> ManagerSpec:
+    """Translate torchtune recipe keys (top level, the async GRPO recipe's ``training``
+    section, or the ``checkpointer`` section); ``origin`` names the config in errors."""
+    cfg = config if isinstance(config, _Config) else _open(config, origin)
+    places = _torchtune_places(cfg)
+
+    def pick(name: str, *, root: bool = False) -> tuple[Any, str]:
+        # The root is where the checkpointer writes: its own output_dir first.
+        for prefix, node in (reversed(places) if root else places):
+            if name in node.keys():
+                return cfg.value(node, name, prefix + name), prefix + name
+        return None, name
+
+    keep, _ = pick("keep_last_n_checkpoints")
+    async_on = _flag(cfg, *pick("enable_async_checkpointing"), False)
+    resume = _flag(cfg, *pick("resume_from_checkpoint"), True)
+    steps, steps_key = pick("save_every_n_steps")
+    epochs, epochs_key = pick("save_every_n_epochs")
+    root, _ = pick("output_dir", root=True)
     try:
-        every = Every(steps=merged.get("save_every_n_steps"),
-                      epochs=merged.get("save_every_n_epochs",
-                                        None if merged.get("save_every_n_steps") else 1))
-        recover = RecoverConfig(mode="auto", every=every, keep_last_n=keep)
+        # torchtune without save_every_n_steps saves once per epoch.
+        every = Every(steps=steps, epochs=epochs if epochs is not None or steps else 1)
+        recover = RecoverConfig(mode="auto", every=every, keep_last_n=keep, resume=resume)
     except ConfigError as exc:
-        raise ConfigError(f"torchtune config: {exc} (from keep_last_n_checkpoints / "
-                          f"save_every_n_steps / save_every_n_epochs)") from None
-    return ManagerSpec(root=merged.get("output_dir"), recover=recover,
+        raise ConfigError(f"{cfg.origin}: {exc} (from keep_last_n_checkpoints / {steps_key} / "
+                          f"{epochs_key})") from None
+    return ManagerSpec(root=None if root is None else str(root), recover=recover,
                        mode="async" if async_on else "sync")
 
 
 def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> ManagerSpec:
-    """Read an AReaL-style or torchtune config (a dict, or a path to a YAML file)."""
-    if isinstance(source, (str, os.PathLike)):
-        import yaml  # only needed for files
-
-        path = os.fspath(source)
-        try:
-            with open(path) as handle:
-                source = yaml.safe_load(handle) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} does not exist.") from None
-    if not isinstance(source, Mapping):
-        raise ConfigError(f"a config must be a mapping, got {type(source).__name__}.")
-    if "recover" in source or "saver" in source:
-        spec = from_areal(source)
-    elif set(source) & _TORCHTUNE_KEYS or "checkpointer" in source:
-        spec = from_torchtune(source)
+    """Read an AReaL-style or torchtune config (a dict, an OmegaConf ``DictConfig``, or a path
+    to a YAML file)."""
+    cfg = _open(source)
+    keys = set(cfg.node.keys())
+    training = cfg.node.get("training") if "training" in keys else None
+    if "recover" in keys or "saver" in keys:
+        spec = from_areal(cast(Mapping[str, Any], cfg))
+    elif keys & _TORCHTUNE_KEYS or "checkpointer" in keys or (
+            isinstance(training, Mapping) and "checkpointer" in training.keys()):
+        spec = from_torchtune(cast(Mapping[str, Any], cfg))
     else:
-        raise ConfigError("this config has neither AReaL sections (recover/saver) nor torchtune "
-                          f"keys ({sorted(_TORCHTUNE_KEYS)}); nothing to translate.")
+        raise ConfigError(f"{cfg.origin} has neither AReaL sections (recover/saver) nor "
+                          f"torchtune keys ({sorted(_TORCHTUNE_KEYS)} or a checkpointer "
+                          f"section); nothing to translate.")
     if spec.ignored:
         warnings.warn(f"ignored settings with no meaning in jaxckpt: {list(spec.ignored)}",
                       CheckpointWarning, stacklevel=2)

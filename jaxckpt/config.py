@@ -321,6 +321,12 @@ class RecoverConfig:
     why, so a damaged root never turns silently into a run from scratch; "start_fresh"
     warns, moves them to ``recover/superseded/`` for inspection and returns None. Roots
     holding only interrupted (uncommitted) saves start fresh either way: nothing was lost."""
+    resume: bool = True
+    """True: ``recover`` resumes from the latest valid checkpoint (modes "on"/"auto").
+    False: recovery checkpoints are still written, but ``recover`` never resumes: it moves
+    the root's committed checkpoints to ``recover/superseded/`` (kept for inspection), warns
+    naming them, and returns None, so the run starts over with a clean root (torchtune's
+    ``resume_from_checkpoint: False``)."""
 
     def __post_init__(self) -> None:
         _check_mode("RecoverConfig", "mode", self.mode, RECOVER_MODES)
@@ -332,6 +338,9 @@ class RecoverConfig:
             raise ConfigError(f"RecoverConfig.retries must be an int >= 0, got {self.retries!r}.")
         _check_mode("RecoverConfig", "verify", self.verify, ("checksums", "sizes"))
         _check_mode("RecoverConfig", "on_corrupt", self.on_corrupt, ("raise", "start_fresh"))
+        if not isinstance(self.resume, bool):
+            raise ConfigError(f"RecoverConfig.resume must be True or False, got "
+                              f"{self.resume!r}.")
         if self.keep_last_n == 0 and not self.every.never:
             raise ConfigError(
                 f"RecoverConfig.keep_last_n=0 writes no periodic checkpoints, but "

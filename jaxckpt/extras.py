@@ -30,6 +30,8 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "grain": frozenset({"grain"}),
     # google-cloud-storage lives in the "google" namespace package (google.cloud.storage).
     "gcs": frozenset({"google"}),
+    # jaxckpt.compat reads AReaL and torchtune configs as their tools do, with OmegaConf.
+    "compat": frozenset({"omegaconf"}),
 }
 
 

@@ -45,7 +45,7 @@ from .pins import Pins
 from .pipeline import SavePipeline
 from .policy import SaveTrigger, resolve_mode, writes_periodic
 from .preemption import Preemption
-from .recovery import Recovery
+from .recovery import Recovery, start_fresh
 from .reports import Recovered, SaveReport
 from .root import attach_backend, open_store, prepare_root
 from .saving import RecoverySaver, resolve_state
@@ -219,9 +219,10 @@ class CheckpointManager:
                 items: Mapping[str, Any] | None = None,
                 partial: bool = False) -> Recovered | None:
         """Resume from the latest valid recovery checkpoint, or return None when there is
-        none (or recovery is off). ``stateful`` objects are restored in place and remembered
-        as the default for later saves. ``items`` maps item names to ``like`` trees: each is
-        restored at the version the checkpoint refers to. ``partial``: as in ``restore``."""
+        none (or recovery is off, or ``RecoverConfig.resume`` is False: see there).
+        ``stateful`` objects are restored in place and remembered as the default for later
+        saves. ``items`` maps item names to ``like`` trees: each is restored at the version
+        the checkpoint refers to. ``partial``: as in ``restore``."""
         self._check_usable()
         if stateful is not None:
             # Validate early: a bad object fails now, not at the first save.
@@ -233,6 +234,11 @@ class CheckpointManager:
             return None
         self._pipeline.drain()
         self._pipeline.raise_unraised()
+        if not self.recover_config.resume:
+            start_fresh(self._ctx)
+            if self._local is not None:
+                start_fresh(self._local.ctx)
+            return None
         result = self._restore(like, stateful=stateful, step=None, required=False, items=items,
                                partial=partial)
         if result is not None:

@@ -51,7 +51,7 @@ from .storage import PosixStorage
 from .store import Entry
 from .verification import DeferredChecksumsFailed, Verification, Verifier
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "start_fresh"]
 
 _FAIL_CLOSED = -2
 """What ``_choose`` shares when committed checkpoints exist and none verifies (-1: none)."""
@@ -65,6 +65,27 @@ def _fetch_state_ahead(ahead: ReadAhead, checks: Verification, path: str,
                 for rel, info in sorted(manifest.files.items())
                 if rel.startswith(inside) and checks.defer_over is not None
                 and deferrable(rel, info, checks.defer_over))
+
+
+def start_fresh(ctx: ManagerContext) -> list[str]:
+    """``RecoverConfig(resume=False)``: the primary moves every committed checkpoint of
+    ``ctx``'s root to ``recover/superseded/`` and warns naming them, so that the run's new
+    saves (from step 0) are the root's only checkpoints: retention and "latest" would
+    otherwise prefer the older run's higher steps. Returns what was moved."""
+    if not ctx.primary:
+        return []
+    moved = []
+    for step in ctx.store.committed_steps():
+        path = ctx.store.step_path(step)
+        moved.append(f"{path} -> {ctx.store.quarantine(path, 'fresh')}")
+    if moved:
+        warnings.warn(
+            f"not resuming: RecoverConfig(resume=False) (torchtune: resume_from_checkpoint: "
+            f"False) starts over although {ctx.store.recover_dir} holds "
+            f"{len(moved)} committed checkpoint(s); moved aside for inspection: "
+            + " | ".join(moved) + ". Set resume=True (resume_from_checkpoint: true) to "
+            "resume from them instead.", CheckpointWarning, stacklevel=3)
+    return moved
 
 
 class Recovery:

@@ -74,6 +74,9 @@ else:
                  id="export_hf-without-safetensors"),
     pytest.param(HF, "    from torch_bridge import load_hf", "hf", "load_hf",
                  id="load_hf-without-safetensors"),
+    pytest.param(("omegaconf",), "    from jaxckpt.compat import load_config\n"
+                 "    load_config({'save_every_n_steps': 10})", "compat", "torchtune configs",
+                 id="load_config-without-omegaconf"),
 ])
 def test_first_use_without_its_extra_names_the_extra(blocked, call, extra, feature, tmp_path):
     out = run_without(blocked, RAISES.format(call=call), tmp_path)

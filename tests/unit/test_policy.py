@@ -107,6 +107,7 @@ def test_recover_modes(mode, enabled):
         (lambda: RecoverConfig(keep_last_n=-1), "RecoverConfig.keep_last_n"),
         (lambda: RecoverConfig(keep_last_n=1.0), "RecoverConfig.keep_last_n"),
         (lambda: RecoverConfig(retries=-1), "RecoverConfig.retries"),
+        (lambda: RecoverConfig(resume="no"), "RecoverConfig.resume must be True or False"),
         (lambda: RecoverConfig(every={"steps": 10}), "RecoverConfig.every"),
         (lambda: RecoverConfig(verify="md5"), "RecoverConfig.verify"),
         (lambda: ExportConfig(exporter=None), "ExportConfig.exporter"),
