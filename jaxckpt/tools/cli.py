@@ -396,7 +396,7 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
                                          time.localtime(driver.get("saved_at", 0)))
         local = driver.get("local") or {}
         info["stateful"] = sorted((local.get("stateful") or {}).keys())
-        info["rng"] = sorted((local.get("rng") or {}).keys())
+        info["rng"] = _rng_names(local, driver.get("backend"))
     except (OSError, ValueError, AttributeError, CheckpointError) as exc:
         info["driver_error"] = f"{DRIVER_FILE}: {exc}"
     _add_leaves(info, path, store.storage)
@@ -407,13 +407,32 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     return EXIT_OK if info["status"] == "committed" else EXIT_BAD_CHECKPOINT
 
 
+# The framework whose global generators a backend saves (driver.json's local.backend_rng).
+_BACKEND_RNG_FRAMEWORK = {"dcp": "torch"}
+
+
+def _rng_names(local: dict, backend: Any) -> list[str]:
+    """The RNG states a checkpoint holds: Python's and NumPy's (``local.rng``), then the
+    backend's own generators (``local.backend_rng``: torch's CPU one and the CUDA devices')."""
+    names = sorted((local.get("rng") or {}).keys())
+    backend_rng = local.get("backend_rng")
+    if isinstance(backend_rng, dict):
+        prefix = _BACKEND_RNG_FRAMEWORK.get(str(backend), str(backend))
+        for key, value in backend_rng.items():
+            devices = f" ({len(value)} devices)" if isinstance(value, list) else ""
+            names.append(f"{prefix}.{key}{devices}")
+    return names
+
+
 def _add_leaves(info: dict, path: str, storage: Any) -> None:
     from jaxckpt.errors import CheckpointError
-    from jaxckpt.layout import STATE_DIR, TREE_FILE
+    from jaxckpt.layout import OBJECTS_FILE, STATE_DIR, TREE_FILE
     from jaxckpt.tree_record import leaf_nbytes, parse_tree_record
 
     state_dir = os.path.join(path, STATE_DIR)
-    if storage.exists(os.path.join(state_dir, TREE_FILE)):
+    if info.get("backend") == "dcp" or storage.exists(os.path.join(state_dir, OBJECTS_FILE)):
+        _add_dcp_tensors(info, state_dir, storage)
+    elif storage.exists(os.path.join(state_dir, TREE_FILE)):
         try:
             text = storage.read(os.path.join(state_dir, TREE_FILE))
             leaves = parse_tree_record(text, state_dir)["leaves"]
@@ -422,6 +441,33 @@ def _add_leaves(info: dict, path: str, storage: Any) -> None:
                               for leaf in leaves]
         except (OSError, CheckpointError, AttributeError) as exc:
             info["tree_error"] = f"{STATE_DIR}/{TREE_FILE}: {exc}"
+
+
+def _add_dcp_tensors(info: dict, state_dir: str, storage: Any) -> None:
+    """The tensors of a DCP checkpoint (``DcpCheckpointManager``), by their DCP key, from
+    ``objects.json``: the backend records there the key, shape and dtype of every tensor it
+    hands DCP. It is read instead of DCP's ``.metadata``, which is a pickle (only
+    torch_bridge's restricted unpickler may open it, and only with torch installed): so
+    ``info`` lists a torch checkpoint with neither torch nor any array data."""
+    import json
+
+    from jaxckpt.layout import OBJECTS_FILE, STATE_DIR
+    from jaxckpt.tree_record import leaf_nbytes
+
+    where = f"{STATE_DIR}/{OBJECTS_FILE}"
+    try:
+        body = json.loads(storage.read(os.path.join(state_dir, OBJECTS_FILE)))
+        if body.get("format") != "jaxckpt.dcp.objects":
+            raise ValueError(f"format {body.get('format')!r} is not jaxckpt.dcp.objects")
+        tensors = [tensor for entry in body["entries"].values() for tensor in entry["tensors"]]
+        info["leaves"] = [{"path": t["key"], "shape": t["shape"], "dtype": t["dtype"],
+                           "bytes": leaf_nbytes({"shape": t["shape"], "dtype": t["dtype"]})}
+                          for t in tensors]
+    except FileNotFoundError:
+        info["tree_error"] = (f"{where} is missing, so the saved tensors cannot be listed "
+                              f"(DCP's own .metadata is a pickle, which info does not open)")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        info["tree_error"] = f"{where}: {exc}"
 
 
 def _print_info(info: dict, max_leaves: int, *, with_bytes: bool = False) -> None:

@@ -366,3 +366,67 @@ def test_info_tree_lists_every_saved_path_with_bytes_from_metadata_alone(tmp_pat
     assert rows["['empty']"][-1] == "0" and rows["['nibbles']"][-1] == "5"
     assert rows["['deep']['b']"][-2:] == ["int64", "400"]
     assert "more (--leaves 0" not in out  # --tree lists every path
+
+
+# ---------------------------------------------------------------- a PyTorch (DCP) checkpoint
+
+
+@pytest.fixture(scope="module")
+def torch_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A committed DcpCheckpointManager checkpoint: a module, its AdamW state (one step
+    taken) and a bfloat16 tensor; torch's RNG is saved with it. One per module: importing
+    torch.distributed.checkpoint is the slow part."""
+    import torch
+
+    import torch_bridge
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    root = tmp_path_factory.mktemp("dcp") / "run"
+    with torch_bridge.DcpCheckpointManager(root, preemption_signals=()) as mgr:
+        mgr.save(jaxckpt.StepInfo(0, 2, 2), {"model": model, "optimizer": optimizer,
+                                             "t": torch.arange(4, dtype=torch.bfloat16)})
+    return step_dir(root, 2)
+
+
+def test_info_tree_of_a_torch_checkpoint_lists_its_tensors_without_torch(torch_step, tmp_path):
+    # In a fresh interpreter where torch cannot be imported, and with DCP's data and its
+    # pickled .metadata gone: the listing comes from the backend's objects.json alone.
+    import shutil
+
+    copy = tmp_path / "step"
+    shutil.copytree(torch_step, copy)
+    for name in (".metadata", "__0_0.distcp"):
+        (copy / "state" / name).unlink()
+    program = ("import sys; sys.modules['torch'] = None\n"
+               "from jaxckpt.tools.cli import main\n"
+               f"code = main(['info', {str(copy)!r}, '--tree'])\n"
+               "print('TORCH', 'torch' in sys.modules and sys.modules['torch'] is not None)\n"
+               "sys.exit(code)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 1, out.stderr  # the manifest's files are gone: said so
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()}
+    assert rows["model/weight"] == ["(2,", "3)", "float32", "24"]
+    assert rows["model/bias"] == ["(2,)", "float32", "8"]
+    assert rows["optimizer/state/weight/exp_avg_sq"] == ["(2,", "3)", "float32", "24"]
+    assert rows["optimizer/state/bias/step"] == ["()", "float32", "4"]
+    assert rows["t"] == ["(4,)", "bfloat16", "8"]
+    assert "arrays (9 leaves):" in out.stdout and "TORCH False" in out.stdout
+
+
+def test_info_of_a_torch_checkpoint_lists_torch_rng_and_its_tensors(torch_step, capsys):
+    import json
+
+    code, out = run_cli(capsys, "info", "--json", str(torch_step))
+    body = json.loads(out)
+    assert code == 0 and body["backend"] == "dcp"
+    assert body["rng"] == ["numpy", "python", "torch.cpu"]
+    assert [leaf["path"] for leaf in body["leaves"]][:2] == ["model/weight", "model/bias"]
+    code, out = run_cli(capsys, "info", str(torch_step), "--tree")
+    assert code == 0
+    assert 'rng            ["numpy", "python", "torch.cpu"]' in out
+    assert "PATH" in out and "BYTES" in out and "model/weight" in out
