@@ -234,7 +234,10 @@ def _areal_root(cfg: _Config, recover: Any) -> str | None:
 def from_areal(config: Mapping[str, Any], *, origin: str | None = None) -> ManagerSpec:
     """Translate an AReaL-style config (top-level mapping with ``recover`` and/or ``saver``);
     ``origin`` names it in errors (a file's path)."""
-    cfg = config if isinstance(config, _Config) else _open(config, origin)
+    return _from_areal(_open(config, origin))
+
+
+def _from_areal(cfg: _Config) -> ManagerSpec:
     recover = cfg.section(cfg.node, "recover", "recover")
     saver = cfg.section(cfg.node, "saver", "saver")
     if recover is not None:
@@ -292,7 +295,10 @@ def _torchtune_places(cfg: _Config) -> list[tuple[str, Any]]:
 def from_torchtune(config: Mapping[str, Any], *, origin: str | None = None) -> ManagerSpec:
     """Translate torchtune recipe keys (top level, the async GRPO recipe's ``training``
     section, or the ``checkpointer`` section); ``origin`` names the config in errors."""
-    cfg = config if isinstance(config, _Config) else _open(config, origin)
+    return _from_torchtune(_open(config, origin))
+
+
+def _from_torchtune(cfg: _Config) -> ManagerSpec:
     places = _torchtune_places(cfg)
 
     def pick(name: str, *, root: bool = False) -> tuple[Any, str]:
@@ -326,10 +332,10 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> ManagerSp
     keys = set(cfg.node.keys())
     training = cfg.node.get("training") if "training" in keys else None
     if "recover" in keys or "saver" in keys:
-        spec = from_areal(cast(Mapping[str, Any], cfg))
+        spec = _from_areal(cfg)
     elif keys & _TORCHTUNE_KEYS or "checkpointer" in keys or (
             isinstance(training, Mapping) and "checkpointer" in training.keys()):
-        spec = from_torchtune(cast(Mapping[str, Any], cfg))
+        spec = _from_torchtune(cfg)
     else:
         raise ConfigError(f"{cfg.origin} has neither AReaL sections (recover/saver) nor "
                           f"torchtune keys ({sorted(_TORCHTUNE_KEYS)} or a checkpointer "

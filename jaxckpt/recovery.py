@@ -72,12 +72,13 @@ def start_fresh(ctx: ManagerContext) -> list[str]:
     ``ctx``'s root to ``recover/superseded/`` and warns naming them, so that the run's new
     saves (from step 0) are the root's only checkpoints: retention and "latest" would
     otherwise prefer the older run's higher steps. Returns what was moved."""
-    if not ctx.primary:
-        return []
     moved = []
-    for step in ctx.store.committed_steps():
-        path = ctx.store.step_path(step)
-        moved.append(f"{path} -> {ctx.store.quarantine(path, 'fresh')}")
+    if ctx.primary:
+        for step in ctx.store.committed_steps():
+            path = ctx.store.step_path(step)
+            moved.append(f"{path} -> {ctx.store.quarantine(path, 'fresh')}")
+    # No process writes step 0 of the new run while the old one is still being moved.
+    ctx.barrier("jaxckpt.start_fresh", 600.0)
     if moved:
         warnings.warn(
             f"not resuming: RecoverConfig(resume=False) (torchtune: resume_from_checkpoint: "
