@@ -9,7 +9,8 @@ arguments handed to Orbax (shardings, typed keys' data), the native reader
 (``jaxckpt.zarr_io``, checking the deferred checksums of the files it reads as it reads
 them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves (packed leaves
 cut out of their packs, arrays stored as bytes viewed as their dtype, keys wrapped, numpy
-and Python scalars converted).
+and Python scalars converted; a Python scalar like leaf gets an array where an array was
+saved).
 
 Which reader runs is the backend's decision (``orbax_backend``). Must not import: torch.
 """
@@ -40,6 +41,7 @@ from jaxckpt._orbax_tree import (
     SavedLeaf,
     dtype_name,
     from_bytes,
+    numpy_dtype,
     read_tree_json,
 )
 from jaxckpt.array_files import ArrayFiles
@@ -90,7 +92,8 @@ def target_of(leaf: Any) -> Target | None:
 def mismatch(target: Target, saved: SavedLeaf) -> bool:
     if target.target == "python":
         # A Python scalar like accepts any 0-d, non-key saved leaf of a matching kind (a
-        # step counter saved as a jnp.int32 restores into a Python int).
+        # step counter saved as a jnp.int32 matches a Python int, and restores as the
+        # saved array: as_saved).
         type_name = target.dtype.__name__
         return (saved.kind == "key" or saved.shape != ()
                 or np.dtype(saved.dtype).kind not in PY_SCALAR_DTYPE_KINDS[type_name])
@@ -327,7 +330,22 @@ def match_like(root: epath.Path, directory: str, like: Any, *, partial: bool = F
             f"or read with a like that matches {directory}/{TREE_FILE} and convert the "
             "result yourself.",
             problems)
-    return saved, targets, like_treedef
+    return saved, as_saved(targets, saved), like_treedef
+
+
+def as_saved(targets: list[tuple[str, Target]],
+             saved: dict[str, SavedLeaf]) -> list[tuple[str, Target]]:
+    """``targets`` where each Python-scalar like leaf whose saved leaf is an array asks for
+    the array (a jax.Array of the saved shape and dtype on the default device) instead: a
+    restore gives back what was saved, and a Python scalar only where one was saved. A Linen
+    ``TrainState.create`` holds ``step=0``, an int, while the state saved after a jitted
+    step holds an int32 array; restored into the fresh state the step stays that array.
+    Changed in place and returned."""
+    for slot, (path, target) in enumerate(targets):
+        if target.target == "python" and saved[path].kind != "scalar":
+            entry = saved[path]
+            targets[slot] = (path, Target("jax", entry.shape, numpy_dtype(entry.dtype)))
+    return targets
 
 
 def arrays_dir(root: epath.Path, directory: str) -> epath.Path:

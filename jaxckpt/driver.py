@@ -2,7 +2,8 @@
 
 Owns: capturing and restoring progress counters (``StepInfo``), the state of ``stateful``
 objects (data loaders, evaluators, loggers: anything with ``state_dict``/``load_state_dict``,
-grain's ``get_state``/``set_state``, NumPy Generators, ``random.Random``), Python's and NumPy's
+grain's ``get_state``/``set_state``, NumPy Generators, ``random.Random``; a torch data
+loader's generator with it, ``jaxckpt.loader_state``), Python's and NumPy's
 global RNG state, the framework RNG a backend reports, and library versions; and their JSON
 files in a checkpoint: ``driver.json`` (written by the primary: global facts plus the
 primary's local state) and ``driver.p{index:05d}.json`` (each other process's local state:
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import codec
+from . import codec, loader_state
 from ._version import __version__
 from .config import StepInfo
 from .errors import (
@@ -88,7 +89,12 @@ def _get_state(name: str, obj: Any) -> Any:
         return {"kind": "random.Random", "state": obj.getstate()}
     if (callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))):
-        return {"kind": "state_dict", "state": obj.state_dict()}
+        loader_state.check_resumable(name, obj)
+        saved: dict[str, Any] = {"kind": "state_dict", "state": obj.state_dict()}
+        generator = loader_state.generator_state(obj)
+        if generator is not None:
+            saved[loader_state.GENERATOR_KEY] = generator
+        return saved
     if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
         return {"kind": "get_state", "state": obj.get_state()}
     raise ConfigError(f"stateful[{name!r}] is a {type(obj).__qualname__}, which has no state "
@@ -120,6 +126,7 @@ def _set_state(name: str, obj: Any, saved: Any) -> None:
         obj.setstate(_as_random_state(state))
     elif expected == "state_dict":
         obj.load_state_dict(state)
+        loader_state.after_load(obj, saved)
     else:
         obj.set_state(state)
 

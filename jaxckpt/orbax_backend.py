@@ -436,7 +436,9 @@ class OrbaxBackend:
         impl) is collected first and raised as one TreeMismatchError; no array is read
         then. jax.Array / ShapeDtypeStruct leaves come back as jax.Array on the like leaf's
         sharding (the default device when it has none), numpy leaves as numpy, Python
-        scalars as the same Python type.
+        scalar leaves as the same Python type where a Python scalar was saved and as the
+        saved jax.Array (its dtype, on the default device) where an array was: a fresh
+        Linen ``TrainState`` (``step=0``) gets back the saved int32 step.
 
         A ``like`` holding live NNX objects (``jaxckpt.nnx_live``) is read into their
         current arrays' shapes, dtypes and shardings, and the result is a

@@ -60,3 +60,34 @@ def test_linen_train_state_recipe(tmp_path):
     assert int(resumed.step) == int(reference.step) == 20
     for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_linen_step_restored_into_a_fresh_train_state_is_the_saved_array(tmp_path):
+    # A kill right after the final save: the rerun restores into TrainState.create(...)
+    # (step=0, a Python int) and trains no step, so the step it ends with is what restore
+    # placed. It must be the saved int32 array, as the uninterrupted run ends with.
+    import flax.linen as nn
+    from flax.training import train_state
+
+    model = nn.Dense(1)
+    params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+
+    def fresh():
+        return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                             tx=optax.adamw(1e-2))
+
+    trained = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.ones_like,
+                                                                      s.params)))(fresh())
+    assert isinstance(trained.step, jax.Array) and trained.step.dtype == jnp.int32
+    with jaxckpt.CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(jaxckpt.StepInfo(), trained, mode="sync")
+    with jaxckpt.CheckpointManager(tmp_path / "root") as mgr:
+        recovered = mgr.recover(fresh())
+
+    step = recovered.state.step
+    assert isinstance(step, jax.Array), f"step came back as {type(step).__name__}"
+    assert (step.dtype, step.shape) == (jnp.int32, ())
+    assert int(step) == 1
+    for got, want in zip(jax.tree.leaves(recovered.state), jax.tree.leaves(trained),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

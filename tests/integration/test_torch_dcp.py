@@ -644,6 +644,34 @@ def test_stateful_dataloader_resumes_with_identical_next_batches(tmp_path):
     assert sorted(sum(expected[:1], [])) != sorted(sum(got[1:2], []))  # not trivially equal
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_loader_without_generator_leaves_torch_rng_as_saved_after_recover_and_iter(tmp_path):
+    # With no generator= the iterator draws its base seed from torch's global RNG as it is
+    # made. recover() makes the restored iterator itself, before it restores the global RNG,
+    # so the loop's next iter() returns it and draws nothing: dropout after a resume sees
+    # the RNG the uninterrupted run had.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(12))
+    torch.manual_seed(3)
+    original = StatefulDataLoader(data, batch_size=3, shuffle=True)
+    iterator = iter(original)
+    next(iterator)
+    model, _, _ = make(seed=0)
+    with manager(tmp_path) as mgr:
+        mgr.save(INFO, {"model": model}, stateful={"loader": original}, mode="sync")
+    at_save = torch.get_rng_state()
+    expected = [batch.tolist() for batch in iterator]
+
+    torch.manual_seed(7)
+    restored = StatefulDataLoader(data, batch_size=3, shuffle=True)
+    with manager(tmp_path) as mgr:
+        mgr.recover({"model": model}, stateful={"loader": restored})
+    resumed = iter(restored)
+    assert torch.equal(torch.get_rng_state(), at_save)
+    assert [batch.tolist() for batch in resumed] == expected
+
+
 # --------------------------------------------------------------------- exports, jax
 
 

@@ -2,6 +2,8 @@
 from every test folder (pyproject's ``[tool.pytest.ini_options] pythonpath``).
 
 - ``paths``: where the repository and the worker scripts are.
+- ``doc_blocks``: the ```python blocks of README.md and docs/*.md, by section;
+  ``doc_program.py`` runs one as it is, announcing kill points and dumping its final state.
 - ``loaders``: the one stateful test loader (``state_dict``/``load_state_dict``).
 - ``models``: the tiny NNX model and the tiny Hugging Face configs tests build.
 - ``harness``: a worker subprocess in its own session, read line by line, SIGKILLed at a

@@ -8,31 +8,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from support.doc_blocks import FRAGMENT, PAGES, python_blocks
 from support.paths import REPO
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-FRAGMENT = "# fragment"
 HANG_GUARD_S = 600  # a guard against hangs, not a speed target (that is `jaxckpt bench`)
-
-
-def python_blocks(page: Path) -> list[tuple[int, str]]:
-    """(line number, code) of every ```python block of a page."""
-    blocks, code, start = [], None, 0
-    for number, line in enumerate(page.read_text().splitlines(), start=1):
-        if code is None and line.strip() == "```python":
-            code, start = [], number + 1
-        elif code is not None and line.strip() == "```":
-            blocks.append((start, "\n".join(code) + "\n"))
-            code = None
-        elif code is not None:
-            code.append(line)
-    assert code is None, f"{page.name}: a ```python block opened at line {start} never closes"
-    return blocks
-
 
 ALL_BLOCKS = [(page, line, code) for page in PAGES for line, code in python_blocks(page)]
 RUNNABLE = [pytest.param(code, id=f"{page.relative_to(REPO)}:{line}")
