@@ -1,12 +1,16 @@
 """The retention engine and pins through DcpCheckpointManager: the same rules as the Orbax
-manager (test_retention_manager.py), since they live in the shared manager, over torch state."""
+manager (test_retention_manager.py), since they live in the shared manager, over torch state;
+and a sync save returns only once its step committed and its retention ran."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from jaxckpt import Every, KeepBest, RecoverConfig, StepInfo  # noqa: E402
-from torch_bridge import DcpCheckpointManager  # noqa: E402
+from jaxckpt.store import COMMIT_MARKER  # noqa: E402
+from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
+
+from support.held_writes import hold_async_writes  # noqa: E402
 
 
 def run(mgr, steps, losses):
@@ -28,3 +32,31 @@ def test_keep_best_and_pins_hold_across_a_restart(tmp_path):
     with DcpCheckpointManager(tmp_path, recover=config, mode="sync") as mgr:
         run(mgr, range(4, 7), accuracy)
         assert mgr.committed_steps() == [3, 5, 6]  # 3 pinned, 5 best, 6 newest
+
+
+def test_a_sync_save_of_a_step_an_async_save_started_returns_once_it_committed(tmp_path):
+    # The final save after a loop whose last maybe_save started an async save of that step.
+    backend = hold_async_writes(DcpBackend(), 1.0)
+    config = RecoverConfig(every=Every(steps=2), keep_last_n=2)
+    model = torch.nn.Linear(3, 2)
+    with DcpCheckpointManager(tmp_path, recover=config, mode="async", backend=backend,
+                              preemption_signals=()) as mgr:
+        for step in range(6):
+            mgr.maybe_save(StepInfo(0, step, step), {"model": model})
+        report = mgr.save(state={"model": model}, mode="sync")
+        assert report.step == 5 and report.done() and report.error is None
+        assert (tmp_path / "recover" / "step_00000005" / COMMIT_MARKER).exists()
+        assert mgr.committed_steps() == [3, 5]
+    backend.close()
+
+
+def test_committed_steps_after_each_sync_save_already_reflect_its_retention(tmp_path):
+    config = RecoverConfig(every=Every(steps=1), keep_last_n=2)
+    model = torch.nn.Linear(3, 2)
+    with DcpCheckpointManager(tmp_path, recover=config, mode="sync",
+                              preemption_signals=()) as mgr:
+        seen = []
+        for step in range(4):
+            mgr.maybe_save(StepInfo(0, step, step), {"model": model})
+            seen.append(mgr.committed_steps())
+    assert seen == [[0], [0, 1], [1, 2], [2, 3]]
