@@ -1,6 +1,7 @@
 """Preemption: SIGTERM becomes a checkpoint at the next step boundary; then, by default, the
 process ends as SIGTERM would have (status -15) even when the loop never looks at
-``mgr.preempted``; with ``on_preemption="continue"`` the loop stops itself and exits 0."""
+``mgr.preempted`` (a JAX loop and a DcpCheckpointManager loop); with
+``on_preemption="continue"`` the loop stops itself and exits 0."""
 
 import os
 import signal
@@ -175,3 +176,40 @@ def test_handlers_are_restored_on_close(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is not before
     mgr.close()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+TORCH_LOOP = textwrap.dedent("""
+    import sys, time
+    import torch
+    import jaxckpt
+    from torch_bridge import DcpCheckpointManager
+    model = torch.nn.Linear(4, 2)
+    config = jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=1000))
+    with DcpCheckpointManager(sys.argv[1], recover=config, mode="async") as mgr:
+        step = jaxckpt.StepInfo(0, 0, 0)
+        while True:                                   # never looks at mgr.preempted
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.maybe_save(step, {"model": model})
+            print("STEP", step.global_step, flush=True)
+            time.sleep(0.05)
+            step = step.next()
+""")
+
+
+def test_by_default_a_torch_loop_ends_by_sigterm_once_its_checkpoint_committed(tmp_path):
+    pytest.importorskip("torch")
+    root = tmp_path / "root"
+    worker = Worker([sys.executable, "-c", TORCH_LOOP, str(root)], env=repo_env(), cwd=REPO,
+                    timeout_s=120.0)
+    try:
+        worker.wait_for("STEP 2")
+        worker.signal(signal.SIGTERM)
+        code = worker.finish()
+    finally:
+        worker.close()
+    assert code == -signal.SIGTERM, (code, worker.lines[-5:], worker.stderr())
+    stopped = int(worker.lines[-1].split()[1]) + 1  # it ended inside the next maybe_save
+    assert f"SIGTERM: the checkpoint of step {stopped} is committed" in worker.stderr()
+    assert sorted(p.name for p in (root / "recover").iterdir()) == [f"step_{stopped:08d}"]
+    assert (root / "recover" / f"step_{stopped:08d}" / "COMMITTED").exists()
