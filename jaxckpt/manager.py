@@ -327,8 +327,8 @@ class CheckpointManager:
             assert self._exporter is not None
             reports.append(self._exporter.save(step_info, state, export_reason))
         if preempt:  # "exit": the process ends in here, once the checkpoint committed
-            self._preemption.end_after(step_info.global_step, wait=self.wait,
-                                       barrier=self._ctx.barrier, close=self._shut_down)
+            self._preemption.end_after(reports, wait=self.wait, barrier=self._ctx.barrier,
+                                       close=self._shut_down)
         return reports
 
     def save(self, step_info: StepInfo | None = None, state: Any = None, *,

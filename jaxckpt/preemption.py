@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 __all__ = ["Preemption", "end_process", "signal_name"]
@@ -107,24 +107,29 @@ class Preemption:
         return ((recover_reason or "seconds") if bits & 1 else None,
                 (export_reason or "seconds") if bits & 2 else None, bool(bits & 4))
 
-    def end_after(self, step: int, *, wait: Callable[[], None],
+    def end_after(self, saves: Sequence[Any], *, wait: Callable[[], None],
                   barrier: Callable[[str, float], None], close: Callable[[], None]) -> None:
-        """With ``on_preemption="exit"`` and a request from a signal acted on at ``step``:
-        ``wait`` for the preemption checkpoint to commit (the manager's ``wait``: it raises
-        if the save failed, and the process then ends by that error), ``barrier`` so that
-        every process has, ``close`` the manager (lease released, backend closed), then end
-        the process by that signal. Returns at once otherwise (``"continue"``, or a request
-        made without a signal)."""
+        """With ``on_preemption="exit"`` and a request from a signal acted on by a
+        ``maybe_save`` that started ``saves`` (its reports): ``wait`` for them to finish (the
+        manager's ``wait``: it raises if the checkpoint failed, and the process then ends by
+        that error; with ``on_write_error="warn"`` it only warns), ``barrier`` so that every
+        process has, ``close`` the manager (lease released, backend closed), then end the
+        process by that signal. Returns at once otherwise (``"continue"``, or a request made
+        without a signal)."""
         signum = self._cause
         if self._on_preemption != "exit" or not signum:
             return
         wait()
         barrier("jaxckpt.preempted", 600.0)
         close()
-        log.warning("jaxckpt: %s: the checkpoint of step %d is committed; ending the process "
-                    "as %s would (CheckpointManager(on_preemption='continue') leaves that to "
-                    "a loop that stops on mgr.preempted).", signal_name(signum), step,
-                    signal_name(signum))
+        name = signal_name(signum)
+        saved = [r for r in saves if r.kind == "recover" and r.error is None]
+        log.warning("jaxckpt: %s: %s; ending the process as %s would "
+                    "(CheckpointManager(on_preemption='continue') leaves that to a loop that "
+                    "stops on mgr.preempted).", name,
+                    f"the checkpoint of step {saved[0].step} is committed" if saved
+                    else "no checkpoint was written (recovery is off, or the save failed)",
+                    name)
         end_process(signum)
 
     def end_if_pending(self) -> None:
