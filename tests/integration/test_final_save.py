@@ -15,9 +15,8 @@ from flax import nnx
 from jaxckpt import CheckpointManager, ConfigError, Every, RecoverConfig, StepInfo
 from jaxckpt.models import MLP
 from jaxckpt.orbax_backend import OrbaxBackend
-from jaxckpt.store import COMMIT_MARKER
 
-from support.held_writes import hold_async_writes
+from support.held_writes import check_final_sync_save, committed_after_each_sync_save
 
 STEPS_PER_EPOCH = 5
 N = 7  # not a multiple of the save cadence nor of the epoch: the final save matters
@@ -151,30 +150,9 @@ def test_an_explicit_restore_is_not_a_resume_point(tmp_path):
 
 
 def test_a_sync_save_of_a_step_an_async_save_started_returns_once_it_committed(tmp_path):
-    # The README's final save: the loop's last maybe_save already started an async save of
-    # that step. The sync save must not hand back the report still in flight (a SIGKILL
-    # after it lost the step), and committed_steps() must show that step and its retention.
-    backend = hold_async_writes(OrbaxBackend(), 1.0)
-    config = RecoverConfig(every=Every(steps=2), keep_last_n=2)
-    with CheckpointManager(tmp_path, recover=config, mode="async", backend=backend,
-                           preemption_signals=()) as mgr:
-        for step in range(6):
-            mgr.maybe_save(StepInfo(0, step, step), tree())
-        report = mgr.save(state=tree(), mode="sync")
-        assert report.step == 5 and report.done() and report.error is None
-        assert (tmp_path / "recover" / "step_00000005" / COMMIT_MARKER).exists()
-        assert mgr.committed_steps() == [3, 5]
-    backend.close()
+    check_final_sync_save(CheckpointManager, OrbaxBackend(), tmp_path, tree())
 
 
 def test_committed_steps_after_each_sync_save_already_reflect_its_retention(tmp_path):
-    config = RecoverConfig(every=Every(steps=1), keep_last_n=2)
-    with CheckpointManager(tmp_path, recover=config, mode="sync",
-                           preemption_signals=()) as mgr:
-        seen = []
-        for step in range(6):
-            mgr.maybe_save(StepInfo(0, step, step), tree())
-            seen.append(mgr.committed_steps())
-        mgr.save(StepInfo(0, 9, 9), tree(), mode="sync")
-        seen.append(mgr.committed_steps())
-    assert seen == [[0], [0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 9]]
+    seen = committed_after_each_sync_save(CheckpointManager, tmp_path, tree(), 6)
+    assert seen == [[0], [0, 1], [1, 2], [2, 3], [3, 4], [4, 5]]

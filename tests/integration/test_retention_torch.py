@@ -7,10 +7,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from jaxckpt import Every, KeepBest, RecoverConfig, StepInfo  # noqa: E402
-from jaxckpt.store import COMMIT_MARKER  # noqa: E402
 from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
 
-from support.held_writes import hold_async_writes  # noqa: E402
+from support.held_writes import (  # noqa: E402
+    check_final_sync_save,
+    committed_after_each_sync_save,
+)
 
 
 def run(mgr, steps, losses):
@@ -35,28 +37,11 @@ def test_keep_best_and_pins_hold_across_a_restart(tmp_path):
 
 
 def test_a_sync_save_of_a_step_an_async_save_started_returns_once_it_committed(tmp_path):
-    # The final save after a loop whose last maybe_save started an async save of that step.
-    backend = hold_async_writes(DcpBackend(), 1.0)
-    config = RecoverConfig(every=Every(steps=2), keep_last_n=2)
-    model = torch.nn.Linear(3, 2)
-    with DcpCheckpointManager(tmp_path, recover=config, mode="async", backend=backend,
-                              preemption_signals=()) as mgr:
-        for step in range(6):
-            mgr.maybe_save(StepInfo(0, step, step), {"model": model})
-        report = mgr.save(state={"model": model}, mode="sync")
-        assert report.step == 5 and report.done() and report.error is None
-        assert (tmp_path / "recover" / "step_00000005" / COMMIT_MARKER).exists()
-        assert mgr.committed_steps() == [3, 5]
-    backend.close()
+    check_final_sync_save(DcpCheckpointManager, DcpBackend(), tmp_path,
+                          {"model": torch.nn.Linear(3, 2)})
 
 
 def test_committed_steps_after_each_sync_save_already_reflect_its_retention(tmp_path):
-    config = RecoverConfig(every=Every(steps=1), keep_last_n=2)
-    model = torch.nn.Linear(3, 2)
-    with DcpCheckpointManager(tmp_path, recover=config, mode="sync",
-                              preemption_signals=()) as mgr:
-        seen = []
-        for step in range(4):
-            mgr.maybe_save(StepInfo(0, step, step), {"model": model})
-            seen.append(mgr.committed_steps())
+    seen = committed_after_each_sync_save(DcpCheckpointManager, tmp_path,
+                                          {"model": torch.nn.Linear(3, 2)}, 4)
     assert seen == [[0], [0, 1], [1, 2], [2, 3]]
