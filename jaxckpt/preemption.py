@@ -139,7 +139,7 @@ class Preemption:
         signum = self.pending_signal
         if self._on_preemption != "exit" or not signum:
             return
-        log.warning("jaxckpt: %s arrived after the last maybe_save; every save is committed; "
+        log.warning("jaxckpt: %s arrived after the last maybe_save; every save has finished; "
                     "ending the process as %s would.", signal_name(signum), signal_name(signum))
         end_process(signum)
 
