@@ -1,7 +1,8 @@
 """The arguments of ``CheckpointManager`` and of its calls, checked before anything happens.
 
 Owns: the ``ConfigError`` messages for a bad root, config, backend, callback, timeout,
-preemption signal list or ``StepInfo`` (the configs check their own fields).
+preemption signal list, ``on_preemption`` or ``StepInfo`` (the configs check their own
+fields).
 
 Must not import: jax, orbax, torch, or any part of the manager.
 
@@ -22,7 +23,7 @@ __all__ = ["check_arguments", "check_step_info", "check_signals"]
 
 def check_arguments(root: Any, *, recover: Any, export: Any, backend: Any, on_report: Any,
                      on_write_error: Any, commit_timeout_s: Any,
-                     preemption_signals: Any) -> tuple[int, ...]:
+                     preemption_signals: Any, on_preemption: Any = "exit") -> tuple[int, ...]:
     """``ConfigError`` for the first bad argument of ``CheckpointManager``; returns the
     preemption signals as a tuple."""
     if not isinstance(root, (str, os.PathLike)):
@@ -41,6 +42,11 @@ def check_arguments(root: Any, *, recover: Any, export: Any, backend: Any, on_re
         raise ConfigError(f"commit_timeout_s must be a positive number of seconds, got "
                           f"{commit_timeout_s!r}.")
     signals = check_signals(preemption_signals)
+    if on_preemption not in ("exit", "continue"):
+        raise ConfigError(
+            f"on_preemption must be 'exit' (end the process as the preemption signal would, "
+            f"once its checkpoint committed) or 'continue' (return to the loop, which stops "
+            f"on mgr.preempted), got {on_preemption!r}.")
     if backend is not None:
         check_backend(backend)
     return signals

@@ -66,9 +66,11 @@ class CheckpointManager:
     ``on_write_error``: "raise" makes a failed save raise at the next call; "warn" turns it
     into a ``CheckpointWarning`` so training continues (earlier checkpoints stay valid).
     ``preemption_signals``: signals that request a checkpoint at the next step boundary
-    (``maybe_save`` saves with reason "preempted" and ``preempted`` becomes True, so the loop
-    can exit cleanly). Handlers are installed only from the main thread and the previous ones
-    are put back by ``close``. Pass ``()`` to leave signals alone.
+    (``maybe_save`` saves with reason "preempted" and ``preempted`` becomes True). Handlers
+    are installed only from the main thread and the previous ones are put back by ``close``.
+    Pass ``()`` to leave signals alone. ``on_preemption``: "exit" (default) ends the process
+    as the signal would have, in the ``maybe_save`` that wrote that checkpoint, once it
+    committed and the manager closed; "continue" leaves the loop to stop on ``preempted``.
     ``items``: auxiliary items that change on their own cadence (e.g. a GRPO reference policy
     updated every K steps), ``{name: Every(steps=K)}``. Pass the item's tree in ``items=`` of
     ``maybe_save``/``save``: its version is derived from the step and it is written only the
@@ -96,6 +98,7 @@ class CheckpointManager:
                  on_write_error: Literal["raise", "warn"] = "raise",
                  commit_timeout_s: float = 1800.0,
                  preemption_signals: Sequence[int] = (signal.SIGTERM,),
+                 on_preemption: Literal["exit", "continue"] = "exit",
                  items: Mapping[str, Every] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  local: LocalTier | None = None,
@@ -104,7 +107,8 @@ class CheckpointManager:
         signals = check_arguments(root, recover=recover, export=export, backend=backend,
                                    on_report=on_report, on_write_error=on_write_error,
                                    commit_timeout_s=commit_timeout_s,
-                                   preemption_signals=preemption_signals)
+                                   preemption_signals=preemption_signals,
+                                   on_preemption=on_preemption)
         check_item_cadences(items or {}, recover)
         check_local(local, root)  # before anything is created
         # Before anything is created or written (no backend, no lock, no recover/): an
@@ -154,7 +158,8 @@ class CheckpointManager:
         timed = recover.every.seconds is not None or (
             export is not None and export.every.seconds is not None)
         self._preemption = Preemption(process_count=count, timed=timed,
-                                      broadcast=lambda bits: backend.broadcast_int(bits))
+                                      broadcast=lambda bits: backend.broadcast_int(bits),
+                                      on_preemption=on_preemption)
         self._preemption.install(signals)
         if local is not None:
             try:  # its own backend when this manager made its own: never queued behind durable
@@ -182,13 +187,14 @@ class CheckpointManager:
 
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal was turned into a checkpoint: stop the loop, then
-        ``close()`` (which waits for that checkpoint to commit)."""
+        """True once a preemption signal was turned into a checkpoint (a loop sees it with
+        ``on_preemption="continue"``: stop, then ``close()``, which waits for its commit)."""
         return self._preemption.preempted
 
     def request_preemption_save(self, signum: int = 0) -> None:
         """Ask for a checkpoint at the next ``maybe_save``, as a preemption signal would (for
-        schedulers that announce preemption some other way, e.g. a metadata endpoint)."""
+        schedulers that announce preemption some other way, e.g. a metadata endpoint); with a
+        ``signum`` and ``on_preemption="exit"`` the process then ends as that signal would."""
         self._preemption.request(signum)
 
     def committed_steps(self) -> list[int]:
@@ -326,6 +332,9 @@ class CheckpointManager:
         if export_reason:
             assert self._exporter is not None
             reports.append(self._exporter.save(step_info, state, export_reason))
+        if preempt:  # "exit": the process ends in here, once the checkpoint committed
+            self._preemption.end_after(reports, wait=self.wait, barrier=self._ctx.barrier,
+                                       close=self._shut_down)
         return reports
 
     def save(self, step_info: StepInfo | None = None, state: Any = None, *,
@@ -402,7 +411,13 @@ class CheckpointManager:
         self._pipeline.raise_unraised()
 
     def close(self) -> None:
-        """Finish in-flight saves, stop the background thread, release the root."""
+        """Finish in-flight saves, stop the background thread, release the root; then a
+        preemption signal no ``maybe_save`` acted on ends the process (``"exit"``)."""
+        self._shut_down()
+        self._preemption.end_if_pending()
+
+    def _shut_down(self) -> None:
+        """``close`` without ending the process (subclasses release their parts here)."""
         if self._closed:
             return
         try:
@@ -425,9 +440,9 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
             return
-        # Do not mask the error that is propagating; still finish what can be finished.
+        # Do not mask the propagating error (nor end the process); finish what can be.
         try:
-            self.close()
+            self._shut_down()
         except Exception as close_exc:  # noqa: BLE001 - reported, original error wins
             log.error("jaxckpt: error while closing after %s: %s", exc_type.__name__, close_exc)
 

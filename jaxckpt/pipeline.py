@@ -2,10 +2,10 @@
 
 Owns: the manager's single background thread, on which commits, exports and deletions run
 strictly in order; running the rest of a save inline (sync) or there (async), then its
-housekeeping (retention) there in both modes; the ``on_report`` hook; the failures of saves
-(each recorded on its report and raised at the next manager call as a
-``CheckpointWriteError``, or only warned with ``on_write_error="warn"``); and the bounded wait
-of a commit for the other processes (``wait_for``).
+housekeeping (retention) there in both modes (a sync save waits for it); the ``on_report``
+hook; the failures of saves (each recorded on its report and raised at the next manager call
+as a ``CheckpointWriteError``, or only warned with ``on_write_error="warn"``); and the
+bounded wait of a commit for the other processes (``wait_for``).
 
 Must not import: jax, orbax, torch, or the other parts of the manager: what a save does is
 handed in as functions, so the pipeline is tested with fakes.
@@ -58,7 +58,8 @@ class SavePipeline:
             on_failure: Callable[[], None] | None = None) -> None:
         """Run the rest of a save inline (sync) or on the background thread (async); then
         ``after`` (retention) on the background thread in both modes, only if the save
-        succeeded: housekeeping never runs on, nor blocks, the training thread."""
+        succeeded. Housekeeping never runs on the training thread; it blocks it only in a
+        sync save, which returns once the retention after its commit ran."""
 
         def job() -> None:
             try:
@@ -94,7 +95,11 @@ class SavePipeline:
 
         if report.mode == "sync":
             job()
+            # Retention still runs on the background thread (in order with what is queued
+            # there), but a sync save waits for it: once it returns, the root's committed
+            # checkpoints are what the rules keep (committed_steps() is not stale).
             self.submit(housekeeping)
+            self.drain()
             self.raise_unraised(stacklevel=5)  # past run, the part's save and the manager
         else:
             def job_then_housekeeping() -> None:

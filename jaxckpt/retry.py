@@ -5,10 +5,12 @@ an in-process training function (``run_with_retries``). Each attempt is expected
 ``CheckpointManager.recover`` at start, so a retry resumes from the latest valid checkpoint.
 The attempt number is exported to the child as ``JAXCKPT_RETRY_ATTEMPT`` (0 for the first).
 
-What is not retried: a clean exit (0); a user interrupt (SIGINT, exit 130) or a
-termination request to the supervisor itself (forwarded to the child); exit codes the
-caller lists as final (default 2, the usage-error code of argparse and click, and 78,
-EX_CONFIG); in-process, configuration and tree-mismatch errors, which fail the same way
+What is not retried: a clean exit (0); a user interrupt (SIGINT, exit 130); a termination
+request, to the supervisor itself (forwarded to the child) or to the child alone (a child
+that ended by SIGTERM, status -15 or 143: a scheduler or node agent stopping the job, or a
+manager ending the process after its preemption checkpoint, ``on_preemption="exit"``); exit
+codes the caller lists as final (default 2, the usage-error code of argparse and click, and
+78, EX_CONFIG); in-process, configuration and tree-mismatch errors, which fail the same way
 every time.
 
 Must not import: jax, orbax, torch.
@@ -108,6 +110,10 @@ def run_command(argv: Sequence[str], policy: RetryPolicy = RetryPolicy(), *,
                 return status
             if code == -signal.SIGINT or code == 130:
                 log.warning("jaxckpt run: interrupted by the user; not retrying")
+                return status
+            if code == -signal.SIGTERM or code == 128 + signal.SIGTERM:
+                log.warning("jaxckpt run: %s, a request to stop (e.g. preemption, after its "
+                            "checkpoint); not retrying", _describe(code))
                 return status
             if code in policy.final_exit_codes:
                 log.warning("jaxckpt run: %s is final (a usage or configuration error); "

@@ -109,6 +109,12 @@ class RecoverySaver:
         mode = mode or self._mode
         last = ctx.last.get("recover")
         if last is not None and last.step == step.global_step and last.error is None:
+            # This step is saved or being saved already (e.g. the final save after a loop
+            # whose last maybe_save saved it): never written twice, but a sync save still
+            # returns only once it committed and its retention ran, whichever call started it.
+            if mode == "sync":
+                self._pipeline.drain()
+                self._pipeline.raise_unraised(stacklevel=4)
             return last
         if ctx.restored_step == step.global_step:
             existing = self._already_committed(step.global_step, mode, reason)

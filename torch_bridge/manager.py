@@ -52,7 +52,7 @@ class DcpCheckpointManager(CheckpointManager):
                  backend: DcpBackend | None = None, **options: Any):
         """``options``: every other argument of :class:`jaxckpt.CheckpointManager`
         (``on_report``, ``on_write_error``, ``commit_timeout_s``, ``preemption_signals``,
-        ``items``, ``clock``), passed through unchanged."""
+        ``on_preemption``, ``items``, ``clock``...), passed through unchanged."""
         if backend is not None and not isinstance(backend, DcpBackend):
             raise ConfigError(f"DcpCheckpointManager(backend=...) must be a "
                               f"torch_bridge.DcpBackend, got {type(backend).__name__}. For "
@@ -68,11 +68,11 @@ class DcpCheckpointManager(CheckpointManager):
             raise
         self._created_backend = created
 
-    def close(self) -> None:
-        """Finish in-flight saves, stop the background thread, release the root, and close
-        the backend this manager created."""
+    def _shut_down(self) -> None:
+        """``CheckpointManager``'s, then close the backend this manager created (before
+        ``close`` may end the process by a pending preemption signal)."""
         try:
-            super().close()
+            super()._shut_down()
         finally:
             if self._created_backend:
                 self.backend.close()  # idempotent

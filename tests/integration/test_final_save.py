@@ -1,7 +1,8 @@
 """The step a checkpoint records is the step that just completed, in maybe_save, save and
 recover alike: a job that finishes cleanly and is resumed for more steps continues exactly
 where it stopped, and the usual slip (a final ``save`` of the step after the last one) is
-refused instead of silently skipping a step on resume."""
+refused instead of silently skipping a step on resume. A sync save returns only once its step
+is committed and retention after it ran, whichever call started that save."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from flax import nnx
 
 from jaxckpt import CheckpointManager, ConfigError, Every, RecoverConfig, StepInfo
 from jaxckpt.models import MLP
+from jaxckpt.orbax_backend import OrbaxBackend
+
+from support.held_writes import check_final_sync_save, committed_after_each_sync_save
 
 STEPS_PER_EPOCH = 5
 N = 7  # not a multiple of the save cadence nor of the epoch: the final save matters
@@ -140,3 +144,15 @@ def test_an_explicit_restore_is_not_a_resume_point(tmp_path):
         mgr.save(StepInfo(0, 4, 4), tree(), mode="sync")
         restored = mgr.restore(tree())
         assert mgr.save(restored.step_info.next(), tree(), mode="sync").step == 5
+
+
+# ------------------------------------------------ a sync save returns a committed checkpoint
+
+
+def test_a_sync_save_of_a_step_an_async_save_started_returns_once_it_committed(tmp_path):
+    check_final_sync_save(CheckpointManager, OrbaxBackend(), tmp_path, tree())
+
+
+def test_committed_steps_after_each_sync_save_already_reflect_its_retention(tmp_path):
+    seen = committed_after_each_sync_save(CheckpointManager, tmp_path, tree(), 6)
+    assert seen == [[0], [0, 1], [1, 2], [2, 3], [3, 4], [4, 5]]

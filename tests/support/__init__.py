@@ -10,6 +10,7 @@ from every test folder (pyproject's ``[tool.pytest.ini_options] pythonpath``).
   chosen line or time, bounded by a timeout.
 - ``two_processes``: two cooperating JAX worker processes on localhost.
 - ``storage_contract``: the checks every Storage implementation must pass.
+- ``held_writes``: a real backend whose asynchronous writes stay in flight a while.
 - ``crash_worker.py``, ``nnx_worker.py``, ``torch_worker.py``: training scripts the system
   tests run by path (``paths.WORKERS``) with the repository on PYTHONPATH.
 

@@ -1,7 +1,10 @@
 """Preemption beyond tests/system/test_preemption.py, with real processes and real signals:
 SIGTERM while an async save is still being written, a second (and third) SIGTERM, SIGTERM to
-the ``jaxckpt run`` supervisor (forwarded; the child saves and exits; no retry), and SIGINT
-(not a preemption signal) while a save is in flight.
+the ``jaxckpt run`` supervisor (forwarded; the child saves and exits; no retry) or to the
+child alone (no retry either, also when the child ends by SIGTERM after its checkpoint, the
+default ``on_preemption="exit"``), and SIGINT (not a preemption signal) while a save is in
+flight. The loop below stops on ``mgr.preempted`` itself (``on_preemption="continue"``)
+unless a test asks for "exit".
 
 The loop below holds the background write of chosen steps for a while (a wrapper backend that
 sleeps before waiting for the real write), so a signal lands with certainty while that save is
@@ -62,6 +65,7 @@ LOOP = textwrap.dedent("""
     mgr = CheckpointManager(root, recover=RecoverConfig(every=Every(steps=opts["every"]),
                                                         keep_last_n=None),
                             mode="async", backend=backend,
+                            on_preemption=opts.get("on_preemption", "continue"),
                             on_report=lambda r: say(f"REPORTED {r.step} {r.reason}"))
     with mgr:
         got = mgr.recover({"x": jnp.zeros((), jnp.float32)})
@@ -80,10 +84,6 @@ LOOP = textwrap.dedent("""
             time.sleep(opts.get("sleep", 0.02))
             step = step.next()
     say("CLEAN-EXIT")
-    if opts.get("reraise") and mgr.preempted:
-        # Some launchers want the job to die "by SIGTERM" after its checkpoint.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
 """)
 
 
@@ -141,6 +141,25 @@ def test_sigterm_during_an_in_flight_async_save_commits_it_then_saves_and_exits(
     assert restored(root) == (stopped, stopped + 1.0)
 
 
+def test_by_default_sigterm_during_an_in_flight_save_ends_the_process_after_both_commit(
+        tmp_path):
+    root = tmp_path / "root"
+    proc = start(loop(root, every=5, hold={"4": 1.5}, on_preemption="exit"))
+    try:
+        proc.wait_for("SAVING 4 steps")  # step 4's write is held in flight for 1.5 s
+        os.kill(proc.proc.pid, signal.SIGTERM)
+        code = proc.finish()
+    finally:
+        proc.close()
+    assert code == -signal.SIGTERM, (code, proc.lines[-5:], proc.stderr())
+    reported = [line for line in proc.lines if line.startswith("REPORTED")]
+    stopped = int(reported[-1].split()[1])
+    assert reported == ["REPORTED 4 steps", f"REPORTED {stopped} preempted"], proc.lines
+    assert proc.lines[-1] == f"REPORTED {stopped} preempted"  # nothing ran after it
+    assert committed(root) == [4, stopped] and partial(root) == []
+    assert restored(root) == (stopped, stopped + 1.0)
+
+
 def test_repeated_sigterms_save_once_and_still_exit_cleanly(tmp_path):
     root = tmp_path / "root"
     proc = start(loop(root, every=5, hold={"4": 1.0, "5": 1.5, "6": 1.5}))
@@ -162,35 +181,49 @@ def test_repeated_sigterms_save_once_and_still_exit_cleanly(tmp_path):
     assert restored(root) == (stopped, stopped + 1.0)
 
 
-@pytest.mark.parametrize("reraise, expected", [(False, 0), (True, 128 + signal.SIGTERM)])
-def test_sigterm_to_the_run_supervisor_is_forwarded_and_not_retried(tmp_path, reraise, expected):
+def stopped_at(worker: Worker, on_preemption: str) -> int:
+    """The step of the preemption checkpoint: the loop says so with "continue"; with "exit"
+    the process ends inside that maybe_save, after its report."""
+    if on_preemption == "continue":
+        return int(worker.wait_for("PREEMPTED").split()[1])
+    return int(worker.wait_for("REPORTED").split()[1])
+
+
+@pytest.mark.parametrize("on_preemption, expected",
+                         [("continue", 0), ("exit", 128 + signal.SIGTERM)])
+def test_sigterm_to_the_run_supervisor_is_forwarded_and_not_retried(tmp_path, on_preemption,
+                                                                    expected):
     root = tmp_path / "root"
     attempts = tmp_path / "attempts.log"
     argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "0",
-            "--", *loop(root, every=1000, attempts=str(attempts), reraise=reraise)]
+            "--", *loop(root, every=1000, attempts=str(attempts), on_preemption=on_preemption)]
     supervisor = start(argv)
     try:
         supervisor.wait_for("STEP 3")
         os.kill(supervisor.proc.pid, signal.SIGTERM)  # only the supervisor, not the group
-        stopped = int(supervisor.wait_for("PREEMPTED").split()[1])
+        stopped = stopped_at(supervisor, on_preemption)
         code = supervisor.finish()
     finally:
         supervisor.close()
     err = supervisor.stderr()
     assert code == expected, f"supervisor exit {code}: {err}"
     assert attempts.read_text().split() == ["0"], "the supervisor restarted a preempted run"
-    assert supervisor.lines.count("START 0") == 1 and "CLEAN-EXIT" in supervisor.lines
+    assert supervisor.lines.count("START 0") == 1
+    assert ("CLEAN-EXIT" in supervisor.lines) == (on_preemption == "continue")
     assert committed(root) == [stopped] and partial(root) == []
     assert restored(root) == (stopped, stopped + 1.0)
-    if reraise:
+    if on_preemption == "exit":
         assert "stopping after killed by SIGTERM (supervisor got SIGTERM)" in err, err
 
 
-def test_sigterm_to_the_child_alone_ends_the_supervised_run_cleanly(tmp_path):
+@pytest.mark.parametrize("on_preemption, expected",
+                         [("continue", 0), ("exit", 128 + signal.SIGTERM)])
+def test_sigterm_to_the_child_alone_ends_the_supervised_run_without_a_restart(
+        tmp_path, on_preemption, expected):
     root = tmp_path / "root"
     attempts = tmp_path / "attempts.log"
     argv = [sys.executable, "-m", "jaxckpt.tools.cli", "run", "--retries", "3", "--backoff", "0",
-            "--", *loop(root, every=1000, attempts=str(attempts))]
+            "--", *loop(root, every=1000, attempts=str(attempts), on_preemption=on_preemption)]
     supervisor = start(argv)
     try:
         supervisor.wait_for("STEP 2")
@@ -198,12 +231,13 @@ def test_sigterm_to_the_child_alone_ends_the_supervised_run_cleanly(tmp_path):
                                   text=True, timeout=10).stdout.split()
         assert len(children) == 1, children
         os.kill(int(children[0]), signal.SIGTERM)  # e.g. a node agent signalling the trainer
-        stopped = int(supervisor.wait_for("PREEMPTED").split()[1])
+        stopped = stopped_at(supervisor, on_preemption)
         code = supervisor.finish()
     finally:
         supervisor.close()
-    assert code == 0, supervisor.stderr()
-    assert attempts.read_text().split() == ["0"]
+    assert code == expected, supervisor.stderr()
+    # Ended by SIGTERM (the manager, after its checkpoint): a stop on request, not a crash.
+    assert attempts.read_text().split() == ["0"], supervisor.stderr()
     assert committed(root) == [stopped]
 
 

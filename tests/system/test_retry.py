@@ -21,6 +21,8 @@ CHILD = textwrap.dedent("""
         sys.exit(0)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
     sys.exit(int(action))
 """)
 
@@ -47,6 +49,13 @@ def test_retries_are_bounded_and_last_status_returned(tmp_path):
 
 def test_sigkill_status_uses_shell_convention(tmp_path):
     assert run_child(tmp_path, "kill", retries=0) == (128 + signal.SIGKILL, [0])
+
+
+@pytest.mark.parametrize("plan", ["term,ok", "143,ok"])
+def test_a_child_ended_by_sigterm_is_a_stop_on_request_not_retried(tmp_path, plan):
+    # A scheduler or node agent stopping the job, or a manager ending the process after its
+    # preemption checkpoint (on_preemption="exit"): restarting it would defeat the stop.
+    assert run_child(tmp_path, plan, retries=3) == (128 + signal.SIGTERM, [0])
 
 
 @pytest.mark.parametrize("final", ["2", "78", "130"])

@@ -188,6 +188,30 @@ def test_processes_take_the_primarys_decision_when_time_triggers_are_set():
     assert nothing.agree("seconds", "seconds", True) == (None, None, False)
 
 
+def test_every_process_learns_the_primarys_signal_to_end_by():
+    # A process the scheduler's signal did not reach still ends by the primary's signal.
+    primary = Preemption(process_count=2, broadcast=lambda bits: bits, timed=True)
+    primary.request(signal.SIGTERM)
+    assert primary.agree(None, None, primary.requested) == (None, None, True)
+    assert primary.cause == signal.SIGTERM
+    sent = []
+    other = Preemption(process_count=2, timed=True,
+                       broadcast=lambda bits: sent.append(bits) or 4 | signal.SIGTERM << 3)
+    assert other.agree(None, None, other.requested) == (None, None, True)
+    assert sent == [0] and other.cause == signal.SIGTERM
+    single = Preemption(process_count=1, broadcast=pytest.fail, timed=False)
+    single.request()  # request_preemption_save() without a signal: nothing to end by
+    assert single.agree(None, None, single.requested)[2] and single.cause == 0
+
+
+def test_on_preemption_accepts_exit_or_continue_and_names_both(tmp_path):
+    from jaxckpt import CheckpointManager, ConfigError
+
+    with pytest.raises(ConfigError, match=r"on_preemption must be 'exit' .* or 'continue'"):
+        CheckpointManager(tmp_path / "root", backend=SingleProcess(), on_preemption="stop")
+    assert not (tmp_path / "root").exists()
+
+
 def test_step_triggers_without_signal_handlers_agree_without_a_broadcast():
     decide = Preemption(process_count=4, broadcast=pytest.fail, timed=False)
     assert decide.agree("steps", None, False) == ("steps", None, False)
