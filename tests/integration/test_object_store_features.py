@@ -195,3 +195,25 @@ def test_a_listing_answered_500_names_the_server_and_the_request(store, proxy, o
                                if k not in LEASE)])
     assert code == 2
     assert "ListObjectsV2" in capsys.readouterr().err
+
+
+def test_import_orbax_into_a_root_on_a_server_that_ignores_them_exits_2(store, proxy, options,
+                                                                         root, tmp_path,
+                                                                         capsys):
+    """The CLI commands that write open the root through a manager: refused the same way,
+    exit 2 (the environment), naming the opt-in; with it, the import is written."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from jaxckpt.tools.cli import main
+
+    src = tmp_path / "orbax"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(src, {"w": np.arange(4.0)})
+    flags = [f"--storage-option={k}={v}" for k, v in options.items() if k not in LEASE]
+    proxy.ignore_conditions = CONDITIONS
+    assert main(["import-orbax", str(src), root, *flags]) == 2
+    assert "conditional_writes=unsafe_skip_check" in capsys.readouterr().err
+    assert objects_under(store, root) == {}
+    with pytest.warns(CheckpointWarning, match="on your honour"):
+        code = main(["import-orbax", str(src), root, *flags,
+                     "--storage-option=conditional_writes=unsafe_skip_check"])
+    assert code == 0 and f"wrote {root}/recover/step_00000000" in capsys.readouterr().out
