@@ -379,6 +379,8 @@ class S3Storage(Storage):
                             Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                     keys.append(self.url(upload["Key"]))
         except Exception as exc:
+            if _status(exc) == 0 and not _code(exc):
+                raise  # not an answer of the server: the client's own error
             if not is_not_implemented(exc):
                 raise _request_failed(self, "ListMultipartUploads", self.url(below), exc) \
                     from exc
