@@ -15,6 +15,8 @@ __all__ = [
     "TreeMismatchError",
     "RootLockedError",
     "CheckpointRootError",
+    "ConditionalWritesError",
+    "ObjectStoreError",
     "CheckpointWriteError",
     "CodecError",
     "CheckpointWarning",
@@ -58,6 +60,18 @@ class RootLockedError(CheckpointError, BlockingIOError):
 class CheckpointRootError(CheckpointError, OSError):
     """The checkpoint root cannot be used: it holds files jaxckpt did not write (nothing is
     written into it then), is not a directory, or cannot be written."""
+
+
+class ConditionalWritesError(CheckpointRootError):
+    """An object-store root refused at open: its server does not refuse a create-only write
+    over an existing object, or a write conditional on a version the object is not at (both
+    answered 200 and overwrote). The commit marker and the root lease rely on those refusals;
+    the message names the server, what it did, and the opt-in that skips the check."""
+
+
+class ObjectStoreError(CheckpointError, OSError):
+    """A request to an object store failed after its retries; the message names the server's
+    endpoint, the request and the location it was about (chained to the client's error)."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):

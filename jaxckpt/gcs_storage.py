@@ -184,12 +184,14 @@ class GCSStorage(Storage):
 
     def __init__(self, bucket: str, prefix: str = "", *,
                  storage_options: Mapping[str, Any] | None = None,
-                 lease_s: float = 30.0, heartbeat_s: float = 10.0):
+                 lease_s: float = 30.0, heartbeat_s: float = 10.0,
+                 conditional_writes: str = "check"):
         """``storage_options``: the client's (``gcs_client``) and the retries': ``max_attempts``
         tries per request in all (default 8), ``connect_timeout``/``read_timeout`` in seconds
         (10, 60), ``backoff_s`` the first wait between tries (0.5, doubling up to
         ``max_backoff_s``, 16). ``lease_s``: how long the root lease lasts without a renewal;
-        ``heartbeat_s``: how often a holder renews it (well under ``lease_s``)."""
+        ``heartbeat_s``: how often a holder renews it (well under ``lease_s``).
+        ``conditional_writes``: as for ``jaxckpt.s3_storage.S3Storage``."""
         if not bucket or "/" in bucket:
             raise ValueError(f"GCSStorage: bucket must be a bucket name, not {bucket!r}")
         if not 0 < heartbeat_s < lease_s:
@@ -200,6 +202,7 @@ class GCSStorage(Storage):
         self.prefix = prefix.strip("/")
         self.lease_s = lease_s
         self.heartbeat_s = heartbeat_s
+        self.conditional_writes = conditional_writes
         self.max_attempts = int(options["max_attempts"])
         self.timeout = (float(options["connect_timeout"]), float(options["read_timeout"]))
         self._backoff = (float(options["backoff_s"]), float(options["max_backoff_s"]))

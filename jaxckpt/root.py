@@ -4,9 +4,10 @@ Owns: ``open_store``, what a root string becomes before anything is written (a l
 or an object-store URL with its ``Storage``, refused when it holds another tool's files),
 ``attach_backend`` (an object-store root needs a backend that writes there, and hands it the
 storage), and ``prepare_root``, what the primary process does to a root before a manager
-uses it (create the directories, take the exclusive root lock, remove the partial and
-temporary entries and the unfinished uploads an interrupted run left), with the errors a
-root that cannot be used raises. The lock itself (``CheckpointStore.lock``, a
+uses it (on an object store, check that the server honours conditional writes,
+``jaxckpt.write_probe``; create the directories, take the exclusive root lock, remove the
+partial and temporary entries and the unfinished uploads an interrupted run left), with the
+errors a root that cannot be used raises. The lock itself (``CheckpointStore.lock``, a
 ``RootLease``) and the layout are the store's.
 
 Must not import: jax, orbax, torch, or any part of the manager.
@@ -30,6 +31,7 @@ from .root_url import parse_root
 from .roots import check_root
 from .storage import PosixStorage, RootLease
 from .store import CheckpointStore
+from .write_probe import check_conditional_writes
 
 __all__ = ["attach_backend", "open_store", "prepare_root"]
 
@@ -74,10 +76,14 @@ def attach_backend(store: CheckpointStore, backend: Backend) -> None:
 
 
 def prepare_root(store: CheckpointStore) -> RootLease:
-    """Primary: create the layout, take the root lock, clean what a crash left behind.
+    """Primary: check an object store's conditional writes (``ConditionalWritesError``),
+    create the layout, take the root lock, clean what a crash left behind.
     Returns the held lock (the caller releases it); the lock is released again if
     anything after it fails."""
     root = store.root
+    if not isinstance(store.storage, PosixStorage):
+        # Before anything else is written: the lease itself relies on what this checks.
+        check_conditional_writes(store.storage, root)
     try:
         store.ensure_dirs()
         lock = store.lock()

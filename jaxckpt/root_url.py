@@ -65,8 +65,9 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     """("local", path), or ("s3", an ``S3Storage``) / ("gs", a ``GCSStorage``) serving the
     URL's bucket and prefix, the root itself being the URL, without a trailing "/".
     ``storage_options`` (the client's endpoint, region, credentials:
-    ``jaxckpt.s3_storage.s3_client``, ``jaxckpt.gcs_storage.gcs_client``; and ``lease_s``,
-    ``heartbeat_s`` of the root lease) are for object-store roots only."""
+    ``jaxckpt.s3_storage.s3_client``, ``jaxckpt.gcs_storage.gcs_client``; ``lease_s``,
+    ``heartbeat_s`` of the root lease; ``conditional_writes``, ``jaxckpt.write_probe``) are
+    for object-store roots only."""
     kind = root_scheme(root)
     if kind == "local":
         if storage_options:
@@ -75,15 +76,19 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
                 f"{os.fspath(root)!r}; they apply to s3:// and gs:// roots only")
         return "local", os.fspath(root)
     options, lease = _lease_options(storage_options)
+    from .write_probe import CHECK, OPTION, conditional_writes_mode
+
+    writes = conditional_writes_mode(options.pop(OPTION, CHECK))
     if kind == "gs":
-        return "gs", _gcs_storage(str(root), options, lease)
+        return "gs", _gcs_storage(str(root), options, lease, writes)
     from .s3_storage import S3Storage, split_s3_url
 
     bucket, prefix = split_s3_url(str(root))
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(s3://{bucket}/PREFIX), not the whole bucket")
-    return "s3", S3Storage(bucket, prefix, storage_options=options, **lease)
+    return "s3", S3Storage(bucket, prefix, storage_options=options, conditional_writes=writes,
+                           **lease)
 
 
 def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
@@ -97,14 +102,15 @@ def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
 
 
 def _gcs_storage(root: str, storage_options: Mapping[str, Any],
-                 lease: Mapping[str, float]) -> Storage:
+                 lease: Mapping[str, float], conditional_writes: str) -> Storage:
     from .gcs_storage import GCSStorage, split_gs_url
 
     bucket, prefix = split_gs_url(root)
     if not prefix:
         raise CheckpointRootError(f"{root!r}: give a prefix below the bucket "
                                   f"(gs://{bucket}/PREFIX), not the whole bucket")
-    return GCSStorage(bucket, prefix, storage_options=storage_options, **lease)
+    return GCSStorage(bucket, prefix, storage_options=storage_options,
+                      conditional_writes=conditional_writes, **lease)
 
 
 def _lease_options(storage_options: Mapping[str, Any] | None

@@ -125,7 +125,8 @@ def check_root(root: str, storage: Storage | None = None) -> None:
             # The object store's client: no credentials, endpoint unreachable, no bucket
             # (requests' errors, which the gs:// client raises, are OSErrors too).
             raise CheckpointRootError(
-                f"checkpoint root {root!r} cannot be used: listing it failed: {exc}. Fix: "
+                f"checkpoint root {root!r} cannot be used: listing it failed: "
+                f"{str(exc).rstrip('.')}. Fix: "
                 f"check the endpoint, region and credentials (storage_options=, or "
                 f"AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY for "
                 f"s3://; STORAGE_EMULATOR_HOST or GOOGLE_APPLICATION_CREDENTIALS for gs://) "

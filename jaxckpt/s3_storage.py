@@ -44,10 +44,12 @@ import concurrent.futures
 import contextlib
 import random
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .checksum import extend
+from .errors import CheckpointWarning, ObjectStoreError
 from .joined_reader import JoinedReader
 from .storage import ObjectWriter, ReadHolds, RootLease, Storage, object_name
 
@@ -136,6 +138,23 @@ def is_precondition_failed(exc: Exception) -> bool:
     server saw a concurrent conditional write to the key (409)."""
     return _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict") or \
         _status(exc) in (409, 412)
+
+
+def is_not_implemented(exc: Exception) -> bool:
+    """The server does not implement the request (501, or its error code says so)."""
+    return _code(exc) in ("NotImplemented", "501") or _status(exc) == 501
+
+
+def _request_failed(storage: S3Storage, operation: str, location: str, exc: Exception, *,
+                    page: int | None = None) -> ObjectStoreError:
+    """The error for a request the server failed after its retries: names the server, the
+    request (and the page of a listing) and the location."""
+    which = f" (page {page} of the listing)" if page and page > 1 else ""
+    return ObjectStoreError(
+        f"the S3 server at {storage.endpoint} failed {operation} of {location}{which}: "
+        f"HTTP {_status(exc) or '?'} {_code(exc) or ''} ({exc}). Requests are tried "
+        f"storage_options['max_attempts'] times (5xx, throttling, timeouts); check the "
+        f"server's health and logs.")
 
 
 def _checksum_field(crc32c: int) -> dict[str, str]:
@@ -235,10 +254,13 @@ class S3Storage(Storage):
 
     def __init__(self, bucket: str, prefix: str = "", *,
                  storage_options: Mapping[str, Any] | None = None,
-                 lease_s: float = 30.0, heartbeat_s: float = 10.0):
+                 lease_s: float = 30.0, heartbeat_s: float = 10.0,
+                 conditional_writes: str = "check"):
         """``lease_s``: how long the root lease lasts without a renewal (a job killed with
         SIGKILL frees its root this long after its last heartbeat); ``heartbeat_s``: how
-        often a holder renews it (well under ``lease_s``)."""
+        often a holder renews it (well under ``lease_s``). ``conditional_writes``: whether
+        opening a root checks that the server honours conditional writes ("check") or not
+        ("unsafe_skip_check"; ``jaxckpt.write_probe``)."""
         if not bucket or "/" in bucket:
             raise ValueError(f"S3Storage: bucket must be a bucket name, not {bucket!r}")
         if not 0 < heartbeat_s < lease_s:
@@ -248,6 +270,7 @@ class S3Storage(Storage):
         self.prefix = prefix.strip("/")
         self.lease_s = lease_s
         self.heartbeat_s = heartbeat_s
+        self.conditional_writes = conditional_writes
         self.client = s3_client(storage_options)
         self._holds = ReadHolds()
         self._small = _SmallObjects()
@@ -342,14 +365,32 @@ class S3Storage(Storage):
         return StreamingUpload(self, path)
 
     def discard_incomplete_uploads(self, prefix: str) -> list[str]:
+        """Abort the unfinished multipart uploads below ``prefix``. A server that does not
+        implement listing them (s3rver) has none to list: one ``CheckpointWarning``, and
+        nothing is aborted."""
         keys = []
         paginator = self.client.get_paginator("list_multipart_uploads")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(prefix) + "/"):
-            for upload in page.get("Uploads", ()):
-                with contextlib.suppress(Exception):  # finished or aborted meanwhile
-                    self.client.abort_multipart_upload(
-                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-                keys.append(self.url(upload["Key"]))
+        below = self.key(prefix) + "/"
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=below):
+                for upload in page.get("Uploads", ()):
+                    with contextlib.suppress(Exception):  # finished or aborted meanwhile
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    keys.append(self.url(upload["Key"]))
+        except Exception as exc:
+            if _status(exc) == 0 and not _code(exc):
+                raise  # not an answer of the server: the client's own error
+            if not is_not_implemented(exc):
+                raise _request_failed(self, "ListMultipartUploads", self.url(below), exc) \
+                    from exc
+            warnings.warn(
+                f"jaxckpt: the S3 server at {self.endpoint} does not implement "
+                f"ListMultipartUploads ({_code(exc) or _status(exc)}): unfinished multipart "
+                f"uploads below {self.url(below)} cannot be found, so none were aborted (the "
+                f"parts a killed writer left stay stored until the server's own lifecycle "
+                f"rules remove them). Going on as if there were none.",
+                CheckpointWarning, stacklevel=2)
         return keys
 
     def create(self, path: str, data: bytes) -> None:
@@ -459,9 +500,26 @@ class S3Storage(Storage):
         return True
 
     # --- prefixes ------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        """The server's URL (for messages)."""
+        return str(self.client.meta.endpoint_url)
+
     def _pages(self, prefix_key: str, **extra: Any) -> Iterator[dict[str, Any]]:
+        """The pages of one listing; a page that fails after its retries (s3rver answers
+        500 to a truncated listing's next page) raises ``ObjectStoreError`` naming the
+        server, the request and the page."""
         paginator = self.client.get_paginator("list_objects_v2")
-        yield from paginator.paginate(Bucket=self.bucket, Prefix=prefix_key, **extra)
+        pages = 0
+        try:
+            for answer in paginator.paginate(Bucket=self.bucket, Prefix=prefix_key, **extra):
+                pages += 1
+                yield answer
+        except Exception as exc:
+            if _status(exc) == 0 and not _code(exc):
+                raise  # not an answer of the server: the client's own error, or ours
+            raise _request_failed(self, "ListObjectsV2", self.url(prefix_key),
+                                  exc, page=pages + 1) from exc
 
     def list_names(self, prefix: str) -> list[str]:
         below = self.key(prefix) + "/"

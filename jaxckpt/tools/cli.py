@@ -563,8 +563,12 @@ def _export_hf(opts: argparse.Namespace) -> int:
 def _root_error_code(exc: Exception) -> int:
     """Exit code of a refused root: 3 when it is not a jaxckpt root (another tool's files, a
     step already there), 2 when it could not be listed or created (permissions, an object
-    store that cannot be reached: the error it wraps says which)."""
-    return EXIT_USAGE if exc.__cause__ is not None else EXIT_NOT_JAXCKPT
+    store that cannot be reached: the error it wraps says which) or its object store does
+    not honour conditional writes (the environment, not the root)."""
+    from jaxckpt.errors import ConditionalWritesError
+
+    environment = exc.__cause__ is not None or isinstance(exc, ConditionalWritesError)
+    return EXIT_USAGE if environment else EXIT_NOT_JAXCKPT
 
 
 def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:

@@ -163,7 +163,12 @@ _CLIENT_ERROR_MODULES = ("botocore", "google.", "requests", "urllib3")
 
 
 def _is_client_error(exc: Exception) -> bool:
-    return type(exc).__module__.startswith(_CLIENT_ERROR_MODULES)
+    """The client's own errors, and jaxckpt's ``ObjectStoreError`` (a request the server
+    failed after its retries, named with the server and the request)."""
+    from jaxckpt.errors import ObjectStoreError
+
+    return isinstance(exc, ObjectStoreError) or \
+        type(exc).__module__.startswith(_CLIENT_ERROR_MODULES)
 
 
 def _environment_error(command: str, exc: Exception) -> int:

@@ -28,7 +28,7 @@ import jaxckpt  # noqa: E402
 from jaxckpt.root_url import parse_root  # noqa: E402
 from jaxckpt.tools.cli import main  # noqa: E402
 
-from support.gcs_server import emulator  # noqa: E402
+from support.gcs_server import PreconditionProxy, emulator  # noqa: E402
 from support.models import tiny_hf_config  # noqa: E402
 from support.s3_server import moto_s3, server_env  # noqa: E402
 
@@ -44,8 +44,14 @@ def s3_options():
 
 @pytest.fixture(scope="module")
 def gs_endpoint():
+    # Behind the precondition proxy: the emulator alone ignores ifGenerationMatch, and a
+    # command that writes refuses such a server (ConditionalWritesError).
     with emulator(BUCKET) as endpoint:
-        yield endpoint
+        proxy = PreconditionProxy(endpoint)
+        try:
+            yield proxy.url
+        finally:
+            proxy.close()
 
 
 @pytest.fixture(params=KINDS)

@@ -211,6 +211,35 @@ def counting_gets(monkeypatch) -> dict[str, int]:
     return fetched
 
 
+def test_a_server_that_ignores_conditional_writes_is_refused_by_the_dcp_manager_too(
+        options, root):
+    """The DCP manager opens its root as CheckpointManager does: a server that overwrites
+    on a create-only PUT (the fault proxy strips the conditions) is refused, nothing is
+    written; the opt-in opens it with a warning and the round trip holds."""
+    from jaxckpt.errors import ConditionalWritesError
+
+    from support.fault_proxy import CONDITIONS, FaultProxy
+
+    proxy = FaultProxy(options["endpoint_url"])
+    proxy.ignore_conditions = CONDITIONS
+    through = {**options, "endpoint_url": proxy.url}
+    try:
+        with pytest.raises(ConditionalWritesError, match="unsafe_skip_check"):
+            DcpCheckpointManager(root, storage_options=through, preemption_signals=())
+        assert parse_root(root, options)[1].list_files(root) == {}
+        state, _, _ = training()
+        with pytest.warns(CheckpointWarning, match="on your honour"):
+            with DcpCheckpointManager(root, storage_options={
+                    **through, "conditional_writes": "unsafe_skip_check"},
+                    preemption_signals=()) as mgr:
+                mgr.save(STEP, state)
+                fresh, _, _ = training(seed=5)
+                mgr.restore(fresh)
+        assert tensors_of(fresh) == tensors_of(state)
+    finally:
+        proxy.close()
+
+
 def test_a_save_to_s3_sends_one_put_per_file_and_nothing_else(options, root):
     # No listing to refuse a filled prefix (objects.json is put create-only instead), no
     # HEAD for DCP's "overwrite?" warning, and every file's checksum known from its upload.

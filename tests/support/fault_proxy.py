@@ -8,7 +8,16 @@ acted but the answer is lost: the client's retry must cope with its own first at
 e.g. a create-only PUT that already landed), or waits before forwarding (a slow server).
 ``fail_next = N`` answers 503 to the next N requests whatever the rates (-1: to every one
 from now on), for tests that count retries exactly. ``counts`` says how many of each it
-did. Imports nothing from the library.
+did.
+
+Servers that lack a feature, as some S3- and GCS-protocol servers do: ``ignore_conditions``
+names the conditions of a conditional write that the proxy strips before forwarding (the
+headers ``If-None-Match`` and ``If-Match`` of S3, the ``ifGenerationMatch`` parameter of GCS;
+``CONDITIONS``: all three), so the server overwrites as a server that ignores them does;
+``answer`` maps an operation of ``OPERATIONS`` to the status the proxy answers it with, not
+forwarding it (``{"ListMultipartUploads": 501}``: a server without that operation).
+``requests`` records (method, path with query, conditions sent) of every request seen.
+Imports nothing from the library.
 
 Concurrency: a threading HTTP server; the counters are guarded by a lock.
 """
@@ -20,9 +29,37 @@ import http.server
 import random
 import threading
 import time
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 FAULTS = ("unavailable", "drop_before", "drop_after", "slow")
+#: The conditions of a conditional write: S3's headers, GCS's query parameter.
+CONDITIONS = frozenset({"If-None-Match", "If-Match", "ifGenerationMatch"})
+#: Operations ``answer`` can single out, told apart by (method, query parameters).
+OPERATIONS = {
+    "ListMultipartUploads": lambda method, query: method == "GET" and "uploads" in query,
+    "ListObjectsV2": lambda method, query: method == "GET" and query.get("list-type") == "2",
+}
+_ERROR_CODES = {500: "InternalError", 501: "NotImplemented", 503: "ServiceUnavailable"}
+
+
+def _error_body(status: int) -> bytes:
+    code = _ERROR_CODES.get(status, "Error")
+    return (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>'
+            f'answered {status} by the test proxy</Message></Error>').encode()
+
+
+def _without_conditions(path: str, headers: dict[str, str], ignored: frozenset[str]
+                        ) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(path, headers) with the ``ignored`` conditions taken out, and those that were sent."""
+    split = urlsplit(path)
+    query = parse_qsl(split.query, keep_blank_values=True)
+    sent = {name: value for name, value in headers.items() if name.title() in CONDITIONS}
+    sent.update((name, value) for name, value in query if name in CONDITIONS)
+    if not ignored:
+        return path, headers, sent
+    headers = {name: value for name, value in headers.items() if name.title() not in ignored}
+    kept = [(name, value) for name, value in query if name not in ignored]
+    return urlunsplit(split._replace(query=urlencode(kept))), headers, sent
 
 
 class FaultProxy:
@@ -34,6 +71,9 @@ class FaultProxy:
         self.counts = {name: 0 for name in ("forwarded", *FAULTS)}
         self.enabled = True
         self.fail_next = 0
+        self.ignore_conditions: frozenset[str] = frozenset()
+        self.answer: dict[str, int] = {}
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         proxy = self
@@ -44,6 +84,19 @@ class FaultProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path, headers, sent = _without_conditions(self.path, dict(self.headers),
+                                                          frozenset(proxy.ignore_conditions))
+                with proxy._lock:
+                    proxy.requests.append((self.command, self.path, sent))
+                status = proxy._answer_for(self.command, self.path)
+                if status:
+                    data = _error_body(status)
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 fault = proxy._draw()
                 if fault == "unavailable":
                     self.send_response(503)
@@ -57,8 +110,7 @@ class FaultProxy:
                     time.sleep(slow_s)
                 upstream = http.client.HTTPConnection(target_host, timeout=60)
                 try:
-                    upstream.request(self.command, self.path, body=body,
-                                     headers=dict(self.headers))
+                    upstream.request(self.command, path, body=body, headers=headers)
                     answer = upstream.getresponse()
                     data = answer.read()
                 finally:
@@ -85,6 +137,12 @@ class FaultProxy:
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _answer_for(self, method: str, path: str) -> int | None:
+        """The status ``answer`` gives this request instead of forwarding it, if any."""
+        query = dict(parse_qsl(urlsplit(path).query, keep_blank_values=True))
+        return next((status for name, status in dict(self.answer).items()
+                     if OPERATIONS[name](method, query)), None)
 
     def _draw(self) -> str:
         with self._lock:
