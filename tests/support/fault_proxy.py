@@ -8,7 +8,12 @@ acted but the answer is lost: the client's retry must cope with its own first at
 e.g. a create-only PUT that already landed), or waits before forwarding (a slow server).
 ``fail_next = N`` answers 503 to the next N requests whatever the rates (-1: to every one
 from now on), for tests that count retries exactly. ``counts`` says how many of each it
-did. Imports nothing from the library.
+did. Server behaviours, switched on by the test: ``no_conditional_delete`` answers a DELETE
+that carries a precondition (S3's ``If-Match``, GCS's ``ifGenerationMatch``) with 501 Not
+Implemented (as LocalStack's S3 does), counted in ``counts["not_implemented"]``; ``hold`` keeps
+every request from then on unanswered (a server that stopped answering, as under SIGSTOP)
+until it is switched off or the proxy closes, counting them in ``counts["held"]``. Imports
+nothing from the library.
 
 Concurrency: a threading HTTP server; the counters are guarded by a lock.
 """
@@ -23,6 +28,12 @@ import time
 from urllib.parse import urlsplit
 
 FAULTS = ("unavailable", "drop_before", "drop_after", "slow")
+#: The 501 of S3 (XML) and of GCS (JSON, the precondition in the query).
+_NOT_IMPLEMENTED = {
+    False: ("application/xml", b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>'
+            b"NotImplemented</Code><Message>A header you provided implies functionality that "
+            b"is not implemented</Message></Error>"),
+    True: ("application/json", b'{"error": {"code": 501, "message": "Not Implemented"}}')}
 
 
 class FaultProxy:
@@ -31,9 +42,12 @@ class FaultProxy:
     def __init__(self, target: str, *, seed: int = 0, rates: dict[str, float] | None = None,
                  slow_s: float = 0.3):
         self.rates = dict(rates or {})
-        self.counts = {name: 0 for name in ("forwarded", *FAULTS)}
+        self.counts = {name: 0 for name in ("forwarded", "held", "not_implemented", *FAULTS)}
         self.enabled = True
         self.fail_next = 0
+        self.no_conditional_delete = False
+        self.hold = False
+        self._unheld = threading.Event()
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         proxy = self
@@ -44,6 +58,25 @@ class FaultProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.hold:
+                    with proxy._lock:
+                        proxy.counts["held"] += 1
+                    while proxy.hold and not proxy._unheld.wait(0.05):
+                        pass
+                    self.close_connection = True
+                    return
+                gcs = "ifGenerationMatch=" in self.path
+                if proxy.no_conditional_delete and self.command == "DELETE" and (
+                        gcs or "If-Match" in self.headers):
+                    with proxy._lock:
+                        proxy.counts["not_implemented"] += 1
+                    answer = _NOT_IMPLEMENTED[gcs]
+                    self.send_response(501)
+                    self.send_header("Content-Type", answer[0])
+                    self.send_header("Content-Length", str(len(answer[1])))
+                    self.end_headers()
+                    self.wfile.write(answer[1])
+                    return
                 fault = proxy._draw()
                 if fault == "unavailable":
                     self.send_response(503)
@@ -103,5 +136,6 @@ class FaultProxy:
             return fault
 
     def close(self) -> None:
+        self._unheld.set()
         self.server.shutdown()
         self.server.server_close()
