@@ -178,7 +178,7 @@ class Tries:
         elapsed = time.monotonic() - self.started
         over = self.deadline_s is not None and elapsed >= self.deadline_s
         if self.left <= 0 or over:
-            request = _unanswered(exc)
+            request = _unanswered(exc) if over else None
             if request is not None:
                 raise TimeoutError(
                     f"the GCS endpoint {request[0]} is not answering: {request[1]} got no "

@@ -121,11 +121,11 @@ def s3_client(storage_options: Mapping[str, Any] | None = None) -> Any:
 class _Deadline:
     """How long one operation of a client keeps trying a server that does not answer (a
     connection refused, not made in time, dropped, or no answer in time): no try once
-    ``deadline_s`` have passed since the operation began, nor after ``max_attempts`` tries;
-    then a ``TimeoutError`` naming the endpoint and the operation, chained to botocore's
-    error. Every other failure is retried as botocore's standard mode decides. Handlers of
-    the client's events: ``started`` stamps the operation's context, ``needs_retry`` runs
-    before botocore's own retry handler after each failed try."""
+    ``deadline_s`` have passed since the operation began, but a ``TimeoutError`` naming the
+    endpoint and the operation, chained to botocore's error. Within the deadline, and for
+    every other failure, botocore's standard mode decides (at most ``max_attempts`` tries).
+    Handlers of the client's events: ``started`` stamps the operation's context,
+    ``needs_retry`` runs before botocore's own retry handler after each failed try."""
 
     max_attempts: int
     connect_timeout: float
@@ -145,7 +145,7 @@ class _Deadline:
         request = request_dict or {}
         started = request.get("context", {}).get("jaxckpt_started")
         elapsed = time.monotonic() - started if started is not None else 0.0
-        if attempts < self.max_attempts and elapsed < self.deadline_s:
+        if elapsed < self.deadline_s:
             return None  # botocore's handler decides (and waits before the next try)
         raise TimeoutError(
             f"the S3 endpoint {getattr(endpoint, 'host', '?')} is not answering: "

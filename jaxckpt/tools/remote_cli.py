@@ -158,12 +158,14 @@ def _open(command: str, url: str, options: dict[str, Any] | None = None):
 
 # The modules whose errors mean "the store could not be reached or refused us" (endpoint,
 # credentials, permissions) rather than a bug: botocore for s3://, the google and requests
-# stacks for gs://.
+# stacks for gs://; and a ``TimeoutError``, a server that stopped answering (the storages'
+# request deadline).
 _CLIENT_ERROR_MODULES = ("botocore", "google.", "requests", "urllib3")
 
 
 def _is_client_error(exc: Exception) -> bool:
-    return type(exc).__module__.startswith(_CLIENT_ERROR_MODULES)
+    return isinstance(exc, TimeoutError) or type(exc).__module__.startswith(
+        _CLIENT_ERROR_MODULES)
 
 
 def _environment_error(command: str, exc: Exception) -> int:

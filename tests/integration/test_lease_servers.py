@@ -145,3 +145,17 @@ def test_requests_are_bounded_by_default(store, root):
         assert [d.deadline_s for d in deadlines] == [60.0]
     else:
         assert storage.timeout == (10.0, 30.0) and storage.request_deadline_s == 60.0
+
+
+def test_the_cli_names_a_server_that_stops_answering_as_an_environment_error(
+        store, proxy, root, capsys):
+    from jaxckpt.tools.cli import main
+
+    options = {**store.storage_options, "endpoint_url": proxy.url, "connect_timeout": 0.5,
+               "read_timeout": 0.5, "request_deadline_s": 1.0}
+    flags = [flag for key, value in options.items()
+             for flag in ("--storage-option", f"{key}={value}")]
+    proxy.hold = True
+    assert main(["ls", root, *flags]) == 2
+    said = capsys.readouterr().err
+    assert "object storage request failed" in said and f"{proxy.url} is not answering" in said
