@@ -125,7 +125,6 @@ class _Watch:
 
     version: str
     since: float
-    age_s: float
 
 
 class Lease:
@@ -187,6 +186,8 @@ class Lease:
         self._thread.start()
 
     def _take(self) -> None:
+        """Create the lease, or take it over once ``_why_free`` says it may, watching it
+        meanwhile; ``self._version`` is then ours."""
         watch: _Watch | None = None
         vanished = 0
         while True:
@@ -250,8 +251,7 @@ class Lease:
                         "see whether it is still renewed (a job restarted right after its "
                         "predecessor was killed takes the lease over then)", self.url,
                         _describe(holder), current.age_s, lasts, lasts - current.age_s)
-            return _Watch(version=current.version, since=time.monotonic(),
-                          age_s=current.age_s)
+            return _Watch(version=current.version, since=time.monotonic())
         if current.version != watch.version:
             raise self._locked(holder, current.age_s, how=f"renewed while this job waited "
                                f"{time.monotonic() - watch.since:.1f} s for it")

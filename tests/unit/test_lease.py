@@ -204,12 +204,14 @@ def test_a_holder_elsewhere_that_stopped_renewing_is_waited_for_then_taken_over(
 
 def test_a_holder_elsewhere_that_keeps_renewing_is_refused():
     lease_object = MemoryLeaseObject()
-    plant(lease_object, host="another-host", pid=4242, start=1)
+    # A long lease: a renewer starved by a loaded machine is still seen renewing.
+    holder = {"host": "another-host", "pid": 4242, "start": 1, "lease_s": 30.0}
+    plant(lease_object, **holder)
     stop = threading.Event()
 
     def renew() -> None:
         while not stop.wait(HEARTBEAT_S):
-            plant(lease_object, host="another-host", pid=4242, start=1)
+            plant(lease_object, **holder)
 
     renewer = threading.Thread(target=renew)
     renewer.start()
