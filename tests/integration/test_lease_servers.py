@@ -5,6 +5,8 @@ stops answering. The protocol's decisions one by one are tests/unit/test_lease.p
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ from jaxckpt.root_url import parse_root
 
 from support.fault_proxy import FaultProxy
 from support.object_stores import KINDS, object_store
+from support.s3_server import CREDENTIALS, _start, _stop
 
 BUCKET = "jaxckpt-lease"
 # A lease far longer than any test: a root that opens at once was not waited for.
@@ -159,3 +162,27 @@ def test_the_cli_names_a_server_that_stops_answering_as_an_environment_error(
     assert main(["ls", root, *flags]) == 2
     said = capsys.readouterr().err
     assert "object storage request failed" in said and f"{proxy.url} is not answering" in said
+
+
+def test_opening_a_manager_on_a_stopped_server_fails_by_its_deadline_naming_it():
+    """The issue's case itself: the server process frozen with SIGSTOP (it accepts
+    connections, in the kernel, and answers nothing), a manager opened on it."""
+    pytest.importorskip("moto.server")
+    import jaxckpt
+
+    server, port = _start(30.0)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        options = {"endpoint_url": endpoint, **CREDENTIALS, "read_timeout": 0.5,
+                   "connect_timeout": 0.5, "request_deadline_s": 1.5, "max_attempts": 50}
+        parse_root("s3://frozen/run", options)[1].client.create_bucket(Bucket="frozen")
+        os.killpg(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(jaxckpt.CheckpointRootError,
+                               match=f"endpoint {endpoint} is not answering: ListObjectsV2"):
+                jaxckpt.CheckpointManager("s3://frozen/run", storage_options=options,
+                                          preemption_signals=())
+        finally:
+            os.killpg(server.pid, signal.SIGCONT)
+    finally:
+        _stop(server)
