@@ -176,9 +176,8 @@ class Tries:
         if not is_transient(exc):
             return False
         elapsed = time.monotonic() - self.started
-        over = self.deadline_s is not None and elapsed >= self.deadline_s
-        if self.left <= 0 or over:
-            request = _unanswered(exc) if over else None
+        if self.deadline_s is not None and elapsed >= self.deadline_s:
+            request = _unanswered(exc)
             if request is not None:
                 raise TimeoutError(
                     f"the GCS endpoint {request[0]} is not answering: {request[1]} got no "
@@ -186,6 +185,7 @@ class Tries:
                     f"storage_options 'connect_timeout', 'read_timeout' or "
                     f"'request_deadline_s' (now {self.deadline_s} s) for a slow server, or "
                     f"check that it is up.") from exc
+        if self.left <= 0:
             return False
         self.left -= 1
         self.retried = True
