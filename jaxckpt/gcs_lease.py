@@ -4,7 +4,8 @@ Owns: ``GCSLease``, a ``jaxckpt.lease.Lease`` whose object is ``{root}/.lock`` i
 storage's bucket. A version is the object's generation. Taking the lease is an upload with
 ``ifGenerationMatch=0`` (only if absent); a takeover and a renewal are an upload with
 ``ifGenerationMatch=<generation last seen>`` (the GCS counterpart of S3's ``If-Match``);
-the release is a delete with the same precondition. A 412 (the precondition failed) or a
+the release is a delete with the same precondition (answered 501, the release is an upload
+with it instead: ``LeaseRequestUnsupported``). A 412 (the precondition failed) or a
 404 (the object vanished) is a ``LeaseConflict``.
 
 The age of the object is the server's clock minus its ``updated`` time: the server's clock is
@@ -24,7 +25,7 @@ import email.utils
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
-from .lease import Lease, LeaseConflict, LeaseState
+from .lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
 
 if TYPE_CHECKING:
     from .gcs_storage import GCSStorage
@@ -99,7 +100,7 @@ class _GCSLeaseObject:
         return response.json(), email.utils.parsedate_to_datetime(date) if date else None
 
     def delete(self, version: str) -> None:
-        from google.api_core.exceptions import NotFound, PreconditionFailed
+        from google.api_core.exceptions import MethodNotImplemented, NotFound, PreconditionFailed
 
         try:
             self.storage.bucket.blob(self.name).delete(
@@ -107,6 +108,8 @@ class _GCSLeaseObject:
                 retry=self.storage.retry())
         except (PreconditionFailed, NotFound) as exc:
             raise LeaseConflict(self.url) from exc
+        except MethodNotImplemented as exc:
+            raise LeaseRequestUnsupported(self.url) from exc
 
 
 class GCSLease(Lease):

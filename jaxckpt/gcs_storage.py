@@ -17,13 +17,16 @@ JSON API's batch requests are not retried and report only their last error).
 
 Retries, chosen per request rather than left to the client's defaults: every request is
 retried on 408, 429, 5xx, timeouts and dropped connections, with exponential backoff, at
-most ``max_attempts`` tries in all. google-cloud-storage retries a write by default only
-when it carries a precondition (a retried plain upload could overwrite a newer object
-written meanwhile); jaxckpt retries plain writes too, on purpose: a plain ``write`` is made
-only by the holder of the root lease, to a name nobody else writes, with the same bytes on
-every try. A conditional write that is retried after its first try succeeded unseen fails
-its own condition (412): ``create`` then reads the object back and counts it as its own when
-the bytes are the ones it wrote.
+most ``max_attempts`` tries in all; a server that does not answer (no connection, no answer
+within the timeouts) is tried no more once ``request_deadline_s`` have passed since the
+request began, and the ``TimeoutError`` names the endpoint and the request.
+google-cloud-storage retries a write by default only when it carries a precondition (a
+retried plain upload could overwrite a newer object written meanwhile); jaxckpt retries
+plain writes too, on purpose: a plain ``write`` is made only by the holder of the root
+lease, to a name nobody else writes, with the same bytes on every try. A conditional write
+that is retried after its first try succeeded unseen fails its own condition (412):
+``create`` then reads the object back and counts it as its own when the bytes are the ones
+it wrote.
 
 ``reading`` holds are kept in this process only, as on S3 (``jaxckpt.s3_storage``).
 
@@ -46,6 +49,8 @@ import contextlib
 import os
 import random
 import sys
+import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -57,9 +62,9 @@ __all__ = ["GCSStorage", "Tries", "gcs_client", "is_transient", "split_gs_url"]
 
 _CLIENT_OPTIONS = ("endpoint_url", "project", "credentials", "anonymous")
 _RETRY_OPTIONS = ("max_attempts", "connect_timeout", "read_timeout", "backoff_s",
-                  "max_backoff_s")
-_DEFAULTS = {"max_attempts": 8, "connect_timeout": 10.0, "read_timeout": 60.0,
-             "backoff_s": 0.5, "max_backoff_s": 16.0}
+                  "max_backoff_s", "request_deadline_s")
+_DEFAULTS = {"max_attempts": 8, "connect_timeout": 10.0, "read_timeout": 30.0,
+             "backoff_s": 0.5, "max_backoff_s": 16.0, "request_deadline_s": 60.0}
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _DELETE_THREADS = 8
 _BINARY = "application/octet-stream"
@@ -153,20 +158,57 @@ def is_transient(exc: BaseException) -> bool:
 
 class Tries:
     """The tries of one request: the predicate of its ``Retry``, which retries a transient
-    error while fewer than ``max_attempts`` tries have been made. ``retried`` tells the
-    caller whether an earlier try may have succeeded unseen. One per request, never shared
-    between requests (the pages of one listing share the listing's)."""
+    error while fewer than ``max_attempts`` tries have been made and, for a server that does
+    not answer, while under ``deadline_s`` have passed since the request began; giving up on
+    such a server, it raises a ``TimeoutError`` naming the endpoint and the request.
+    ``retried`` tells the caller whether an earlier try may have succeeded unseen. One per
+    request, never shared between requests (the pages of one listing share the listing's)."""
 
-    def __init__(self, max_attempts: int):
+    def __init__(self, max_attempts: int, deadline_s: float | None = None):
         self.left = max_attempts - 1
         self.retried = False
+        self.tries = 0
+        self.deadline_s = deadline_s
+        self.started = time.monotonic()
 
     def __call__(self, exc: BaseException) -> bool:
-        if self.left <= 0 or not is_transient(exc):
+        self.tries += 1
+        if not is_transient(exc):
+            return False
+        elapsed = time.monotonic() - self.started
+        if self.deadline_s is not None and elapsed >= self.deadline_s:
+            request = _unanswered(exc)
+            if request is not None:
+                raise TimeoutError(
+                    f"the GCS endpoint {request[0]} is not answering: {request[1]} got no "
+                    f"answer in {elapsed:.0f} s over {self.tries} tries (last: {exc}). Raise "
+                    f"storage_options 'connect_timeout', 'read_timeout' or "
+                    f"'request_deadline_s' (now {self.deadline_s} s) for a slow server, or "
+                    f"check that it is up.") from exc
+        if self.left <= 0:
             return False
         self.left -= 1
         self.retried = True
         return True
+
+
+def _unanswered(exc: BaseException) -> tuple[str, str] | None:
+    """(the endpoint, "METHOD path") of a request ``exc`` says got no answer (no connection,
+    a timeout, a dropped connection), or None for any other error."""
+    import requests
+
+    while not isinstance(exc, requests.RequestException):
+        inner = exc.args[0] if exc.args and isinstance(exc.args[0], BaseException) else None
+        if inner is None:
+            return None
+        exc = inner  # google.auth's TransportError wraps the transport's error
+    if not isinstance(exc, (requests.ConnectionError, requests.Timeout,
+                            requests.exceptions.ChunkedEncodingError)):
+        return None
+    request = exc.request
+    url = urllib.parse.urlsplit(getattr(request, "url", None) or "")
+    return (f"{url.scheme}://{url.netloc}" if url.netloc else "?",
+            f"{getattr(request, 'method', None) or 'a request'} {url.path}")
 
 
 class GCSStorage(Storage):
@@ -186,11 +228,13 @@ class GCSStorage(Storage):
                  storage_options: Mapping[str, Any] | None = None,
                  lease_s: float = 30.0, heartbeat_s: float = 10.0,
                  conditional_writes: str = "check"):
-        """``storage_options``: the client's (``gcs_client``) and the retries': ``max_attempts``
-        tries per request in all (default 8), ``connect_timeout``/``read_timeout`` in seconds
-        (10, 60), ``backoff_s`` the first wait between tries (0.5, doubling up to
-        ``max_backoff_s``, 16). ``lease_s``: how long the root lease lasts without a renewal;
-        ``heartbeat_s``: how often a holder renews it (well under ``lease_s``).
+        """``storage_options``: the client's (``gcs_client``) and the retries':
+        ``max_attempts`` tries per request in all (default 8), ``connect_timeout`` and
+        ``read_timeout`` in seconds (10, 30), ``request_deadline_s``: no try of a server that
+        does not answer once this long has passed since the request began (60),
+        ``backoff_s`` the first wait between tries (0.5, doubling up to ``max_backoff_s``,
+        16). ``lease_s``: how long the root lease lasts without a renewal; ``heartbeat_s``:
+        how often a holder renews it (well under ``lease_s``).
         ``conditional_writes``: as for ``jaxckpt.s3_storage.S3Storage``."""
         if not bucket or "/" in bucket:
             raise ValueError(f"GCSStorage: bucket must be a bucket name, not {bucket!r}")
@@ -204,6 +248,7 @@ class GCSStorage(Storage):
         self.heartbeat_s = heartbeat_s
         self.conditional_writes = conditional_writes
         self.max_attempts = int(options["max_attempts"])
+        self.request_deadline_s = float(options["request_deadline_s"])
         self.timeout = (float(options["connect_timeout"]), float(options["read_timeout"]))
         self._backoff = (float(options["backoff_s"]), float(options["max_backoff_s"]))
         self.client = gcs_client(options)
@@ -222,13 +267,17 @@ class GCSStorage(Storage):
         return object_name(path, split_gs_url(path), self.bucket_name, self.prefix, self)
 
     # --- requests ------------------------------------------------------------------------
+    def tries(self) -> Tries:
+        """The tries of a new request: ``max_attempts``, ``request_deadline_s``."""
+        return Tries(self.max_attempts, self.request_deadline_s)
+
     def retry(self, tries: Tries | None = None) -> Any:
         """A ``google.api_core`` ``Retry`` for one request, bounded by ``tries`` (a fresh
-        ``Tries(max_attempts)`` when None). No overall deadline: the count bounds it."""
+        ``tries()`` when None). No deadline of its own: ``Tries`` keeps it."""
         from google.api_core.retry import Retry
 
         initial, maximum = self._backoff
-        return Retry(predicate=tries or Tries(self.max_attempts), initial=initial,
+        return Retry(predicate=tries or self.tries(), initial=initial,
                      maximum=maximum, multiplier=2.0, timeout=None)
 
     def retrying(self, request: Callable[[], Any]) -> Any:
@@ -262,7 +311,7 @@ class GCSStorage(Storage):
         from google.api_core.exceptions import NotFound, PreconditionFailed
 
         name = self.name(path)
-        tries = Tries(self.max_attempts)
+        tries = self.tries()
         try:
             self.upload(name, data, if_generation_match=0, tries=tries)
         except PreconditionFailed as exc:

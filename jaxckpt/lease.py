@@ -1,24 +1,41 @@
 """The root lock on an object store: a lease object, created only if absent, renewed by a
-heartbeat, taken over by one job once it has expired. The part every object store shares.
+heartbeat, taken over by one job once its holder is gone. The part every object store shares.
 
 Owns: ``Lease`` (taking, renewing and giving up a lease, and the ``RootLockedError`` a second
 job gets) over ``LeaseObject``, the four conditional requests a store must offer for it
-(``jaxckpt.s3_lease`` on S3, ``jaxckpt.gcs_lease`` on GCS), and ``LeaseConflict``, what such
-a request raises when its condition does not hold.
+(``jaxckpt.s3_lease`` on S3, ``jaxckpt.gcs_lease`` on GCS); ``LeaseConflict``, what such a
+request raises when its condition does not hold; ``LeaseRequestUnsupported``, what it raises
+when the server does not implement it (HTTP 501).
 
-The protocol. The lease of a root is the object ``{root}/.lock`` holding JSON (a holder token
-unique to this lease, host, pid, lease length). Taking it: a create-only write. When the
-object is there, its age is measured by the server's clock (the server's time of the read
-minus the object's modification time): younger than the lease length its writer recorded,
-the root is held (``RootLockedError`` naming the holder); older, the holder stopped renewing
-(killed, frozen), and the lease is taken over by a write conditional on the version that was
-read (an ETag on S3, a generation on GCS), so of several takers exactly one wins. Ages come
-from the server's clock only, so the hosts' clocks need not agree.
+The protocol. The lease of a root is the object ``{root}/.lock`` holding JSON: a holder token
+unique to this lease, the holder's process (host, boot id, pid namespace, pid, the process's
+start time), the lease length and heartbeat. Taking it: a create-only write. When the object
+is there, it is free when any of these holds, and then taken over by a write conditional on
+the version that was read (an ETag on S3, a generation on GCS), so of several takers exactly
+one wins:
+
+- it is marked released (a release where the server refuses a conditional delete);
+- its holder is this very process and no lease of this process holds it now (an earlier
+  manager released it, or failed to): a process is never "another job" to itself;
+- its holder ran on this host (same host name, boot and pid namespace) and that process is
+  gone: no process with its pid, a zombie, or one started at another time (the pid reused);
+- it was not rewritten for a whole lease length: by the server's clock (the server's time of
+  the read minus the object's modification time, so hosts' clocks need not agree), or as
+  watched from here.
+
+A holder that cannot be checked from here (another host) and was renewed less than a lease
+length ago is watched: the taker reads the object again every fraction of a heartbeat, logging
+that it waits. Rewritten meanwhile, the holder is alive (``RootLockedError`` naming it);
+unchanged until the lease runs out, it is taken over. So a job restarted right after a SIGKILL
+waits at most a lease length for its predecessor's lease, and only a holder that keeps renewing
+is refused. A live holder on this host, or a live lease of this process, is refused at once.
 
 A heartbeat thread renews the lease every ``heartbeat_s`` with a write conditional on the
 version of the last renewal; if that condition fails, someone took the lease over (this job
 stalled longer than the lease): the heartbeat stops and logs an error, and ``lost`` says so.
-Releasing deletes the object if it is still ours (a delete conditional on our version).
+Releasing deletes the object if it is still ours (a delete conditional on our version); a
+server that does not implement that request (LocalStack's S3 answers 501) gets a write
+conditional on our version instead, marking the lease released.
 
 A conditional write whose response was lost may be retried by the client and then fail its
 own condition (the first try succeeded). Every conflict is therefore checked by reading the
@@ -27,33 +44,45 @@ object back: if it holds this lease's token, the write was ours and succeeded.
 Must not import: jax, orbax, torch, boto3, google (the stores' clients stay in their modules).
 
 Concurrency contract: one ``Lease`` per holder; ``release`` may be called from any thread,
-any number of times. Across jobs and hosts the server's conditional requests decide.
+any number of times. The tokens of the leases this process holds are kept in a set guarded by
+a lock. Across jobs and hosts the server's conditional requests decide.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
 from typing import Any, Protocol
 
 from .errors import RootLockedError
+from .lease_holder import holder_status, this_process
 
-__all__ = ["Lease", "LeaseConflict", "LeaseObject", "LeaseState"]
+__all__ = ["Lease", "LeaseConflict", "LeaseObject", "LeaseRequestUnsupported", "LeaseState"]
 
 log = logging.getLogger("jaxckpt")
 
-_ACQUIRE_TRIES = 5  # the holder may release between our create and our read
+_VANISHED_TRIES = 5  # the holder may release between our create and our read
+#: How often a watched lease is read again, as a fraction of its holder's heartbeat (and
+#: the bounds of that interval in seconds).
+_WATCH_FRACTION, _WATCH_MIN_S, _WATCH_MAX_S = 0.25, 0.05, 1.0
+
+# The tokens of the leases this process holds now (acquired, not yet released nor lost).
+_held: set[str] = set()
+_held_lock = threading.Lock()
 
 
 class LeaseConflict(Exception):
     """A conditional request on the lease object lost: the object was not at the version
     the request named (or, for a create, something was there; for a replace, nothing)."""
+
+
+class LeaseRequestUnsupported(Exception):
+    """The server does not implement this conditional request (it answered 501)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,7 +115,16 @@ class LeaseObject(Protocol):
         """The object now, or None when there is none."""
 
     def delete(self, version: str) -> None:
-        """Delete the object only if it is at ``version``."""
+        """Delete the object only if it is at ``version``; ``LeaseRequestUnsupported`` when
+        the server does not implement a conditional delete."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Watch:
+    """A held lease this taker is watching for a renewal: the version first seen, when."""
+
+    version: str
+    since: float
 
 
 class Lease:
@@ -102,15 +140,21 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mutex = threading.Lock()
+        self._writes = itertools.count()
 
     @property
     def url(self) -> str:
         return self.lease_object.url
 
-    def _body(self) -> bytes:
-        return json.dumps({"holder": self.token, "host": socket.gethostname(),
-                           "pid": os.getpid(), "lease_s": self.lease_s,
-                           "renewed": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode()
+    def _body(self, *, released: bool = False) -> bytes:
+        # Every write's bytes differ (``written``): an S3 ETag is a digest of the bytes, and
+        # a taker watching for a renewal compares versions.
+        record = {"holder": self.token, **this_process(), "lease_s": self.lease_s,
+                  "heartbeat_s": self.heartbeat_s, "written": next(self._writes),
+                  "renewed": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if released:
+            record["released"] = True
+        return json.dumps(record).encode()
 
     def _claim(self, version: str | None) -> str:
         """Create the object (``version`` None) or replace it at ``version`` with our
@@ -126,41 +170,111 @@ class Lease:
             raise
 
     def acquire(self) -> None:
-        """Take the lease, or raise ``RootLockedError`` naming the live holder."""
-        for _ in range(_ACQUIRE_TRIES):
-            try:
-                self._version = self._claim(None)
-                break
-            except LeaseConflict:
-                pass
-            current = self.lease_object.read()
-            if current is None:
-                continue
-            holder = _record(current.body)
-            if current.age_s < float(holder.get("lease_s", self.lease_s)):
-                raise self._locked(holder, current.age_s)
-            try:  # expired: take it over, unless another taker was first
-                self._version = self._claim(current.version)
-            except LeaseConflict:
-                raise self._locked(holder, current.age_s, took_over=True) from None
-            log.warning("jaxckpt: took over the expired lease %s (holder %s, silent for "
-                        "%.0f s)", self.url, _describe(holder), current.age_s)
-            break
-        else:
-            raise RootLockedError(f"could not take the lease {self.url}: it kept changing")
+        """Take the lease: at once when it is absent or free, after watching it when its
+        holder cannot be checked from here (module docstring); else ``RootLockedError``
+        naming the live holder."""
+        with _held_lock:  # before the first write: a rival in this process must see it live
+            _held.add(self.token)
+        try:
+            self._take()
+        except BaseException:
+            with _held_lock:
+                _held.discard(self.token)
+            raise
         self._thread = threading.Thread(target=self._heartbeat, name="jaxckpt-lease",
                                         daemon=True)
         self._thread.start()
 
+    def _take(self) -> None:
+        """Create the lease, or take it over once ``_why_free`` says it may, watching it
+        meanwhile; ``self._version`` is then ours."""
+        watch: _Watch | None = None
+        vanished = 0
+        while True:
+            try:
+                self._version = self._claim(None)
+                return
+            except LeaseConflict:
+                pass
+            current = self.lease_object.read()
+            if current is None:
+                vanished += 1
+                if vanished >= _VANISHED_TRIES:
+                    raise RootLockedError(f"could not take the lease {self.url}: it kept "
+                                          f"changing")
+                continue
+            holder = _record(current.body)
+            why_free = self._why_free(holder, current, watch)
+            if why_free is not None:
+                self._take_over(holder, current, why_free)
+                return
+            watch = self._watch(holder, current, watch)
+            time.sleep(_watch_interval(float(holder.get("heartbeat_s", self.heartbeat_s))))
+
+    def _why_free(self, holder: dict[str, Any], current: LeaseState,
+                  watch: _Watch | None) -> str | None:
+        """Why the lease read as ``current`` may be taken now (for the log), or None when
+        its holder may be alive; ``RootLockedError`` when it surely is."""
+        if holder.get("released") is True:
+            return "released by its holder"
+        lasts = float(holder.get("lease_s", self.lease_s))
+        status = holder_status(holder)
+        if status == "this process":
+            with _held_lock:
+                live = holder.get("holder") in _held
+            if live:
+                raise RootLockedError(
+                    f"checkpoint root {self.url.rsplit('/', 1)[0]!r} is held by another "
+                    f"manager of this same process (pid {holder.get('pid')}), still open. "
+                    f"Close it first (a `with` block closes it), or give this one its own "
+                    f"root.")
+            return "left by an earlier manager of this process"
+        if status == "gone":
+            return "its process on this host is gone"
+        if status == "running here":
+            raise self._locked(holder, current.age_s)
+        if current.age_s >= lasts:
+            return f"not renewed for {current.age_s:.0f} s"
+        if watch is not None and watch.version == current.version and \
+                time.monotonic() - watch.since >= lasts:
+            return f"not renewed while watched for {time.monotonic() - watch.since:.1f} s"
+        return None
+
+    def _watch(self, holder: dict[str, Any], current: LeaseState,
+               watch: _Watch | None) -> _Watch:
+        """Start watching the lease read as ``current``, or go on watching it; a lease
+        rewritten since it was first seen is held by a live job (``RootLockedError``)."""
+        if watch is None:
+            lasts = float(holder.get("lease_s", self.lease_s))
+            log.warning("jaxckpt: the root lease %s is held by %s (written %.1f s ago, lasts "
+                        "%.0f s), a process this host cannot check; waiting up to %.1f s to "
+                        "see whether it is still renewed (a job restarted right after its "
+                        "predecessor was killed takes the lease over then)", self.url,
+                        _describe(holder), current.age_s, lasts, lasts - current.age_s)
+            return _Watch(version=current.version, since=time.monotonic())
+        if current.version != watch.version:
+            raise self._locked(holder, current.age_s, how=f"renewed while this job waited "
+                               f"{time.monotonic() - watch.since:.1f} s for it")
+        return watch
+
+    def _take_over(self, holder: dict[str, Any], current: LeaseState, why: str) -> None:
+        try:  # unless another taker was first
+            self._version = self._claim(current.version)
+        except LeaseConflict:
+            raise self._locked(holder, current.age_s, how="another job took it over just "
+                               "now") from None
+        level = logging.INFO if holder.get("released") is True else logging.WARNING
+        log.log(level, "jaxckpt: took over the root lease %s (holder %s: %s)", self.url,
+                _describe(holder), why)
+
     def _locked(self, holder: dict[str, Any], age: float, *,
-                took_over: bool = False) -> RootLockedError:
-        how = ("another job took over its expired lease just now" if took_over else
-               f"lease renewed {age:.0f} s ago, lasts {holder.get('lease_s', '?')} s")
+                how: str | None = None) -> RootLockedError:
+        how = how or f"lease renewed {age:.0f} s ago, lasts {holder.get('lease_s', '?')} s"
         return RootLockedError(
             f"checkpoint root {self.url.rsplit('/', 1)[0]!r} is in use by another running job "
             f"({_describe(holder)}; {how}). Two jobs writing one root would delete each "
             f"other's checkpoints. Give this run its own root, or stop the other job first (a "
-            f"killed job's lease expires by itself).")
+            f"killed job's lease is taken over once it is no longer renewed).")
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -172,6 +286,8 @@ class Lease:
                     self._version = self._claim(version)
                 except LeaseConflict:
                     self.lost = True
+                    with _held_lock:
+                        _held.discard(self.token)
                     log.error("jaxckpt: lost the root lease %s: another job took it over "
                               "(this one did not renew it for over %s s)", self.url,
                               self.lease_s)
@@ -181,21 +297,36 @@ class Lease:
                                 "retry", self.url, exc)
 
     def release(self) -> None:
-        """Stop renewing and delete the lease object if it is still ours. Idempotent."""
+        """Stop renewing and give the lease up if it is still ours: delete it, or where the
+        server has no conditional delete, mark it released. Idempotent."""
         self._stop.set()
         with self._mutex:
             version, self._version = self._version, None
+        with _held_lock:
+            _held.discard(self.token)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.heartbeat_s + 5)
         if version is None or self.lost:
             return
         try:
-            self.lease_object.delete(version)
+            try:
+                self.lease_object.delete(version)
+            except LeaseRequestUnsupported:
+                log.debug("jaxckpt: the server has no conditional delete; marking the root "
+                          "lease %s released instead", self.url)
+                self.lease_object.replace(self._body(released=True), version)
         except LeaseConflict:
-            pass  # no longer ours: nothing to give up
+            pass  # no longer ours (or our retried write landed): nothing to give up
         except Exception as exc:
-            log.warning("jaxckpt: could not delete the root lease %s (%s); it expires in %s s",
-                        self.url, exc, self.lease_s)
+            log.warning("jaxckpt: could not give up the root lease %s (%s); another job "
+                        "takes it over once it is no longer renewed (this process at once)",
+                        self.url, exc)
+
+
+def _watch_interval(heartbeat_s: float) -> float:
+    """How long to wait between two reads of a watched lease whose holder renews every
+    ``heartbeat_s``."""
+    return min(max(_WATCH_FRACTION * heartbeat_s, _WATCH_MIN_S), _WATCH_MAX_S)
 
 
 def _record(body: bytes) -> dict[str, Any]:

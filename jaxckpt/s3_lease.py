@@ -2,7 +2,9 @@
 
 Owns: ``S3Lease``, a ``jaxckpt.lease.Lease`` whose object is ``{root}/.lock`` in the storage's
 bucket. Taking it is a PUT with ``If-None-Match: *``; a takeover, a renewal and the release
-are a PUT or DELETE with ``If-Match`` on the ETag last seen. The age of the object is the
+are a PUT or DELETE with ``If-Match`` on the ETag last seen (a server that answers the
+conditional DELETE 501, as LocalStack does, gets the release as a conditional PUT instead:
+``LeaseRequestUnsupported``). The age of the object is the
 server's clock (the GET's ``Date``) minus its ``Last-Modified``. A 412 (condition failed), a
 409 (a concurrent conditional write) or a 404 (the object vanished) is a ``LeaseConflict``.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import email.utils
 from typing import TYPE_CHECKING
 
-from .lease import Lease, LeaseConflict, LeaseState
+from .lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
 from .s3_storage import is_not_found, is_precondition_failed
 
 if TYPE_CHECKING:
@@ -69,7 +71,16 @@ class _S3LeaseObject:
         except Exception as exc:
             if is_precondition_failed(exc) or is_not_found(exc):
                 raise LeaseConflict(self.url) from exc
+            if _not_implemented(exc):
+                raise LeaseRequestUnsupported(self.url) from exc
             raise
+
+
+def _not_implemented(exc: Exception) -> bool:
+    """The server answered 501: it does not implement the request (as sent)."""
+    response = getattr(exc, "response", None) or {}
+    return response.get("Error", {}).get("Code") == "NotImplemented" or \
+        response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501
 
 
 class S3Lease(Lease):

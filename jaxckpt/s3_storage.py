@@ -18,11 +18,12 @@ batches of 1000 keys; ``copy`` is a server-side copy (no bytes through this host
 parts are billed, and invisible to listings). Small checkpoint objects this storage wrote
 are not read back by the commit, and those a verification read are not read again by the
 restore that follows (``_SmallObjects``; nor are they asked about by ``exists`` and
-``is_prefix``). Transient failures (5xx, throttling,
-timeouts, dropped connections) are retried by botocore with backoff, a bounded number of
-times (``max_attempts``). No operation here renames: the POSIX-only extra
-(``PosixStorage.rename_posix``) has no equivalent, and the store does quarantine and export
-publishing another way there (``jaxckpt.store_objects``).
+``is_prefix``). Transient failures (5xx, throttling, timeouts, dropped connections) are
+retried by botocore with backoff, a bounded number of times (``max_attempts``); a server
+that does not answer is given up on, with the endpoint and operation named, once
+``request_deadline_s`` have passed since the operation began. No operation here renames: the
+POSIX-only extra (``PosixStorage.rename_posix``) has no equivalent, and the store does
+quarantine and export publishing another way there (``jaxckpt.store_objects``).
 
 botocore draws the jitter of every retry from Python's global ``random`` (the default of
 its backoff's ``random`` argument); ``s3_client`` gives it a ``random.Random`` of its own, so
@@ -42,8 +43,11 @@ import base64
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import random
 import threading
+import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -66,7 +70,8 @@ PART_THREADS = 4
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _CLIENT_OPTIONS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key",
                    "aws_session_token", "verify", "use_ssl")
-_RETRY_OPTIONS = ("max_attempts", "connect_timeout", "read_timeout", "max_pool_connections")
+_RETRY_OPTIONS = ("max_attempts", "connect_timeout", "read_timeout", "max_pool_connections",
+                  "request_deadline_s")
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
@@ -85,7 +90,9 @@ def s3_client(storage_options: Mapping[str, Any] | None = None) -> Any:
     ``aws_session_token``, ``verify``, ``use_ssl``) or, where not given, boto3's standard
     environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` ...). Retries:
     botocore's "standard" mode, ``max_attempts`` tries in all (default 8), with
-    ``connect_timeout``/``read_timeout`` in seconds (default 10 and 60)."""
+    ``connect_timeout``/``read_timeout`` in seconds (default 10 and 30); a server that does
+    not answer is tried no more once ``request_deadline_s`` (default 60) have passed since
+    the operation began (``_Deadline``)."""
     try:
         import boto3
         from botocore.config import Config
@@ -97,13 +104,60 @@ def s3_client(storage_options: Mapping[str, Any] | None = None) -> Any:
         raise ValueError(f"storage_options: unknown keys {sorted(unknown)}; known: "
                          f"{sorted(_CLIENT_OPTIONS + _RETRY_OPTIONS)}")
     _private_jitter()
+    deadline = _Deadline(max_attempts=int(options.pop("max_attempts", 8)),
+                         connect_timeout=float(options.pop("connect_timeout", 10)),
+                         read_timeout=float(options.pop("read_timeout", 30)),
+                         deadline_s=float(options.pop("request_deadline_s", 60)))
     # botocore's own "max_attempts" counts retries only; "total_max_attempts" counts tries.
-    config = Config(retries={"mode": "standard",
-                             "total_max_attempts": int(options.pop("max_attempts", 8))},
-                    connect_timeout=options.pop("connect_timeout", 10),
-                    read_timeout=options.pop("read_timeout", 60),
+    config = Config(retries={"mode": "standard", "total_max_attempts": deadline.max_attempts},
+                    connect_timeout=deadline.connect_timeout,
+                    read_timeout=deadline.read_timeout,
                     max_pool_connections=options.pop("max_pool_connections", 16))
-    return boto3.session.Session().client("s3", config=config, **options)
+    client = boto3.session.Session().client("s3", config=config, **options)
+    client.meta.events.register("before-call.s3", deadline.started)
+    client.meta.events.register_first("needs-retry.s3", deadline.needs_retry)
+    return client
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Deadline:
+    """How long one operation of a client keeps trying a server that does not answer (a
+    connection refused, not made in time, dropped, or no answer in time): no try once
+    ``deadline_s`` have passed since the operation began, but a ``TimeoutError`` naming the
+    endpoint and the operation, chained to botocore's error. Within the deadline, and for
+    every other failure, botocore's standard mode decides (at most ``max_attempts`` tries).
+    Handlers of the client's events: ``started`` stamps the operation's context,
+    ``needs_retry`` runs before botocore's own retry handler after each failed try."""
+
+    max_attempts: int
+    connect_timeout: float
+    read_timeout: float
+    deadline_s: float
+
+    def started(self, context: dict[str, Any], **_: Any) -> None:
+        context["jaxckpt_started"] = time.monotonic()
+
+    def needs_retry(self, *, caught_exception: Exception | None = None, attempts: int = 0,
+                    operation: Any = None, request_dict: Any = None, endpoint: Any = None,
+                    **_: Any) -> None:
+        from botocore.exceptions import ConnectionError, HTTPClientError
+
+        if not isinstance(caught_exception, (ConnectionError, HTTPClientError)):
+            return None
+        request = request_dict or {}
+        started = request.get("context", {}).get("jaxckpt_started")
+        elapsed = time.monotonic() - started if started is not None else 0.0
+        if elapsed < self.deadline_s:
+            return None  # botocore's handler decides (and waits before the next try)
+        raise TimeoutError(
+            f"the S3 endpoint {getattr(endpoint, 'host', '?')} is not answering: "
+            f"{getattr(operation, 'name', 'a request')} "
+            f"{urllib.parse.urlsplit(request.get('url') or '').path} got no "
+            f"answer in {elapsed:.0f} s over {attempts} tries (last: {caught_exception}). A "
+            f"try waits {self.connect_timeout:g} s to connect and {self.read_timeout:g} s for "
+            f"each answer, and none starts {self.deadline_s:g} s after the first: raise "
+            f"storage_options 'connect_timeout', 'read_timeout' or 'request_deadline_s' for a "
+            f"slow server, or check that it is up.") from caught_exception
 
 
 def _private_jitter() -> None:

@@ -158,16 +158,18 @@ def _open(command: str, url: str, options: dict[str, Any] | None = None):
 
 # The modules whose errors mean "the store could not be reached or refused us" (endpoint,
 # credentials, permissions) rather than a bug: botocore for s3://, the google and requests
-# stacks for gs://.
+# stacks for gs://; and a ``TimeoutError``, a server that stopped answering (the storages'
+# request deadline).
 _CLIENT_ERROR_MODULES = ("botocore", "google.", "requests", "urllib3")
 
 
 def _is_client_error(exc: Exception) -> bool:
-    """The client's own errors, and jaxckpt's ``ObjectStoreError`` (a request the server
-    failed after its retries, named with the server and the request)."""
+    """The client's own errors, jaxckpt's ``ObjectStoreError`` (a request the server failed
+    after its retries, named with the server and the request) and a request's deadline
+    passing with no answer (``TimeoutError``)."""
     from jaxckpt.errors import ObjectStoreError
 
-    return isinstance(exc, ObjectStoreError) or \
+    return isinstance(exc, (ObjectStoreError, TimeoutError)) or \
         type(exc).__module__.startswith(_CLIENT_ERROR_MODULES)
 
 

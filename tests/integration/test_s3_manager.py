@@ -214,7 +214,7 @@ def test_two_managers_racing_for_one_root_exactly_one_holds_it(root, options):
     held = [o for o in outcomes if isinstance(o, jaxckpt.CheckpointManager)]
     refused = [o for o in outcomes if isinstance(o, RootLockedError)]
     assert len(held) == 1 and len(refused) == 1, outcomes
-    assert "in use by another running job" in str(refused[0])
+    assert "another manager of this same process" in str(refused[0])
     held[0].close()
     manager(root, options).close()  # released: the root is free again
 

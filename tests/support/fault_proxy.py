@@ -17,7 +17,12 @@ headers ``If-None-Match`` and ``If-Match`` of S3, the ``ifGenerationMatch`` para
 ``answer`` maps an operation of ``OPERATIONS`` to the status the proxy answers it with, not
 forwarding it (``{"ListMultipartUploads": 501}``: a server without that operation).
 ``requests`` records (method, path with query, conditions sent) of every request seen.
-Imports nothing from the library.
+Server behaviours of the lease tests: ``no_conditional_delete`` answers a DELETE that carries
+a precondition (S3's ``If-Match``, GCS's ``ifGenerationMatch``) with 501 Not Implemented (as
+LocalStack's S3 does), counted in ``counts["not_implemented"]``; ``hold`` keeps every request
+from then on unanswered (a server that stopped answering, as under SIGSTOP) until it is
+switched off or the proxy closes, counting them in ``counts["held"]``. Imports nothing from
+the library.
 
 Concurrency: a threading HTTP server; the counters are guarded by a lock.
 """
@@ -32,6 +37,13 @@ import time
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 FAULTS = ("unavailable", "drop_before", "drop_after", "slow")
+#: The 501 of S3 (XML) and of GCS (JSON, the precondition in the query).
+_NOT_IMPLEMENTED = {
+    False: ("application/xml", b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>'
+            b"NotImplemented</Code><Message>A header you provided implies functionality that "
+            b"is not implemented</Message></Error>"),
+    True: ("application/json", b'{"error": {"code": 501, "message": "Not Implemented"}}')}
+
 #: The conditions of a conditional write: S3's headers, GCS's query parameter.
 CONDITIONS = frozenset({"If-None-Match", "If-Match", "ifGenerationMatch"})
 #: Operations ``answer`` can single out, told apart by (method, query parameters).
@@ -68,12 +80,15 @@ class FaultProxy:
     def __init__(self, target: str, *, seed: int = 0, rates: dict[str, float] | None = None,
                  slow_s: float = 0.3):
         self.rates = dict(rates or {})
-        self.counts = {name: 0 for name in ("forwarded", *FAULTS)}
+        self.counts = {name: 0 for name in ("forwarded", "held", "not_implemented", *FAULTS)}
         self.enabled = True
         self.fail_next = 0
         self.ignore_conditions: frozenset[str] = frozenset()
         self.answer: dict[str, int] = {}
         self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.no_conditional_delete = False
+        self.hold = False
+        self._unheld = threading.Event()
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         proxy = self
@@ -84,18 +99,27 @@ class FaultProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.hold:
+                    with proxy._lock:
+                        proxy.counts["held"] += 1
+                    while proxy.hold and not proxy._unheld.wait(0.05):
+                        pass
+                    self.close_connection = True
+                    return
+                gcs = "ifGenerationMatch=" in self.path
+                if proxy.no_conditional_delete and self.command == "DELETE" and (
+                        gcs or "If-Match" in self.headers):
+                    with proxy._lock:
+                        proxy.counts["not_implemented"] += 1
+                    self._send(501, *_NOT_IMPLEMENTED[gcs])
+                    return
                 path, headers, sent = _without_conditions(self.path, dict(self.headers),
                                                           frozenset(proxy.ignore_conditions))
                 with proxy._lock:
                     proxy.requests.append((self.command, self.path, sent))
                 status = proxy._answer_for(self.command, self.path)
                 if status:
-                    data = _error_body(status)
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    self._send(status, "application/xml", _error_body(status))
                     return
                 fault = proxy._draw()
                 if fault == "unavailable":
@@ -127,6 +151,13 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+
+            def _send(self, status: int, content_type: str, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
 
@@ -161,5 +192,6 @@ class FaultProxy:
             return fault
 
     def close(self) -> None:
+        self._unheld.set()
         self.server.shutdown()
         self.server.server_close()

@@ -59,8 +59,7 @@ def harness_seed() -> int:
 @dataclasses.dataclass(frozen=True)
 class ChainRoot:
     """Where a chain checkpoints: a local path, or an ``s3://`` / ``gs://`` URL whose client
-    ``options`` configures (its ``lease_s`` short, so that a killed job's lease expires
-    quickly)."""
+    ``options`` configures."""
 
     url: str
     options: dict[str, Any] | None = None
@@ -78,12 +77,6 @@ class ChainRoot:
         """``jaxckpt`` flags for the same client."""
         return [arg for key, value in (self.options or {}).items()
                 for arg in ("--storage-option", f"{key}={value}")]
-
-    def after_kill(self) -> None:
-        """Wait, as a scheduler restarting a job would, until a killed job's root lease has
-        expired (an object store's lease outlives its holder; a local flock does not)."""
-        if self.options:
-            time.sleep(float(self.options.get("lease_s", 30.0)) + 1.5)
 
     def committed(self) -> list[int]:
         return committed_steps(self.url, self.options)
@@ -296,8 +289,9 @@ def run_chain(job: Any, root: ChainRoot, planner: Planner, *, prefix: str = "",
                 f"{here}: jaxckpt verify"
             job.last_outcomes = outcomes
             return trials
+        # Restarted at once, as a scheduler does: a killed primary's root lease is taken
+        # over (its process on this host is gone).
         trials.append(Trial(plan, outcomes, before, after, root.entries(plan.step)))
-        root.after_kill()
     raise AssertionError(f"{where} {prefix}: the chain never ran to its end")
 
 

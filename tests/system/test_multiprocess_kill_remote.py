@@ -2,8 +2,9 @@
 JAX job and a 2-rank torch job checkpoint to an ``s3://`` root (a moto server this module
 starts on 127.0.0.1) or a ``gs://`` root (the GCS emulator behind the proxy that enforces
 ``ifGenerationMatch``, also started here); one process SIGKILLs itself at a point of a save,
-the survivor is killed after a grace period, both are started again once the killed job's
-root lease has expired (what a scheduler restarting the job would see), and the job must
+the survivor is killed after a grace period, both are started again at once (as a scheduler
+restarting the job does: the killed primary's root lease is taken over, its process being
+gone), and the job must
 resume bit-exactly against an uninterrupted run (on a local root), with every committed
 checkpoint verifying against its manifest after every segment and ``jaxckpt verify ROOT``
 passing at the end (``support.kill_chain.run_chain`` lists the checks).
@@ -50,8 +51,9 @@ from support.kill_chain import (  # noqa: E402
 from support.s3_server import moto_s3  # noqa: E402
 
 BUCKET = "jaxckpt-mp-kill"
-#: A short lease, so that a killed job's root is free a few seconds later (a late renewal
-#: on a loaded machine is harmless: nobody else takes the lease while the job lives).
+#: A short lease: a restarted job takes a killed one's over at once (its process is gone),
+#: and were that not seen, the lease would run out in seconds (a late renewal on a loaded
+#: machine is harmless: nobody else takes the lease while the job lives).
 LEASE = {"lease_s": 2.0, "heartbeat_s": 0.5}
 
 NewRoot = Callable[[], ChainRoot]

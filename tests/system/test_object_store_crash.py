@@ -31,7 +31,6 @@ import os
 import random
 import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -46,7 +45,10 @@ from support.paths import CRASH_WORKER, REPO
 
 BUCKET = "jaxckpt-crash"
 STEPS, SAVE_EVERY, KEEP, BALLAST = 12, 3, 1, 4  # saves at steps 2, 5, 8, 11
-LEASE = {"lease_s": 2.0, "heartbeat_s": 0.5}
+# A lease far longer than a run: each run starts at once after the kill of the one before,
+# as a restarting scheduler does; the killed job's lease is taken over at once (its process
+# on this host is gone), never waited out.
+LEASE = {"lease_s": 60.0, "heartbeat_s": 0.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,14 @@ def resumed_from(worker: Worker) -> int | None:
     return json.loads(tagged[0])["step"] if tagged else None
 
 
+def assert_took_over_at_once(worker: Worker, after_a_kill: bool) -> None:
+    """A run started right after a SIGKILL took the killed run's lease over without waiting
+    for it (the lease lasts a minute; the killed process is gone from this host)."""
+    if after_a_kill:
+        said = worker.stderr(limit=1 << 20)
+        assert "its process on this host is gone" in said and "waiting up to" not in said, said
+
+
 def kill_and_resume(store: ObjectStore, root: str, tmp: Path, kills: list[Kill]) -> None:
     """Run the worker on ``root``, SIGKILLed at each of ``kills`` in turn (each run resuming
     what the previous left), then to the end. After each kill: the committed checkpoints all
@@ -125,6 +135,7 @@ def kill_and_resume(store: ObjectStore, root: str, tmp: Path, kills: list[Kill])
     resumes from the newest committed one; at the end no partial prefix is left."""
     env = repo_env(**store.env)
     expected_from = None
+    was_killed = False
     for number, kill in enumerate(kills):
         killed = start(root, tmp, f"killed{number}", env, *kill.args())
         line = kill.line()
@@ -132,6 +143,8 @@ def kill_and_resume(store: ObjectStore, root: str, tmp: Path, kills: list[Kill])
         assert code == -signal.SIGKILL or (kill.point == "random" and code == 0), \
             (kill, killed.lines[-5:], killed.stderr())
         assert resumed_from(killed) == expected_from, (kill, killed.lines[:2])
+        assert_took_over_at_once(killed, was_killed)
+        was_killed = code == -signal.SIGKILL
         committed, partial = store.steps(root)
         assert committed, "no checkpoint committed before the kill"  # step 2 at least
         assert_committed_verify(store, root, committed)
@@ -140,11 +153,11 @@ def kill_and_resume(store: ObjectStore, root: str, tmp: Path, kills: list[Kill])
         elif kill.point == "after-marker":
             assert kill.step in committed, (kill, committed)
         # (before-manifest, random: the commit may or may not have got through.)
-        time.sleep(LEASE["lease_s"] + 1.0)  # the killed job's lease expires
         expected_from = committed[-1]
     resumed = start(root, tmp, "resumed", env)
     assert resumed.run() == 0, resumed.stderr()
     assert resumed_from(resumed) == expected_from, resumed.lines[:2]
+    assert_took_over_at_once(resumed, was_killed)
     committed, partial = store.steps(root)
     assert partial == [], "partial checkpoints left behind"
     assert committed[-1] == STEPS - 1, committed
