@@ -241,9 +241,7 @@ class CheckpointManager:
         self._pipeline.drain()
         self._pipeline.raise_unraised()
         if not self.recover_config.resume:
-            start_fresh(self._ctx)
-            if self._local is not None:
-                start_fresh(self._local.ctx)
+            start_fresh(self._ctx, *([self._local.ctx] if self._local is not None else []))
             return None
         result = self._restore(like, stateful=stateful, step=None, required=False, items=items,
                                partial=partial)

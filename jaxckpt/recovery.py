@@ -67,26 +67,31 @@ def _fetch_state_ahead(ahead: ReadAhead, checks: Verification, path: str,
                 and deferrable(rel, info, checks.defer_over))
 
 
-def start_fresh(ctx: ManagerContext) -> list[str]:
-    """``RecoverConfig(resume=False)``: the primary moves every committed checkpoint of
-    ``ctx``'s root to ``recover/superseded/`` and warns naming them, so that the run's new
-    saves (from step 0) are the root's only checkpoints: retention and "latest" would
-    otherwise prefer the older run's higher steps. Returns what was moved."""
-    moved = []
-    if ctx.primary:
-        for step in ctx.store.committed_steps():
-            path = ctx.store.step_path(step)
-            moved.append(f"{path} -> {ctx.store.quarantine(path, 'fresh')}")
-    # No process writes step 0 of the new run while the old one is still being moved.
-    ctx.barrier("jaxckpt.start_fresh", 600.0)
-    if moved:
-        warnings.warn(
-            f"not resuming: RecoverConfig(resume=False) (torchtune: resume_from_checkpoint: "
-            f"False) starts over although {ctx.store.recover_dir} holds "
-            f"{len(moved)} committed checkpoint(s); moved aside for inspection: "
-            + " | ".join(moved) + ". Set resume=True (resume_from_checkpoint: true) to "
-            "resume from them instead.", CheckpointWarning, stacklevel=3)
-    return moved
+def start_fresh(*contexts: ManagerContext) -> list[str]:
+    """``RecoverConfig(resume=False)``: on each tier's context (the durable root, then the
+    local tier's), the primary moves every committed checkpoint to ``recover/superseded/``
+    and warns naming them, so that the run's new saves (from step 0) are the root's only
+    checkpoints: retention and "latest" would otherwise prefer the older run's higher
+    steps. Returns what was moved."""
+    all_moved = []
+    for ctx in contexts:
+        moved = []
+        if ctx.primary:
+            for step in ctx.store.committed_steps():
+                path = ctx.store.step_path(step)
+                moved.append(f"{path} -> {ctx.store.quarantine(path, 'fresh')}")
+        # No process writes step 0 of the new run while the old one is still being moved.
+        ctx.barrier("jaxckpt.start_fresh", 600.0)
+        if moved:
+            warnings.warn(
+                f"not resuming: RecoverConfig(resume=False) (torchtune: "
+                f"resume_from_checkpoint: False) starts over although "
+                f"{ctx.store.recover_dir} holds {len(moved)} committed checkpoint(s); moved "
+                "aside for inspection: " + " | ".join(moved) + ". Set resume=True "
+                "(resume_from_checkpoint: true) to resume from them instead.",
+                CheckpointWarning, stacklevel=3)
+        all_moved += moved
+    return all_moved
 
 
 class Recovery:
