@@ -17,8 +17,7 @@ import pytest
 from jaxckpt import RootLockedError
 from jaxckpt.root_url import parse_root
 
-from support.fault_proxy import FaultProxy
-from support.object_stores import KINDS, object_store
+from support.object_stores import KINDS, fault_proxy_before, object_store
 from support.s3_server import CREDENTIALS, _start, _stop
 
 BUCKET = "jaxckpt-lease"
@@ -35,11 +34,8 @@ def store(request):
 
 @pytest.fixture
 def proxy(store):
-    front = FaultProxy(store.storage_options["endpoint_url"])
-    try:
+    with fault_proxy_before(store) as front:
         yield front
-    finally:
-        front.close()
 
 
 @pytest.fixture

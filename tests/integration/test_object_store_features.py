@@ -28,8 +28,8 @@ from jaxckpt.errors import (  # noqa: E402
     ObjectStoreError,
 )
 
-from support.fault_proxy import CONDITIONS, FaultProxy  # noqa: E402
-from support.object_stores import KINDS, object_store  # noqa: E402
+from support.fault_proxy import CONDITIONS  # noqa: E402
+from support.object_stores import KINDS, fault_proxy_before, object_store  # noqa: E402
 
 BUCKET = "jaxckpt-features"
 LEASE = {"lease_s": 3.0, "heartbeat_s": 0.5}
@@ -50,12 +50,8 @@ def store(request):
 
 @pytest.fixture
 def proxy(store):
-    # In front of what the client reaches: moto itself, or the GCS precondition proxy.
-    front = FaultProxy(store.storage_options["endpoint_url"])
-    try:
+    with fault_proxy_before(store) as front:
         yield front
-    finally:
-        front.close()
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ could never fail there). ``storage_options`` reach the server; ``env`` is the st
 environment through which a worker process finds it with no ``storage_options``
 (``AWS_ENDPOINT_URL`` and credentials; ``STORAGE_EMULATOR_HOST``). Both servers are stopped
 when the block ends. ``KINDS`` names the kinds whose client and server are installed.
+``fault_proxy_before(store)`` puts a ``support.fault_proxy.FaultProxy`` in front of what the
+client reaches (moto itself, or the GCS precondition proxy) for one test.
 
 Imports nothing from the library at module level.
 """
@@ -96,3 +98,15 @@ def object_store(kind: str, bucket: str) -> Iterator[ObjectStore]:
         finally:
             proxy.close()
 
+
+
+@contextlib.contextmanager
+def fault_proxy_before(store: ObjectStore) -> Iterator[Any]:
+    """A ``FaultProxy`` in front of ``store``'s endpoint, closed when the block ends."""
+    from support.fault_proxy import FaultProxy
+
+    front = FaultProxy(store.storage_options["endpoint_url"])
+    try:
+        yield front
+    finally:
+        front.close()
