@@ -12,17 +12,15 @@ from dataclasses import dataclass
 
 __all__ = ["OrbaxOptions", "DEFAULT_PACK_LEAF_BYTES", "DEFAULT_PACK_BYTES"]
 
-#: Leaves of at most this many bytes are packed (see ``_orbax_plan``). At ~2 ms of Orbax
-#: overhead per leaf and a host copy at >= 2 GB/s, packing wins for every leaf below a few
-#: MiB; 1 MiB keeps the extra host copy small for real models, whose bytes are in large
-#: leaves.
+#: Leaves of at most this many bytes are packed (see ``_orbax_plan``). Orbax's overhead per
+#: leaf is worth several MiB of host copy, so packing wins for every leaf below a few MiB;
+#: 1 MiB keeps the extra host copy small for real models, whose bytes are in large leaves.
 DEFAULT_PACK_LEAF_BYTES = 1 << 20
 #: Upper size of one pack array: several packs are written and read in parallel, and a
-#: restore never needs one huge contiguous buffer. 16, 32 and 64 MiB measured alike at
-#: 1 GiB (docs/performance.md); 8 MiB since the eighth round: at 128 MiB of small leaves,
-#: 32 MiB made 4-5 packs, fewer than the read threads, all finishing together, where 16
-#: packs keep every read thread busy and let the first packs be unpacked while the last
-#: are still read (``_orbax_read.Unpacker``).
+#: restore never needs one huge contiguous buffer. Sizes from 16 to 64 MiB measured alike
+#: at 1 GiB; 8 MiB because at small states larger packs are fewer than the read threads and
+#: all finish together, where many packs keep every read thread busy and let the first be
+#: unpacked while the last are still read (``_orbax_read.Unpacker``).
 DEFAULT_PACK_BYTES = 8 << 20
 
 
@@ -33,7 +31,7 @@ class OrbaxOptions:
 
     use_ocdbt: bool = False
     """Orbax's OCDBT container format. Off: one zarr array per leaf was the fastest on CPU
-    (docs/design.md "Measured facts", docs/performance.md)."""
+    (docs/design.md "Measured facts"; docs/performance.md, the settings table)."""
     use_zarr3: bool = True
     """zarr v3 array format."""
     use_compression: bool = False
@@ -54,14 +52,14 @@ class OrbaxOptions:
     reuse_host_buffers: bool = True
     """Keep the host buffers a save copies into (packs; numpy leaves of async saves) and
     copy into them again at the next save of the same layout. Fresh buffers cost page
-    faults that take longer than the copy itself (docs/performance.md); the price is one
+    faults that take longer than the copy itself; the price is one
     host copy of those leaves held between saves. False allocates per save and frees after
     the write."""
     native_io: bool = True
     """Single-process runs on a local filesystem write, and read back, the arrays with
     jaxckpt's own file I/O (``jaxckpt.zarr_io``) in the zarr3 layout Orbax + tensorstore
     produce, instead of through them: a third of the CPU per save, checksums computed on
-    the way, no read-back at commit (docs/performance.md). The files are Orbax's: Orbax
+    the way, no read-back at commit. The files are Orbax's: Orbax
     reads them, and arrays Orbax wrote are read natively when their layout is this one.
     (Large arrays may start a few bytes into their file, where their memory lines up with
     its blocks: ``zarr_io.data_offset``.) False: Orbax writes and reads everything, as with
@@ -72,14 +70,13 @@ class OrbaxOptions:
     io_threads: int = 4
     """Threads that write array files in parallel with ``native_io``. Each checksums a
     piece (copied into its aligned buffer first where the array's memory does not line up
-    with the file), then waits for the disk; four keep the disk busy (1 GiB: 0.73 s with 4,
-    0.80 s with 2, measured with every piece copied), and the training loop measured no
-    dearer with 4 than with 2 (docs/performance.md)."""
+    with the file), then waits for the disk; four keep the disk busy, and the training
+    loop measured no dearer with 4 than with 2
+    (benchmarks/results/save-restore-round4_cpu2core_2026-11-22.md)."""
     read_threads: int = 8
     """Threads that read array files in parallel with ``native_io``. Each reads a piece,
-    then checksums it: more reads in flight help a restore (1 GiB, medians of 10
-    alternating rounds: 0.51 s with 8, 0.54-0.61 s with 6, 0.61-0.93 s with 4; 0.64 s with
-    2), and nothing else runs then."""
+    then checksums it: more reads in flight help a restore up to about 8 on the
+    development disk, and nothing else runs then."""
 
     def __post_init__(self) -> None:
         for field, value in (("pack_leaf_bytes", self.pack_leaf_bytes),

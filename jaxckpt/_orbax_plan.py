@@ -6,7 +6,7 @@ array of its own and which goes into a pack at which offset, and how each leaf's
 fetched (:class:`WritePlan`, built by :func:`build_plan`); and the key that tells two
 layouts apart (:func:`layout_key`), by which the backend reuses plans.
 
-Why packs: Orbax spends about 2 ms of Python per leaf whatever its size (docs/design.md,
+Why packs: Orbax spends milliseconds of Python per leaf whatever its size (docs/design.md,
 "Measured facts"), so a state of thousands of small leaves (optimizer states, biases,
 norms) would cost seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes
 that this process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays, typed
@@ -42,8 +42,8 @@ from jaxckpt._orbax_tree import (
 
 #: Where a packed leaf's data starts in its pack, in bytes: a multiple of this. On CPU,
 #: jax adopts host memory aligned to 64 bytes without a copy, so a restore turns each
-#: leaf cut out of its pack into a jax.Array in a fraction of the time a copy takes
-#: (10,000 leaves: docs/performance.md). The padding costs at most 63 bytes a leaf.
+#: leaf cut out of its pack into a jax.Array in a fraction of the time a copy takes.
+#: The padding costs at most 63 bytes a leaf.
 PACK_ALIGN = 64
 
 

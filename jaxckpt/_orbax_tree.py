@@ -48,9 +48,9 @@ PY_SCALAR_CLASSES = frozenset(PY_SCALAR_TYPES.values())
 PY_SCALAR_DTYPE_KINDS = {"bool": "b", "int": "iu", "float": "f"}
 
 
-# Both are asked once per leaf and cost ~10 us each uncached (numpy's dtype.name and
-# issubdtype are Python code): with 10,000 leaves that was 0.2 s of every save's blocking
-# time. A state has a handful of distinct dtypes.
+# Both are asked once per leaf and are Python code (numpy's dtype.name and issubdtype):
+# uncached, thousands of leaves made them a visible part of every save's blocking time.
+# A state has a handful of distinct dtypes.
 @functools.lru_cache(maxsize=256)
 def is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
@@ -76,8 +76,8 @@ _new_tuple = tuple.__new__
 
 class SavedLeaf(NamedTuple):
     """One entry of tree.json. A named tuple rather than a frozen dataclass: a restore makes
-    one per saved leaf, and a tuple is made in a fraction of the time (10,000 leaves:
-    docs/performance.md, Eighth round)."""
+    one per saved leaf, and a tuple is made in a fraction of the time (many small leaves:
+    benchmarks/results/leaves-cost_cpu2core_2026-11-25.md)."""
 
     path: str
     """``jax.tree_util.keystr`` of the leaf's tree path: the key leaves are matched by."""
@@ -285,7 +285,7 @@ def tree_json_text(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> str
     """tree.json's text: one leaf per line, so that it stays readable and diffable.
 
     Built from per-line ``json.dumps`` calls, which use the C encoder: ``indent=`` switches
-    the whole document to the pure-Python encoder, 0.4 s for 10,000 leaves.
+    the whole document to the pure-Python encoder, slow with thousands of leaves.
     """
     version = (TREE_FORMAT_VERSION if any(entry.as_bytes for entry in entries) else
                PACKED_TREE_VERSION if packs else UNPACKED_TREE_VERSION)
@@ -334,7 +334,7 @@ def parse_leaves(leaves: list[dict[str, Any]], packs: list[dict[str, Any]],
     stored dtype. ValueError, KeyError or TypeError for anything else.
 
     One pass, the usual entry spelled out: it runs once per saved leaf, and a restore of
-    many small leaves reads tens of thousands (docs/performance.md, Tenth round (leaves))."""
+    many small leaves reads tens of thousands."""
     listed = _listed_packs(packs)
     checked: set[str] = set()  # packed leaves share a few names: match each once
     saved: dict[str, SavedLeaf] = {}

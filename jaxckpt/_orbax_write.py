@@ -126,10 +126,9 @@ def host_view(array: Any) -> np.ndarray:
 
     For a dtype numpy has no buffer format for (bfloat16, the float8s, int4: ml_dtypes),
     ``np.asarray`` finds no buffer, falls back to ``jax.Array.__array__``, which returns
-    ``np.asarray(array._value)``: the same array, at 1.2 times the cost of asking for
-    ``_value`` directly on a quiet thread and up to 2.5 times under load (docs/performance.md,
-    Tenth round (leaves)). Those dtypes ask for it; where it is missing, or for any other
-    dtype, ``np.asarray``."""
+    ``np.asarray(array._value)``: the same array, dearer than asking for ``_value``
+    directly, the more so under load (benchmarks/results/leaves-per-leaf_cpu2core_2026-11-25.md).
+    Those dtypes ask for it; where it is missing, or for any other dtype, ``np.asarray``."""
     if array.dtype.isbuiltin != 1:  # 2: a dtype of another library (ml_dtypes)
         value = getattr(array, "_value", None)
         if type(value) is np.ndarray:
@@ -156,7 +155,7 @@ def _fill_from(buffer: np.ndarray, pack: Any, members: list[Any], views: bool) -
 class HostBuffers:
     """The host buffers saves copy into (packs; numpy leaves of async saves), kept between
     saves when ``reuse`` (fresh buffers cost page faults that take longer than the copy
-    itself: docs/performance.md).
+    itself).
 
     Concurrency contract: not thread-safe; the backend calls it with its lock held. A buffer
     is handed out again only once the write that last used it is done (its handle says so).
@@ -184,7 +183,7 @@ class HostBuffers:
         pack, which the native writer runs on its I/O threads just before writing each
         pack, so that filling one pack overlaps writing the others; on CPU the host views
         of the packed jax.Arrays are taken there too. With thousands of small leaves this
-        is most of a save's cost per leaf (docs/performance.md, Eighth round)."""
+        is most of a save's cost per leaf."""
         used: list[_Slot] = []
         # Device arrays come to the host in one batch (transfers started together), not one
         # blocking transfer per leaf; on CPU this copies nothing.
@@ -356,9 +355,9 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         small("commit_success.txt", zarr_io.commit_success_text(final))
 
     def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
-        # Each array's directories and zarr.json are made on the I/O threads too: a
-        # mkdir or create takes 0.1-0.4 ms here, ~70 ms for 64 arrays, which on the
-        # caller's thread delayed the first large write by as much.
+        # Each array's directories and zarr.json are made on the I/O threads too: made on
+        # the caller's thread, one mkdir or create per array delayed the first large
+        # write by their sum.
         name, array = job
         fill = fills.get(name)
         if fill is not None:

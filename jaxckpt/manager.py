@@ -283,8 +283,8 @@ class CheckpointManager:
 
         ``state`` is the array state, or a function of no arguments that returns it
         (e.g. ``lambda: nnx.state((model, optimizer))``): called only when something is
-        due, so the steps between saves do not pay for building the state tree (~0.4 ms a
-        step for the demo's MLP and Adam, 1% of its step). ``epoch_end`` defaults to what
+        due, so the steps between saves do not pay for building the state tree.
+        ``epoch_end`` defaults to what
         ``step_info`` says (last step of its epoch, when ``steps_per_epoch`` is known).
         ``items``: auxiliary items (see the class docstring), only touched when a recovery
         checkpoint is due. Returns the reports of the saves started (often [])."""

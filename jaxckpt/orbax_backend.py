@@ -38,7 +38,8 @@ owns the same way, in Orbax's layout for a sharded array (``_orbax_shards``), on
 writer thread. Orbax writes and reads everything else: dtypes zarr_io does not store,
 shards that do not tile their array on a regular grid, arrays in another layout. Reading,
 each process of a run reads only the chunk files under its own devices.
-docs/performance.md has the measurements behind each of these choices.
+docs/performance.md lists these choices with a reason each; benchmarks/results/ has the
+measurements.
 
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
 again, and everything but the data follows from the layout: tree paths, classification, the
@@ -350,7 +351,7 @@ class OrbaxBackend:
     def _write_local(self, root: epath.Path, tree_json: str, save_args: Any) -> None:
         """The background half of a single-process async write (the writer thread).
 
-        Why not Orbax's AsyncCheckpointer here: its save() spends 10-20 ms on the caller's
+        Why not Orbax's AsyncCheckpointer here: its save() spends time on the caller's
         thread per call (an event loop, several new threads, futures) even when there is
         nothing to copy, and that is the training loop's time. Everything it would stage is
         already staged by HostBuffers.stage (host arrays: packs, copies of numpy leaves, and

@@ -224,8 +224,8 @@ def _stream_into(body: Any, out: memoryview,
 
     Straight from the socket where the body is plain bytes (no content encoding): the
     HTTP response under botocore's and urllib3's wrappers reads into ``out`` itself, where
-    their ``readinto`` reads into a new buffer and copies it over (measured: a fifth of
-    the CPU per byte, and faster on a loaded machine). The connection then goes back to
+    their ``readinto`` reads into a new buffer and copies it over (less CPU per byte, and
+    faster on a loaded machine). The connection then goes back to
     the pool as urllib3 would return it. Any other body goes through botocore."""
     raw: Any = getattr(body, "_raw_stream", None)
     direct: Any = getattr(raw, "_fp", None)

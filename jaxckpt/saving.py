@@ -189,7 +189,7 @@ class RecoverySaver:
         # The rules, so `jaxckpt ls` can say why each checkpoint is kept without the config.
         body["retention"] = RetentionRules.of(ctx.recover_config).to_json()
         # Compact separators keep json on its C encoder (indent= switches to the Python
-        # one: ~1.4 ms of a ~4 ms blocking time with RNG states inside).
+        # one, a visible share of the blocking time with RNG states inside).
         return DRIVER_FILE, json.dumps(body, separators=(",", ":")).encode()
 
     def _start_writes(self, path: str, state: Any, item_versions: dict[str, tuple[int, Any]],

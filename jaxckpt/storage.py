@@ -400,11 +400,11 @@ class PosixStorage(Storage):
             if not os.path.islink(full := os.path.join(dirpath, name))]
         directories = [dirpath for dirpath, _, _ in walked]
         directories.append(os.path.dirname(os.path.normpath(prefix)) or ".")
-        # All at once: every fsync here ends in a flush of the device's cache (about 1-3 ms
-        # on the development VM even for a directory with nothing left to write), and
-        # flushes in flight together are merged by the block layer. One at a time, the ~130
-        # directories of a checkpoint of 64 arrays took 0.08-0.37 s of a commit; 8 at a
-        # time, 0.01-0.02 s (docs/performance.md, Eighth round). The order does not matter:
+        # All at once: every fsync here ends in a flush of the device's cache, even for a
+        # directory with nothing left to write, and flushes in flight together are merged
+        # by the block layer, so a commit's ~130 directory fsyncs cost a fraction of their
+        # serial time (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md).
+        # The order does not matter:
         # nothing relies on a prefix before this returns (the commit marker comes after),
         # and a crash in between leaves it uncommitted whichever fsyncs landed.
         with ThreadPoolExecutor(max_workers=_SYNC_THREADS,

@@ -594,9 +594,8 @@ def _summarise_and_name(storage: Storage, path: str, rels: list[str],
     """``_summarise`` (the files ``rels`` checksummed and made durable) while every name
     below ``path`` is made durable (``Storage.sync(data=False)``): both are flushes of the
     device's cache that gain from being in flight together, neither needs the other, and
-    only the marker, created after this returns, needs both. One after the other, the
-    commit of 64 arrays took 81 ms; together, 54 ms (docs/performance.md, "Eleventh round
-    (savewrite)")."""
+    only the marker, created after this returns, needs both. Together they shorten the
+    commit by about a third (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxckpt-names") as names:
         named = names.submit(storage.sync, path, data=False)
         try:

@@ -29,11 +29,11 @@ zarr.json carries ``"attributes": {"jaxckpt": {"chunk_offset": N}}``, so that a 
 knows only offset 0, an older jaxckpt included, sees a layout it does not know and lets
 Orbax read the array. Everything else is byte for byte what tensorstore writes.
 
-Why not tensorstore for these (docs/performance.md has the figures): on the training
-loop's 72 MiB state, Orbax + tensorstore spent ~60 ms of CPU a save against ~22 ms for a
-plain buffered write of the same bytes; the commit then read every file back to checksum
-it. Here the bytes go to disk with ``O_DIRECT``: the device copies from our memory, so
-nothing is copied into the page cache (~5 ms of CPU), and the bytes are checksummed
+Why not tensorstore for these: Orbax + tensorstore spent several times the CPU of a
+plain buffered write of the same bytes a save, and the commit then read every file back
+to checksum it (benchmarks/results/save-restore-round2_cpu2core_2026-11-22.md).
+Here the bytes go to disk with ``O_DIRECT``: the device copies from our memory, so
+nothing is copied into the page cache, and the bytes are checksummed
 (crc32c) from the memory that is written, so the commit does not read them again. Each
 I/O thread has one reused bounce buffer backed by huge pages where the system gives them;
 then every piece of an array in jax's host memory is copied through it and written from
@@ -304,15 +304,14 @@ def fresh_blocks(nbytes: int) -> np.ndarray:
 
     Why not ``np.empty``: numpy asks for transparent huge pages (``MADV_HUGEPAGE``) on
     every allocation of 4 MiB or more, and where the kernel's THP setting is ``madvise``
-    (the usual default) that opts the buffer in to huge pages found or made at fault time.
-    On the development VM, 1 GiB read with ``O_DIRECT`` in a fresh process took 1.8-4.2 s
-    into such buffers against 1.05-1.3 s into these, the same files, taking turns
-    (docs/performance.md, Eighth round). A map we do not advise gets whatever the
-    system gives by default: 4 KiB pages here, huge pages without stalls where THP is
-    ``always``. Huge pages are cheaper when the memory was freed moments before (0.08
-    against 0.19 s of system CPU a 512 MiB read here), and dearer once the VM handed it
-    back to its host (up to 0.8 s), while 4 KiB pages cost about the same either way
-    (docs/performance.md, Tenth round (rawread)): a restarted job meets the second case."""
+    (the usual default) that opts the buffer in to huge pages found or made at fault time,
+    which made a cold ``O_DIRECT`` read in a fresh process slower by up to several times on
+    the development VM. A map we do not advise gets whatever the system gives by default:
+    4 KiB pages there, huge pages without stalls where THP is ``always``. Huge pages are
+    cheaper when the memory was freed moments before and dearer once the VM handed it back
+    to its host, while 4 KiB pages cost about the same either way: a restarted job meets
+    the second case (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md,
+    benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md)."""
     if nbytes < FRESH_MIN:
         return aligned_blocks(nbytes)
     # mmap's memory starts on a page boundary and is whole pages: ALIGN divides both.
@@ -348,11 +347,9 @@ def _bounce() -> tuple[np.ndarray, bool]:
     (``MADV_HUGEPAGE``): ``O_DIRECT`` hands the device the buffer's pages, and a request
     holds a bounded number of physically contiguous runs (254 on the development VM's
     virtio disk), so 4 KiB pages cut a write into requests of about 400 KiB where huge
-    pages make them 1-4 MiB. Written from jax's host memory (4 KiB pages), 256 MiB went
-    to the disk in about 700 requests, through this buffer in about 210; 512 MiB took
-    0.327 s through it against 0.379 s before, in turns (docs/performance.md, "Eleventh
-    round (savewrite)"). Python's ``mmap`` maps shared memory by default, which never gets
-    huge pages here: hence ``MAP_PRIVATE``."""
+    pages make them 1-4 MiB: a third as many requests, and a faster write
+    (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md). Python's ``mmap`` maps shared
+    memory by default, which never gets huge pages here: hence ``MAP_PRIVATE``."""
     found = getattr(_local, "bounce", None)
     if found is None:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -372,7 +369,7 @@ def _bounce() -> tuple[np.ndarray, bool]:
 def _huge_pages_at(address: int) -> bool:
     """Whether transparent huge pages back the memory mapping that holds ``address``
     (Linux: its ``AnonHugePages`` in ``/proc/self/smaps``); False where that cannot be
-    told. About 5 ms in a process using jax: asked once per thread."""
+    told. Reading smaps is slow in a process using jax: asked once per thread."""
     try:
         with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
             inside = False
@@ -557,24 +554,22 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     too: through the page cache it cost a copy, a dirty page for the fsync to write back,
     and 4 KiB of the array in the cache, per file. Checksums are taken in file order from
     the memory that is written; a piece written from the array's own memory is
-    checksummed on another thread during its write (the checksum of 1 GiB is about 0.1 s
-    of CPU: in turns with the writes it made the write 0.573 s against 0.532 s without
-    it, the floor 0.506 s; docs/performance.md, Eighth round, item 12).
+    checksummed on another thread during its write, so that the checksum's CPU overlaps
+    the disk (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md, item 12).
 
     Padding the last block and truncating the file afterwards costs more: shrinking to
     a size inside a block makes the filesystem zero the rest of that block in the page
-    cache, one more write and journal update per file (64 files of 16 MiB, 6 rounds on
-    4 threads: 0.73 s with the truncate, 0.67 s like this; docs/performance.md)."""
+    cache, one more write and journal update per file."""
     flat, offset = image.flat, image.offset
     whole = image.end - image.end % ALIGN
     bounce, huge = _bounce()
     aligned = (flat.ctypes.data - offset) % ALIGN == 0
     # A page-aligned array at offset 0 is one of our own buffers (staging, packs:
     # ``aligned_empty``, which numpy backs with huge pages from 4 MiB on): written from its
-    # own memory, as a copy would gain no larger requests. With the huge bounce, 17 packs
-    # of 8 MiB (10,000 leaves) saved in 0.23-0.25 s against 0.20-0.21 s without it, in
-    # turns (docs/performance.md, "Eleventh round (savewrite)"). jax's arrays sit at a
-    # nonzero offset (``data_offset``) in 4 KiB pages: those gain from the copy.
+    # own memory, as a copy would gain no larger requests: copying packs through the huge
+    # bounce made their save slower (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md).
+    # jax's arrays sit at a nonzero offset (``data_offset``) in 4 KiB pages: those gain
+    # from the copy.
     zero_copy = aligned and (not huge or offset == 0)
     # With zero copy, the block holding the leading zeros cannot come from the array:
     # it goes through the bounce buffer, the rest from the array's memory.

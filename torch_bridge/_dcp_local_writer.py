@@ -4,7 +4,7 @@ Owns: ``checksumming_writer(path)``, a ``FileSystemWriter`` whose streams feed e
 hands them to the commit's checksum on its way to the file, fsync the file when DCP closes
 it, and keep its manifest entry (size and checksum) in ``writer.fs.written`` by path. The
 commit takes those entries (``LocalDcpFiles.known_checksums``) instead of reading the data
-files back, which cost a second pass over every byte of a sync save (docs/performance.md).
+files back, which cost a second pass over every byte of a sync save.
 The bytes checksummed are the bytes written: DCP writes each file from its start to its end
 and never seeks back, which the stream checks (a stream that was sought in records nothing,
 and the commit then reads that file back as before).

@@ -393,8 +393,8 @@ def _fetch(storage: Storage, pool: concurrent.futures.Executor, path: str,
     ``piece`` bytes fetched on ``pool``; shorter where the object ends sooner."""
     # A map of our own in 4 KiB pages, as the JAX reader's (every byte is written before it
     # is read): numpy's np.empty asks for huge pages, whose cost on a VM that hands freed
-    # memory back to its host swings with the memory's history; a 256 MiB restore from moto
-    # took 0.77 s into np.empty against 0.45 s into this map (raw download 0.37 s).
+    # memory back to its host swings with the memory's history
+    # (benchmarks/results/dcp-s3-speed_cpu2core_2026-11-25.md).
     buffer = fresh_blocks(end - start)[:end - start]
     view = buffer.data
     spans = [(offset, min(end, offset + piece)) for offset in range(start, end, piece)]
@@ -487,8 +487,8 @@ def _fetch_files(storage: Storage, paths: dict[str, str],
 
 def _let_go(fetched: dict[str, list[tuple[int, Any]]]) -> None:
     """Drop the fetched buffers (``fetched`` is emptied) on a thread of their own: handing
-    128 MiB of pages back to the system (the buffer's ``munmap``, which releases the GIL)
-    took 5-15 ms here, which the restore need not wait for. The caller keeps no other
+    the pages back to the system (the buffer's ``munmap``, which releases the GIL) takes
+    time the restore need not wait for. The caller keeps no other
     reference to them."""
     buffers = [data for ranges in fetched.values() for _, data in ranges]
     fetched.clear()

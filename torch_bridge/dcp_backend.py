@@ -831,7 +831,7 @@ def _quiet_single_process_notice() -> None:
 
 def _resolve_checkpointer(choice: str, cuda: bool) -> str:
     if choice == "thread" or (choice == "auto" and not cuda):
-        # On CPU-only machines the checkpoint process's 4-8 s start-up is not worth it
+        # On CPU-only machines the checkpoint process's seconds of start-up are not worth it
         # (and deciding this imports nothing: DCP loads at the first save).
         return "thread"
     if not _has_process_checkpointer():

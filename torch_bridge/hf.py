@@ -651,8 +651,7 @@ def _copy_in_tiles(out: np.ndarray, source: np.ndarray) -> None:
     """``out[...] = source`` (casting as needed) for a ``source`` whose last two axes are a
     transposed view, copied in square tiles of the last two axes. numpy's own copy walks
     such a view against its memory order; with tiles both sides stay within a few cache
-    lines per row: 128 MiB of float32 (4096 x 8192) took 239 ms as one copy, 68 ms in 64 x 64
-    tiles; 64 MiB of bfloat16 200 ms, 74 ms in 128 x 128 tiles."""
+    lines per row, about three times faster for a transposed weight matrix."""
     if source.ndim < 2:
         out[...] = source
         return

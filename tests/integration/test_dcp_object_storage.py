@@ -377,7 +377,7 @@ def test_a_restore_from_s3_asks_for_the_data_before_checking_the_small_files(
 
 def test_a_restore_from_s3_lets_go_of_the_fetched_data_on_a_thread_of_its_own(
         options, root, monkeypatch):
-    # Handing a fetched file's pages back to the system (munmap: 5-15 ms for 128 MiB here)
+    # Handing a fetched file's pages back to the system (munmap)
     # happens beside the training thread, not before restore() returns.
     from jaxckpt import read_ahead
 
@@ -556,9 +556,9 @@ def test_a_whole_fetch_returns_the_object_as_it_is_whatever_the_metadata_says(ac
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc")
 def test_a_fetched_data_file_lies_in_memory_not_advised_for_huge_pages():
     # numpy's np.empty advises huge pages from 4 MiB on; on a VM that hands freed memory
-    # back to its host those cost several times a 4 KiB page's (docs/performance.md, Tenth
-    # round (rawread)): a 256 MiB restore from moto took 0.77 s into np.empty against
-    # 0.45 s into the reader's own map. The fetch buffer is one of the restore's own maps.
+    # back to its host those cost several times a 4 KiB page's
+    # (benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md). The fetch buffer is one of
+    # the restore's own maps.
     import concurrent.futures
 
     from torch_bridge import _dcp_storage

@@ -120,8 +120,8 @@ def test_sync_fsyncs_every_file_and_directory_and_the_parent(storage, base, monk
 
 def test_sync_keeps_several_directory_fsyncs_in_flight(storage, base, monkeypatch):
     """Each fsync waits for a flush of the device's cache; issued together they share
-    flushes (docs/performance.md, Eighth round). One at a time, no two callers ever meet at
-    this barrier and it breaks."""
+    flushes (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md). One at a
+    time, no two callers ever meet at this barrier and it breaks."""
     import threading
 
     from jaxckpt import storage as storage_module

@@ -282,8 +282,9 @@ def numpy_advises_huge_pages():
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
 def test_a_restore_reads_into_memory_it_hands_over_without_advising_huge_pages(
         tmp_path, numpy_advises_huge_pages, monkeypatch):
-    # Huge pages asked for at fault time cost a restore 1.5-4x the read here (fresh memory
-    # on a VM; docs/performance.md, Eighth round), so the read buffers do not ask; and jax
+    # Huge pages asked for at fault time cost a restore several times the read here (fresh
+    # memory on a VM; benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md), so the
+    # read buffers do not ask; and jax
     # adopts them as they are, so no byte is copied after the read.
     read_into: list[tuple[int, int]] = []
     real_read = zarr_io.read_chunk
@@ -424,9 +425,10 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
         tmp_path, monkeypatch, past_page, offset):
     """Where huge pages back the thread's bounce buffer, every O_DIRECT write of an array
     in jax's memory (a nonzero offset) comes from it: the device then gets a few large
-    requests where the array's own 4 KiB pages make many small ones (docs/performance.md,
-    "Eleventh round (savewrite)"). One of our own page-aligned buffers at offset 0
-    (staging, packs: numpy's huge pages) is written from its own memory, with no copy.
+    requests where the array's own 4 KiB pages make many small ones
+    (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md). One of our own
+    page-aligned buffers at offset 0 (staging, packs: numpy's huge pages) is written from
+    its own memory, with no copy.
     The checksum is that of the bytes written either way."""
     bounce_of_kind(monkeypatch, True)
     nbytes = 2 * PIECE + 3 * ALIGN + 100
