@@ -41,7 +41,7 @@ from jaxckpt._orbax_process import barrier
 from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
 from jaxckpt._orbax_write import host_arrays, write_native
 from jaxckpt.array_files import ArrayFiles
-from jaxckpt.checksum import default_algorithm
+from jaxckpt.core.checksum import default_algorithm
 
 __all__ = ["ShardedArray", "filling", "native_writer", "stage_shards", "write_shards"]
 

@@ -21,15 +21,15 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt.errors import CheckpointCorruptError, CodecError
-from jaxckpt.layout import TREE_FILE
-from jaxckpt.tree_record import (
+from jaxckpt.core.layout import TREE_FILE
+from jaxckpt.core.tree_record import (
     PACKED_TREE_VERSION,
     TREE_FORMAT,
     TREE_FORMAT_VERSION,
     UNPACKED_TREE_VERSION,
     parse_tree_record,
 )
+from jaxckpt.errors import CheckpointCorruptError, CodecError
 
 ARRAYS_DIR = "arrays"
 ZARR_JSON = "zarr.json"

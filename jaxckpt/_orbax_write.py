@@ -32,7 +32,7 @@ from jaxckpt import zarr_io
 from jaxckpt._orbax_plan import WritePlan, fill_pack, pack_length
 from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
 from jaxckpt.array_files import ArrayFiles
-from jaxckpt.checksum import default_algorithm
+from jaxckpt.core.checksum import default_algorithm
 from jaxckpt.errors import CheckpointWriteError
 
 __all__ = ["OrbaxWriteHandle", "HostBuffers", "host_arrays", "type_handler_registry",

@@ -44,7 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from . import zarr_io
-from .checksum import default_algorithm, extend
+from .core.checksum import default_algorithm, extend
 from .errors import CheckpointCorruptError
 from .storage import Storage
 

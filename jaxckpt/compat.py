@@ -47,8 +47,8 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from .config import Every, ExportConfig, RecoverConfig, RecoverMode, SaveMode
+from .core.extras import requires_extra
 from .errors import CheckpointWarning, ConfigError
-from .extras import requires_extra
 
 __all__ = ["ManagerSpec", "load_config", "from_areal", "from_torchtune"]
 

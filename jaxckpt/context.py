@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from .backend import Backend
 from .config import ExportConfig, RecoverConfig
+from .core.policy import SaveTrigger
 from .pins import Pins
-from .policy import SaveTrigger
 from .store import CheckpointStore
 
 if TYPE_CHECKING:

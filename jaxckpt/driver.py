@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import codec, loader_state
+from . import loader_state
 from ._version import __version__
 from .config import StepInfo
+from .core import codec
+from .core.layout import DRIVER_FILE, local_driver_filename
 from .errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -42,7 +44,6 @@ from .errors import (
     CodecError,
     ConfigError,
 )
-from .layout import DRIVER_FILE, local_driver_filename
 
 if TYPE_CHECKING:
     from .store import CheckpointStore

@@ -25,10 +25,10 @@ from typing import Any
 
 from .config import ExportConfig, StepInfo
 from .context import ManagerContext
+from .core.layout import export_dirname
+from .core.policy import steps_to_delete
 from .errors import CheckpointWarning, ConfigError
-from .layout import export_dirname
 from .pipeline import SavePipeline
-from .policy import steps_to_delete
 from .reports import SaveReport
 
 __all__ = ["Exporter", "export_record"]

@@ -54,8 +54,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .checksum import extend
-from .extras import requires_extra
+from .core.checksum import extend
+from .core.extras import requires_extra
 from .storage import ReadHolds, RootLease, Storage, object_name
 
 __all__ = ["GCSStorage", "Tries", "gcs_client", "is_transient", "split_gs_url"]

@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from .core.extras import requires_extra
 from .errors import ConfigError, TreeMismatchError
-from .extras import requires_extra
 
 with requires_extra("jax", "jaxckpt.llm (the Flax reference decoders)"):
     import jax

@@ -39,11 +39,11 @@ from .arguments import check_arguments, check_step_info
 from .backend import Backend
 from .config import Every, ExportConfig, LocalTier, RecoverConfig, StepInfo, check_item_cadences
 from .context import ManagerContext
+from .core.policy import SaveTrigger, resolve_mode, writes_periodic
 from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
 from .pins import Pins
 from .pipeline import SavePipeline
-from .policy import SaveTrigger, resolve_mode, writes_periodic
 from .preemption import Preemption
 from .recovery import Recovery, start_fresh
 from .reports import Recovered, SaveReport

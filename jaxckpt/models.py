@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .extras import requires_extra
+from .core.extras import requires_extra
 from .llm import GPT2, Llama, from_config, load_params, params_of
 
 with requires_extra("jax", "jaxckpt.models (the Flax reference models)"):

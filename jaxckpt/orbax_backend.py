@@ -64,7 +64,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from jaxckpt.extras import requires_extra
+from jaxckpt.core.extras import requires_extra
 
 with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without backend=)"):
     import jax

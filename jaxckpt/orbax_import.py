@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from .core.extras import requires_extra
 from .errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -33,7 +34,6 @@ from .errors import (
     CheckpointWarning,
     ConfigError,
 )
-from .extras import requires_extra
 from .root_url import root_scheme
 
 __all__ = ["import_orbax"]

@@ -21,8 +21,8 @@ import json
 import os
 import threading
 
+from .core.layout import PINS_FILE
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
-from .layout import PINS_FILE
 from .store import CheckpointStore
 
 __all__ = ["Pins", "PINS_FORMAT"]

@@ -31,8 +31,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from .checksum import extend
-from .manifest import algorithm_of
+from .core.checksum import extend
+from .core.manifest import algorithm_of
 from .storage import Storage
 
 __all__ = ["Fetched", "ReadAhead"]

@@ -16,7 +16,7 @@ import os
 import threading
 from typing import Any
 
-from .manifest import algorithm_of, checksum_problem
+from .core.manifest import algorithm_of, checksum_problem
 from .read_ahead import Fetched, ReadAhead
 
 __all__ = ["ReadClaims"]

@@ -35,6 +35,8 @@ from typing import Any
 from . import driver as drv, verification
 from .config import StepInfo
 from .context import ManagerContext
+from .core.layout import STATE_DIR
+from .core.manifest import Manifest, deferrable
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -42,8 +44,6 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointWarning,
 )
-from .layout import STATE_DIR
-from .manifest import Manifest, deferrable
 from .read_ahead import ReadAhead
 from .read_claims import ReadClaims
 from .reports import Recovered
@@ -425,6 +425,6 @@ class Recovery:
             drv.restore_global_rng(local.get("rng") or {}, path)
         backend_rng = local.get("backend_rng")
         if backend_rng is not None:
-            from . import codec
+            from .core import codec
 
             self._ctx.backend.set_rng_state(codec.decode(backend_rng, "backend_rng"))

@@ -18,8 +18,7 @@ import os
 import re
 from typing import Literal
 
-from .errors import CheckpointRootError
-from .layout import (
+from .core.layout import (
     COMMIT_MARKER,
     DRIVER_FILE,
     EXPORT,
@@ -33,6 +32,7 @@ from .layout import (
     parse_step_dirname,
     parse_version_dirname,
 )
+from .errors import CheckpointRootError
 from .storage import Storage
 
 __all__ = ["PathKind", "foreign_entries", "foreign_objects", "check_root", "classify_path"]

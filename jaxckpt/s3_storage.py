@@ -52,7 +52,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .checksum import extend
+from .core.checksum import extend
 from .errors import CheckpointWarning, ObjectStoreError
 from .joined_reader import JoinedReader
 from .storage import ObjectWriter, ReadHolds, RootLease, Storage, object_name

@@ -48,11 +48,11 @@ from typing import Any
 from . import driver as drv
 from .config import Every, StepInfo, Versioned, check_item_name, item_version
 from .context import ManagerContext
+from .core.layout import DRIVER_FILE, STATE_DIR
+from .core.retention import CheckpointFacts, RetentionRules, decide
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
-from .layout import DRIVER_FILE, STATE_DIR
 from .pipeline import SavePipeline
 from .reports import SaveReport, mark_done
-from .retention import CheckpointFacts, RetentionRules, decide
 from .store import write_file_soon
 
 __all__ = ["RecoverySaver", "resolve_state", "known_checksums"]

@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from .checksum import extend, file_checksum
+from .core.checksum import extend, file_checksum
+from .core.layout import LOCK_FILE, tmp_name
 from .errors import RootLockedError
-from .layout import LOCK_FILE, tmp_name
 
 __all__ = ["Storage", "PosixStorage", "ReadHolds", "object_name", "ObjectWriter", "RootLease",
            "RootLock", "fsync_file", "fsync_dir", "atomic_write"]

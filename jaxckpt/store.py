@@ -41,9 +41,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from . import store_objects
-from .checksum import default_algorithm
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
-from .layout import (
+from .core.checksum import default_algorithm
+from .core.layout import (
     COMMIT_MARKER,
     EXPORT,
     ITEMS,
@@ -60,7 +59,7 @@ from .layout import (
     tmp_name,
     version_dirname,
 )
-from .manifest import (
+from .core.manifest import (
     DEFER_CHECKSUMS_OVER,
     Manifest,
     algorithm_of,
@@ -72,6 +71,7 @@ from .manifest import (
     unlisted_problem,
     unreadable_problem,
 )
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 from .read_claims import ReadClaims
 from .roots import foreign_entries
 from .storage import PosixStorage, RootLease, RootLock, Storage

@@ -29,8 +29,8 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from .checksum import RunningChecksum
-from .layout import parse_export_dirname
+from .core.checksum import RunningChecksum
+from .core.layout import parse_export_dirname
 
 if TYPE_CHECKING:
     from .store import CheckpointStore

@@ -41,6 +41,8 @@ from typing import Any
 from .backend import Backend
 from .config import Every, LocalTier, RecoverConfig, StepInfo
 from .context import ManagerContext
+from .core.layout import TIER_FILE
+from .core.policy import SaveTrigger
 from .errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -49,9 +51,7 @@ from .errors import (
     CheckpointWarning,
     ConfigError,
 )
-from .layout import TIER_FILE
 from .pipeline import SavePipeline
-from .policy import SaveTrigger
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
 from .root import prepare_root

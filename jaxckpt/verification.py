@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .config import RecoverConfig
+from .core.layout import DRIVER_FILE
+from .core.manifest import DEFER_CHECKSUMS_OVER, Manifest
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
-from .layout import DRIVER_FILE
-from .manifest import DEFER_CHECKSUMS_OVER, Manifest
 from .read_claims import ReadClaims
 from .store import CheckpointStore, OnManifest
 

@@ -39,8 +39,8 @@ import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .core.layout import tmp_name
 from .errors import CheckpointWarning, ConditionalWritesError, ConfigError
-from .layout import tmp_name
 from .root_url import root_scheme
 
 if TYPE_CHECKING:

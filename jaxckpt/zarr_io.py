@@ -86,7 +86,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
-from .checksum import extend
+from .core.checksum import extend
 from .errors import CheckpointCorruptError
 
 __all__ = [

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from jaxckpt.checksum import RunningChecksum
+from jaxckpt.core.checksum import RunningChecksum
 
 __all__ = ["checksumming_writer"]
 

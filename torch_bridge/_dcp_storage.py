@@ -38,14 +38,14 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from jaxckpt.checksum import RunningChecksum, extend, file_checksum
+from jaxckpt.core.checksum import RunningChecksum, extend, file_checksum
+from jaxckpt.core.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
 from jaxckpt.joined_reader import SeekableReader
-from jaxckpt.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import Storage, fsync_dir
 from jaxckpt.zarr_io import fresh_blocks

@@ -21,7 +21,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from jaxckpt.checksum import RunningChecksum
+from jaxckpt.core.checksum import RunningChecksum
 from jaxckpt.storage import Storage
 
 __all__ = ["UploadStream"]

@@ -39,16 +39,16 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from jaxckpt import codec
 from jaxckpt.backend import BackendFeatures
+from jaxckpt.core import codec
+from jaxckpt.core.extras import requires_extra
+from jaxckpt.core.layout import OBJECTS_FILE
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointWarning,
     ConfigError,
     TreeMismatchError,
 )
-from jaxckpt.extras import requires_extra
-from jaxckpt.layout import OBJECTS_FILE
 from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage import Storage
 

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import __version__
+from jaxckpt.core.extras import requires_extra
 from jaxckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -67,7 +68,6 @@ from jaxckpt.errors import (
     ConfigError,
     TreeMismatchError,
 )
-from jaxckpt.extras import requires_extra
 from jaxckpt.storage import fsync_dir, fsync_file
 
 from ._hf_config import GENERATION_CONFIG_FILE, config_files

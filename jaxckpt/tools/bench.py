@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.extras import requires_extra
+from jaxckpt.core.extras import requires_extra
 from jaxckpt.storage import fsync_file
 
 from .bench_local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
@@ -922,7 +922,7 @@ class _Bench:
         return report
 
     def jaxckpt_rows(self, state: Any, prefix: str) -> None:
-        from jaxckpt.layout import STATE_DIR
+        from jaxckpt.core.layout import STATE_DIR
 
         name = prefix or "main"
         manager = self.jaxckpt_manager(name)

@@ -97,7 +97,7 @@ def _read_file(path: str, size: int, memory: Callable[[int], np.ndarray],
                checksum: bool) -> np.ndarray:
     """``bench._raw_read_direct``'s read (8 MiB ``preadv``, ``O_DIRECT``) into ``memory``,
     with the restore's checksum on the way when asked."""
-    from jaxckpt.checksum import extend
+    from jaxckpt.core.checksum import extend
 
     out = memory(size)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -132,7 +132,7 @@ class _Checkpoint:
 
     def __init__(self, root: str, mib: int, leaves: int):
         import jaxckpt
-        from jaxckpt.layout import STATE_DIR
+        from jaxckpt.core.layout import STATE_DIR
 
         state = bench._jax_state(bench._leaf_arrays(bench._random_bytes(mib * _MiB, 0),
                                                     leaves))

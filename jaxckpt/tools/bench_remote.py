@@ -76,7 +76,7 @@ def run_remote_bench(config: RemoteBenchConfig,
                      storage_options: Mapping[str, Any] | None = None, *,
                      log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run every round; returns seconds per row and round, the ratios and their summary."""
-    from jaxckpt.extras import requires_extra
+    from jaxckpt.core.extras import requires_extra
 
     with requires_extra("jax", "jaxckpt bench --root"):
         import jax

@@ -256,7 +256,7 @@ def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
     second did not."""
     import concurrent.futures
 
-    from jaxckpt.layout import STATE_DIR
+    from jaxckpt.core.layout import STATE_DIR
     from jaxckpt.tools.bench import _files_under
 
     files = _files_under(os.path.join(path, STATE_DIR))
@@ -402,7 +402,7 @@ def run_scale(config: ScaleConfig, *,
     "targets"}`` (what ``format_scale`` prints; JSON-ready)."""
     import sys
 
-    from jaxckpt.extras import requires_extra
+    from jaxckpt.core.extras import requires_extra
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

@@ -184,10 +184,10 @@ def _retention_column(store: Any, entries: Sequence[Any]) -> tuple[dict[int, str
     recorded in its driver.json. Partial directories get no entry (start-up removes them).
     Also returns a note to print when the rules or the pins could not be read. The CLI cannot
     see restores in progress, so "being-read" never shows here."""
+    from jaxckpt.core.retention import CheckpointFacts, RetentionRules, decide
     from jaxckpt.driver import read_driver
     from jaxckpt.errors import CheckpointError
     from jaxckpt.pins import Pins
-    from jaxckpt.retention import CheckpointFacts, RetentionRules, decide
 
     notes = []
     try:
@@ -236,8 +236,8 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(opts: argparse.Namespace) -> int:
+    from jaxckpt.core.layout import COMMIT_MARKER
     from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-    from jaxckpt.layout import COMMIT_MARKER
     from jaxckpt.store import CheckpointStore
 
     from .remote_cli import is_url, remote_verify
@@ -367,9 +367,9 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     ``store``: the one holding ``path`` (object stores)."""
     import json
 
+    from jaxckpt.core.layout import DRIVER_FILE
     from jaxckpt.driver import read_driver
     from jaxckpt.errors import CheckpointCorruptError, CheckpointError
-    from jaxckpt.layout import DRIVER_FILE
     from jaxckpt.store import CheckpointStore
 
     store = CheckpointStore(os.path.dirname(path)) if store is None else store
@@ -425,9 +425,9 @@ def _rng_names(local: dict, backend: Any) -> list[str]:
 
 
 def _add_leaves(info: dict, path: str, storage: Any) -> None:
+    from jaxckpt.core.layout import OBJECTS_FILE, STATE_DIR, TREE_FILE
+    from jaxckpt.core.tree_record import leaf_nbytes, parse_tree_record
     from jaxckpt.errors import CheckpointError
-    from jaxckpt.layout import OBJECTS_FILE, STATE_DIR, TREE_FILE
-    from jaxckpt.tree_record import leaf_nbytes, parse_tree_record
 
     state_dir = os.path.join(path, STATE_DIR)
     if info.get("backend") == "dcp" or storage.exists(os.path.join(state_dir, OBJECTS_FILE)):
@@ -451,8 +451,8 @@ def _add_dcp_tensors(info: dict, state_dir: str, storage: Any) -> None:
     ``info`` lists a torch checkpoint with neither torch nor any array data."""
     import json
 
-    from jaxckpt.layout import OBJECTS_FILE, STATE_DIR
-    from jaxckpt.tree_record import leaf_nbytes
+    from jaxckpt.core.layout import OBJECTS_FILE, STATE_DIR
+    from jaxckpt.core.tree_record import leaf_nbytes
 
     where = f"{STATE_DIR}/{OBJECTS_FILE}"
     try:

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.extras import check_extra
+from jaxckpt.core.extras import check_extra
 
 __all__ = ["SyntheticLoader", "train", "run_demo", "main", "save_final_npz", "compare_npz"]
 

@@ -157,9 +157,9 @@ class _Attrs:
 def _tree_document(store: Any, state_dir: str) -> dict[str, Any]:
     """The backend's tree.json of ``state_dir``, read through ``store``'s storage (a local
     directory or an object-store prefix); export-hf reads Orbax-backend checkpoints only."""
-    from jaxckpt.layout import TREE_FILE
+    from jaxckpt.core.layout import TREE_FILE
+    from jaxckpt.core.tree_record import parse_tree_record, read_tree_record
     from jaxckpt.storage import PosixStorage
-    from jaxckpt.tree_record import parse_tree_record, read_tree_record
 
     if isinstance(store.storage, PosixStorage):
         return read_tree_record(state_dir)
@@ -179,8 +179,8 @@ def _like_from_tree_json(state_dir: str, document: Mapping[str, Any] | None = No
     import jax
     import jax.numpy as jnp
 
-    from jaxckpt.layout import TREE_FILE
-    from jaxckpt.tree_record import read_tree_record
+    from jaxckpt.core.layout import TREE_FILE
+    from jaxckpt.core.tree_record import read_tree_record
 
     tree_file = os.path.join(state_dir, TREE_FILE)  # named in the errors below
     if document is None:
@@ -225,8 +225,8 @@ def _read_checkpoint(step_dir: str, store: Any
                      ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Every leaf of a recovery checkpoint's array state, by saved tree path, read through
     ``store`` (the backend is handed an object-store root's storage)."""
-    from jaxckpt.extras import requires_extra
-    from jaxckpt.layout import STATE_DIR
+    from jaxckpt.core.extras import requires_extra
+    from jaxckpt.core.layout import STATE_DIR
 
     with requires_extra("jax", "jaxckpt export-hf (it reads the checkpoint with Orbax)"):
         import jax
@@ -304,7 +304,7 @@ def _open_checkpoint(checkpoint: str, storage_options: Mapping[str, Any] | None
     names or None for a root): a local path, or an ``s3://`` / ``gs://`` URL of a root or of
     one ``ROOT/recover/step_N`` (its storage made from ``storage_options`` and the
     environment, ``jaxckpt.root_url.parse_root``). Nothing is created anywhere."""
-    from jaxckpt.layout import COMMIT_MARKER, RECOVER, parse_step_dirname
+    from jaxckpt.core.layout import COMMIT_MARKER, RECOVER, parse_step_dirname
     from jaxckpt.root_url import is_url, parse_root
     from jaxckpt.store import CheckpointStore
 

@@ -126,8 +126,8 @@ def refuse_url(command: str, path: str, role: str | None = None) -> int:
 def _open(command: str, url: str, options: dict[str, Any] | None = None):
     """(store, [checkpoint paths]) for an object-store root or checkpoint URL, or an exit
     code after saying why not. ``options``: the ``storage_options``."""
+    from jaxckpt.core.layout import RECOVER, parse_step_dirname
     from jaxckpt.errors import CheckpointRootError
-    from jaxckpt.layout import RECOVER, parse_step_dirname
     from jaxckpt.root_url import parse_root
     from jaxckpt.store import CheckpointStore
 

@@ -30,7 +30,7 @@ from jaxckpt import (  # noqa: E402
     StepInfo,
     s3_storage,  # noqa: E402
 )
-from jaxckpt.layout import COMMIT_MARKER  # noqa: E402
+from jaxckpt.core.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.root_url import parse_root  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
 from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
@@ -331,7 +331,8 @@ def test_a_restore_from_s3_asks_for_the_data_before_checking_the_small_files(
     # verification's GET of driver.json waits (up to 20 s) for the data to have been asked
     # for: in the old order it never was by then. The data's checksum is computed as its
     # pieces land (never over the whole file once it is in), still before DCP loads it.
-    from jaxckpt import checksum, read_ahead
+    from jaxckpt import read_ahead
+    from jaxckpt.core import checksum
     from torch_bridge import _dcp_storage
 
     state, _, _ = training()

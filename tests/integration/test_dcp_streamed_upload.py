@@ -18,7 +18,7 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 torch = pytest.importorskip("torch")
 
-from jaxckpt.checksum import default_algorithm  # noqa: E402
+from jaxckpt.core.checksum import default_algorithm  # noqa: E402
 from jaxckpt.root_url import parse_root  # noqa: E402
 from torch_bridge import DcpBackend  # noqa: E402
 

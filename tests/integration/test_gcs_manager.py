@@ -20,7 +20,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt.layout import COMMIT_MARKER, step_dirname  # noqa: E402
+from jaxckpt.core.layout import COMMIT_MARKER, step_dirname  # noqa: E402
 
 from support.fault_proxy import FAULTS, FaultProxy  # noqa: E402
 from support.gcs_server import PreconditionProxy, emulator  # noqa: E402

@@ -24,8 +24,8 @@ pytest.importorskip("google.cloud.storage")
 pytest.importorskip("gcp_storage_emulator")
 
 from jaxckpt import RootLockedError  # noqa: E402
+from jaxckpt.core.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.gcs_storage import GCSStorage  # noqa: E402
-from jaxckpt.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.storage import Storage  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
 

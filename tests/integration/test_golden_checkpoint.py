@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxckpt.layout import COMMIT_MARKER
-from jaxckpt.manifest import Manifest
+from jaxckpt.core.layout import COMMIT_MARKER
+from jaxckpt.core.manifest import Manifest
 from jaxckpt.store import CheckpointStore
 
 GOLDEN = Path(__file__).parent / "data" / "golden_root"

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jaxckpt.layout import TMP_PREFIX
+from jaxckpt.core.layout import TMP_PREFIX
 from jaxckpt.storage import PosixStorage, RootLock, Storage
 
 from support import storage_contract

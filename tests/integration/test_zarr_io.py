@@ -25,7 +25,7 @@ from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same
 
 from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo, zarr_io
 from jaxckpt.array_files import LocalArrayFiles
-from jaxckpt.checksum import default_algorithm, file_checksum
+from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.store import CheckpointStore, ReadClaims

@@ -151,7 +151,7 @@ def train(jax: Any, opts: argparse.Namespace, root: str, log_path: str, final: s
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import jaxckpt
-    from jaxckpt.layout import COMMIT_MARKER
+    from jaxckpt.core.layout import COMMIT_MARKER
 
     random.seed(100 + opts.index)
     np.random.seed(200 + opts.index)

@@ -61,7 +61,7 @@ class ObjectStore:
 
     def steps(self, root: str) -> tuple[list[int], list[int]]:
         """(committed steps, steps with objects but no marker) under ``root``/recover."""
-        from jaxckpt.layout import COMMIT_MARKER, parse_step_dirname
+        from jaxckpt.core.layout import COMMIT_MARKER, parse_step_dirname
 
         storage = self.storage(root)
         committed, partial = [], []

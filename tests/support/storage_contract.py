@@ -22,7 +22,7 @@ import zlib
 import pytest
 
 from jaxckpt import RootLockedError
-from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.core.checksum import default_algorithm, extend
 
 
 def _join(base: str, *names: str) -> str:

@@ -48,7 +48,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from jaxckpt import Every, RecoverConfig, StepInfo
-from jaxckpt.layout import COMMIT_MARKER
+from jaxckpt.core.layout import COMMIT_MARKER
 from torch_bridge import DcpBackend, DcpCheckpointManager
 from torch_bridge.dcp_backend import DcpWriteHandle
 

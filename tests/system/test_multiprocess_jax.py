@@ -350,7 +350,7 @@ def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
     the arrays, and one process reads every chunk natively (each file claimed)."""
     import orbax.checkpoint as ocp
 
-    from jaxckpt.checksum import default_algorithm
+    from jaxckpt.core.checksum import default_algorithm
     from jaxckpt.orbax_backend import OrbaxBackend
     from jaxckpt.store import ReadClaims
 

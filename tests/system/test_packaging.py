@@ -176,7 +176,7 @@ def test_a_test_module_runs_from_the_unpacked_sdist(dists):
     unpacked = dists["unpacked"]
     env = dict(os.environ, PYTHONPATH=str(unpacked))
     out = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-              "tests/unit/test_architecture.py", "tests/unit/test_extras.py", cwd=unpacked,
+              "tests/unit/test_architecture.py", "tests/unit/core/test_extras.py", cwd=unpacked,
               env=env)
     assert " passed" in out and "failed" not in out
 

@@ -2,17 +2,25 @@
 
 Rules, each with a self-test on a synthetic source so that it can be seen to fail:
 
-(a) the pure layer (policy, config, errors, codec, driver, store, checksum, manager, backend,
-    layout, and any module whose docstring says it is part of the pure layer) imports no
-    framework (jax, jaxlib, orbax, flax, optax, torch, tensorstore), at module level or inside
-    functions; every module's docstring line "Must not import ..." holds as written;
+(a) the pure layer (every module of a folder whose row in FOLDERS bans the frameworks, the
+    flat modules of PURE_BY_NAME until they move into a folder, and any module whose
+    docstring says it is part of the pure layer) imports no framework (jax, jaxlib, orbax,
+    flax, optax, torch, tensorstore), at module level or inside functions; every module's
+    docstring line "Must not import ..." holds as written;
 (b) edges point inward: jaxckpt's library modules never import torch_bridge or jaxckpt.tools;
     torch_bridge imports no JAX framework at module level (nor through the modules it imports
     at module level) and never imports jaxckpt.tools;
 (c) no package imports another package's private module or private name (a leading
     underscore); jaxckpt.tools counts as a package of its own;
 (d) no ``__getattr__`` outside a package ``__init__.py``;
-(e) no class over 400 lines and no function over 80 lines.
+(e) no class over 400 lines and no function over 80 lines;
+(f) the folder table (FOLDERS): a module under a folder imports of jaxckpt only what its row
+    allows, never a framework its row bans, and of the rest only the standard library and
+    the third-party modules its row names;
+(g) a folder is entered from outside through its ``__init__`` or a public module its row
+    names: jaxckpt's library modules may import any of a folder's modules, but torch_bridge
+    and jaxckpt.tools only its public ones, and a private module (a leading underscore) is
+    imported from inside its folder only.
 
 Imports under ``if TYPE_CHECKING:`` never run: they count for the direction rules (b, c), not
 for what a module loads (a).
@@ -23,6 +31,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import sys
 from collections.abc import Iterable, Iterator
 
 import pytest
@@ -34,12 +43,33 @@ TOOLS = "jaxckpt.tools"
 
 FRAMEWORKS = frozenset({"jax", "jaxlib", "orbax", "flax", "optax", "torch", "tensorstore"})
 JAX_FRAMEWORKS = frozenset({"jax", "jaxlib", "orbax", "flax", "optax"})
-PURE_BY_NAME = frozenset({"policy", "config", "errors", "codec", "driver", "store", "checksum",
-                          "manager", "backend", "layout"})
+# Flat modules of the pure layer that are not in a folder yet (the folders are in FOLDERS).
+PURE_BY_NAME = frozenset({"config", "errors", "driver", "store", "manager", "backend"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Folder:
+    """One row of the folder table: what a subpackage of jaxckpt may import, and its face."""
+
+    may_import: tuple[str, ...]  # jaxckpt modules and packages (the folder itself included)
+    never: frozenset[str]  # frameworks, at module level or inside functions
+    third_party: frozenset[str]  # besides the standard library
+    public: frozenset[str]  # the modules torch_bridge and the tools may import
+    open_to: tuple[str, ...] = ("jaxckpt",)  # packages (package_of) that may import any module
+
+
+FOLDERS = {
+    "jaxckpt.core": Folder(
+        may_import=("jaxckpt.core", "jaxckpt.errors", "jaxckpt.config"),
+        never=FRAMEWORKS,
+        third_party=frozenset({"numpy", "ml_dtypes", "google_crc32c"}),
+        public=frozenset({"checksum", "codec", "extras", "layout", "retention", "tree_record"}),
+    ),
+}
 # Framework imports a pure module may make inside a function, with the reason its docstring gives.
 LAZY_ALLOWED = {
     # Decoding a value that was written from a torch tensor gives a torch tensor back.
-    "jaxckpt.codec": frozenset({"torch"}),
+    "jaxckpt.core.codec": frozenset({"torch"}),
 }
 # Names a "Must not import" line may mention that the scanner can check.
 CHECKABLE = FRAMEWORKS | {"torch_bridge", "transformers", "safetensors", "jaxckpt"}
@@ -205,9 +235,18 @@ def framework_imports(module: Module, banned: Iterable[str], *, module_level_onl
     return problems
 
 
+def folder_of(name: str) -> str | None:
+    """The folder of FOLDERS that holds the module (or names the package) ``name``."""
+    found = [folder for folder in FOLDERS if name == folder or name.startswith(folder + ".")]
+    return max(found, key=len) if found else None
+
+
 def is_pure(module: Module) -> bool:
     if not module.is_library or module.package != "jaxckpt":
         return False
+    folder = folder_of(module.name)
+    if folder is not None:
+        return FOLDERS[folder].never >= FRAMEWORKS
     short = module.name.split(".")[-1]
     return short in PURE_BY_NAME or re.search(r"\bpure (layer|decisions?|functions?)\b",
                                               module.docstring, re.IGNORECASE) is not None
@@ -361,6 +400,61 @@ def privacy_problems(module: Module) -> list[str]:
     return problems
 
 
+# (f) the folder table ---------------------------------------------------------------------
+
+
+def folder_problems(module: Module) -> list[str]:
+    folder = folder_of(module.name)
+    if folder is None:
+        return []
+    row, lazy = FOLDERS[folder], LAZY_ALLOWED.get(module.name, frozenset())
+    problems = []
+    for imp in imports_of(module):
+        for target in imp.targets:
+            top = target.split(".")[0]
+            allowed_lazily = imp.in_function and _within(target, lazy) is not None
+            if top in PACKAGES:
+                bad = _within(target, row.may_import) is None
+            elif imp.type_checking or allowed_lazily:
+                bad = False  # never loaded, or loaded where the row's reason allows
+            else:
+                bad = _within(target, row.never) is not None or not (
+                    top in sys.stdlib_module_names or top in row.third_party)
+            if bad:
+                problems.append(f"{module.where(imp.line)}: {module.name} imports {target}; "
+                                f"{folder} may import {', '.join(row.may_import)}, the "
+                                f"standard library and {', '.join(sorted(row.third_party))}")
+                break
+    return problems
+
+
+# (g) a folder's public surface ------------------------------------------------------------
+
+
+def surface_problems(module: Module, known: Iterable[str]) -> list[str]:
+    known = set(known)
+    problems = []
+    for imp in imports_of(module):
+        for name in (imp.module, *imp.targets):
+            folder = folder_of(name)
+            if folder is None or name == folder or folder_of(module.name) == folder:
+                continue
+            inner = name[len(folder) + 1:].split(".")[0]
+            if f"{folder}.{inner}" not in known:
+                continue  # a name the folder's __init__ exports
+            row = FOLDERS[folder]
+            if _is_private(inner):
+                why = "private to its folder"
+            elif package_of(module.name) in row.open_to or inner in row.public:
+                continue
+            else:
+                why = f"not one of {folder}'s public modules ({', '.join(sorted(row.public))})"
+            problems.append(f"{module.where(imp.line)}: {module.name} imports "
+                            f"{folder}.{inner}, {why}")
+            break
+    return problems
+
+
 # (d) __getattr__ --------------------------------------------------------------------------
 
 
@@ -419,7 +513,8 @@ def test_the_scan_sees_every_package_and_the_tools():
 
 def test_pure_layer_imports_no_framework():
     pure = [module for module in MODULES if is_pure(module)]
-    assert {"jaxckpt.policy", "jaxckpt.store", "jaxckpt.manager"} <= {m.name for m in pure}
+    assert {"jaxckpt.core.policy", "jaxckpt.core.layout", "jaxckpt.store",
+            "jaxckpt.manager"} <= {m.name for m in pure}
     problems = [problem for module in pure for problem in pure_layer_problems(module)]
     assert not problems, _report(problems)
 
@@ -455,6 +550,19 @@ def test_no_package_uses_another_packages_private_names():
     assert not problems, _report(problems)
 
 
+def test_each_folder_imports_what_its_row_allows():
+    assert {f"{folder}.{name}" for folder, row in FOLDERS.items() for name in row.public} \
+        <= set(BY_NAME), "a public module named in FOLDERS does not exist"
+    assert "jaxckpt.core.policy" in BY_NAME and folder_of("jaxckpt.core.policy") == "jaxckpt.core"
+    problems = [problem for module in MODULES for problem in folder_problems(module)]
+    assert not problems, _report(problems)
+
+
+def test_folders_are_entered_through_their_public_face():
+    problems = [problem for module in MODULES for problem in surface_problems(module, BY_NAME)]
+    assert not problems, _report(problems)
+
+
 def test_no_getattr_outside_package_init():
     problems = [problem for module in MODULES for problem in getattr_problems(module)]
     assert not problems, _report(problems)
@@ -479,20 +587,21 @@ def test_self_pure_layer_flags_frameworks_anywhere_but_type_checking():
               "if TYPE_CHECKING:\n    import jax\n"
               "def f():\n    import torch.distributed\n"
               "class C:\n    from orbax import checkpoint\n")
-    problems = pure_layer_problems(parse("jaxckpt.policy", source))
+    problems = pure_layer_problems(parse("jaxckpt.core.policy", source))
     assert [p.split(": ", 1)[1] for p in problems] == [
-        "jaxckpt.policy imports torch.distributed inside a function",
-        "jaxckpt.policy imports orbax.checkpoint at module level"]
-    assert is_pure(parse("jaxckpt.policy", source))
+        "jaxckpt.core.policy imports torch.distributed inside a function",
+        "jaxckpt.core.policy imports orbax.checkpoint at module level"]
+    assert is_pure(parse("jaxckpt.core.policy", source))
     assert is_pure(parse("jaxckpt.parts.x", '"""Part of the pure layer."""'))
+    assert is_pure(parse("jaxckpt.store", '"""By name, until it moves."""'))
     assert not is_pure(parse("jaxckpt.orbax_backend", '"""Imports orbax."""'))
     assert pure_layer_problems(parse("jaxckpt.store", "import importlib\n"
                                                       "importlib.import_module('orbax')\n"))
     assert pure_layer_problems(parse("jaxckpt.store", "def f():\n    __import__('jax')\n"))
     assert is_pure(parse("jaxckpt.x", '"""Retention as pure functions of the list."""'))
     assert not is_pure(parse("jaxckpt.x", '"""Falls back to its pure Python code."""'))
-    assert pure_layer_problems(parse("jaxckpt.codec", "def f():\n    import torch\n")) == []
-    assert pure_layer_problems(parse("jaxckpt.codec", "import torch\n"))
+    assert pure_layer_problems(parse("jaxckpt.core.codec", "def f():\n    import torch\n")) == []
+    assert pure_layer_problems(parse("jaxckpt.core.codec", "import torch\n"))
     assert pure_layer_problems(parse("jaxckpt.store", "import torch_bridge\nimport jaxckpt\n")) \
         == []
 
@@ -553,6 +662,45 @@ def test_self_privacy_rules():
     assert privacy_problems(parse("torch_bridge.hf", "from ._hf_params import _x\n")) == []
     assert privacy_problems(parse(tool, "from .demo import _emit\nself._x\n")) == []
     assert privacy_problems(parse(tool, "from jaxckpt import __version__\n")) == []
+
+
+def test_self_folder_rules():
+    core = "jaxckpt.core.m"
+    assert folder_problems(parse(core, "import os, re\nimport numpy as np\n"
+                                       "from ..errors import E\nfrom .layout import X\n"
+                                       "from jaxckpt import config\n"
+                                       "if TYPE_CHECKING:\n    import pandas\n")) == []
+    assert folder_problems(parse("jaxckpt.store", "import boto3\n")) == []  # not a folder
+    for source, target in [("from .. import store\n", "jaxckpt.store"),
+                           ("from ..storage import PosixStorage\n", "jaxckpt.storage."),
+                           ("if TYPE_CHECKING:\n    from ..store import S\n", "jaxckpt.store."),
+                           ("import jaxckpt\n", "jaxckpt;"),
+                           ("import boto3\n", "boto3"),
+                           ("def f():\n    import jax.numpy\n", "jax.numpy"),
+                           ("def f():\n    import torch\n", "torch")]:
+        problems = folder_problems(parse(core, source))
+        assert len(problems) == 1 and f"imports {target}" in problems[0], (source, problems)
+    assert folder_problems(parse("jaxckpt.core.codec", "def f():\n    import torch\n")) == []
+    assert is_pure(parse(core, '"""Anything."""')) and not is_pure(parse("jaxckpt.x", ""))
+
+
+def test_self_public_surface_rule():
+    known = {"jaxckpt.core", "jaxckpt.core.layout", "jaxckpt.core.policy",
+             "jaxckpt.core._helpers"}
+    tool, bridge = f"{TOOLS}.cli", "torch_bridge.dcp_backend"
+    for name in (tool, bridge, "jaxckpt.store"):  # the package and its public modules
+        assert surface_problems(parse(name, "from jaxckpt.core.layout import X\n"
+                                            "from jaxckpt.core import layout\n"
+                                            "from jaxckpt.core import NAME\n"), known) == []
+    assert surface_problems(parse("jaxckpt.store", "from .core.policy import S\n"), known) == []
+    assert surface_problems(parse("jaxckpt.core.layout", "from . import _helpers\n"), known) \
+        == []
+    for name, source in [(tool, "from jaxckpt.core.policy import S\n"),
+                         (bridge, "from jaxckpt.core import layout, policy\n"),
+                         ("jaxckpt.store", "from .core._helpers import h\n"),
+                         (tool, "import jaxckpt.core._helpers\n")]:
+        problems = surface_problems(parse(name, source), known)
+        assert len(problems) == 1, (name, source, problems)
 
 
 def test_self_getattr_rule():

@@ -22,10 +22,11 @@ def imported_after(statement: str) -> list[str]:
     "statement",
     [
         "import jaxckpt",
-        "import jaxckpt.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, jaxckpt.codec",
-        "import jaxckpt.layout, jaxckpt.manifest, jaxckpt.storage, jaxckpt.roots, "
+        "import jaxckpt.core.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, "
+        "jaxckpt.core.codec",
+        "import jaxckpt.core.layout, jaxckpt.core.manifest, jaxckpt.storage, jaxckpt.roots, "
         "jaxckpt.read_claims",
-        "import jaxckpt.tree_record, jaxckpt.saving, jaxckpt.recovery, jaxckpt.pipeline",
+        "import jaxckpt.core.tree_record, jaxckpt.saving, jaxckpt.recovery, jaxckpt.pipeline",
         "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",
         "from jaxckpt import import_orbax; import jaxckpt.orbax_import",

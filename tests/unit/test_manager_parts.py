@@ -22,11 +22,11 @@ from jaxckpt import (
 )
 from jaxckpt.backend import BackendFeatures, SingleProcess
 from jaxckpt.context import ManagerContext
+from jaxckpt.core.layout import COMMIT_MARKER, export_dirname
+from jaxckpt.core.policy import SaveTrigger
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
 from jaxckpt.exports import Exporter
-from jaxckpt.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.pipeline import SavePipeline
-from jaxckpt.policy import SaveTrigger
 from jaxckpt.preemption import Preemption
 from jaxckpt.reports import SaveReport
 from jaxckpt.root import prepare_root

@@ -8,7 +8,7 @@ import os
 
 from jaxckpt.backend import BackendFeatures, SingleProcess
 from jaxckpt.config import RecoverConfig
-from jaxckpt.manifest import DEFER_CHECKSUMS_OVER
+from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
 from jaxckpt.read_claims import ReadClaims
 from jaxckpt.verification import plan
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-from jaxckpt.checksum import default_algorithm, extend
+from jaxckpt.core.checksum import default_algorithm, extend
 from jaxckpt.read_ahead import ReadAhead
 from jaxckpt.read_claims import ReadClaims
 

@@ -128,7 +128,7 @@ def test_crc32c_of_arrays_runs_without_the_gil_and_matches_the_extension():
     import google_crc32c
     import numpy as np
 
-    from jaxckpt import checksum
+    from jaxckpt.core import checksum
 
     assert checksum._crc32c_unlocked is not None, "the ctypes path was not found"
     rng = np.random.default_rng(0)

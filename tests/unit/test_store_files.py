@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxckpt import RootLockedError
-from jaxckpt.layout import COMMIT_MARKER, DRIVER_FILE, done_marker_name
+from jaxckpt.core.layout import COMMIT_MARKER, DRIVER_FILE, done_marker_name
 from jaxckpt.store import CheckpointStore
 
 
@@ -46,7 +46,7 @@ def test_all_done_waits_for_every_other_process(store):
 def test_done_markers_carry_each_processs_checksums_into_the_commit(store):
     """A process's writer checksummed its files; the primary commits those entries without
     reading the files back (a wrong entry would show as the manifest's, not the file's)."""
-    from jaxckpt.checksum import default_algorithm
+    from jaxckpt.core.checksum import default_algorithm
 
     path = store.step_path(2)
     os.makedirs(os.path.join(path, "state"))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jaxckpt import CheckpointCorruptError
-from jaxckpt.manifest import (
+from jaxckpt.core.manifest import (
     DEFER_CHECKSUMS_OVER,
     MANIFEST_FORMAT,
     Manifest,

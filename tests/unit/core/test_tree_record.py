@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from jaxckpt.errors import CheckpointCorruptError, CheckpointFormatError
-from jaxckpt.tree_record import (
+from jaxckpt.core.tree_record import (
     TREE_FORMAT,
     TREE_FORMAT_VERSION,
     parse_tree_record,
     read_tree_record,
 )
+from jaxckpt.errors import CheckpointCorruptError, CheckpointFormatError
 
 
 def doc(**changes) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CodecError
+from ..errors import CodecError
 
 __all__ = ["encode", "decode", "dumps", "loads", "MAX_ARRAY_BYTES"]
 

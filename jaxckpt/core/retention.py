@@ -33,7 +33,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from .config import Every, KeepBest, RecoverConfig
+from ..config import Every, KeepBest, RecoverConfig
 
 __all__ = ["CheckpointFacts", "RetentionRules", "Verdict", "decide", "REASONS"]
 

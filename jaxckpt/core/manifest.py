@@ -18,8 +18,8 @@ import json
 import math
 from typing import Any
 
+from ..errors import CheckpointCorruptError
 from .checksum import ALGORITHMS
-from .errors import CheckpointCorruptError
 from .layout import COMMIT_MARKER
 
 __all__ = [

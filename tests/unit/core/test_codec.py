@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt import CodecError, codec
+from jaxckpt import CodecError
+from jaxckpt.core import codec
 
 
 def roundtrip(value):

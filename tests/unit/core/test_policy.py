@@ -3,7 +3,13 @@
 import pytest
 
 from jaxckpt import ConfigError, Every, ExportConfig, RecoverConfig, StepInfo
-from jaxckpt.policy import SaveTrigger, due_reason, resolve_mode, steps_to_delete, writes_periodic
+from jaxckpt.core.policy import (
+    SaveTrigger,
+    due_reason,
+    resolve_mode,
+    steps_to_delete,
+    writes_periodic,
+)
 
 
 def step(global_step, epoch=0, epoch_step=None, spe=None):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from .config import Every, StepInfo
-from .errors import ConfigError
+from ..config import Every, StepInfo
+from ..errors import ConfigError
 
 __all__ = ["due_reason", "SaveTrigger", "steps_to_delete", "writes_periodic", "resolve_mode"]
 

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from .errors import CheckpointCorruptError, CheckpointFormatError
+from ..errors import CheckpointCorruptError, CheckpointFormatError
 from .layout import TREE_FILE
 
 __all__ = ["TREE_FORMAT", "TREE_FORMAT_VERSION", "PACKED_TREE_VERSION",

@@ -17,7 +17,7 @@ import contextlib
 import importlib.util
 from collections.abc import Iterator
 
-from .errors import MissingExtraError
+from ..errors import MissingExtraError
 
 __all__ = ["EXTRA_MODULES", "MissingExtraError", "check_extra", "requires_extra"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import tomllib
 
+from jaxckpt.core.extras import EXTRA_MODULES, check_extra, requires_extra
 from jaxckpt.errors import CheckpointError, MissingExtraError
-from jaxckpt.extras import EXTRA_MODULES, check_extra, requires_extra
 
 from support.paths import REPO
 

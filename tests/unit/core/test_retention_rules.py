@@ -5,7 +5,7 @@ import math
 import pytest
 
 from jaxckpt import ConfigError, Every, KeepBest, RecoverConfig
-from jaxckpt.retention import CheckpointFacts, RetentionRules, decide
+from jaxckpt.core.retention import CheckpointFacts, RetentionRules, decide
 
 
 def ck(step, *, status="committed", loss=None, metrics=None, pinned=False, reading=False):

@@ -3,7 +3,7 @@ another kind (or another tool's) parses to None. Pure: no filesystem."""
 
 import pytest
 
-from jaxckpt import layout
+from jaxckpt.core import layout
 
 # (format function, its arguments, the name on disk, parse function, what parsing gives back)
 FORMATS = [
