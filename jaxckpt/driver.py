@@ -15,7 +15,7 @@ on every process, e.g. ``jaxckpt.IndexSampler``) is restored on every process fr
 primary's copy, so a run resumed on more processes than saved it gives the new ones that
 state too.
 
-Everything goes through :mod:`jaxckpt.codec`: never pickle. A key missing from an older
+Everything goes through :mod:`jaxckpt.core.codec`: never pickle. A key missing from an older
 checkpoint is optional on restore and produces a ``CheckpointWarning``, not a KeyError.
 
 Must not import: jax, orbax, torch.
@@ -79,7 +79,7 @@ _PROTOCOL_HELP = (
 
 
 def local_filename(process_index: int) -> str:
-    """The file of process ``process_index``'s local state (named in jaxckpt.layout)."""
+    """The file of process ``process_index``'s local state (named in jaxckpt.core.layout)."""
     return local_driver_filename(process_index)
 
 

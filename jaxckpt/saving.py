@@ -14,7 +14,7 @@ The steps of a save of step S into D = recover/step_S:
    ``done.p{i}`` and the primary waits for all of them; the primary checksums and fsyncs every
    file and writes ``COMMITTED`` atomically (``store.commit``);
 3. background thread, only after a commit: retention (checkpoints no rule of
-   ``jaxckpt.retention`` keeps, then item versions no committed checkpoint refers to), or the
+   ``jaxckpt.core.retention`` keeps, then item versions no committed checkpoint refers to), or the
    partial directory's removal after a failure.
 
 Owns: those steps, the item versions of a save, making room for a step already on disk, the
@@ -325,7 +325,7 @@ class RecoverySaver:
 
     def apply_retention(self) -> None:
         """Primary, background: delete the checkpoints no retention rule keeps (see
-        ``jaxckpt.retention``: never the newest, a pinned one or one being restored), then
+        ``jaxckpt.core.retention``: never the newest, a pinned one or one being restored), then
         the item versions nothing refers to."""
         ctx = self._ctx
         pins = ctx.pins

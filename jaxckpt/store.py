@@ -4,7 +4,7 @@ Owns: committing a checkpoint (a ``COMMITTED`` manifest of every file's size and
 written last, create-only, after a durability barrier), listing and verifying checkpoints,
 "latest valid", retention deletion that tolerates races, start-up cleanup of partial
 directories, quarantine, and the directories of exports. Names come from
-``jaxckpt.layout``, the manifest's format and checks from ``jaxckpt.manifest``, and every
+``jaxckpt.core.layout``, the manifest's format and checks from ``jaxckpt.core.manifest``, and every
 read, write, listing, deletion and lock goes through a ``jaxckpt.storage.Storage``
 (``PosixStorage`` by default): this module holds the protocol, not the I/O.
 

@@ -8,7 +8,7 @@ Owns the layout of a root, and nothing but strings::
       tier.json                                 a local tier's durable root (jaxckpt.tiers)
       recover/
         step_{global_step:08d}/                 one recovery checkpoint
-          COMMITTED                             the manifest (jaxckpt.manifest), written last
+          COMMITTED                             the manifest (jaxckpt.core.manifest), written last
           driver.json                           counters, RNG, stateful objects (jaxckpt.driver)
           driver.p{index:05d}.json              another process's local driver state
           done.p{index:05d}                     "my writes are durable", before the commit

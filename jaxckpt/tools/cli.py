@@ -180,7 +180,7 @@ def _ls(opts: argparse.Namespace) -> int:
 def _retention_column(store: Any, entries: Sequence[Any]) -> tuple[dict[int, str], str | None]:
     """Why retention keeps each checkpoint of a root ("resume-point,last-N", ...), or
     "delete-next" for those the next save's retention deletes, by the same pure rule the
-    manager applies (``jaxckpt.retention.decide``) with the rules the newest checkpoint
+    manager applies (``jaxckpt.core.retention.decide``) with the rules the newest checkpoint
     recorded in its driver.json. Partial directories get no entry (start-up removes them).
     Also returns a note to print when the rules or the pins could not be read. The CLI cannot
     see restores in progress, so "being-read" never shows here."""

@@ -1,4 +1,4 @@
-"""Table tests for the retention engine (``jaxckpt.retention.decide``): no filesystem."""
+"""Table tests for the retention engine (``jaxckpt.core.retention.decide``): no filesystem."""
 
 import math
 
