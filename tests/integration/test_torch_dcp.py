@@ -26,9 +26,9 @@ from jaxckpt import (
     RecoverConfig,
     StepInfo,
     TreeMismatchError,
-    codec,
 )
 from jaxckpt.backend import Backend, WriteHandle
+from jaxckpt.core import codec
 from jaxckpt.store import DEFER_CHECKSUMS_OVER
 from torch_bridge import DcpBackend, DcpCheckpointManager, dcp_backend
 
