@@ -53,7 +53,7 @@ import numpy as np
 from jaxckpt.extras import requires_extra
 from jaxckpt.storage import fsync_file
 
-from .bench_local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
+from .local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
@@ -897,7 +897,7 @@ class _Bench:
 
         manager = getattr(self, f"_manager_{name}", None)
         if manager is None:
-            from .backend_hooks import TimedBackend
+            from ..backend_hooks import TimedBackend
 
             backend = TimedBackend()
             self._closers.append(backend.close)
@@ -1254,7 +1254,7 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
 
     import jaxckpt
 
-    from .demo import build_training
+    from ..demo import build_training
 
     steps, every = config.train_steps, config.save_every
     loader, model, optimizer, train_step = build_training(
@@ -1398,7 +1398,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
     with requires_extra("jax", "jaxckpt bench"):
         from jax.tree_util import tree_leaves as jax_leaves
 
-    from . import bench_rows_leaves  # imports this module: not at the top
+    from . import rows_leaves as bench_rows_leaves  # imports this package: not at the top
 
     result = BenchResult(config=config)
     parent = config.directory or tempfile.gettempdir()
@@ -1446,7 +1446,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
             if "aux" in sections:
                 _aux_rows(bench.state, workdir, result)
             if "multiprocess" in sections:
-                from .bench_multiprocess import measure
+                from .multiprocess import measure
 
                 measure(config.size_mb, workdir, result, log)
     finally:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import (
+from . import (
     MARGIN,
     _abstract,
     _columns,

@@ -4,7 +4,7 @@ bytes through the same client (the root's ``Storage``: one object, sent in parts
 threads where the store takes parts).
 
 Owns: ``dcp_remote_rows`` (median and spread of each row over ``repeats`` runs),
-``format_rows`` and ``main`` (``python -m jaxckpt.tools.bench_dcp_remote ROOT``; the
+``format_rows`` and ``main`` (``python -m jaxckpt.tools.bench.dcp_remote ROOT``; the
 endpoint and credentials come from the standard environment, as for the CLI). The root
 should be a scratch prefix: the rows write below it and delete what they wrote.
 
@@ -115,7 +115,7 @@ def format_rows(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxckpt.tools.bench_dcp_remote",
+    parser = argparse.ArgumentParser(prog="python -m jaxckpt.tools.bench.dcp_remote",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("root", help="a scratch s3:// or gs:// prefix")
     parser.add_argument("--mib", type=int, default=64)

@@ -166,7 +166,7 @@ def bench_command(opts: Any) -> int:
     except ValueError as exc:
         print(f"jaxckpt bench: {exc}", file=sys.stderr)
         return 2
-    from .remote_cli import storage_options
+    from ..remote_cli import storage_options
 
     result = run_remote_bench(config, storage_options(opts),
                               log=lambda line: print(line, file=sys.stderr))
