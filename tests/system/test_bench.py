@@ -213,7 +213,7 @@ def test_write_floor_keeps_the_previous_copy_until_the_new_one_is_written(tmp_pa
     time, the previous copy deleted only after the new one is durable."""
     import numpy as np
 
-    from jaxckpt.tools import bench
+    from jaxckpt.tools.bench import floors
     from jaxckpt.tools.bench.scale import _FloorWriter
 
     root = tmp_path / "floor"
@@ -227,7 +227,7 @@ def test_write_floor_keeps_the_previous_copy_until_the_new_one_is_written(tmp_pa
         return recording
 
     for name in ("_raw_write_direct", "_raw_write"):
-        monkeypatch.setattr(bench, name, recorder(getattr(bench, name)))
+        monkeypatch.setattr(floors, name, recorder(getattr(floors, name)))
     state = {f"layer_{i}": {"w": np.arange(1000 + i, dtype=np.float32)} for i in range(3)}
     writer = _FloorWriter(state, str(root))
     after: list[list[str]] = []
