@@ -552,8 +552,11 @@ def _host_copies(arrays: list[Any]) -> list[np.ndarray]:
     return [np.array(a, copy=True) for a in arrays]
 
 
-def _timed(action: Callable[[], Any]) -> float:
-    _settle()
+def _timed(action: Callable[[], Any], *, settle: bool = True) -> float:
+    """Seconds ``action`` takes; first a settle (collect, hand freed memory back) unless
+    ``settle`` is false (the object-store rows time without one)."""
+    if settle:
+        _settle()
     start = time.perf_counter()
     action()
     return time.perf_counter() - start
