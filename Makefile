@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS := jax,torch,hf,grain,compat,notebooks,test,lint
 # What `make lint` checks with ruff; mypy checks the packages named in pyproject.toml.
-LINT_PATHS := jaxckpt torch_bridge tests
+LINT_PATHS := jaxckpt torch_bridge tests benchmarks
 
 .PHONY: demo test lint wheels install clean
 

@@ -745,7 +745,7 @@ def _bench(opts: argparse.Namespace) -> int:
     import json
 
     if opts.root is not None:
-        from .bench_remote import bench_command
+        from .bench.remote import bench_command
 
         return bench_command(opts)
 
@@ -771,10 +771,10 @@ def _bench(opts: argparse.Namespace) -> int:
 
 
 def _bench_scale(opts: argparse.Namespace) -> int:
-    """``jaxckpt bench --scale`` (``jaxckpt.tools.bench_scale``)."""
+    """``jaxckpt bench --scale`` (``jaxckpt.tools.bench.scale``)."""
     import json
 
-    from .bench_scale import ScaleConfig, format_scale, run_scale
+    from .bench.scale import ScaleConfig, format_scale, run_scale
 
     changes = {name: value for name, value in (
         ("directory", opts.dir), ("repeats", opts.repeats), ("max_mb", opts.max_mb),

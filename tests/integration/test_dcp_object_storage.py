@@ -488,7 +488,7 @@ def test_round_trip_on_gs_is_bit_exact(tmp_path, monkeypatch):
 
 
 def test_the_object_store_bench_compares_with_raw_transfers_and_cleans_up(options, root):
-    from jaxckpt.tools.bench_dcp_remote import ROWS, dcp_remote_rows, format_rows
+    from jaxckpt.tools.bench.dcp_remote import ROWS, dcp_remote_rows, format_rows
 
     result = dcp_remote_rows(root, options, nbytes=1 << 20, tensors=4, repeats=1)
     assert set(result["rows"]) == set(ROWS)
@@ -503,7 +503,7 @@ def test_the_object_store_bench_times_the_raw_download_after_the_save_has_ended(
         options, root, monkeypatch):
     # A sync save returns at its marker; its retention lists the root in the background.
     # Those requests must not land inside the raw download's (or the restore's) timing.
-    from jaxckpt.tools.bench_dcp_remote import dcp_remote_rows
+    from jaxckpt.tools.bench.dcp_remote import dcp_remote_rows
 
     events: list[str] = []
     real_wait, real_read = DcpCheckpointManager.wait, s3_storage.S3Storage.read

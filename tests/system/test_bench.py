@@ -37,7 +37,7 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
                 "st_save", "hf_export"):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     assert rows["jx_sync"]["gb_per_s"] > 0
-    # The 2-process rows (bench_multiprocess): the same bytes saved by 1 process, then by 2.
+    # The 2-process rows (bench.multiprocess): the same bytes saved by 1 process, then by 2.
     assert rows["mp_save_1"]["median_s"] > 0 and rows["mp_save_2"]["median_s"] > 0
     assert len(rows["mp_save_2"]["samples_s"]) == 5
     assert report["facts"]["multiprocess"]["rounds"] == 5
@@ -186,7 +186,7 @@ def test_scale_targets_hold_restore_and_saves_against_floors_taken_beside_them()
     """The disk's own drift and new memory's growing cost (both measured beside each row)
     are not the library's: restore / read floor per round, largest size against 1 GiB,
     and the saves' drift over the raw write floor taken after each of them."""
-    from jaxckpt.tools.bench_scale import ScaleConfig, scale_targets
+    from jaxckpt.tools.bench.scale import ScaleConfig, scale_targets
 
     # Restore per GiB doubles from 1 to 4 GiB, and so does the floor beside it, round by
     # round; the saves drift by half, and so does the write floor after each.
@@ -213,8 +213,8 @@ def test_write_floor_keeps_the_previous_copy_until_the_new_one_is_written(tmp_pa
     time, the previous copy deleted only after the new one is durable."""
     import numpy as np
 
-    from jaxckpt.tools import bench
-    from jaxckpt.tools.bench_scale import _FloorWriter
+    from jaxckpt.tools.bench import floors
+    from jaxckpt.tools.bench.scale import _FloorWriter
 
     root = tmp_path / "floor"
     during: list[list[str]] = []
@@ -227,7 +227,7 @@ def test_write_floor_keeps_the_previous_copy_until_the_new_one_is_written(tmp_pa
         return recording
 
     for name in ("_raw_write_direct", "_raw_write"):
-        monkeypatch.setattr(bench, name, recorder(getattr(bench, name)))
+        monkeypatch.setattr(floors, name, recorder(getattr(floors, name)))
     state = {f"layer_{i}": {"w": np.arange(1000 + i, dtype=np.float32)} for i in range(3)}
     writer = _FloorWriter(state, str(root))
     after: list[list[str]] = []
@@ -253,7 +253,7 @@ def test_restore_and_its_floor_each_start_right_after_new_memory_was_freed(tmp_p
     follows a primer of its own size, after the page cache is dropped."""
     from types import SimpleNamespace
 
-    from jaxckpt.tools import bench_scale
+    from jaxckpt.tools.bench import scale as bench_scale
 
     events: list[tuple[str, int] | str] = []
     state_dir = tmp_path / "step" / "state"
@@ -280,7 +280,7 @@ def test_restore_and_its_floor_each_start_right_after_new_memory_was_freed(tmp_p
 def test_memory_primer_faults_in_every_page_and_frees_it():
     import resource
 
-    from jaxckpt.tools.bench_scale import _prime_new_memory
+    from jaxckpt.tools.bench.scale import _prime_new_memory
 
     nbytes = 32 << 20
     before_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -351,7 +351,7 @@ def test_read_floors_read_on_as_many_threads_as_a_restore():
 
 LAGGING_EXIT = """\
 import os, sys, threading
-from jaxckpt.tools import bench_multiprocess
+from jaxckpt.tools.bench import multiprocess as bench_multiprocess
 
 exit_now = os._exit
 
@@ -374,7 +374,7 @@ def test_the_two_process_bench_worker_that_leaves_last_exits_cleanly(tmp_path):
     env = repo_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
                    JAX_PLATFORMS="cpu")
     args = ["--count", "2", "--port", port, "--root", str(tmp_path / "root"), "--size-mb", "1"]
-    workers = [Worker([sys.executable, "-m", "jaxckpt.tools.bench_multiprocess", "--index", "0",
+    workers = [Worker([sys.executable, "-m", "jaxckpt.tools.bench.multiprocess", "--index", "0",
                        *args], env=env, timeout_s=180),
                Worker([sys.executable, "-c", LAGGING_EXIT, "--index", "1", *args], env=env,
                       timeout_s=180)]

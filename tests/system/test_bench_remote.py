@@ -11,7 +11,20 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
+from support.paths import REPO
 from support.s3_server import moto_s3
+
+
+def load_experiment(name: str):
+    """A script of benchmarks/experiments/ (outside the package), loaded by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        name, REPO / "benchmarks" / "experiments" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bench_root_reports_save_and_restore_against_the_raw_transfers(capsys, monkeypatch):
@@ -36,10 +49,11 @@ def test_bench_root_reports_save_and_restore_against_the_raw_transfers(capsys, m
 
 def test_bench_clients_moves_the_same_bytes_through_each_installed_client(capsys,
                                                                           monkeypatch):
-    """``python -m jaxckpt.tools.bench_clients``: every installed client uploads and
-    downloads the same objects (a row each, every round timed), and nothing is left."""
+    """``python benchmarks/experiments/bench_clients.py``: every installed client uploads
+    and downloads the same objects (a row each, every round timed), and nothing is left."""
     from jaxckpt.s3_storage import s3_client
-    from jaxckpt.tools.bench_clients import main
+
+    main = load_experiment("bench_clients").main
 
     with moto_s3("clients") as options:
         for name, key in (("AWS_ENDPOINT_URL", "endpoint_url"), ("AWS_REGION", "region_name"),

@@ -50,7 +50,7 @@ def run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
 # checkout, e.g. the checkpoints the README's examples write into the working directory, are
 # not the project's.)
 TOP_FILES = ("LICENSE", "MANIFEST.in", "Makefile", "README.md", "pyproject.toml", ".ci/run")
-FOLDERS = (*PACKAGES, "tests", "docs", "notebooks")
+FOLDERS = (*PACKAGES, "tests", "docs", "notebooks", "benchmarks")
 
 
 def source_files() -> set[str]:

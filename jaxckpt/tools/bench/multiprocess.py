@@ -1,7 +1,7 @@
 """The 2-process rows of ``jaxckpt bench``: what a save costs per byte when two processes
 write one sharded state, against one process writing the same bytes.
 
-Owns: the bench worker (``python -m jaxckpt.tools.bench_multiprocess``, one process of a
+Owns: the bench worker (``python -m jaxckpt.tools.bench.multiprocess``, one process of a
 ``jax.distributed`` run on 127.0.0.1 with 2 CPU devices, or a lone process with 2 devices)
 and ``measure``, which runs the lone process (with jaxckpt's own writer, then through
 Orbax's, ``native_io=False``, for comparison), then the pair (jaxckpt's own writer, each
@@ -78,7 +78,7 @@ def _run(count: int, size_mb: int, root: str, *, orbax_writer: bool) -> dict[str
     env.setdefault("JAX_PLATFORMS", "cpu")
     port = str(_free_port())
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "jaxckpt.tools.bench_multiprocess", "--index", str(i),
+        [sys.executable, "-m", "jaxckpt.tools.bench.multiprocess", "--index", str(i),
          "--count", str(count), "--port", port, "--root", root, "--size-mb", str(size_mb),
          *(["--orbax-writer"] if orbax_writer else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)

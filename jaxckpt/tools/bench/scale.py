@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import (
+from . import (
     MARGIN,
     _abstract,
     _columns,
@@ -49,6 +49,7 @@ from .bench import (
     _rss,
     _settle,
     _target_line,
+    floors,
     held,
 )
 
@@ -257,9 +258,8 @@ def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
     import concurrent.futures
 
     from jaxckpt.core.layout import STATE_DIR
-    from jaxckpt.tools.bench import _files_under
 
-    files = _files_under(os.path.join(path, STATE_DIR))
+    files = floors._files_under(os.path.join(path, STATE_DIR))
 
     def restore() -> None:
         with _PeakMemory() as peak:
@@ -325,11 +325,10 @@ class _FloorWriter:
         import concurrent.futures
 
         from jaxckpt import zarr_io
-        from jaxckpt.tools.bench import _direct_refused
 
         os.makedirs(root, exist_ok=True)
         self.root, self.count = root, 0
-        self.direct = _direct_refused(root) == ""
+        self.direct = floors._direct_refused(root) == ""
         self.blocks = []
         for leaf in state.values():
             data = np.asarray(leaf["w"]).reshape(-1).view(np.uint8)
@@ -341,17 +340,15 @@ class _FloorWriter:
 
     def write(self) -> float:
         """Write one copy, durably; then delete the one before. Seconds of the write."""
-        from jaxckpt.tools.bench import _raw_write, _raw_write_direct
-
         directory = os.path.join(self.root, f"copy_{self.count:05d}")
         os.makedirs(directory)
 
         def one(index: int) -> None:
             path = os.path.join(directory, f"leaf_{index:05d}")
             if self.direct:
-                _raw_write_direct(path, self.blocks[index])
+                floors._raw_write_direct(path, self.blocks[index])
             else:
-                _raw_write(path, [self.blocks[index]])
+                floors._raw_write(path, [self.blocks[index]])
 
         started = time.perf_counter()
         list(self.pool.map(one, range(len(self.blocks))))
@@ -380,20 +377,20 @@ def consecutive_saves(config: ScaleConfig, root: str) -> dict[str, Any]:
     floor = _FloorWriter(state, os.path.join(root, "floor"))
     rss: list[int] = []
     times: list[float] = []
-    floors: list[float] = []
+    floor_s: list[float] = []
     try:
         for _ in range(config.saves):
             first = next(iter(state))
             state = {**state, first: {"w": state[first]["w"] + 0}}
             times.append(saver.save(state, "async").total_s)
             _settle()
-            floors.append(floor.write())
+            floor_s.append(floor.write())
             gc.collect()
             rss.append(_rss())
     finally:
         saver.manager.close()
         floor.close()
-    return {"rss": rss, "save_s": times, "floor_s": floors}
+    return {"rss": rss, "save_s": times, "floor_s": floor_s}
 
 
 def run_scale(config: ScaleConfig, *,

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from .bench import (
+from . import (
     _abstract,
     _drop_page_cache,
     _jax_state,
@@ -90,7 +90,7 @@ def _in_fresh_process(job: dict[str, Any]) -> dict[str, float]:
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     done = subprocess.run(
         [sys.executable, "-c",
-         ("from jaxckpt.tools.bench_rows_leaves import _first_save_worker; "
+         ("from jaxckpt.tools.bench.rows_leaves import _first_save_worker; "
           "_first_save_worker()")],
         input=json.dumps(job), capture_output=True, text=True, check=False, env=env)
     lines = done.stdout.strip().splitlines()

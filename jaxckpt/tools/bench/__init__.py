@@ -37,7 +37,6 @@ import functools
 import gc
 import json
 import math
-import mmap
 import os
 import shutil
 import statistics
@@ -53,7 +52,17 @@ import numpy as np
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.storage import fsync_file
 
-from .bench_local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
+from .floors import (
+    _direct_refused,
+    _files_under,
+    _raw_read,
+    _raw_read_direct,
+    _raw_write,
+    _raw_write_direct,
+    _read_all,
+    _touch_fresh,
+)
+from .local import LOCAL_ROWS, LOCAL_TARGETS, local_tier_rows
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "format_table", "SECTIONS"]
 
@@ -543,8 +552,11 @@ def _host_copies(arrays: list[Any]) -> list[np.ndarray]:
     return [np.array(a, copy=True) for a in arrays]
 
 
-def _timed(action: Callable[[], Any]) -> float:
-    _settle()
+def _timed(action: Callable[[], Any], *, settle: bool = True) -> float:
+    """Seconds ``action`` takes; first a settle (collect, hand freed memory back) unless
+    ``settle`` is false (the object-store rows time without one)."""
+    if settle:
+        _settle()
     start = time.perf_counter()
     action()
     return time.perf_counter() - start
@@ -579,125 +591,6 @@ def _traced_peak(action: Callable[[], Any]) -> int:
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-
-
-def _raw_write(path: str, arrays: list[np.ndarray]) -> None:
-    """The disk's durable write speed for these bytes: one file, 64 MiB writes, one fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for array in arrays:
-            view = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-            while view:
-                written = os.write(fd, view[:64 * _MiB])
-                view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """``os.pwrite`` until all of ``view`` is written (a write may take only part of it)."""
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def _raw_write_direct(path: str, block: np.ndarray) -> None:
-    """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
-    so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from jaxckpt.zarr_io import PIECE
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        view = block.data
-        for offset in range(0, len(view), PIECE):
-            _pwrite_all(fd, view[offset:offset + PIECE], offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _raw_read_direct(path: str, nbytes: int, *, numpy_memory: bool = False) -> np.ndarray:
-    """Read a file with O_DIRECT into one new aligned buffer, in 8 MiB reads: the kind of
-    memory a restore reads into and hands over (``zarr_io.fresh_blocks``), or with
-    ``numpy_memory`` numpy's (``np.empty``, which asks for huge pages from 4 MiB on: a row
-    of its own, not a floor; docs/performance.md, "Tenth round (rawread)")."""
-    from jaxckpt.zarr_io import PIECE, aligned_blocks, fresh_blocks
-
-    out = aligned_blocks(nbytes) if numpy_memory else fresh_blocks(nbytes)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        offset = 0
-        while offset < nbytes:
-            got = os.preadv(fd, [out[offset:offset + PIECE].data], offset)
-            if got <= 0:
-                break
-            offset += got
-    finally:
-        os.close(fd)
-    return out[:nbytes]
-
-
-def _files_under(directory: str) -> list[tuple[str, int]]:
-    """Every regular file below ``directory`` with its size, largest first."""
-    files = [(os.path.join(parent, name), os.path.getsize(os.path.join(parent, name)))
-             for parent, _, names in os.walk(directory) for name in names]
-    return sorted(files, key=lambda file: -file[1])
-
-
-def _read_all(pool: concurrent.futures.Executor, read: Callable[[str, int], np.ndarray],
-              files: list[tuple[str, int]]) -> None:
-    """``read`` every file into its own new buffer on ``pool`` (the raw floors' way: 4
-    threads, started before the clock)."""
-    list(pool.map(lambda file: read(*file), files))
-
-
-def _touch_fresh(nbytes: int) -> None:
-    """Allocate ``nbytes`` of the memory a restore reads into (``zarr_io.fresh_blocks``)
-    and write one byte per page: the page faults alone that any read into new memory pays
-    (what this VM makes dear when the host reclaimed the memory)."""
-    from jaxckpt.zarr_io import fresh_blocks
-
-    buffer = fresh_blocks(nbytes)
-    buffer[::mmap.PAGESIZE] = 1
-
-
-def _raw_read(path: str, nbytes: int) -> np.ndarray:
-    """Read a whole file into one new buffer (what a restore has to produce at least), in
-    8 MiB reads: one giant read() was several times slower here on some runs. The buffer is
-    the kind of memory a restore reads into and hands over (``zarr_io.fresh_blocks``):
-    numpy's own (huge pages asked for) took 0.5x to 2.5x its time on this VM, depending on
-    whether it was freed moments before or long enough for the host to take it back, which
-    made the floor measure the memory's history rather than the disk (docs/performance.md,
-    "Tenth round (rawread)")."""
-    from jaxckpt.zarr_io import fresh_blocks
-
-    out = fresh_blocks(nbytes)[:nbytes]
-    with open(path, "rb", buffering=0) as handle:
-        view = out.data
-        while view:
-            got = handle.readinto(view[:8 * _MiB])
-            if not got:
-                break
-            view = view[got:]
-    return out
-
-
-def _direct_refused(directory: str) -> str:
-    """"" when ``directory`` takes O_DIRECT writes of aligned blocks, else why not."""
-    from jaxckpt.zarr_io import ALIGN, aligned_blocks
-
-    if not hasattr(os, "O_DIRECT"):
-        return "no O_DIRECT on this platform"
-    path = os.path.join(directory, "probe")
-    try:
-        _raw_write_direct(path, aligned_blocks(ALIGN))
-    except OSError as error:
-        return f"the filesystem refuses O_DIRECT ({error.strerror})"
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    return ""
 
 
 def _random_bytes(nbytes: int, seed: int) -> np.ndarray:
@@ -897,7 +790,7 @@ class _Bench:
 
         manager = getattr(self, f"_manager_{name}", None)
         if manager is None:
-            from .backend_hooks import TimedBackend
+            from ..backend_hooks import TimedBackend
 
             backend = TimedBackend()
             self._closers.append(backend.close)
@@ -1254,7 +1147,7 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
 
     import jaxckpt
 
-    from .demo import build_training
+    from ..demo import build_training
 
     steps, every = config.train_steps, config.save_every
     loader, model, optimizer, train_step = build_training(
@@ -1398,7 +1291,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
     with requires_extra("jax", "jaxckpt bench"):
         from jax.tree_util import tree_leaves as jax_leaves
 
-    from . import bench_rows_leaves  # imports this module: not at the top
+    from . import rows_leaves as bench_rows_leaves  # imports this package: not at the top
 
     result = BenchResult(config=config)
     parent = config.directory or tempfile.gettempdir()
@@ -1446,7 +1339,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
             if "aux" in sections:
                 _aux_rows(bench.state, workdir, result)
             if "multiprocess" in sections:
-                from .bench_multiprocess import measure
+                from .multiprocess import measure
 
                 measure(config.size_mb, workdir, result, log)
     finally:

@@ -1,5 +1,5 @@
-"""``python -m jaxckpt.tools.bench_read_memory``: a cold restore against the raw read floor,
-side by side in one process, with the memory each reads into as the variable.
+"""``python benchmarks/experiments/bench_read_memory.py``: a cold restore against the raw
+read floor, side by side in one process, with the memory each reads into as the variable.
 
 Owns: the experiment behind docs/performance.md, "Tenth round (rawread)": one checkpoint
 written once, then, per round and in a rotated order, each variant read cold (page cache
@@ -16,6 +16,9 @@ process holds at the end (``AnonHugePages``).
 Needs root for the cold reads (``/proc/sys/vm/drop_caches``); about 2.5x ``--mib`` of memory.
 
 Must not import: torch.
+
+A one-off experiment, outside the wheel: run it as a script from a checkout, against the
+installed package (``pip install -e .`` or the wheel), from the repository root.
 """
 
 from __future__ import annotations

@@ -23,12 +23,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import statistics
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from . import _timed
 
 __all__ = ["TARGET", "RemoteBenchConfig", "format_remote", "run_remote_bench"]
 
@@ -66,12 +67,6 @@ class RemoteBenchConfig:
                              f"(s3://BUCKET/PREFIX), got {self.root!r}.")
 
 
-def _timed(action: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    action()
-    return time.perf_counter() - start
-
-
 def run_remote_bench(config: RemoteBenchConfig,
                      storage_options: Mapping[str, Any] | None = None, *,
                      log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -105,14 +100,15 @@ def run_remote_bench(config: RemoteBenchConfig,
         step = jaxckpt.StepInfo(0, 1, 1, None)
         try:
             seconds["raw_upload"].append(_timed(lambda: list(pool.map(
-                storage.write, names, blobs))))
+                storage.write, names, blobs)), settle=False))
             with jaxckpt.CheckpointManager(managed, storage_options=storage_options,
                                            preemption_signals=()) as mgr:
-                seconds["save"].append(_timed(lambda: mgr.save(step, state, mode="sync")))
+                seconds["save"].append(_timed(lambda: mgr.save(step, state, mode="sync"),
+                                              settle=False))
                 seconds["raw_download"].append(_timed(lambda: list(readers.map(
-                    storage.read, names))))
+                    storage.read, names)), settle=False))
                 seconds["restore"].append(_timed(lambda: jax.block_until_ready(
-                    mgr.restore(like).state)))
+                    mgr.restore(like).state), settle=False))
         finally:
             storage.delete_prefix(raw)
             storage.delete_prefix(managed)
@@ -166,7 +162,7 @@ def bench_command(opts: Any) -> int:
     except ValueError as exc:
         print(f"jaxckpt bench: {exc}", file=sys.stderr)
         return 2
-    from .remote_cli import storage_options
+    from ..remote_cli import storage_options
 
     result = run_remote_bench(config, storage_options(opts),
                               log=lambda line: print(line, file=sys.stderr))

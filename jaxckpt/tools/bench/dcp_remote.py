@@ -4,7 +4,7 @@ bytes through the same client (the root's ``Storage``: one object, sent in parts
 threads where the store takes parts).
 
 Owns: ``dcp_remote_rows`` (median and spread of each row over ``repeats`` runs),
-``format_rows`` and ``main`` (``python -m jaxckpt.tools.bench_dcp_remote ROOT``; the
+``format_rows`` and ``main`` (``python -m jaxckpt.tools.bench.dcp_remote ROOT``; the
 endpoint and credentials come from the standard environment, as for the CLI). The root
 should be a scratch prefix: the rows write below it and delete what they wrote.
 
@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from . import _timed
 
 __all__ = ["dcp_remote_rows", "format_rows", "main"]
 
@@ -30,12 +31,6 @@ LABELS = {"raw_upload": "raw upload (Storage.write)",
           "dcpm_save": "DcpCheckpointManager save (sync)",
           "raw_download": "raw download (Storage.read)",
           "dcpm_restore": "DcpCheckpointManager restore"}
-
-
-def _timed(action: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    action()
-    return time.perf_counter() - start
 
 
 def _summary(times: list[float], nbytes: int) -> dict[str, float]:
@@ -80,15 +75,15 @@ def dcp_remote_rows(root: str, storage_options: Mapping[str, Any] | None = None,
                 info = StepInfo(0, step, step)
                 took = times if step else {row: [] for row in ROWS}
                 # Each callable runs at once, inside this iteration: binding late is fine.
-                took["raw_upload"].append(_timed(lambda: storage.write(raw, blob)))  # noqa: B023
-                took["dcpm_save"].append(_timed(lambda: mgr.save(info, state)))  # noqa: B023
+                took["raw_upload"].append(_timed(lambda: storage.write(raw, blob), settle=False))  # noqa: B023
+                took["dcpm_save"].append(_timed(lambda: mgr.save(info, state), settle=False))  # noqa: B023
                 # The save's housekeeping (retention's listings) runs in the background after
                 # save() returns: let it end, so that its requests share moto with neither
                 # the raw download nor the restore timed next.
                 mgr.wait()
-                took["raw_download"].append(_timed(lambda: storage.read(raw)))  # noqa: B023
+                took["raw_download"].append(_timed(lambda: storage.read(raw), settle=False))  # noqa: B023
                 took["dcpm_restore"].append(
-                    _timed(lambda: mgr.restore(like, step=step)))  # noqa: B023
+                    _timed(lambda: mgr.restore(like, step=step), settle=False))  # noqa: B023
         if not all(torch.equal(like[name], state[name]) for name in state):
             raise AssertionError("the restored tensors differ from the saved ones")
     finally:
@@ -115,7 +110,7 @@ def format_rows(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxckpt.tools.bench_dcp_remote",
+    parser = argparse.ArgumentParser(prog="python -m jaxckpt.tools.bench.dcp_remote",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("root", help="a scratch s3:// or gs:// prefix")
     parser.add_argument("--mib", type=int, default=64)

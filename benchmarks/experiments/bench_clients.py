@@ -1,4 +1,4 @@
-"""``python -m jaxckpt.tools.bench_clients s3://BUCKET/PREFIX``: the S3 clients installed
+"""``python benchmarks/experiments/bench_clients.py s3://BUCKET/PREFIX``: the S3 clients installed
 here, side by side, on the same bytes.
 
 Owns: the measurement behind the choice of client for the object-store byte path
@@ -29,6 +29,9 @@ clients when run.
 
 Concurrency contract: one thread; writes only below ``root``, under fresh prefixes that it
 deletes at the end.
+
+A one-off experiment, outside the wheel: run it as a script from a checkout, against the
+installed package (``pip install -e .`` or the wheel), from the repository root.
 """
 
 from __future__ import annotations
@@ -220,12 +223,12 @@ def format_clients(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxckpt.tools.bench_clients s3://BUCKET/PREFIX [--big-mib N]
+    """``python benchmarks/experiments/bench_clients.py s3://BUCKET/PREFIX [--big-mib N]
     [--object-mib N] [--small N] [--small-kib N] [--repeats N]``; endpoint and credentials
     from the standard environment (``AWS_ENDPOINT_URL``...)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m jaxckpt.tools.bench_clients")
+    parser = argparse.ArgumentParser(prog="python benchmarks/experiments/bench_clients.py")
     parser.add_argument("root")
     parser.add_argument("--big-mib", type=int, default=256)
     parser.add_argument("--object-mib", type=int, default=64, help="size of a big object")
