@@ -1,5 +1,5 @@
 """Where the native Orbax-layout writer and reader keep their files: a local directory, or
-objects of a ``jaxckpt.storage.Storage``.
+objects of a ``jaxckpt.storage.base.Storage``.
 
 Owns: ``ArrayFiles``, the few operations the native writer (``_orbax_write``) and reader
 (``_orbax_read``) need from the place an ``arrays/`` directory lives, and its two
@@ -43,10 +43,11 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxckpt.storage.base import Storage
+
 from . import zarr_io
 from .core.checksum import default_algorithm, extend
 from .errors import CheckpointCorruptError
-from .storage import Storage
 
 __all__ = [
     "RANGED_READ_OVER",

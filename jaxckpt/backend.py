@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    from jaxckpt.storage.base import Storage
+
     from .read_claims import ReadClaims
-    from .storage import Storage
 
 __all__ = ["Backend", "BackendFeatures", "ObjectStorageBackend", "WriteHandle", "SingleProcess",
            "check_backend"]
@@ -65,7 +66,7 @@ class BackendFeatures:
     """Exporters always receive ``host_copy(state)`` (e.g. torch state dicts rather than live
     modules), whatever the export mode. False: a sync single-process export gets ``state``."""
     object_storage: bool = False
-    """The backend writes and reads locations of a ``jaxckpt.storage.Storage`` (an object
+    """The backend writes and reads locations of a ``jaxckpt.storage.base.Storage`` (an object
     store's URLs) once handed that storage by ``attach_storage`` (it is an
     :class:`ObjectStorageBackend`). False: the manager refuses an object-store root for this
     backend, before anything is written."""

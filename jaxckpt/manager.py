@@ -34,6 +34,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from jaxckpt.storage.base import RootLease
+
 from . import driver as drv
 from .arguments import check_arguments, check_step_info
 from .backend import Backend
@@ -49,7 +51,6 @@ from .recovery import Recovery, start_fresh
 from .reports import Recovered, SaveReport
 from .root import attach_backend, open_store, prepare_root
 from .saving import RecoverySaver, resolve_state
-from .storage import RootLease
 from .store import CheckpointStore
 from .tiers import LocalTierSet, check_local
 

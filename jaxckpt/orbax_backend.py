@@ -91,7 +91,7 @@ from jaxckpt.backend import BackendFeatures
 
 if TYPE_CHECKING:
     from jaxckpt.read_claims import ReadClaims
-    from jaxckpt.storage import Storage
+    from jaxckpt.storage.base import Storage
 
 __all__ = ["OrbaxBackend", "OrbaxWriteHandle", "OrbaxOptions", "TREE_FORMAT",
            "TREE_FORMAT_VERSION", "DEFAULT_PACK_LEAF_BYTES", "DEFAULT_PACK_BYTES"]

@@ -26,6 +26,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from jaxckpt.storage.url import root_scheme
+
 from .core.extras import requires_extra
 from .errors import (
     CheckpointCorruptError,
@@ -34,7 +36,6 @@ from .errors import (
     CheckpointWarning,
     ConfigError,
 )
-from .root_url import root_scheme
 
 __all__ = ["import_orbax"]
 
@@ -66,7 +67,7 @@ def import_orbax(src: str | os.PathLike[str], root: str | os.PathLike[str], *,
         own step (its name), a single checkpointer directory step 0. It becomes the global
         step of the jaxckpt checkpoint.
       storage_options: for an ``s3://`` / ``gs://`` ``root``, the client's settings
-        (``jaxckpt.root_url.parse_root``); None takes them from the standard environment.
+        (``jaxckpt.storage.url.parse_root``); None takes them from the standard environment.
 
     Returns the checkpoint directory (``root/recover/step_N``). ``CheckpointManager(root)
     .restore(like)`` then gives what Orbax's restore of ``src`` gives, bit for bit.

@@ -31,9 +31,10 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from jaxckpt.storage.base import Storage
+
 from .core.checksum import extend
 from .core.manifest import algorithm_of
-from .storage import Storage
 
 __all__ = ["Fetched", "ReadAhead"]
 

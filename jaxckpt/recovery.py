@@ -32,6 +32,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxckpt.storage.base import PosixStorage
+
 from . import driver as drv, verification
 from .config import StepInfo
 from .context import ManagerContext
@@ -47,7 +49,6 @@ from .errors import (
 from .read_ahead import ReadAhead
 from .read_claims import ReadClaims
 from .reports import Recovered
-from .storage import PosixStorage
 from .store import Entry
 from .verification import DeferredChecksumsFailed, Verification, Verifier
 

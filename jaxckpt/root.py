@@ -5,7 +5,7 @@ or an object-store URL with its ``Storage``, refused when it holds another tool'
 ``attach_backend`` (an object-store root needs a backend that writes there, and hands it the
 storage), and ``prepare_root``, what the primary process does to a root before a manager
 uses it (on an object store, check that the server honours conditional writes,
-``jaxckpt.write_probe``; create the directories, take the exclusive root lock, remove the
+``jaxckpt.storage.write_probe``; create the directories, take the exclusive root lock, remove the
 partial and temporary entries and the unfinished uploads an interrupted run left), with the
 errors a root that cannot be used raises. The lock itself (``CheckpointStore.lock``, a
 ``RootLease``) and the layout are the store's.
@@ -25,13 +25,14 @@ import os
 from collections.abc import Mapping
 from typing import Any, cast
 
+from jaxckpt.storage.base import PosixStorage, RootLease
+from jaxckpt.storage.url import parse_root
+from jaxckpt.storage.write_probe import check_conditional_writes
+
 from .backend import Backend, ObjectStorageBackend
 from .errors import CheckpointError, CheckpointRootError
-from .root_url import parse_root
 from .roots import check_root
-from .storage import PosixStorage, RootLease
 from .store import CheckpointStore
-from .write_probe import check_conditional_writes
 
 __all__ = ["attach_backend", "open_store", "prepare_root"]
 

@@ -7,7 +7,7 @@ with the hint that names ``import-orbax`` when the foreign entries look like Orb
 
 These read names only, never contents, and write nothing. They look at a local filesystem
 (``os``), where the paths a user types live; for a root on an object store ``check_root``
-asks the same question through its ``jaxckpt.storage.Storage`` (``foreign_objects``).
+asks the same question through its ``jaxckpt.storage.base.Storage`` (``foreign_objects``).
 
 Must not import: jax, orbax, torch.
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import re
 from typing import Literal
+
+from jaxckpt.storage.base import Storage
 
 from .core.layout import (
     COMMIT_MARKER,
@@ -33,7 +35,6 @@ from .core.layout import (
     parse_version_dirname,
 )
 from .errors import CheckpointRootError
-from .storage import Storage
 
 __all__ = ["PathKind", "foreign_entries", "foreign_objects", "check_root", "classify_path"]
 

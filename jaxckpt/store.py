@@ -5,7 +5,7 @@ written last, create-only, after a durability barrier), listing and verifying ch
 "latest valid", retention deletion that tolerates races, start-up cleanup of partial
 directories, quarantine, and the directories of exports. Names come from
 ``jaxckpt.core.layout``, the manifest's format and checks from ``jaxckpt.core.manifest``, and every
-read, write, listing, deletion and lock goes through a ``jaxckpt.storage.Storage``
+read, write, listing, deletion and lock goes through a ``jaxckpt.storage.base.Storage``
 (``PosixStorage`` by default): this module holds the protocol, not the I/O.
 
 A checkpoint directory is valid iff its ``COMMITTED`` manifest exists, parses, names only
@@ -39,6 +39,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
+
+from jaxckpt.storage.base import PosixStorage, RootLease, RootLock, Storage
 
 from . import store_objects
 from .core.checksum import default_algorithm
@@ -74,7 +76,6 @@ from .core.manifest import (
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 from .read_claims import ReadClaims
 from .roots import foreign_entries
-from .storage import PosixStorage, RootLease, RootLock, Storage
 
 __all__ = ["CheckpointStore", "Entry", "OnManifest", "Status", "write_file_soon"]
 

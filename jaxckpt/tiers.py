@@ -38,6 +38,9 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxckpt.storage.base import RootLease
+from jaxckpt.storage.url import is_url
+
 from .backend import Backend
 from .config import Every, LocalTier, RecoverConfig, StepInfo
 from .context import ManagerContext
@@ -55,10 +58,8 @@ from .pipeline import SavePipeline
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
 from .root import prepare_root
-from .root_url import is_url
 from .roots import check_root
 from .saving import RecoverySaver
-from .storage import RootLease
 from .store import CheckpointStore
 
 __all__ = ["LocalTierSet", "check_local", "local_rules"]

@@ -45,9 +45,9 @@ from jaxckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from jaxckpt.joined_reader import SeekableReader
 from jaxckpt.read_claims import ReadClaims
-from jaxckpt.storage import Storage, fsync_dir
+from jaxckpt.storage.base import Storage, fsync_dir
+from jaxckpt.storage.readers import SeekableReader
 from jaxckpt.zarr_io import fresh_blocks
 
 from . import _dcp_metadata

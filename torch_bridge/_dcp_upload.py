@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from jaxckpt.core.checksum import RunningChecksum
-from jaxckpt.storage import Storage
+from jaxckpt.storage.base import Storage
 
 __all__ = ["UploadStream"]
 

@@ -50,7 +50,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 from jaxckpt.read_claims import ReadClaims
-from jaxckpt.storage import Storage
+from jaxckpt.storage.base import Storage
 
 with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, DcpBackend)"):
     import torch

@@ -9,7 +9,7 @@ taken in turn within a round, so that the machine's load falls on all of them al
 Reported: the median seconds per row over the rounds, with the lowest and highest.
 
 The clients:
-- ``boto3``: ``jaxckpt.s3_storage.S3Storage`` as the library uses it (``write``: one PUT,
+- ``boto3``: ``jaxckpt.storage.s3.storage.S3Storage`` as the library uses it (``write``: one PUT,
   multipart over 64 MiB on 4 threads; ``read``), ``S3Storage.concurrent_requests`` objects
   in flight on a thread pool;
 - ``tensorstore``: tensorstore's ``s3`` kvstore driver (C++, its own HTTP stack and
@@ -171,8 +171,8 @@ def run_clients_bench(root: str, storage_options: Mapping[str, Any] | None = Non
                       log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Seconds per client and row (``big_put``, ``big_get``, ``small_put``, ``small_get``)
     for every round, and their median, lowest and highest."""
-    from jaxckpt.root_url import parse_root
-    from jaxckpt.s3_storage import S3Storage
+    from jaxckpt.storage.s3.storage import S3Storage
+    from jaxckpt.storage.url import parse_root
 
     options = dict(storage_options or {})
     _, storage = parse_root(root, options)

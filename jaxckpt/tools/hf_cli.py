@@ -159,7 +159,7 @@ def _tree_document(store: Any, state_dir: str) -> dict[str, Any]:
     directory or an object-store prefix); export-hf reads Orbax-backend checkpoints only."""
     from jaxckpt.core.layout import TREE_FILE
     from jaxckpt.core.tree_record import parse_tree_record, read_tree_record
-    from jaxckpt.storage import PosixStorage
+    from jaxckpt.storage.base import PosixStorage
 
     if isinstance(store.storage, PosixStorage):
         return read_tree_record(state_dir)
@@ -303,9 +303,9 @@ def _open_checkpoint(checkpoint: str, storage_options: Mapping[str, Any] | None
     """(the store of the root that ``checkpoint`` names, the committed step directory it
     names or None for a root): a local path, or an ``s3://`` / ``gs://`` URL of a root or of
     one ``ROOT/recover/step_N`` (its storage made from ``storage_options`` and the
-    environment, ``jaxckpt.root_url.parse_root``). Nothing is created anywhere."""
+    environment, ``jaxckpt.storage.url.parse_root``). Nothing is created anywhere."""
     from jaxckpt.core.layout import COMMIT_MARKER, RECOVER, parse_step_dirname
-    from jaxckpt.root_url import is_url, parse_root
+    from jaxckpt.storage.url import is_url, parse_root
     from jaxckpt.store import CheckpointStore
 
     if not is_url(checkpoint):
@@ -447,7 +447,7 @@ def _export_target(out_dir: str, overwrite: bool,
     """For an object-store ``out_dir``: its storage, after refusing (``ExportExistsError``)
     a prefix that already holds objects unless ``overwrite``; None for a local ``out_dir``
     (``export_hf`` checks it). Checked before the checkpoint is read."""
-    from jaxckpt.root_url import is_url, parse_root
+    from jaxckpt.storage.url import is_url, parse_root
     from torch_bridge.hf import ExportExistsError
 
     if not is_url(out_dir):
@@ -504,7 +504,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
       verify: check the checkpoint against its manifest with checksums or sizes first.
       dtype, max_shard_bytes, tokenizer_dir, generation_config, overwrite: as ``export_hf``.
       progress: show a progress bar on stderr.
-      storage_options: the client's settings for URLs (``jaxckpt.root_url.parse_root``);
+      storage_options: the client's settings for URLs (``jaxckpt.storage.url.parse_root``);
         None takes endpoint and credentials from the standard environment.
 
     Returns the bytes written. The whole array state is restored to host memory (optimizer

@@ -2,7 +2,7 @@
 
 Owns: the object-store side of ``jaxckpt ls``, ``verify`` and ``info`` (they ask the
 questions of ``jaxckpt.tools.cli`` through ``CheckpointStore`` over the ``Storage`` that
-``jaxckpt.root_url.parse_root`` makes, and print what the local commands print); the
+``jaxckpt.storage.url.parse_root`` makes, and print what the local commands print); the
 ``--storage-option KEY=VALUE`` flag every command that takes a path has, and the checks
 and error mapping the other commands share for URLs (an unsupported scheme and a client
 that cannot reach the store are usage/environment errors: exit 2). The endpoint and
@@ -62,7 +62,7 @@ def check_paths(command: str, opts: argparse.Namespace, *paths: str) -> int | No
     """Exit 2, saying why, when one of ``paths`` is a URL of a scheme jaxckpt does not take
     or ``--storage-option`` was given with no URL among them; None when they are fine."""
     from jaxckpt.errors import CheckpointRootError
-    from jaxckpt.root_url import root_scheme
+    from jaxckpt.storage.url import root_scheme
 
     try:
         kinds = [root_scheme(path) for path in paths]
@@ -97,7 +97,7 @@ def client_errors(command: str, codes: list[int]) -> Iterator[None]:
 
 def is_url(path: str) -> bool:
     """Whether ``path`` is a ``scheme://`` URL rather than a local path."""
-    from jaxckpt.root_url import is_url as url
+    from jaxckpt.storage.url import is_url as url
 
     return url(path)
 
@@ -106,7 +106,7 @@ def refuse_url(command: str, path: str, role: str | None = None) -> int:
     """Exit 2 for a URL where a command takes a local path only (``role``: the argument, e.g.
     "SRC", which must be a local directory), saying why."""
     from jaxckpt.errors import CheckpointRootError
-    from jaxckpt.root_url import root_scheme
+    from jaxckpt.storage.url import root_scheme
 
     try:
         root_scheme(path)
@@ -128,7 +128,7 @@ def _open(command: str, url: str, options: dict[str, Any] | None = None):
     code after saying why not. ``options``: the ``storage_options``."""
     from jaxckpt.core.layout import RECOVER, parse_step_dirname
     from jaxckpt.errors import CheckpointRootError
-    from jaxckpt.root_url import parse_root
+    from jaxckpt.storage.url import parse_root
     from jaxckpt.store import CheckpointStore
 
     url = url.rstrip("/")

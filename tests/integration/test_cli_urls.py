@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt.root_url import parse_root  # noqa: E402
+from jaxckpt.storage.url import parse_root  # noqa: E402
 from jaxckpt.tools.cli import main  # noqa: E402
 
 from support.gcs_server import PreconditionProxy, emulator  # noqa: E402

@@ -28,10 +28,10 @@ from jaxckpt import (  # noqa: E402
     Every,
     RecoverConfig,
     StepInfo,
-    s3_storage,  # noqa: E402
 )
 from jaxckpt.core.layout import COMMIT_MARKER  # noqa: E402
-from jaxckpt.root_url import parse_root  # noqa: E402
+from jaxckpt.storage.s3 import storage as s3_storage  # noqa: E402
+from jaxckpt.storage.url import parse_root  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
 from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 The writer used to gather each data file in memory and upload it only once DCP closed it:
 serialising and uploading never overlapped, and a rank's whole file sat in memory. Now
-(``torch_bridge._dcp_upload`` over ``Storage.open_writer``; on S3 ``jaxckpt.s3_upload``)
+(``torch_bridge._dcp_upload`` over ``Storage.open_writer``; on S3 ``jaxckpt.storage.s3.upload``)
 its parts are sent while DCP serialises the next tensors, a bounded number at a time, and
 the object still appears only complete. Against a moto server on 127.0.0.1.
 """
@@ -19,7 +19,7 @@ pytest.importorskip("moto")
 torch = pytest.importorskip("torch")
 
 from jaxckpt.core.checksum import default_algorithm  # noqa: E402
-from jaxckpt.root_url import parse_root  # noqa: E402
+from jaxckpt.storage.url import parse_root  # noqa: E402
 from torch_bridge import DcpBackend  # noqa: E402
 
 from support.s3_server import moto_s3  # noqa: E402
@@ -43,7 +43,7 @@ def storage(options):
 
 @pytest.fixture
 def small_parts(monkeypatch):
-    monkeypatch.setattr("jaxckpt.s3_upload.STREAM_PART_BYTES", PART)
+    monkeypatch.setattr("jaxckpt.storage.s3.upload.STREAM_PART_BYTES", PART)
 
 
 def calls_of(storage) -> list[str]:
@@ -104,7 +104,7 @@ def test_a_big_dcp_file_is_sent_while_dcp_still_writes_it(storage, small_parts,
 
 
 def test_a_streamed_upload_keeps_at_most_its_threads_parts_in_flight(storage):
-    from jaxckpt.s3_upload import StreamingUpload
+    from jaxckpt.storage.s3.upload import StreamingUpload
 
     in_flight = peak = 0
     lock = threading.Lock()

@@ -25,8 +25,8 @@ pytest.importorskip("gcp_storage_emulator")
 
 from jaxckpt import RootLockedError  # noqa: E402
 from jaxckpt.core.layout import COMMIT_MARKER  # noqa: E402
-from jaxckpt.gcs_storage import GCSStorage  # noqa: E402
-from jaxckpt.storage import Storage  # noqa: E402
+from jaxckpt.storage.base import Storage  # noqa: E402
+from jaxckpt.storage.gcs.storage import GCSStorage  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
 
 from support.gcs_server import PreconditionProxy, emulator  # noqa: E402
@@ -72,7 +72,7 @@ def base():
 
 
 def spawn_source(options) -> str:
-    return ("from jaxckpt.gcs_storage import GCSStorage\n"
+    return ("from jaxckpt.storage.gcs.storage import GCSStorage\n"
             f"storage = GCSStorage({BUCKET!r}, {PREFIX!r}, storage_options={options!r}, "
             f"**{SHORT_LEASE!r})")
 
@@ -402,7 +402,7 @@ def test_which_failures_are_transient():
     import requests
     from google.api_core import exceptions as api
 
-    from jaxckpt.gcs_storage import is_transient
+    from jaxckpt.storage.gcs.storage import is_transient
 
     retried = [api.ServiceUnavailable("x"), api.TooManyRequests("x"), api.InternalServerError("x"),
                api.GatewayTimeout("x"), requests.ConnectionError("reset"), requests.ReadTimeout(),
@@ -437,7 +437,7 @@ def test_a_missing_gcs_extra_names_the_extra(tmp_path):
         "        if name.split('.')[0] == 'google':\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, Blocker())\n"
-        "from jaxckpt.root_url import parse_root\n"
+        "from jaxckpt.storage.url import parse_root\n"
         "try:\n"
         "    parse_root('gs://bucket/run')\n"
         "except ImportError as exc:\n"

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from jaxckpt import RootLockedError
-from jaxckpt.root_url import parse_root
+from jaxckpt.storage.url import parse_root
 
 from support.object_stores import KINDS, fault_proxy_before, object_store
 from support.s3_server import CREDENTIALS, _start, _stop
@@ -46,7 +46,7 @@ def root(store):
 def lock_in_another_process(options, root) -> str:
     """'acquired' or 'refused: ...' from a fresh process opening ``root`` at once."""
     source = ("from jaxckpt import RootLockedError\n"
-              "from jaxckpt.root_url import parse_root\n"
+              "from jaxckpt.storage.url import parse_root\n"
               f"storage = parse_root({root!r}, {options!r})[1]\n"
               "try:\n"
               f"    storage.lock_root({root!r}).release()\n"

@@ -23,9 +23,10 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import array_files, s3_storage  # noqa: E402
+from jaxckpt import array_files  # noqa: E402
 from jaxckpt.errors import RootLockedError  # noqa: E402
-from jaxckpt.s3_storage import s3_client  # noqa: E402
+from jaxckpt.storage.s3 import storage as s3_storage  # noqa: E402
+from jaxckpt.storage.s3.storage import s3_client  # noqa: E402
 
 from support.fault_proxy import FAULTS, FaultProxy  # noqa: E402
 from support.s3_server import moto_s3  # noqa: E402
@@ -500,7 +501,7 @@ def test_items_and_stateful_objects_round_trip_on_s3_as_on_disk(root, options, t
 @pytest.mark.parametrize("change", ["longer", "shorter"])
 def test_a_chunk_object_of_the_wrong_size_is_refused_as_corrupt(root, options, change):
     from jaxckpt.errors import CheckpointCorruptError
-    from jaxckpt.root_url import parse_root
+    from jaxckpt.storage.url import parse_root
 
     _, storage = parse_root(root, options)
     files = array_files.StorageArrayFiles(storage)

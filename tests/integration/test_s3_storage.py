@@ -21,9 +21,10 @@ from support.fault_proxy import FaultProxy
 pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
-from jaxckpt import RootLockedError, s3_storage  # noqa: E402
-from jaxckpt.s3_storage import S3Storage, s3_client  # noqa: E402
-from jaxckpt.storage import Storage  # noqa: E402
+from jaxckpt import RootLockedError  # noqa: E402
+from jaxckpt.storage.base import Storage  # noqa: E402
+from jaxckpt.storage.s3 import storage as s3_storage  # noqa: E402
+from jaxckpt.storage.s3.storage import S3Storage, s3_client  # noqa: E402
 from jaxckpt.store import CheckpointStore  # noqa: E402
 
 BUCKET = "jaxckpt-test"
@@ -60,7 +61,7 @@ def base():
 
 
 def spawn_source(options) -> str:
-    return ("from jaxckpt.s3_storage import S3Storage\n"
+    return ("from jaxckpt.storage.s3.storage import S3Storage\n"
             f"storage = S3Storage({BUCKET!r}, {PREFIX!r}, storage_options={options!r}, "
             f"**{SHORT_LEASE!r})")
 

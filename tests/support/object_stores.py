@@ -55,7 +55,7 @@ class ObjectStore:
 
     def storage(self, root: str, **extra: Any) -> Any:
         """The library's ``Storage`` for ``root``, reaching the server directly."""
-        from jaxckpt.root_url import parse_root
+        from jaxckpt.storage.url import parse_root
 
         return parse_root(root, {**self.storage_options, **extra})[1]
 

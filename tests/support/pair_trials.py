@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxckpt.root_url import parse_root
+from jaxckpt.storage.url import parse_root
 from jaxckpt.store import CheckpointStore
 
 from support.harness import Worker, repo_env
@@ -81,7 +81,7 @@ Options = Mapping[str, Any] | None
 
 
 def open_store(root: str, storage_options: Options = None) -> CheckpointStore:
-    """The store of ``root``: a local path or an object-store URL (``jaxckpt.root_url``),
+    """The store of ``root``: a local path or an object-store URL (``jaxckpt.storage.url``),
     whose client ``storage_options`` configures, as the workers' managers do."""
     kind, target = parse_root(root, storage_options)
     if kind == "local":

@@ -38,7 +38,7 @@ START_TRIES = 3
 def moto_s3(*buckets: str, timeout_s: float = 30.0) -> Iterator[dict[str, Any]]:
     """A fresh moto server holding the empty ``buckets``; yields client ``storage_options``
     (few retries, short timeouts: a test failure shows quickly)."""
-    from jaxckpt.s3_storage import s3_client
+    from jaxckpt.storage.s3.storage import s3_client
 
     proc, port = _start(timeout_s)
     options = {"endpoint_url": f"http://127.0.0.1:{port}", **CREDENTIALS, "max_attempts": 3,

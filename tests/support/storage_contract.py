@@ -1,4 +1,4 @@
-"""The contract every ``jaxckpt.storage.Storage`` implementation keeps, as plain functions.
+"""The contract every ``jaxckpt.storage.base.Storage`` implementation keeps, as plain functions.
 
 Each ``check_*`` takes a storage and ``base``, a location under which it may write freely
 (a fresh temporary directory for ``PosixStorage``; a fresh prefix of a test bucket for an

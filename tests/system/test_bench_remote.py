@@ -28,7 +28,7 @@ def load_experiment(name: str):
 
 
 def test_bench_root_reports_save_and_restore_against_the_raw_transfers(capsys, monkeypatch):
-    from jaxckpt.s3_storage import s3_client
+    from jaxckpt.storage.s3.storage import s3_client
     from jaxckpt.tools.cli import main
 
     with moto_s3("bench") as options:
@@ -51,7 +51,7 @@ def test_bench_clients_moves_the_same_bytes_through_each_installed_client(capsys
                                                                           monkeypatch):
     """``python benchmarks/experiments/bench_clients.py``: every installed client uploads
     and downloads the same objects (a row each, every round timed), and nothing is left."""
-    from jaxckpt.s3_storage import s3_client
+    from jaxckpt.storage.s3.storage import s3_client
 
     main = load_experiment("bench_clients").main
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig  # noqa: E402
-from jaxckpt.s3_storage import s3_client  # noqa: E402
+from jaxckpt.storage.s3.storage import s3_client  # noqa: E402
 
 from support.s3_server import moto_s3  # noqa: E402
 from support.two_processes import jax_worker, run_two_workers  # noqa: E402

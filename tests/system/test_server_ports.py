@@ -32,7 +32,7 @@ def first_port_taken(module, name: str) -> Iterator[int]:
 
 @pytest.mark.skipif("s3" not in KINDS, reason="boto3 or moto is not installed")
 def test_the_moto_server_moves_to_another_port_when_its_port_was_taken():
-    from jaxckpt.s3_storage import s3_client
+    from jaxckpt.storage.s3.storage import s3_client
 
     with first_port_taken(s3_server, "_free_port") as taken, s3_server.moto_s3("ports") as options:
         assert not options["endpoint_url"].endswith(f":{taken}")

@@ -24,7 +24,7 @@ def imported_after(statement: str) -> list[str]:
         "import jaxckpt",
         "import jaxckpt.core.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, "
         "jaxckpt.core.codec",
-        "import jaxckpt.core.layout, jaxckpt.core.manifest, jaxckpt.storage, jaxckpt.roots, "
+        "import jaxckpt.core.layout, jaxckpt.core.manifest, jaxckpt.storage.base, jaxckpt.roots, "
         "jaxckpt.read_claims",
         "import jaxckpt.core.tree_record, jaxckpt.saving, jaxckpt.recovery, jaxckpt.pipeline",
         "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",

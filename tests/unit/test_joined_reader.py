@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 
-from jaxckpt.joined_reader import JoinedReader
+from jaxckpt.storage.readers import JoinedReader
 
 
 def pieces() -> list:

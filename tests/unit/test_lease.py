@@ -1,4 +1,4 @@
-"""The lease protocol of jaxckpt.lease over an in-memory lease object (the one place a fake
+"""The lease protocol of jaxckpt.storage.lease over an in-memory lease object (the one place a fake
 stands in for a server: the protocol's decisions, each in a fraction of a second). The same
 behaviours against the moto server and the GCS emulator are in
 tests/integration/test_lease_servers.py.
@@ -18,8 +18,8 @@ import time
 import pytest
 
 from jaxckpt import RootLockedError
-from jaxckpt.lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
-from jaxckpt.lease_holder import holder_status, this_process
+from jaxckpt.storage.lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
+from jaxckpt.storage.lease_holder import holder_status, this_process
 
 LEASE_S, HEARTBEAT_S = 0.8, 0.2
 

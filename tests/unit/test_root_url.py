@@ -1,4 +1,4 @@
-"""Roots are parsed in one place (jaxckpt/root_url.py): a URL is never taken for a relative
+"""Roots are parsed in one place (jaxckpt/storage/url.py): a URL is never taken for a relative
 path. Unknown schemes are refused up front naming the scheme; an s3:// root never creates
 anything locally, for either manager."""
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxckpt import CheckpointManager, CheckpointRootError
-from jaxckpt.root_url import local_root, parse_root, root_scheme
+from jaxckpt.storage.url import local_root, parse_root, root_scheme
 
 
 @pytest.mark.parametrize("root", ["gcs://bucket/run", "hdfs://namenode/run", "AZ://b/r",
@@ -36,7 +36,7 @@ def test_storage_options_are_refused_for_a_local_root():
 
 def test_an_s3_root_becomes_an_s3_storage_of_its_bucket_and_prefix():
     pytest.importorskip("boto3")
-    from jaxckpt.s3_storage import S3Storage
+    from jaxckpt.storage.s3.storage import S3Storage
 
     kind, storage = parse_root("s3://my-bucket/some/run/", {
         "endpoint_url": "http://127.0.0.1:1", "region_name": "us-east-1",
@@ -51,7 +51,7 @@ def test_an_s3_root_becomes_an_s3_storage_of_its_bucket_and_prefix():
 
 def test_a_gs_root_becomes_a_gcs_storage_of_its_bucket_and_prefix(monkeypatch):
     pytest.importorskip("google.cloud.storage")
-    from jaxckpt.gcs_storage import GCSStorage
+    from jaxckpt.storage.gcs.storage import GCSStorage
 
     # An emulator's endpoint: anonymous credentials, and no request is made to build it.
     kind, storage = parse_root("gs://my-bucket/some/run/", {"endpoint_url": "http://127.0.0.1:1"})

@@ -83,7 +83,7 @@ def test_commit_makes_the_names_durable_while_it_checksums_the_files(store, monk
     together are shared), and the marker comes after both: here every file's checksum
     waits until a directory fsync has begun. Done one after the other, the checksums
     would wait in vain (the timeout says so)."""
-    from jaxckpt import storage as storage_module
+    from jaxckpt.storage import base as storage_module
 
     path = make_step(store, 1, commit=False)
     naming = threading.Event()

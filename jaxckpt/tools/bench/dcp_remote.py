@@ -48,7 +48,7 @@ def dcp_remote_rows(root: str, storage_options: Mapping[str, Any] | None = None,
     import torch
 
     from jaxckpt import Every, RecoverConfig, StepInfo
-    from jaxckpt.root_url import parse_root
+    from jaxckpt.storage.url import parse_root
     from torch_bridge import DcpCheckpointManager
 
     base = f"{root.rstrip('/')}/bench-{uuid.uuid4().hex[:8]}"

@@ -77,7 +77,7 @@ def run_remote_bench(config: RemoteBenchConfig,
         import jax
 
     import jaxckpt
-    from jaxckpt.root_url import parse_root
+    from jaxckpt.storage.url import parse_root
 
     _, storage = parse_root(config.root, storage_options)
     if isinstance(storage, str):

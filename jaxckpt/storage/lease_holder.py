@@ -11,7 +11,7 @@ Why all five fields: a pid alone names a process only on one host, in one pid na
 whether a pid read from a lease means the same process table as ours; the start time
 (``/proc/<pid>/stat``, in clock ticks since boot) tells a reused pid from the holder. Where
 these cannot be read (not Linux), a holder is never judged from here: the lease protocol then
-waits for the lease to run out instead (``jaxckpt.lease``).
+waits for the lease to run out instead (``jaxckpt.storage.lease``).
 
 Must not import: jax, orbax, torch, boto3, google.
 

@@ -1,6 +1,6 @@
-"""The root lock on S3: the lease protocol of ``jaxckpt.lease`` over S3's conditional requests.
+"""The root lock on S3: the lease protocol of ``storage.lease`` over S3's conditional requests.
 
-Owns: ``S3Lease``, a ``jaxckpt.lease.Lease`` whose object is ``{root}/.lock`` in the storage's
+Owns: ``S3Lease``, a ``storage.lease.Lease`` whose object is ``{root}/.lock`` in the storage's
 bucket. Taking it is a PUT with ``If-None-Match: *``; a takeover, a renewal and the release
 are a PUT or DELETE with ``If-Match`` on the ETag last seen (a server that answers the
 conditional DELETE 501, as LocalStack does, gets the release as a conditional PUT instead:
@@ -10,7 +10,7 @@ server's clock (the GET's ``Date``) minus its ``Last-Modified``. A 412 (conditio
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: as ``jaxckpt.lease.Lease``; the S3 server decides between jobs.
+Concurrency contract: as ``jaxckpt.storage.lease.Lease``; the S3 server decides between jobs.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from __future__ import annotations
 import email.utils
 from typing import TYPE_CHECKING
 
-from .lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
-from .s3_storage import is_not_found, is_precondition_failed
+from jaxckpt.storage.lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
+from jaxckpt.storage.s3.storage import is_not_found, is_precondition_failed
 
 if TYPE_CHECKING:
-    from .s3_storage import S3Storage
+    from jaxckpt.storage.s3.storage import S3Storage
 
 __all__ = ["S3Lease"]
 
 
 class _S3LeaseObject:
-    """The four conditional requests of ``jaxckpt.lease.LeaseObject`` on one S3 key."""
+    """The four conditional requests of ``jaxckpt.storage.lease.LeaseObject`` on one S3 key."""
 
     def __init__(self, storage: S3Storage, key: str):
         self.storage = storage
@@ -84,7 +84,7 @@ def _not_implemented(exc: Exception) -> bool:
 
 
 class S3Lease(Lease):
-    """A root lease on S3 (held after ``acquire``); see ``jaxckpt.lease``."""
+    """A root lease on S3 (held after ``acquire``); see ``jaxckpt.storage.lease``."""
 
     def __init__(self, storage: S3Storage, key: str, *, lease_s: float, heartbeat_s: float):
         super().__init__(_S3LeaseObject(storage, key), lease_s=lease_s,

@@ -3,7 +3,7 @@ heartbeat, taken over by one job once its holder is gone. The part every object 
 
 Owns: ``Lease`` (taking, renewing and giving up a lease, and the ``RootLockedError`` a second
 job gets) over ``LeaseObject``, the four conditional requests a store must offer for it
-(``jaxckpt.s3_lease`` on S3, ``jaxckpt.gcs_lease`` on GCS); ``LeaseConflict``, what such a
+(``storage.s3.lease`` on S3, ``storage.gcs.lease`` on GCS); ``LeaseConflict``, what such a
 request raises when its condition does not hold; ``LeaseRequestUnsupported``, what it raises
 when the server does not implement it (HTTP 501).
 
@@ -59,8 +59,8 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from .errors import RootLockedError
-from .lease_holder import holder_status, this_process
+from jaxckpt.errors import RootLockedError
+from jaxckpt.storage.lease_holder import holder_status, this_process
 
 __all__ = ["Lease", "LeaseConflict", "LeaseObject", "LeaseRequestUnsupported", "LeaseState"]
 

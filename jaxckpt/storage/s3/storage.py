@@ -1,8 +1,8 @@
 """The storage seam on S3 (and S3-protocol servers): ``S3Storage``.
 
-Owns: ``S3Storage``, the ``jaxckpt.storage.Storage`` implementation over boto3, and
+Owns: ``S3Storage``, the ``jaxckpt.storage.base.Storage`` implementation over boto3, and
 ``s3_client``, how a client is built from the environment and ``storage_options``. The root
-lock (a lease object) is ``jaxckpt.s3_lease``.
+lock (a lease object) is ``jaxckpt.storage.s3.lease``.
 
 Locations are URLs ``s3://{bucket}/{key}``; a storage serves one bucket and, below it, one
 key prefix (a guard: a location outside it is a ``ValueError``, never a request). Names
@@ -28,7 +28,7 @@ quarantine and export publishing another way there (``jaxckpt.store_objects``).
 botocore draws the jitter of every retry from Python's global ``random`` (the default of
 its backoff's ``random`` argument); ``s3_client`` gives it a ``random.Random`` of its own, so
 that a save's retries on background threads never shift the training loop's random stream
-(as for GCS, ``jaxckpt.gcs_storage``).
+(as for GCS, ``jaxckpt.storage.gcs.storage``).
 
 ``reading`` holds are kept in this process only: a checkpoint being restored by this process
 is never deleted by it, but another process's deleter does not see them (on an object store
@@ -52,10 +52,10 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .core.checksum import extend
-from .errors import CheckpointWarning, ObjectStoreError
-from .joined_reader import JoinedReader
-from .storage import ObjectWriter, ReadHolds, RootLease, Storage, object_name
+from jaxckpt.core.checksum import extend
+from jaxckpt.errors import CheckpointWarning, ObjectStoreError
+from jaxckpt.storage.base import ObjectWriter, ReadHolds, RootLease, Storage, object_name
+from jaxckpt.storage.readers import JoinedReader
 
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
 
@@ -314,7 +314,7 @@ class S3Storage(Storage):
         SIGKILL frees its root this long after its last heartbeat); ``heartbeat_s``: how
         often a holder renews it (well under ``lease_s``). ``conditional_writes``: whether
         opening a root checks that the server honours conditional writes ("check") or not
-        ("unsafe_skip_check"; ``jaxckpt.write_probe``)."""
+        ("unsafe_skip_check"; ``jaxckpt.storage.write_probe``)."""
         if not bucket or "/" in bucket:
             raise ValueError(f"S3Storage: bucket must be a bucket name, not {bucket!r}")
         if not 0 < heartbeat_s < lease_s:
@@ -412,8 +412,8 @@ class S3Storage(Storage):
 
     def open_writer(self, path: str) -> ObjectWriter:
         """A writer whose bytes go up as they come: parts of a multipart upload sent while
-        the caller writes the next (``jaxckpt.s3_upload``); one PUT if they fit in a part."""
-        from .s3_upload import StreamingUpload
+        the caller writes the next (``storage.s3.upload``); one PUT if they fit in a part."""
+        from jaxckpt.storage.s3.upload import StreamingUpload
 
         self._small.drop(self.key(path))
         return StreamingUpload(self, path)
@@ -622,7 +622,7 @@ class S3Storage(Storage):
 
     # --- concurrency ---------------------------------------------------------------------
     def lock_root(self, root: str) -> RootLease:
-        from .s3_lease import S3Lease
+        from jaxckpt.storage.s3.lease import S3Lease
 
         lease = S3Lease(self, self.key(root.rstrip("/") + "/.lock"),
                         lease_s=self.lease_s, heartbeat_s=self.heartbeat_s)

@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from .core.checksum import extend, file_checksum
-from .core.layout import LOCK_FILE, tmp_name
-from .errors import RootLockedError
+from jaxckpt.core.checksum import extend, file_checksum
+from jaxckpt.core.layout import LOCK_FILE, tmp_name
+from jaxckpt.errors import RootLockedError
 
 __all__ = ["Storage", "PosixStorage", "ReadHolds", "object_name", "ObjectWriter", "RootLease",
            "RootLock", "fsync_file", "fsync_dir", "atomic_write"]

@@ -39,14 +39,14 @@ import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .core.layout import tmp_name
-from .errors import CheckpointWarning, ConditionalWritesError, ConfigError
-from .root_url import root_scheme
+from jaxckpt.core.layout import tmp_name
+from jaxckpt.errors import CheckpointWarning, ConditionalWritesError, ConfigError
+from jaxckpt.storage.url import root_scheme
 
 if TYPE_CHECKING:
-    from .gcs_storage import GCSStorage
-    from .s3_storage import S3Storage
-    from .storage import Storage
+    from jaxckpt.storage.base import Storage
+    from jaxckpt.storage.gcs.storage import GCSStorage
+    from jaxckpt.storage.s3.storage import S3Storage
 
 __all__ = ["CHECK", "OPTION", "UNSAFE_SKIP_CHECK", "check_conditional_writes",
            "conditional_writes_mode"]
@@ -172,7 +172,7 @@ class _S3Probe:
         return str(self._put()["ETag"])
 
     def _conditional(self, **condition: str) -> str:
-        from .s3_storage import is_precondition_failed
+        from jaxckpt.storage.s3.storage import is_precondition_failed
 
         try:
             self._put(**condition)

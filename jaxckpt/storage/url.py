@@ -7,8 +7,8 @@ scheme other than ``s3://`` and ``gs://`` is refused up front, naming the scheme
 supported, so that a URL is never taken for a relative path (which would create a directory
 named ``s3:`` in the working directory).
 
-Must not import: jax, orbax, torch, boto3, google (``jaxckpt.s3_storage`` and
-``jaxckpt.gcs_storage`` are imported only for a root of their scheme).
+Must not import: jax, orbax, torch, boto3, google (``jaxckpt.storage.s3.storage`` and
+``jaxckpt.storage.gcs.storage`` are imported only for a root of their scheme).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from .errors import CheckpointRootError
-from .storage import Storage
+from jaxckpt.errors import CheckpointRootError
+from jaxckpt.storage.base import Storage
 
 __all__ = ["parse_root", "root_scheme", "local_root", "is_url",
            "OBJECT_STORE_ARRAYS_UNSUPPORTED"]
@@ -65,8 +65,8 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     """("local", path), or ("s3", an ``S3Storage``) / ("gs", a ``GCSStorage``) serving the
     URL's bucket and prefix, the root itself being the URL, without a trailing "/".
     ``storage_options`` (the client's endpoint, region, credentials:
-    ``jaxckpt.s3_storage.s3_client``, ``jaxckpt.gcs_storage.gcs_client``; ``lease_s``,
-    ``heartbeat_s`` of the root lease; ``conditional_writes``, ``jaxckpt.write_probe``) are
+    ``storage.s3.storage.s3_client``, ``storage.gcs.storage.gcs_client``; ``lease_s``,
+    ``heartbeat_s`` of the root lease; ``conditional_writes``, ``jaxckpt.storage.write_probe``) are
     for object-store roots only."""
     kind = root_scheme(root)
     if kind == "local":
@@ -76,12 +76,12 @@ def parse_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] 
                 f"{os.fspath(root)!r}; they apply to s3:// and gs:// roots only")
         return "local", os.fspath(root)
     options, lease = _lease_options(storage_options)
-    from .write_probe import CHECK, OPTION, conditional_writes_mode
+    from jaxckpt.storage.write_probe import CHECK, OPTION, conditional_writes_mode
 
     writes = conditional_writes_mode(options.pop(OPTION, CHECK))
     if kind == "gs":
         return "gs", _gcs_storage(str(root), options, lease, writes)
-    from .s3_storage import S3Storage, split_s3_url
+    from jaxckpt.storage.s3.storage import S3Storage, split_s3_url
 
     bucket, prefix = split_s3_url(str(root))
     if not prefix:
@@ -103,7 +103,7 @@ def local_root(root: str | os.PathLike[str]) -> str | os.PathLike[str]:
 
 def _gcs_storage(root: str, storage_options: Mapping[str, Any],
                  lease: Mapping[str, float], conditional_writes: str) -> Storage:
-    from .gcs_storage import GCSStorage, split_gs_url
+    from jaxckpt.storage.gcs.storage import GCSStorage, split_gs_url
 
     bucket, prefix = split_gs_url(root)
     if not prefix:

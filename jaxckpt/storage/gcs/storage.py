@@ -1,9 +1,9 @@
 """The storage seam on Google Cloud Storage (and GCS emulators): ``GCSStorage``.
 
-Owns: ``GCSStorage``, the ``jaxckpt.storage.Storage`` implementation over
+Owns: ``GCSStorage``, the ``jaxckpt.storage.base.Storage`` implementation over
 google-cloud-storage; ``gcs_client``, how a client is built from the environment and
 ``storage_options``; and ``Tries``/``is_transient``, which requests are retried and how
-often. The root lock (a lease object) is ``jaxckpt.gcs_lease``.
+often. The root lock (a lease object) is ``jaxckpt.storage.gcs.lease``.
 
 Locations are URLs ``gs://{bucket}/{name}``; a storage serves one bucket and, below it, one
 name prefix (a guard: a location outside it is a ``ValueError``, never a request). Names
@@ -28,7 +28,7 @@ that is retried after its first try succeeded unseen fails its own condition (41
 ``create`` then reads the object back and counts it as its own when the bytes are the ones
 it wrote.
 
-``reading`` holds are kept in this process only, as on S3 (``jaxckpt.s3_storage``).
+``reading`` holds are kept in this process only, as on S3 (``jaxckpt.storage.s3.storage``).
 
 The user's global ``random`` stays theirs: google-cloud-storage draws the boundary of every
 multipart upload, and google-api-core and google-auth the jitter of every retry, from
@@ -54,9 +54,9 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .core.checksum import extend
-from .core.extras import requires_extra
-from .storage import ReadHolds, RootLease, Storage, object_name
+from jaxckpt.core.checksum import extend
+from jaxckpt.core.extras import requires_extra
+from jaxckpt.storage.base import ReadHolds, RootLease, Storage, object_name
 
 __all__ = ["GCSStorage", "Tries", "gcs_client", "is_transient", "split_gs_url"]
 
@@ -235,7 +235,7 @@ class GCSStorage(Storage):
         ``backoff_s`` the first wait between tries (0.5, doubling up to ``max_backoff_s``,
         16). ``lease_s``: how long the root lease lasts without a renewal; ``heartbeat_s``:
         how often a holder renews it (well under ``lease_s``).
-        ``conditional_writes``: as for ``jaxckpt.s3_storage.S3Storage``."""
+        ``conditional_writes``: as for ``jaxckpt.storage.s3.storage.S3Storage``."""
         if not bucket or "/" in bucket:
             raise ValueError(f"GCSStorage: bucket must be a bucket name, not {bucket!r}")
         if not 0 < heartbeat_s < lease_s:
@@ -419,7 +419,7 @@ class GCSStorage(Storage):
 
     # --- concurrency ---------------------------------------------------------------------
     def lock_root(self, root: str) -> RootLease:
-        from .gcs_lease import GCSLease
+        from jaxckpt.storage.gcs.lease import GCSLease
 
         lease = GCSLease(self, self.name(root.rstrip("/") + "/.lock"),
                          lease_s=self.lease_s, heartbeat_s=self.heartbeat_s)

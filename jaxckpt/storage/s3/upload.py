@@ -29,7 +29,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .s3_storage import S3Storage
+    from jaxckpt.storage.s3.storage import S3Storage
 
 __all__ = ["STREAM_PART_BYTES", "StreamingUpload"]
 

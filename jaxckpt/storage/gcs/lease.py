@@ -1,6 +1,6 @@
-"""The root lock on GCS: the lease protocol of ``jaxckpt.lease`` over GCS generations.
+"""The root lock on GCS: the lease protocol of ``jaxckpt.storage.lease`` over GCS generations.
 
-Owns: ``GCSLease``, a ``jaxckpt.lease.Lease`` whose object is ``{root}/.lock`` in the
+Owns: ``GCSLease``, a ``jaxckpt.storage.lease.Lease`` whose object is ``{root}/.lock`` in the
 storage's bucket. A version is the object's generation. Taking the lease is an upload with
 ``ifGenerationMatch=0`` (only if absent); a takeover and a renewal are an upload with
 ``ifGenerationMatch=<generation last seen>`` (the GCS counterpart of S3's ``If-Match``);
@@ -15,7 +15,7 @@ API, retried like every other request of the storage.
 
 Must not import: jax, orbax, torch. google-cloud-storage comes through ``GCSStorage``.
 
-Concurrency contract: as ``jaxckpt.lease.Lease``; the GCS server decides between jobs.
+Concurrency contract: as ``jaxckpt.storage.lease.Lease``; the GCS server decides between jobs.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import email.utils
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
-from .lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
+from jaxckpt.storage.lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
 
 if TYPE_CHECKING:
-    from .gcs_storage import GCSStorage
+    from jaxckpt.storage.gcs.storage import GCSStorage
 
 __all__ = ["GCSLease"]
 
@@ -36,7 +36,7 @@ _READ_TRIES = 5
 
 
 class _GCSLeaseObject:
-    """The four conditional requests of ``jaxckpt.lease.LeaseObject`` on one GCS object."""
+    """The four conditional requests of ``jaxckpt.storage.lease.LeaseObject`` on one GCS object."""
 
     def __init__(self, storage: GCSStorage, name: str):
         self.storage = storage
@@ -113,7 +113,7 @@ class _GCSLeaseObject:
 
 
 class GCSLease(Lease):
-    """A root lease on GCS (held after ``acquire``); see ``jaxckpt.lease``."""
+    """A root lease on GCS (held after ``acquire``); see ``jaxckpt.storage.lease``."""
 
     def __init__(self, storage: GCSStorage, name: str, *, lease_s: float, heartbeat_s: float):
         super().__init__(_GCSLeaseObject(storage, name), lease_s=lease_s,
