@@ -48,7 +48,7 @@ from jaxckpt.array_files import ArrayFiles
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, TreeMismatchError
 
 if TYPE_CHECKING:
-    from jaxckpt.read_claims import ReadClaims
+    from jaxckpt.commit.deferred_checks import ReadClaims
 
 __all__ = ["Target", "Shardings", "match_like", "arrays_dir", "restore_args_for",
            "limit_claims", "restore_request", "read_native", "Unpacker", "to_like_leaves"]

@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    from jaxckpt.commit.deferred_checks import ReadClaims
     from jaxckpt.storage.base import Storage
-
-    from .read_claims import ReadClaims
 
 __all__ = ["Backend", "BackendFeatures", "ObjectStorageBackend", "WriteHandle", "SingleProcess",
            "check_backend"]

@@ -22,11 +22,12 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from jaxckpt.commit.pins import Pins
+from jaxckpt.commit.store import CheckpointStore
+
 from .backend import Backend
 from .config import ExportConfig, RecoverConfig
 from .core.policy import SaveTrigger
-from .pins import Pins
-from .store import CheckpointStore
 
 if TYPE_CHECKING:
     from .reports import SaveReport

@@ -46,7 +46,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
 
 __all__ = [
     "DRIVER_FORMAT",

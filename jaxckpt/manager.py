@@ -34,6 +34,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from jaxckpt.commit.pins import Pins
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.storage.base import RootLease
 
 from . import driver as drv
@@ -44,14 +46,12 @@ from .context import ManagerContext
 from .core.policy import SaveTrigger, resolve_mode, writes_periodic
 from .errors import CheckpointError, CheckpointWarning, ConfigError
 from .exports import Exporter, export_record
-from .pins import Pins
 from .pipeline import SavePipeline
 from .preemption import Preemption
 from .recovery import Recovery, start_fresh
 from .reports import Recovered, SaveReport
 from .root import attach_backend, open_store, prepare_root
 from .saving import RecoverySaver, resolve_state
-from .store import CheckpointStore
 from .tiers import LocalTierSet, check_local
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]

@@ -90,7 +90,7 @@ from jaxckpt.array_files import ArrayFiles, StorageArrayFiles
 from jaxckpt.backend import BackendFeatures
 
 if TYPE_CHECKING:
-    from jaxckpt.read_claims import ReadClaims
+    from jaxckpt.commit.deferred_checks import ReadClaims
     from jaxckpt.storage.base import Storage
 
 __all__ = ["OrbaxBackend", "OrbaxWriteHandle", "OrbaxOptions", "TREE_FORMAT",

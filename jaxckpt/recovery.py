@@ -32,9 +32,14 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxckpt import driver as drv
+from jaxckpt.commit import verification
+from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.prefetch import ReadAhead
+from jaxckpt.commit.store import Entry
+from jaxckpt.commit.verification import DeferredChecksumsFailed, Verification, Verifier
 from jaxckpt.storage.base import PosixStorage
 
-from . import driver as drv, verification
 from .config import StepInfo
 from .context import ManagerContext
 from .core.layout import STATE_DIR
@@ -46,11 +51,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointWarning,
 )
-from .read_ahead import ReadAhead
-from .read_claims import ReadClaims
 from .reports import Recovered
-from .store import Entry
-from .verification import DeferredChecksumsFailed, Verification, Verifier
 
 __all__ = ["Recovery", "start_fresh"]
 

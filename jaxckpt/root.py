@@ -25,14 +25,14 @@ import os
 from collections.abc import Mapping
 from typing import Any, cast
 
+from jaxckpt.commit.ownership import check_root
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.storage.base import PosixStorage, RootLease
 from jaxckpt.storage.url import parse_root
 from jaxckpt.storage.write_probe import check_conditional_writes
 
 from .backend import Backend, ObjectStorageBackend
 from .errors import CheckpointError, CheckpointRootError
-from .roots import check_root
-from .store import CheckpointStore
 
 __all__ = ["attach_backend", "open_store", "prepare_root"]
 

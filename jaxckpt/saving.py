@@ -45,6 +45,8 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from jaxckpt.commit.store import write_file_soon
+
 from . import driver as drv
 from .config import Every, StepInfo, Versioned, check_item_name, item_version
 from .context import ManagerContext
@@ -53,7 +55,6 @@ from .core.retention import CheckpointFacts, RetentionRules, decide
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
 from .pipeline import SavePipeline
 from .reports import SaveReport, mark_done
-from .store import write_file_soon
 
 __all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
 

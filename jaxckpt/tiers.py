@@ -38,6 +38,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxckpt.commit.ownership import check_root
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.storage.base import RootLease
 from jaxckpt.storage.url import is_url
 
@@ -58,9 +60,7 @@ from .pipeline import SavePipeline
 from .recovery import Recovery
 from .reports import Recovered, SaveReport
 from .root import prepare_root
-from .roots import check_root
 from .saving import RecoverySaver
-from .store import CheckpointStore
 
 __all__ = ["LocalTierSet", "check_local", "local_rules"]
 

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from jaxckpt.commit.deferred_checks import ReadClaims
 from jaxckpt.core.checksum import RunningChecksum, extend, file_checksum
 from jaxckpt.core.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.errors import (
@@ -45,7 +46,6 @@ from jaxckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage.base import Storage, fsync_dir
 from jaxckpt.storage.readers import SeekableReader
 from jaxckpt.zarr_io import fresh_blocks

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jaxckpt.backend import BackendFeatures
+from jaxckpt.commit.deferred_checks import ReadClaims
 from jaxckpt.core import codec
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.core.layout import OBJECTS_FILE
@@ -49,7 +50,6 @@ from jaxckpt.errors import (
     ConfigError,
     TreeMismatchError,
 )
-from jaxckpt.read_claims import ReadClaims
 from jaxckpt.storage.base import Storage
 
 with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, DcpBackend)"):

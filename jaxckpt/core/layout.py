@@ -4,7 +4,7 @@ Owns the layout of a root, and nothing but strings::
 
     {root}/
       .lock                                     the root lock (storage.RootLock)
-      pins.json                                 checkpoints pinned by hand (jaxckpt.pins)
+      pins.json                                 checkpoints pinned by hand (jaxckpt.commit.pins)
       tier.json                                 a local tier's durable root (jaxckpt.tiers)
       recover/
         step_{global_step:08d}/                 one recovery checkpoint
@@ -52,7 +52,7 @@ STATE_DIR = "state"
 #: Entries named so are being written or deleted; start-up cleanup removes them.
 TMP_PREFIX = ".tmp-"
 LOCK_FILE = ".lock"
-#: The steps pinned by hand, never deleted by retention (jaxckpt.pins).
+#: The steps pinned by hand, never deleted by retention (jaxckpt.commit.pins).
 PINS_FILE = "pins.json"
 #: In a local tier's root only: the durable root it belongs to (jaxckpt.tiers).
 TIER_FILE = "tier.json"

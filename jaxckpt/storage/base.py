@@ -1,6 +1,6 @@
 """The storage seam: what the commit protocol needs from the place checkpoints are kept.
 
-Owns: ``Storage``, the small interface the store (jaxckpt/store.py) does its I/O through,
+Owns: ``Storage``, the small interface the store (jaxckpt/commit/store.py) does its I/O through,
 and ``PosixStorage``, its implementation on a local or network filesystem, with the POSIX
 helpers it is made of (``fsync_file``, ``fsync_dir``, ``atomic_write``) and ``RootLock``;
 and the two pieces the object stores share: ``object_name`` (a location to an object name

@@ -92,7 +92,7 @@ def _print_table(rows: list[list[str]], header: list[str], out: Callable[[str], 
 def _locate(command: str, path: str) -> tuple[str, str] | int:
     """(absolute path, "root" or "checkpoint"), or, for anything else (missing, a file, an
     empty directory, another tool's directory), the exit code after saying what it is."""
-    from jaxckpt.roots import classify_path
+    from jaxckpt.commit.ownership import classify_path
 
     from .remote_cli import is_url, refuse_url
 
@@ -129,7 +129,7 @@ def _progress_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _ls(opts: argparse.Namespace) -> int:
-    from jaxckpt.store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
 
     from .remote_cli import is_url, remote_ls
 
@@ -184,10 +184,10 @@ def _retention_column(store: Any, entries: Sequence[Any]) -> tuple[dict[int, str
     recorded in its driver.json. Partial directories get no entry (start-up removes them).
     Also returns a note to print when the rules or the pins could not be read. The CLI cannot
     see restores in progress, so "being-read" never shows here."""
+    from jaxckpt.commit.pins import Pins
     from jaxckpt.core.retention import CheckpointFacts, RetentionRules, decide
     from jaxckpt.driver import read_driver
     from jaxckpt.errors import CheckpointError
-    from jaxckpt.pins import Pins
 
     notes = []
     try:
@@ -236,9 +236,9 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(opts: argparse.Namespace) -> int:
+    from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import COMMIT_MARKER
     from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
-    from jaxckpt.store import CheckpointStore
 
     from .remote_cli import is_url, remote_verify
 
@@ -335,7 +335,7 @@ def _info_root(path: str, opts: argparse.Namespace, store: Any = None) -> int:
     (sizes checked, not checksums: as ``ls``). ``store``: the root's (object stores)."""
     import json
 
-    from jaxckpt.store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
 
     store = CheckpointStore(path) if store is None else store
     entries = store.entries()
@@ -367,10 +367,10 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     ``store``: the one holding ``path`` (object stores)."""
     import json
 
+    from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import DRIVER_FILE
     from jaxckpt.driver import read_driver
     from jaxckpt.errors import CheckpointCorruptError, CheckpointError
-    from jaxckpt.store import CheckpointStore
 
     store = CheckpointStore(os.path.dirname(path)) if store is None else store
     info: dict = {"path": path}

@@ -7,7 +7,7 @@ else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing liv
 ``jaxckpt.tools.cli``. Roots may be local paths or ``s3://`` / ``gs://`` URLs: a checkpoint
 on a URL is read through its root's store (the Orbax backend is handed that storage), and an
 export to a URL is written in a local temporary directory, then uploaded and committed with
-a manifest (``jaxckpt.store_objects.publish_export``), as exports on object roots are.
+a manifest (``jaxckpt.commit.object_steps.publish_export``), as exports on object roots are.
 
 Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
 from a root while its training job runs is safe (the checkpoint read is held with the
@@ -27,8 +27,8 @@ import shutil
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from jaxckpt.commit.object_steps import export_staging
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError
-from jaxckpt.store_objects import export_staging
 from torch_bridge.hf import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -304,9 +304,9 @@ def _open_checkpoint(checkpoint: str, storage_options: Mapping[str, Any] | None
     names or None for a root): a local path, or an ``s3://`` / ``gs://`` URL of a root or of
     one ``ROOT/recover/step_N`` (its storage made from ``storage_options`` and the
     environment, ``jaxckpt.storage.url.parse_root``). Nothing is created anywhere."""
+    from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import COMMIT_MARKER, RECOVER, parse_step_dirname
     from jaxckpt.storage.url import is_url, parse_root
-    from jaxckpt.store import CheckpointStore
 
     if not is_url(checkpoint):
         path = os.path.abspath(checkpoint)
@@ -463,10 +463,10 @@ def _export_target(out_dir: str, overwrite: bool,
 def _publish(storage: Any, local_dir: str, out_url: str) -> None:
     """Upload the export written in ``local_dir`` below ``out_url`` (replacing what is there)
     and commit it as jaxckpt commits exports on object roots: a ``COMMITTED`` manifest
-    written create-only, last (``jaxckpt.store_objects.publish_export``; ``from_pretrained``
+    written create-only, last (``jaxckpt.commit.object_steps.publish_export``; ``from_pretrained``
     ignores the extra file). ``local_dir`` is removed."""
-    from jaxckpt.store import CheckpointStore
-    from jaxckpt.store_objects import publish_export
+    from jaxckpt.commit.object_steps import publish_export
+    from jaxckpt.commit.store import CheckpointStore
 
     publish_export(CheckpointStore(out_url.rpartition("/")[0], storage=storage), local_dir,
                    out_url)

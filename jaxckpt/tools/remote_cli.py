@@ -126,10 +126,10 @@ def refuse_url(command: str, path: str, role: str | None = None) -> int:
 def _open(command: str, url: str, options: dict[str, Any] | None = None):
     """(store, [checkpoint paths]) for an object-store root or checkpoint URL, or an exit
     code after saying why not. ``options``: the ``storage_options``."""
+    from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import RECOVER, parse_step_dirname
     from jaxckpt.errors import CheckpointRootError
     from jaxckpt.storage.url import parse_root
-    from jaxckpt.store import CheckpointStore
 
     url = url.rstrip("/")
     try:

@@ -38,7 +38,7 @@ from jaxckpt import (
     TreeMismatchError,
 )
 from jaxckpt.backend import SingleProcess
-from jaxckpt.store import COMMIT_MARKER, CheckpointStore
+from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
 
 from support.loaders import Loader
 from support.paths import REPO

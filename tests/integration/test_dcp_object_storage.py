@@ -29,10 +29,10 @@ from jaxckpt import (  # noqa: E402
     RecoverConfig,
     StepInfo,
 )
+from jaxckpt.commit.store import CheckpointStore  # noqa: E402
 from jaxckpt.core.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.storage.s3 import storage as s3_storage  # noqa: E402
 from jaxckpt.storage.url import parse_root  # noqa: E402
-from jaxckpt.store import CheckpointStore  # noqa: E402
 from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
 
 from support.s3_server import moto_s3  # noqa: E402
@@ -331,7 +331,7 @@ def test_a_restore_from_s3_asks_for_the_data_before_checking_the_small_files(
     # verification's GET of driver.json waits (up to 20 s) for the data to have been asked
     # for: in the old order it never was by then. The data's checksum is computed as its
     # pieces land (never over the whole file once it is in), still before DCP loads it.
-    from jaxckpt import read_ahead
+    from jaxckpt.commit import prefetch as read_ahead
     from jaxckpt.core import checksum
     from torch_bridge import _dcp_storage
 
@@ -380,7 +380,7 @@ def test_a_restore_from_s3_lets_go_of_the_fetched_data_on_a_thread_of_its_own(
         options, root, monkeypatch):
     # Handing a fetched file's pages back to the system (munmap)
     # happens beside the training thread, not before restore() returns.
-    from jaxckpt import read_ahead
+    from jaxckpt.commit import prefetch as read_ahead
 
     big = torch.randn(600_000)
     with manager(root, options, mode="sync") as mgr:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.store import CheckpointStore, foreign_entries
+from jaxckpt.commit.store import CheckpointStore, foreign_entries
 from jaxckpt.tools import cli
 
 

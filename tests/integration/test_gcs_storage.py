@@ -24,10 +24,10 @@ pytest.importorskip("google.cloud.storage")
 pytest.importorskip("gcp_storage_emulator")
 
 from jaxckpt import RootLockedError  # noqa: E402
+from jaxckpt.commit.store import CheckpointStore  # noqa: E402
 from jaxckpt.core.layout import COMMIT_MARKER  # noqa: E402
 from jaxckpt.storage.base import Storage  # noqa: E402
 from jaxckpt.storage.gcs.storage import GCSStorage  # noqa: E402
-from jaxckpt.store import CheckpointStore  # noqa: E402
 
 from support.gcs_server import PreconditionProxy, emulator  # noqa: E402
 

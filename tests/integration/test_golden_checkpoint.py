@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.core.layout import COMMIT_MARKER
 from jaxckpt.core.manifest import Manifest
-from jaxckpt.store import CheckpointStore
 
 GOLDEN = Path(__file__).parent / "data" / "golden_root"
 STEP_DIR = GOLDEN / "recover" / "step_00000003"

@@ -25,8 +25,8 @@ from jaxckpt import (
     RecoverConfig,
     StepInfo,
 )
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.orbax_backend import OrbaxBackend
-from jaxckpt.store import CheckpointStore
 
 from support.loaders import Loader
 

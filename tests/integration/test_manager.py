@@ -25,7 +25,7 @@ from jaxckpt import (
     RootLockedError,
     StepInfo,
 )
-from jaxckpt.store import COMMIT_MARKER
+from jaxckpt.commit.store import COMMIT_MARKER
 
 from support.loaders import Loader
 
@@ -345,7 +345,7 @@ def test_saving_the_step_just_restored_does_not_rewrite_it(tmp_path):
 def test_sync_save_runs_retention_off_the_training_thread(tmp_path):
     import threading
 
-    from jaxckpt.store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
 
     threads = []
     original = CheckpointStore.delete

@@ -22,10 +22,10 @@ pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
 from jaxckpt import RootLockedError  # noqa: E402
+from jaxckpt.commit.store import CheckpointStore  # noqa: E402
 from jaxckpt.storage.base import Storage  # noqa: E402
 from jaxckpt.storage.s3 import storage as s3_storage  # noqa: E402
 from jaxckpt.storage.s3.storage import S3Storage, s3_client  # noqa: E402
-from jaxckpt.store import CheckpointStore  # noqa: E402
 
 BUCKET = "jaxckpt-test"
 PREFIX = "runs"

@@ -28,8 +28,8 @@ from jaxckpt import (
     TreeMismatchError,
 )
 from jaxckpt.backend import Backend, WriteHandle
+from jaxckpt.commit.store import DEFER_CHECKSUMS_OVER
 from jaxckpt.core import codec
-from jaxckpt.store import DEFER_CHECKSUMS_OVER
 from torch_bridge import DcpBackend, DcpCheckpointManager, dcp_backend
 
 from support import paths

@@ -32,7 +32,7 @@ from jaxckpt import (
     RecoverConfig,
     StepInfo,
 )
-from jaxckpt.store import COMMIT_MARKER, CheckpointStore
+from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
 
 from support.loaders import Loader
 

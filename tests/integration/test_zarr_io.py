@@ -25,10 +25,10 @@ from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same
 
 from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo, zarr_io
 from jaxckpt.array_files import LocalArrayFiles
+from jaxckpt.commit.store import CheckpointStore, ReadClaims
 from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from jaxckpt.orbax_backend import OrbaxBackend
-from jaxckpt.store import CheckpointStore, ReadClaims
 
 from support.memory import mapping_flags, numpy_huge_page_advice
 

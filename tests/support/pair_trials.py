@@ -20,8 +20,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.storage.url import parse_root
-from jaxckpt.store import CheckpointStore
 
 from support.harness import Worker, repo_env
 

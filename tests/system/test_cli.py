@@ -166,7 +166,7 @@ def test_ls_and_verify_show_progress_on_stderr_only_when_asked(root, capsys):
 
 
 def test_verify_reports_the_bytes_checked_up_to_the_whole_checkpoint(root):
-    from jaxckpt.store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
 
     store = CheckpointStore(root)
     checkpoint = str(step_dir(root, 1))

@@ -44,7 +44,7 @@ import pytest
 
 from jaxckpt import CheckpointManager
 from jaxckpt.backend import SingleProcess
-from jaxckpt.store import COMMIT_MARKER, CheckpointStore
+from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
 
 from support.harness import Worker
 from support.paths import CRASH_WORKER as WORKER

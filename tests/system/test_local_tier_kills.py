@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxckpt.store import CheckpointStore
+from jaxckpt.commit.store import CheckpointStore
 
 from support.harness import Worker, repo_env
 from support.paths import CRASH_WORKER as WORKER

@@ -160,7 +160,7 @@ DAMAGE_WORKER = jax_worker('''
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jaxckpt import (CheckpointCorruptError, CheckpointManager, RecoverConfig,
                              StepInfo)
-        from jaxckpt.store import DEFER_CHECKSUMS_OVER
+        from jaxckpt.commit.store import DEFER_CHECKSUMS_OVER
 
         mesh = jax.make_mesh((4,), ("x",))
         sharding = NamedSharding(mesh, P("x"))
@@ -350,9 +350,9 @@ def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
     the arrays, and one process reads every chunk natively (each file claimed)."""
     import orbax.checkpoint as ocp
 
+    from jaxckpt.commit.store import ReadClaims
     from jaxckpt.core.checksum import default_algorithm
     from jaxckpt.orbax_backend import OrbaxBackend
-    from jaxckpt.store import ReadClaims
 
     root, _ = two_process_root
     step_dir = os.path.join(root, "recover", "step_00000003")
@@ -392,7 +392,7 @@ NATIVE_READER = jax_worker('''
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jaxckpt.orbax_backend import OrbaxBackend
-        from jaxckpt.store import ReadClaims
+        from jaxckpt.commit.store import ReadClaims
 
         state_dir = root
         manifest = json.load(open(os.path.join(os.path.dirname(root), "COMMITTED")))["files"]

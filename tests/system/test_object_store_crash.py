@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxckpt.store import CheckpointStore
+from jaxckpt.commit.store import CheckpointStore
 
 from support.harness import Worker, repo_env
 from support.object_stores import KINDS, ObjectStore, object_store

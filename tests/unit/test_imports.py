@@ -22,10 +22,10 @@ def imported_after(statement: str) -> list[str]:
     "statement",
     [
         "import jaxckpt",
-        "import jaxckpt.core.policy, jaxckpt.store, jaxckpt.driver, jaxckpt.manager, "
+        "import jaxckpt.core.policy, jaxckpt.commit.store, jaxckpt.driver, jaxckpt.manager, "
         "jaxckpt.core.codec",
-        "import jaxckpt.core.layout, jaxckpt.core.manifest, jaxckpt.storage.base, jaxckpt.roots, "
-        "jaxckpt.read_claims",
+        "import jaxckpt.core.layout, jaxckpt.core.manifest, jaxckpt.storage.base, "
+        "jaxckpt.commit.ownership, jaxckpt.commit.deferred_checks",
         "import jaxckpt.core.tree_record, jaxckpt.saving, jaxckpt.recovery, jaxckpt.pipeline",
         "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",

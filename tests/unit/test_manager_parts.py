@@ -21,6 +21,8 @@ from jaxckpt import (
     StepInfo,
 )
 from jaxckpt.backend import BackendFeatures, SingleProcess
+from jaxckpt.commit.store import CheckpointStore
+from jaxckpt.commit.verification import Verifier, plan
 from jaxckpt.context import ManagerContext
 from jaxckpt.core.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.core.policy import SaveTrigger
@@ -31,8 +33,6 @@ from jaxckpt.preemption import Preemption
 from jaxckpt.reports import SaveReport
 from jaxckpt.root import prepare_root
 from jaxckpt.saving import RecoverySaver
-from jaxckpt.store import CheckpointStore
-from jaxckpt.verification import Verifier, plan
 
 
 def pipeline(**kwargs):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 
 from jaxckpt.backend import BackendFeatures, SingleProcess
+from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.verification import plan
 from jaxckpt.config import RecoverConfig
 from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
-from jaxckpt.read_claims import ReadClaims
-from jaxckpt.verification import plan
 
 
 def test_a_partial_restore_defers_every_data_checksum_to_the_read():

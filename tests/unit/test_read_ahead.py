@@ -1,4 +1,4 @@
-"""ReadAhead (jaxckpt/read_ahead.py): whole objects fetched before their reader asks, with
+"""ReadAhead (jaxckpt/commit/prefetch.py): whole objects fetched before their reader asks, with
 their checksum computed from the pieces as they land, handed over once, and dropped when
 cancelled. A storage double stands in for the object store."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import threading
 
+from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.prefetch import ReadAhead
 from jaxckpt.core.checksum import default_algorithm, extend
-from jaxckpt.read_ahead import ReadAhead
-from jaxckpt.read_claims import ReadClaims
 
 ALGORITHM = default_algorithm()
 PIECE = 1000

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from jaxckpt import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
-from jaxckpt.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER, CheckpointStore, RootLock
+from jaxckpt.commit.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER, CheckpointStore, RootLock
 
 
 def make_step(store, step, *, commit=True, payload=b"x" * 1000):
@@ -354,7 +354,7 @@ def test_checkpoint_being_read_is_not_deleted(store):
 def test_reader_in_another_process_blocks_deletion(store):
     path = make_step(store, 1)
     code = (
-        "import sys, time; from jaxckpt.store import CheckpointStore\n"
+        "import sys, time; from jaxckpt.commit.store import CheckpointStore\n"
         f"s = CheckpointStore({store.root!r})\n"
         f"with s.reading({path!r}):\n"
         "    print('reading', flush=True); sys.stdin.readline()\n"
@@ -408,8 +408,8 @@ def test_root_lock_excludes_a_second_job_and_names_the_holder(tmp_path):
 
 
 def test_root_lock_is_released_when_the_holder_is_killed(tmp_path):
-    code = (f"from jaxckpt.store import RootLock; l = RootLock({str(tmp_path)!r}); l.acquire(); "
-            "print('locked', flush=True); import time; time.sleep(60)")
+    code = (f"from jaxckpt.storage.base import RootLock; l = RootLock({str(tmp_path)!r}); "
+            "l.acquire(); print('locked', flush=True); import time; time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"

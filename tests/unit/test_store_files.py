@@ -7,8 +7,8 @@ import os
 import pytest
 
 from jaxckpt import RootLockedError
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.core.layout import COMMIT_MARKER, DRIVER_FILE, done_marker_name
-from jaxckpt.store import CheckpointStore
 
 
 @pytest.fixture

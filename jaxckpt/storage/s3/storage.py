@@ -23,7 +23,7 @@ retried by botocore with backoff, a bounded number of times (``max_attempts``); 
 that does not answer is given up on, with the endpoint and operation named, once
 ``request_deadline_s`` have passed since the operation began. No operation here renames: the
 POSIX-only extra (``PosixStorage.rename_posix``) has no equivalent, and the store does
-quarantine and export publishing another way there (``jaxckpt.store_objects``).
+quarantine and export publishing another way there (``jaxckpt.commit.object_steps``).
 
 botocore draws the jitter of every retry from Python's global ``random`` (the default of
 its backoff's ``random`` argument); ``s3_client`` gives it a ``random.Random`` of its own, so

@@ -96,7 +96,8 @@ def test_fixed_names_are_the_on_disk_format():
 
 
 def test_other_modules_use_the_layout_names():
-    from jaxckpt import driver, recovery, saving, store
+    from jaxckpt import driver, recovery, saving
+    from jaxckpt.commit import store
 
     assert driver.local_filename(2) == layout.local_driver_filename(2)
     assert saving.STATE_DIR is recovery.STATE_DIR is layout.STATE_DIR

@@ -18,9 +18,7 @@ import os
 import re
 from typing import Literal
 
-from jaxckpt.storage.base import Storage
-
-from .core.layout import (
+from jaxckpt.core.layout import (
     COMMIT_MARKER,
     DRIVER_FILE,
     EXPORT,
@@ -34,7 +32,8 @@ from .core.layout import (
     parse_step_dirname,
     parse_version_dirname,
 )
-from .errors import CheckpointRootError
+from jaxckpt.errors import CheckpointRootError
+from jaxckpt.storage.base import Storage
 
 __all__ = ["PathKind", "foreign_entries", "foreign_objects", "check_root", "classify_path"]
 

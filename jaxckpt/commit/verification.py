@@ -22,12 +22,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .config import RecoverConfig
-from .core.layout import DRIVER_FILE
-from .core.manifest import DEFER_CHECKSUMS_OVER, Manifest
-from .errors import CheckpointCorruptError, CheckpointNotFoundError
-from .read_claims import ReadClaims
-from .store import CheckpointStore, OnManifest
+from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.store import CheckpointStore, OnManifest
+from jaxckpt.config import RecoverConfig
+from jaxckpt.core.layout import DRIVER_FILE
+from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER, Manifest
+from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = ["Verification", "DeferredChecksumsFailed", "Verifier", "plan"]
 

@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
-from jaxckpt.storage.base import PosixStorage, RootLease, RootLock, Storage
-
-from . import store_objects
-from .core.checksum import default_algorithm
-from .core.layout import (
+from jaxckpt.commit import object_steps as store_objects
+from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.ownership import foreign_entries
+from jaxckpt.core.checksum import default_algorithm
+from jaxckpt.core.layout import (
     COMMIT_MARKER,
     EXPORT,
     ITEMS,
@@ -61,7 +61,7 @@ from .core.layout import (
     tmp_name,
     version_dirname,
 )
-from .core.manifest import (
+from jaxckpt.core.manifest import (
     DEFER_CHECKSUMS_OVER,
     Manifest,
     algorithm_of,
@@ -73,9 +73,8 @@ from .core.manifest import (
     unlisted_problem,
     unreadable_problem,
 )
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
-from .read_claims import ReadClaims
-from .roots import foreign_entries
+from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
+from jaxckpt.storage.base import PosixStorage, RootLease, RootLock, Storage
 
 __all__ = ["CheckpointStore", "Entry", "OnManifest", "Status", "write_file_soon"]
 

@@ -29,11 +29,11 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from .core.checksum import RunningChecksum
-from .core.layout import parse_export_dirname
+from jaxckpt.core.checksum import RunningChecksum
+from jaxckpt.core.layout import parse_export_dirname
 
 if TYPE_CHECKING:
-    from .store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
 
 __all__ = ["copy_then_delete", "export_staging", "publish_export"]
 

@@ -16,8 +16,8 @@ import os
 import threading
 from typing import Any
 
-from .core.manifest import algorithm_of, checksum_problem
-from .read_ahead import Fetched, ReadAhead
+from jaxckpt.commit.prefetch import Fetched, ReadAhead
+from jaxckpt.core.manifest import algorithm_of, checksum_problem
 
 __all__ = ["ReadClaims"]
 

@@ -31,10 +31,9 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from jaxckpt.core.checksum import extend
+from jaxckpt.core.manifest import algorithm_of
 from jaxckpt.storage.base import Storage
-
-from .core.checksum import extend
-from .core.manifest import algorithm_of
 
 __all__ = ["Fetched", "ReadAhead"]
 
