@@ -9,6 +9,8 @@ manager without an explicit backend is created. A feature whose extra is not ins
 raises ``MissingExtraError`` (an ``ImportError``) naming the ``pip install`` that adds it.
 """
 
+from jaxckpt.manager.manager import CheckpointManager, Recovered, SaveReport
+
 from ._version import __version__
 from .config import (
     Every,
@@ -35,7 +37,6 @@ from .errors import (
     RootLockedError,
     TreeMismatchError,
 )
-from .manager import CheckpointManager, Recovered, SaveReport
 from .orbax_import import import_orbax
 from .sampler import IndexSampler
 

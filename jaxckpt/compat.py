@@ -100,7 +100,7 @@ class ManagerSpec:
         """A CheckpointManager (JAX) built from these settings; ``kwargs`` pass through
         (e.g. ``backend=``). For torch use
         ``torch_bridge.DcpCheckpointManager(**spec.kwargs())``."""
-        from .manager import CheckpointManager
+        from jaxckpt.manager.manager import CheckpointManager
 
         return CheckpointManager(**self.kwargs(root, exporter=exporter), **kwargs)
 

@@ -250,8 +250,9 @@ def _non_numeric(value: Any, where: str) -> list[str]:
 # --- writing the jaxckpt checkpoint ----------------------------------------------------------
 def _save(state: Any, root: str, step: int, src: str,
           storage_options: Mapping[str, Any] | None) -> str:
+    from jaxckpt.manager.manager import CheckpointManager
+
     from .config import RecoverConfig, StepInfo
-    from .manager import CheckpointManager
 
     with CheckpointManager(root, recover=RecoverConfig(mode="on", keep_last_n=None),
                            mode="sync", preemption_signals=(),

@@ -17,7 +17,8 @@ O(global_batch_size / process_count) and an epoch needs no O(num_samples) table.
 
 The sampler is one of the stateful objects whose state is global (``jaxckpt_state_scope =
 "global"``): the manager restores it from the primary process's saved state on every process,
-including processes that did not exist when the checkpoint was taken (see ``jaxckpt.driver``).
+including processes that did not exist when the checkpoint was taken (see
+``jaxckpt.manager.driver_state``).
 
 Must not import: jax, orbax, torch (this module is part of the pure layer).
 """
@@ -132,7 +133,8 @@ class IndexSampler:
     """
 
     #: Tells the manager that this state is the same on every process: it is restored from the
-    #: primary's copy everywhere (jaxckpt.driver), so new processes also get the position.
+    #: primary's copy everywhere (jaxckpt.manager.driver_state), so new processes also get the
+    #: position.
     jaxckpt_state_scope: ClassVar[str] = "global"
 
     def __init__(self, num_samples: int, global_batch_size: int, *, seed: int = 0,

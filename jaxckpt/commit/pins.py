@@ -4,7 +4,7 @@ Owns: the pins file (its format, reading it, changing it atomically through the 
 storage) and the lock that orders a pin against retention, so a checkpoint pinned by a
 ``pin()`` that returned is never deleted by a retention pass that was already deciding.
 
-The file is ``{"format": "jaxckpt.commit.pins/1", "steps": [...]}``, written whole (temp file and
+The file is ``{"format": "jaxckpt.pins/1", "steps": [...]}``, written whole (temp file and
 rename by the storage) and read afresh by every retention pass, so pins survive restarts
 and a new manager on the root sees them.
 
@@ -27,7 +27,7 @@ from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = ["Pins", "PINS_FORMAT"]
 
-PINS_FORMAT = "jaxckpt.commit.pins/1"
+PINS_FORMAT = "jaxckpt.pins/1"
 
 
 class Pins:

@@ -4,12 +4,12 @@ Owns the layout of a root, and nothing but strings::
 
     {root}/
       .lock                                     the root lock (storage.RootLock)
-      pins.json                                 checkpoints pinned by hand (jaxckpt.commit.pins)
-      tier.json                                 a local tier's durable root (jaxckpt.tiers)
+      pins.json                                 checkpoints pinned by hand (commit.pins)
+      tier.json                                 a local tier's durable root (manager.local_tier)
       recover/
         step_{global_step:08d}/                 one recovery checkpoint
-          COMMITTED                             the manifest (jaxckpt.core.manifest), written last
-          driver.json                           counters, RNG, stateful objects (jaxckpt.driver)
+          COMMITTED                             the manifest (core.manifest), written last
+          driver.json                           counters, RNG, stateful objects (manager)
           driver.p{index:05d}.json              another process's local driver state
           done.p{index:05d}                     "my writes are durable", before the commit
           state/                                the backend's directory
@@ -54,7 +54,7 @@ TMP_PREFIX = ".tmp-"
 LOCK_FILE = ".lock"
 #: The steps pinned by hand, never deleted by retention (jaxckpt.commit.pins).
 PINS_FILE = "pins.json"
-#: In a local tier's root only: the durable root it belongs to (jaxckpt.tiers).
+#: In a local tier's root only: the durable root it belongs to (jaxckpt.manager.local_tier).
 TIER_FILE = "tier.json"
 COMMIT_MARKER = "COMMITTED"
 DRIVER_FILE = "driver.json"

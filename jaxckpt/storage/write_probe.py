@@ -1,6 +1,6 @@
 """Does an object store honour conditional writes? The check a root's opening makes.
 
-Owns: ``check_conditional_writes`` (called by ``jaxckpt.root.prepare_root`` for an
+Owns: ``check_conditional_writes`` (called by ``jaxckpt.manager.root.prepare_root`` for an
 object-store root, before the root lease is taken), the probe's requests on S3 and on GCS,
 the ``conditional_writes`` storage option (``conditional_writes_mode``: ``"check"``, the
 default, or ``"unsafe_skip_check"``) and the message of ``ConditionalWritesError``.

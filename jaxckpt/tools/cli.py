@@ -186,8 +186,8 @@ def _retention_column(store: Any, entries: Sequence[Any]) -> tuple[dict[int, str
     see restores in progress, so "being-read" never shows here."""
     from jaxckpt.commit.pins import Pins
     from jaxckpt.core.retention import CheckpointFacts, RetentionRules, decide
-    from jaxckpt.driver import read_driver
     from jaxckpt.errors import CheckpointError
+    from jaxckpt.manager.driver_state import read_driver
 
     notes = []
     try:
@@ -369,8 +369,8 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
 
     from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import DRIVER_FILE
-    from jaxckpt.driver import read_driver
     from jaxckpt.errors import CheckpointCorruptError, CheckpointError
+    from jaxckpt.manager.driver_state import read_driver
 
     store = CheckpointStore(os.path.dirname(path)) if store is None else store
     info: dict = {"path": path}

@@ -231,8 +231,8 @@ def _read_checkpoint(step_dir: str, store: Any
     with requires_extra("jax", "jaxckpt export-hf (it reads the checkpoint with Orbax)"):
         import jax
 
+    from jaxckpt.manager.root import attach_backend
     from jaxckpt.orbax_backend import OrbaxBackend
-    from jaxckpt.root import attach_backend
 
     state_dir = os.path.join(step_dir, STATE_DIR)
     like, entries = _like_from_tree_json(state_dir, _tree_document(store, state_dir))
@@ -387,7 +387,7 @@ def _recorded(driver: Mapping[str, Any], step_dir: str) -> dict[str, Any]:
         return recorded
     saved = ((driver.get("local") or {}).get("stateful") or {}).get(HF_CONFIG_STATEFUL)
     if saved is not None:
-        from jaxckpt.driver import restore_stateful
+        from jaxckpt.manager.driver_state import restore_stateful
 
         holder = HFConfigState()
         restore_stateful({HF_CONFIG_STATEFUL: holder}, {HF_CONFIG_STATEFUL: saved}, step_dir)
@@ -510,7 +510,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
     Returns the bytes written. The whole array state is restored to host memory (optimizer
     state included); only the params are converted and written, one shard at a time.
     """
-    from jaxckpt.driver import read_driver
+    from jaxckpt.manager.driver_state import read_driver
 
     out_dir = os.fspath(out_dir).rstrip("/") or "/"
     target = _export_target(out_dir, overwrite, storage_options)

@@ -408,7 +408,7 @@ def test_auxiliary_item_rides_along_and_each_checkpoint_restores_its_version(tmp
 
 
 def test_a_local_tier_takes_the_frequent_saves_and_recover_reads_the_newest(tmp_path):
-    # DcpCheckpointManager passes local= through to CheckpointManager (jaxckpt.tiers).
+    # DcpCheckpointManager passes local= through to CheckpointManager (jaxckpt.manager.local_tier).
     from jaxckpt import LocalTier
 
     model, optimizer, scheduler = make(seed=0)

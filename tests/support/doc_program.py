@@ -130,7 +130,7 @@ def global_rngs(out: dict[str, Any]) -> None:
 
 def hook_manager() -> None:
     """Wrap the manager's maybe_save and save to announce the kill points."""
-    from jaxckpt.manager import CheckpointManager
+    from jaxckpt.manager.manager import CheckpointManager
 
     commit_at = int(os.environ.get("JAXCKPT_DOC_COMMIT_AT", "-1"))
     maybe_save, save = CheckpointManager.maybe_save, CheckpointManager.save

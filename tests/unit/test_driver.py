@@ -6,7 +6,8 @@ import warnings
 import numpy as np
 import pytest
 
-from jaxckpt import CheckpointWarning, ConfigError, StepInfo, driver as drv
+from jaxckpt import CheckpointWarning, ConfigError, StepInfo
+from jaxckpt.manager import driver_state as drv
 
 
 class Loader:

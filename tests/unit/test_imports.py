@@ -22,11 +22,12 @@ def imported_after(statement: str) -> list[str]:
     "statement",
     [
         "import jaxckpt",
-        "import jaxckpt.core.policy, jaxckpt.commit.store, jaxckpt.driver, jaxckpt.manager, "
-        "jaxckpt.core.codec",
+        "import jaxckpt.core.policy, jaxckpt.commit.store, jaxckpt.manager.driver_state, "
+        "jaxckpt.manager.manager, jaxckpt.core.codec",
         "import jaxckpt.core.layout, jaxckpt.core.manifest, jaxckpt.storage.base, "
         "jaxckpt.commit.ownership, jaxckpt.commit.deferred_checks",
-        "import jaxckpt.core.tree_record, jaxckpt.saving, jaxckpt.recovery, jaxckpt.pipeline",
+        "import jaxckpt.core.tree_record, jaxckpt.manager.save, jaxckpt.manager.restore, "
+        "jaxckpt.manager.background",
         "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",
         "from jaxckpt import import_orbax; import jaxckpt.orbax_import",

@@ -23,16 +23,16 @@ from jaxckpt import (
 from jaxckpt.backend import BackendFeatures, SingleProcess
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.commit.verification import Verifier, plan
-from jaxckpt.context import ManagerContext
 from jaxckpt.core.layout import COMMIT_MARKER, export_dirname
 from jaxckpt.core.policy import SaveTrigger
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
-from jaxckpt.exports import Exporter
-from jaxckpt.pipeline import SavePipeline
-from jaxckpt.preemption import Preemption
-from jaxckpt.reports import SaveReport
-from jaxckpt.root import prepare_root
-from jaxckpt.saving import RecoverySaver
+from jaxckpt.manager.background import SavePipeline
+from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.export import Exporter
+from jaxckpt.manager.preemption import Preemption
+from jaxckpt.manager.reports import SaveReport
+from jaxckpt.manager.root import prepare_root
+from jaxckpt.manager.save import RecoverySaver
 
 
 def pipeline(**kwargs):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import ConfigError, IndexSampler, driver as drv
+from jaxckpt import ConfigError, IndexSampler
+from jaxckpt.manager import driver_state as drv
 
 SAMPLES, GLOBAL_BATCH = 50, 12  # 4 global batches an epoch, 2 samples dropped; 12 = 1*2*3*4
 BATCHES = SAMPLES // GLOBAL_BATCH

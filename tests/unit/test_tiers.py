@@ -17,7 +17,7 @@ from jaxckpt import (
     RootLockedError,
 )
 from jaxckpt.backend import SingleProcess
-from jaxckpt.tiers import local_rules
+from jaxckpt.manager.local_tier import local_rules
 
 
 class Stub(SingleProcess):

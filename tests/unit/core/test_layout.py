@@ -91,13 +91,13 @@ def test_fixed_names_are_the_on_disk_format():
     assert (layout.TREE_FILE, layout.OBJECTS_FILE, layout.TMP_PREFIX) == (
         "tree.json", "objects.json", ".tmp-")
     assert layout.PINS_FILE == "pins.json"
-    assert layout.TIER_FILE == "tier.json"  # a local tier's root only (jaxckpt.tiers)
+    assert layout.TIER_FILE == "tier.json"  # a local tier's root only (jaxckpt.manager.local_tier)
     assert layout.ROOT_NAMES == {"recover", "export", ".lock", "pins.json", "tier.json"}
 
 
 def test_other_modules_use_the_layout_names():
-    from jaxckpt import driver, recovery, saving
     from jaxckpt.commit import store
+    from jaxckpt.manager import driver_state as driver, restore as recovery, save as saving
 
     assert driver.local_filename(2) == layout.local_driver_filename(2)
     assert saving.STATE_DIR is recovery.STATE_DIR is layout.STATE_DIR

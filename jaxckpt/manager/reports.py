@@ -20,8 +20,8 @@ import dataclasses
 import threading
 from typing import Any
 
-from .config import StepInfo
-from .errors import CheckpointWriteError
+from jaxckpt.config import StepInfo
+from jaxckpt.errors import CheckpointWriteError
 
 __all__ = ["SaveReport", "Recovered", "write_error", "mark_done", "deliver", "delivered"]
 

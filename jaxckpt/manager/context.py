@@ -22,15 +22,14 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from jaxckpt.backend import Backend
 from jaxckpt.commit.pins import Pins
 from jaxckpt.commit.store import CheckpointStore
-
-from .backend import Backend
-from .config import ExportConfig, RecoverConfig
-from .core.policy import SaveTrigger
+from jaxckpt.config import ExportConfig, RecoverConfig
+from jaxckpt.core.policy import SaveTrigger
 
 if TYPE_CHECKING:
-    from .reports import SaveReport
+    from jaxckpt.manager.reports import SaveReport
 
 __all__ = ["ManagerContext"]
 

@@ -32,26 +32,25 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxckpt import driver as drv
 from jaxckpt.commit import verification
 from jaxckpt.commit.deferred_checks import ReadClaims
 from jaxckpt.commit.prefetch import ReadAhead
 from jaxckpt.commit.store import Entry
 from jaxckpt.commit.verification import DeferredChecksumsFailed, Verification, Verifier
-from jaxckpt.storage.base import PosixStorage
-
-from .config import StepInfo
-from .context import ManagerContext
-from .core.layout import STATE_DIR
-from .core.manifest import Manifest, deferrable
-from .errors import (
+from jaxckpt.config import StepInfo
+from jaxckpt.core.layout import STATE_DIR
+from jaxckpt.core.manifest import Manifest, deferrable
+from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointWarning,
 )
-from .reports import Recovered
+from jaxckpt.manager import driver_state as drv
+from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.reports import Recovered
+from jaxckpt.storage.base import PosixStorage
 
 __all__ = ["Recovery", "start_fresh"]
 
@@ -427,6 +426,6 @@ class Recovery:
             drv.restore_global_rng(local.get("rng") or {}, path)
         backend_rng = local.get("backend_rng")
         if backend_rng is not None:
-            from .core import codec
+            from jaxckpt.core import codec
 
             self._ctx.backend.set_rng_state(codec.decode(backend_rng, "backend_rng"))

@@ -23,13 +23,13 @@ import time
 import warnings
 from typing import Any
 
-from .config import ExportConfig, StepInfo
-from .context import ManagerContext
-from .core.layout import export_dirname
-from .core.policy import steps_to_delete
-from .errors import CheckpointWarning, ConfigError
-from .pipeline import SavePipeline
-from .reports import SaveReport
+from jaxckpt.config import ExportConfig, StepInfo
+from jaxckpt.core.layout import export_dirname
+from jaxckpt.core.policy import steps_to_delete
+from jaxckpt.errors import CheckpointWarning, ConfigError
+from jaxckpt.manager.background import SavePipeline
+from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.reports import SaveReport
 
 __all__ = ["Exporter", "export_record"]
 

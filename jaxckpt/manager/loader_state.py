@@ -21,8 +21,8 @@ the loop orders with ``set_epoch`` before ``iter()`` (``after_load``).
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: called on the training thread by ``jaxckpt.driver`` while it captures
-or restores stateful objects; holds no state of its own.
+Concurrency contract: called on the training thread by ``manager.driver_state`` while it
+captures or restores stateful objects; holds no state of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import ConfigError
+from jaxckpt.errors import ConfigError
 
 __all__ = ["GENERATOR_KEY", "is_loader", "generator_state", "check_resumable", "after_load"]
 

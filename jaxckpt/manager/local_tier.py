@@ -38,17 +38,13 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxckpt.backend import Backend
 from jaxckpt.commit.ownership import check_root
 from jaxckpt.commit.store import CheckpointStore
-from jaxckpt.storage.base import RootLease
-from jaxckpt.storage.url import is_url
-
-from .backend import Backend
-from .config import Every, LocalTier, RecoverConfig, StepInfo
-from .context import ManagerContext
-from .core.layout import TIER_FILE
-from .core.policy import SaveTrigger
-from .errors import (
+from jaxckpt.config import Every, LocalTier, RecoverConfig, StepInfo
+from jaxckpt.core.layout import TIER_FILE
+from jaxckpt.core.policy import SaveTrigger
+from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -56,11 +52,14 @@ from .errors import (
     CheckpointWarning,
     ConfigError,
 )
-from .pipeline import SavePipeline
-from .recovery import Recovery
-from .reports import Recovered, SaveReport
-from .root import prepare_root
-from .saving import RecoverySaver
+from jaxckpt.manager.background import SavePipeline
+from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.reports import Recovered, SaveReport
+from jaxckpt.manager.restore import Recovery
+from jaxckpt.manager.root import prepare_root
+from jaxckpt.manager.save import RecoverySaver
+from jaxckpt.storage.base import RootLease
+from jaxckpt.storage.url import is_url
 
 __all__ = ["LocalTierSet", "check_local", "local_rules"]
 

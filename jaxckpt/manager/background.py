@@ -27,8 +27,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
-from .errors import CheckpointWarning
-from .reports import SaveReport, deliver, delivered, mark_done, write_error
+from jaxckpt.errors import CheckpointWarning
+from jaxckpt.manager.reports import SaveReport, deliver, delivered, mark_done, write_error
 
 __all__ = ["SavePipeline"]
 

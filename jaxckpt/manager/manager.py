@@ -34,25 +34,31 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from jaxckpt.backend import Backend
 from jaxckpt.commit.pins import Pins
 from jaxckpt.commit.store import CheckpointStore
+from jaxckpt.config import (
+    Every,
+    ExportConfig,
+    LocalTier,
+    RecoverConfig,
+    StepInfo,
+    check_item_cadences,
+)
+from jaxckpt.core.policy import SaveTrigger, resolve_mode, writes_periodic
+from jaxckpt.errors import CheckpointError, CheckpointWarning, ConfigError
+from jaxckpt.manager import driver_state as drv
+from jaxckpt.manager.arguments import check_arguments, check_step_info
+from jaxckpt.manager.background import SavePipeline
+from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.export import Exporter, export_record
+from jaxckpt.manager.local_tier import LocalTierSet, check_local
+from jaxckpt.manager.preemption import Preemption
+from jaxckpt.manager.reports import Recovered, SaveReport
+from jaxckpt.manager.restore import Recovery, start_fresh
+from jaxckpt.manager.root import attach_backend, open_store, prepare_root
+from jaxckpt.manager.save import RecoverySaver, resolve_state
 from jaxckpt.storage.base import RootLease
-
-from . import driver as drv
-from .arguments import check_arguments, check_step_info
-from .backend import Backend
-from .config import Every, ExportConfig, LocalTier, RecoverConfig, StepInfo, check_item_cadences
-from .context import ManagerContext
-from .core.policy import SaveTrigger, resolve_mode, writes_periodic
-from .errors import CheckpointError, CheckpointWarning, ConfigError
-from .exports import Exporter, export_record
-from .pipeline import SavePipeline
-from .preemption import Preemption
-from .recovery import Recovery, start_fresh
-from .reports import Recovered, SaveReport
-from .root import attach_backend, open_store, prepare_root
-from .saving import RecoverySaver, resolve_state
-from .tiers import LocalTierSet, check_local
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
@@ -86,7 +92,7 @@ class CheckpointManager:
 
     ``local``: a fast local tier (``jaxckpt.LocalTier``) that takes frequent recovery
     checkpoints between the durable root's; ``recover`` resumes from the newest valid one of
-    either (see ``jaxckpt.tiers``). Single-process runs only for now.
+    either (see ``jaxckpt.manager.local_tier``). Single-process runs only for now.
 
     Concurrency contract: see the module docstring (one training thread; one background
     thread; one job per root; the primary decides and commits).
@@ -462,6 +468,6 @@ class CheckpointManager:
 
 
 def _default_backend() -> Backend:
-    from .orbax_backend import OrbaxBackend  # the only path from here to jax/orbax
+    from jaxckpt.orbax_backend import OrbaxBackend  # the only path from here to jax/orbax
 
     return OrbaxBackend()

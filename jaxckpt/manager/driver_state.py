@@ -3,7 +3,7 @@
 Owns: capturing and restoring progress counters (``StepInfo``), the state of ``stateful``
 objects (data loaders, evaluators, loggers: anything with ``state_dict``/``load_state_dict``,
 grain's ``get_state``/``set_state``, NumPy Generators, ``random.Random``; a torch data
-loader's generator with it, ``jaxckpt.loader_state``), Python's and NumPy's
+loader's generator with it, ``jaxckpt.manager.loader_state``), Python's and NumPy's
 global RNG state, the framework RNG a backend reports, and library versions; and their JSON
 files in a checkpoint: ``driver.json`` (written by the primary: global facts plus the
 primary's local state) and ``driver.p{index:05d}.json`` (each other process's local state:
@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import loader_state
-from ._version import __version__
-from .config import StepInfo
-from .core import codec
-from .core.layout import DRIVER_FILE, local_driver_filename
-from .errors import (
+from jaxckpt._version import __version__
+from jaxckpt.config import StepInfo
+from jaxckpt.core import codec
+from jaxckpt.core.layout import DRIVER_FILE, local_driver_filename
+from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointWarning,
     CodecError,
     ConfigError,
 )
+from jaxckpt.manager import loader_state
 
 if TYPE_CHECKING:
     from jaxckpt.commit.store import CheckpointStore

@@ -46,15 +46,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from jaxckpt.commit.store import write_file_soon
-
-from . import driver as drv
-from .config import Every, StepInfo, Versioned, check_item_name, item_version
-from .context import ManagerContext
-from .core.layout import DRIVER_FILE, STATE_DIR
-from .core.retention import CheckpointFacts, RetentionRules, decide
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
-from .pipeline import SavePipeline
-from .reports import SaveReport, mark_done
+from jaxckpt.config import Every, StepInfo, Versioned, check_item_name, item_version
+from jaxckpt.core.layout import DRIVER_FILE, STATE_DIR
+from jaxckpt.core.retention import CheckpointFacts, RetentionRules, decide
+from jaxckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
+from jaxckpt.manager import driver_state as drv
+from jaxckpt.manager.background import SavePipeline
+from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.reports import SaveReport, mark_done
 
 __all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
 
@@ -68,7 +67,7 @@ class RecoverySaver:
                  item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None,
                  tier: str = "durable"):
         self._ctx = ctx
-        self._tier = tier  # named on every report ("durable" or "local", see jaxckpt.tiers)
+        self._tier = tier  # "durable" or "local" (manager.local_tier), named on every report
         self._pipeline = pipeline
         self._mode = mode  # the manager's save mode ("sync" or "async")
         self._item_cadences = dict(item_cadences)

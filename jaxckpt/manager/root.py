@@ -25,14 +25,13 @@ import os
 from collections.abc import Mapping
 from typing import Any, cast
 
+from jaxckpt.backend import Backend, ObjectStorageBackend
 from jaxckpt.commit.ownership import check_root
 from jaxckpt.commit.store import CheckpointStore
+from jaxckpt.errors import CheckpointError, CheckpointRootError
 from jaxckpt.storage.base import PosixStorage, RootLease
 from jaxckpt.storage.url import parse_root
 from jaxckpt.storage.write_probe import check_conditional_writes
-
-from .backend import Backend, ObjectStorageBackend
-from .errors import CheckpointError, CheckpointRootError
 
 __all__ = ["attach_backend", "open_store", "prepare_root"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .backend import check_backend
-from .config import ExportConfig, RecoverConfig, StepInfo
-from .errors import ConfigError
+from jaxckpt.backend import check_backend
+from jaxckpt.config import ExportConfig, RecoverConfig, StepInfo
+from jaxckpt.errors import ConfigError
 
 __all__ = ["check_arguments", "check_step_info", "check_signals"]
 
