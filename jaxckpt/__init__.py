@@ -9,6 +9,7 @@ manager without an explicit backend is created. A feature whose extra is not ins
 raises ``MissingExtraError`` (an ``ImportError``) naming the ``pip install`` that adds it.
 """
 
+from jaxckpt.backends.orbax.import_orbax import import_orbax
 from jaxckpt.manager.manager import CheckpointManager, Recovered, SaveReport
 
 from ._version import __version__
@@ -37,7 +38,6 @@ from .errors import (
     RootLockedError,
     TreeMismatchError,
 )
-from .orbax_import import import_orbax
 from .sampler import IndexSampler
 
 __all__ = [

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from jaxckpt.backends.orbax.zarr_io import fresh_blocks
 from jaxckpt.commit.deferred_checks import ReadClaims
 from jaxckpt.core.checksum import RunningChecksum, extend, file_checksum
 from jaxckpt.core.layout import OBJECTS_FILE, TMP_PREFIX
@@ -48,7 +49,6 @@ from jaxckpt.errors import (
 )
 from jaxckpt.storage.base import Storage, fsync_dir
 from jaxckpt.storage.readers import SeekableReader
-from jaxckpt.zarr_io import fresh_blocks
 
 from . import _dcp_metadata
 from ._dcp_local_writer import checksumming_writer

@@ -39,7 +39,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from jaxckpt.backend import BackendFeatures
+from jaxckpt.backends.base import BackendFeatures
 from jaxckpt.commit.deferred_checks import ReadClaims
 from jaxckpt.core import codec
 from jaxckpt.core.extras import requires_extra

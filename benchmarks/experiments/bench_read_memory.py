@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import zarr_io
+from jaxckpt.backends.orbax import zarr_io
 from jaxckpt.tools import bench
 
 _MiB = 1 << 20

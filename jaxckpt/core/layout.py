@@ -58,7 +58,7 @@ PINS_FILE = "pins.json"
 TIER_FILE = "tier.json"
 COMMIT_MARKER = "COMMITTED"
 DRIVER_FILE = "driver.json"
-#: Written by the Orbax backend into its directory (jaxckpt/orbax_backend.py).
+#: Written by the Orbax backend into its directory (jaxckpt/backends/orbax/backend.py).
 TREE_FILE = "tree.json"
 #: Written by the DCP backend into its directory (torch_bridge/dcp_backend.py).
 OBJECTS_FILE = "objects.json"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxckpt.backend import check_backend
+from jaxckpt.backends.base import check_backend
 from jaxckpt.config import ExportConfig, RecoverConfig, StepInfo
 from jaxckpt.errors import ConfigError
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jaxckpt.backend import Backend
+from jaxckpt.backends.base import Backend
 from jaxckpt.commit.pins import Pins
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.config import ExportConfig, RecoverConfig

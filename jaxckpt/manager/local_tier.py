@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxckpt.backend import Backend
+from jaxckpt.backends.base import Backend
 from jaxckpt.commit.ownership import check_root
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.config import Every, LocalTier, RecoverConfig, StepInfo

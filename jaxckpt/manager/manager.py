@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from jaxckpt.backend import Backend
+from jaxckpt.backends.base import Backend
 from jaxckpt.commit.pins import Pins
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.config import (
@@ -468,6 +468,6 @@ class CheckpointManager:
 
 
 def _default_backend() -> Backend:
-    from jaxckpt.orbax_backend import OrbaxBackend  # the only path from here to jax/orbax
+    from jaxckpt.backends.orbax.backend import OrbaxBackend  # the only path from here to jax/orbax
 
     return OrbaxBackend()

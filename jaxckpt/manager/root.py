@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, cast
 
-from jaxckpt.backend import Backend, ObjectStorageBackend
+from jaxckpt.backends.base import Backend, ObjectStorageBackend
 from jaxckpt.commit.ownership import check_root
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.errors import CheckpointError, CheckpointRootError

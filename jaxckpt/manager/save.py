@@ -418,7 +418,7 @@ def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
     except AttributeError:
         raise TypeError(
             f"the backend's write handle {type(handle).__name__} has no `checksums` member; "
-            f"jaxckpt.backend.WriteHandle requires one (None when the backend computed no "
+            f"jaxckpt.backends.base.WriteHandle requires one (None when the backend computed no "
             f"checksums, so the commit computes them).") from None
     if not entries:
         return None

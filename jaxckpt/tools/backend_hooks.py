@@ -7,7 +7,7 @@ splits a sync save into the backend's write and the manager's commit). Both subc
 ``OrbaxBackend`` and override ``write`` alone: every other method, and every capability the
 backend declares, is the Orbax backend's own, so the manager treats them exactly like it.
 
-Importing this module imports jax and orbax (through ``jaxckpt.orbax_backend``); the demo and
+Importing this module imports jax and orbax (through ``jaxckpt.backends.orbax``); the demo and
 the benchmark import it only where they build a backend. Never imported by the library.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaxckpt.orbax_backend import OrbaxBackend, OrbaxWriteHandle
+from jaxckpt.backends.orbax.backend import OrbaxBackend, OrbaxWriteHandle
 
 __all__ = ["HeldBackend", "TimedBackend"]
 

@@ -640,7 +640,7 @@ def _import_orbax(opts: argparse.Namespace) -> int:
     codes: list[int] = []
     with client_errors("import-orbax", codes):
         try:
-            from jaxckpt.orbax_import import import_orbax
+            from jaxckpt.backends.orbax.import_orbax import import_orbax
 
             path = import_orbax(opts.src, opts.root, step=opts.step,
                                 storage_options=storage_options(opts))

@@ -231,8 +231,8 @@ def _read_checkpoint(step_dir: str, store: Any
     with requires_extra("jax", "jaxckpt export-hf (it reads the checkpoint with Orbax)"):
         import jax
 
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
     from jaxckpt.manager.root import attach_backend
-    from jaxckpt.orbax_backend import OrbaxBackend
 
     state_dir = os.path.join(step_dir, STATE_DIR)
     like, entries = _like_from_tree_json(state_dir, _tree_document(store, state_dir))

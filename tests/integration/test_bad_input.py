@@ -37,7 +37,7 @@ from jaxckpt import (
     StepInfo,
     TreeMismatchError,
 )
-from jaxckpt.backend import SingleProcess
+from jaxckpt.backends.base import SingleProcess
 from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
 
 from support.loaders import Loader
@@ -449,7 +449,7 @@ def test_corpus_is_large_enough():
 HOLDER = textwrap.dedent("""
     import sys, time
     from jaxckpt import CheckpointManager
-    from jaxckpt.backend import SingleProcess
+    from jaxckpt.backends.base import SingleProcess
 
     class Stub(SingleProcess):
         name = "orbax"
@@ -496,7 +496,7 @@ def test_rejected_constructor_does_not_keep_the_root_locked(tmp_path):
 UNREADABLE = textwrap.dedent("""
     import json, sys
     from jaxckpt import CheckpointError, CheckpointManager
-    from jaxckpt.backend import SingleProcess
+    from jaxckpt.backends.base import SingleProcess
 
     class Stub(SingleProcess):
         name = "orbax"

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from jaxckpt import CheckpointManager, ConfigError, Every, RecoverConfig, StepInfo
+from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.models import MLP
-from jaxckpt.orbax_backend import OrbaxBackend
 
 from support.held_writes import check_final_sync_save, committed_after_each_sync_save
 

@@ -35,8 +35,8 @@ from jaxckpt import (
     StepInfo,
     Versioned,
 )
+from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.commit.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER
-from jaxckpt.orbax_backend import OrbaxBackend
 from jaxckpt.tools.cli import main as cli
 
 from support.loaders import Loader

@@ -25,8 +25,8 @@ from jaxckpt import (
     RecoverConfig,
     StepInfo,
 )
+from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.commit.store import CheckpointStore
-from jaxckpt.orbax_backend import OrbaxBackend
 
 from support.loaders import Loader
 

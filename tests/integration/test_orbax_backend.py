@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jaxckpt.backend import Backend, WriteHandle
+from jaxckpt.backends.base import Backend, WriteHandle
+from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     TreeMismatchError,
 )
-from jaxckpt.orbax_backend import OrbaxBackend
 
 from support.two_processes import jax_worker, run_two_workers
 
@@ -345,7 +345,7 @@ def test_process_facts_and_rng_of_a_single_process(backend):
 _WORKER = jax_worker('''
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
 
     backend = OrbaxBackend()
     assert (backend.process_index, backend.process_count) == (index, 2)
@@ -668,7 +668,7 @@ def assert_same_tree(restored, state):
 @pytest.fixture
 def plan_builds(monkeypatch):
     """Counts the write plans built from scratch (saves whose layout was not cached)."""
-    import jaxckpt.orbax_backend as orbax_backend
+    import jaxckpt.backends.orbax.backend as orbax_backend
 
     calls = []
     original = orbax_backend._build_plan
@@ -778,7 +778,7 @@ def test_alternating_layouts_each_keep_their_plan(fresh_backend, plan_builds, tm
     assert len(plan_builds) == 2
 
     # A backend keeps a few plans: the least recently used one goes first.
-    from jaxckpt.orbax_backend import _MAX_PLANS
+    from jaxckpt.backends.orbax.backend import _MAX_PLANS
 
     for width in range(1, _MAX_PLANS + 1):
         fresh_backend.write(str(tmp_path / f"other{width}"), {"v": np.zeros(width)},

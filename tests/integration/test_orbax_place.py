@@ -1,6 +1,6 @@
 """Saving and restoring many small leaves: packs filled by the writer's I/O threads as it
 writes them; packed leaves aligned in their packs, placed on their device the cheap way
-(``jaxckpt._orbax_place``), with the same arrays ``jax.device_put`` gives, pack by pack as
+(``jaxckpt.backends.orbax.place``), with the same arrays ``jax.device_put`` gives, pack by pack as
 the packs are read.
 
 Costs are checked by counting Python calls per leaf, never by timing: the ratios measured
@@ -18,12 +18,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt import _orbax_read, _orbax_write, zarr_io
-from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
-from jaxckpt._orbax_place import place
-from jaxckpt._orbax_plan import PACK_ALIGN, build_plan
+from jaxckpt.backends.orbax import read as _orbax_read, write as _orbax_write, zarr_io
+from jaxckpt.backends.orbax.backend import OrbaxBackend
+from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
+from jaxckpt.backends.orbax.place import place
+from jaxckpt.backends.orbax.plan import PACK_ALIGN, build_plan
 from jaxckpt.errors import CheckpointCorruptError
-from jaxckpt.orbax_backend import OrbaxBackend
 
 
 @pytest.fixture
@@ -305,7 +305,7 @@ def test_a_failure_to_place_a_packs_leaves_is_not_taken_for_a_damaged_checkpoint
 
 
 def test_the_default_sharding_is_where_device_put_puts_an_array():
-    from jaxckpt._orbax_place import default_sharding
+    from jaxckpt.backends.orbax.place import default_sharding
 
     assert default_sharding() == jax.device_put(np.zeros((), np.int8)).sharding
     with jax.default_device(jax.devices()[-1]):

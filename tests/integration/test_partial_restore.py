@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.orbax_backend import OrbaxBackend
+from jaxckpt.backends.orbax.backend import OrbaxBackend
 
 STEP = jaxckpt.StepInfo(0, 1, 1, None)
 BIG = 300_000  # float32 elements: 1.2 MB, above the packing limit (one file per leaf)

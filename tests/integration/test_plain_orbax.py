@@ -129,7 +129,7 @@ def read_without_jaxckpt(state_dir: Path, user_paths: list[str]) -> dict:
 
 @pytest.mark.parametrize("native_io", [True, False], ids=["jaxckpt_writer", "orbax_writer"])
 def test_plain_orbax_reads_every_byte_and_tree_json_rebuilds_the_tree(native_io, tmp_path):
-    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
 
     state = saved_state()
     with jaxckpt.CheckpointManager(tmp_path / "run", mode="sync",

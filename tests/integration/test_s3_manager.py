@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import array_files  # noqa: E402
+from jaxckpt.backends.orbax import files as array_files  # noqa: E402
 from jaxckpt.errors import RootLockedError  # noqa: E402
 from jaxckpt.storage.s3 import storage as s3_storage  # noqa: E402
 from jaxckpt.storage.s3.storage import s3_client  # noqa: E402

@@ -27,7 +27,7 @@ from jaxckpt import (
     StepInfo,
     TreeMismatchError,
 )
-from jaxckpt.backend import Backend, WriteHandle
+from jaxckpt.backends.base import Backend, WriteHandle
 from jaxckpt.commit.store import DEFER_CHECKSUMS_OVER
 from jaxckpt.core import codec
 from torch_bridge import DcpBackend, DcpCheckpointManager, dcp_backend

@@ -23,12 +23,13 @@ import pytest
 from test_integrity import flip_byte, step_dir
 from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same_tree, like_of
 
-from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo, zarr_io
-from jaxckpt.array_files import LocalArrayFiles
+from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo
+from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax.backend import OrbaxBackend
+from jaxckpt.backends.orbax.files import LocalArrayFiles
 from jaxckpt.commit.store import CheckpointStore, ReadClaims
 from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
-from jaxckpt.orbax_backend import OrbaxBackend
 
 from support.memory import mapping_flags, numpy_huge_page_advice
 
@@ -817,7 +818,7 @@ def test_parse_grid_takes_a_regular_grid_that_divides_the_shape_only():
 def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
     """An array Orbax wrote from shards (a grid of chunk files, as several processes write
     it) is read by zarr_io, every chunk file claimed and checksummed, bit for bit."""
-    from jaxckpt._orbax_read import read_native
+    from jaxckpt.backends.orbax.read import read_native
 
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
@@ -844,7 +845,7 @@ def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
 
 
 def test_a_missing_chunk_file_of_a_grid_is_a_damaged_checkpoint(tmp_path):
-    from jaxckpt._orbax_read import read_native, unreadable_is_corrupt
+    from jaxckpt.backends.orbax.read import read_native, unreadable_is_corrupt
 
     arrays = tmp_path / "arrays"
     (arrays / "leaf_000000/c/0").mkdir(parents=True)

@@ -63,7 +63,7 @@ def seam_backend() -> Any:
     """An Orbax backend that announces ``WRITTEN n`` when the write of step ``n`` is finished
     (the seam between the background write and the commit). Numerics untouched; every
     other member and feature is the Orbax backend's own."""
-    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
 
     class SeamBackend(OrbaxBackend):
         def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:

@@ -8,7 +8,7 @@ Arrays: every process writes each entry of a flat dict of NumPy arrays as
 ``{name}.p{index}.npy``; reads take the primary's copy (the state is replicated). Everything
 else (driver state, commit, retention, recovery) is the manager's own code.
 
-Imports NumPy and jaxckpt.backend only. One instance per process, used by its training thread
+Imports NumPy and jaxckpt.backends.base only. One instance per process, used by its training thread
 (the manager's commit thread only waits on handles, which hold no state).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.backend import SingleProcess
+from jaxckpt.backends.base import SingleProcess
 
 
 class _Written:

@@ -301,7 +301,7 @@ def test_read_floors_read_into_the_memory_a_restore_hands_over(tmp_path, monkeyp
 
     import numpy as np
 
-    from jaxckpt import zarr_io
+    from jaxckpt.backends.orbax import zarr_io
     from jaxckpt.tools import bench
 
     from support.memory import mapping_flags, numpy_huge_page_advice
@@ -343,7 +343,7 @@ def test_read_floors_read_into_the_memory_a_restore_hands_over(tmp_path, monkeyp
 def test_read_floors_read_on_as_many_threads_as_a_restore():
     """Into the restore's 4 KiB pages a read on 4 threads took 0.54 s where 8 took 0.40 s
     (512 MiB): a floor on fewer threads than the restore would be a slower floor."""
-    from jaxckpt._orbax_options import OrbaxOptions
+    from jaxckpt.backends.orbax.options import OrbaxOptions
     from jaxckpt.tools import bench
 
     assert bench._READ_THREADS == OrbaxOptions().read_threads

@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 
 from jaxckpt import CheckpointManager
-from jaxckpt.backend import SingleProcess
+from jaxckpt.backends.base import SingleProcess
 from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
 
 from support.harness import Worker

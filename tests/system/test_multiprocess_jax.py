@@ -350,9 +350,9 @@ def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
     the arrays, and one process reads every chunk natively (each file claimed)."""
     import orbax.checkpoint as ocp
 
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
     from jaxckpt.commit.store import ReadClaims
     from jaxckpt.core.checksum import default_algorithm
-    from jaxckpt.orbax_backend import OrbaxBackend
 
     root, _ = two_process_root
     step_dir = os.path.join(root, "recover", "step_00000003")
@@ -391,7 +391,7 @@ def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
 NATIVE_READER = jax_worker('''
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from jaxckpt.orbax_backend import OrbaxBackend
+        from jaxckpt.backends.orbax.backend import OrbaxBackend
         from jaxckpt.commit.store import ReadClaims
 
         state_dir = root

@@ -36,7 +36,7 @@ LOOP = textwrap.dedent("""
     import json, os, signal, sys, time
     import jax.numpy as jnp
     from jaxckpt import CheckpointManager, Every, RecoverConfig, StepInfo
-    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
 
     root, opts = sys.argv[1], json.loads(sys.argv[2])
     if opts.get("attempts"):

@@ -21,7 +21,7 @@ PROGRAM = textwrap.dedent("""
     import os, sys, time
     import jax.numpy as jnp
     from jaxckpt import CheckpointManager, Every, RecoverConfig, StepInfo
-    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
     from support.held_writes import hold_async_writes
 
     root = sys.argv[1]

@@ -44,7 +44,7 @@ TOOLS = "jaxckpt.tools"
 FRAMEWORKS = frozenset({"jax", "jaxlib", "orbax", "flax", "optax", "torch", "tensorstore"})
 JAX_FRAMEWORKS = frozenset({"jax", "jaxlib", "orbax", "flax", "optax"})
 # Flat modules of the pure layer that are not in a folder yet (the folders are in FOLDERS).
-PURE_BY_NAME = frozenset({"config", "errors", "backend"})
+PURE_BY_NAME = frozenset({"config", "errors"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +73,26 @@ FOLDERS = {
     ),
     "jaxckpt.manager": Folder(
         may_import=("jaxckpt.manager", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.commit",
-                    "jaxckpt.backend", "jaxckpt._version", "jaxckpt.errors", "jaxckpt.config"),
+                    "jaxckpt.backends.base", "jaxckpt._version", "jaxckpt.errors",
+                    "jaxckpt.config"),
         never=FRAMEWORKS,
         third_party=frozenset({"numpy"}),
         public=frozenset({"manager", "reports", "driver_state", "root", "restore"}),
+    ),
+    "jaxckpt.backends": Folder(
+        may_import=("jaxckpt.backends", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.commit",
+                    "jaxckpt.errors"),
+        never=FRAMEWORKS,
+        third_party=frozenset(),
+        public=frozenset({"base"}),
+    ),
+    "jaxckpt.backends.orbax": Folder(
+        may_import=("jaxckpt.backends", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.commit",
+                    "jaxckpt.manager", "jaxckpt._version", "jaxckpt.errors", "jaxckpt.config"),
+        never=frozenset({"torch"}),
+        third_party=frozenset({"jax", "jaxlib", "orbax", "flax", "optax", "tensorstore", "numpy",
+                               "ml_dtypes", "etils"}),
+        public=frozenset({"backend", "zarr_io", "import_orbax", "tree"}),
     ),
     "jaxckpt.commit": Folder(
         may_import=("jaxckpt.commit", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.errors",
@@ -91,7 +107,7 @@ LAZY_ALLOWED = {
     # Decoding a value that was written from a torch tensor gives a torch tensor back.
     "jaxckpt.core.codec": frozenset({"torch"}),
     # The default backend, loaded when a manager is made without one.
-    "jaxckpt.manager.manager": frozenset({"jaxckpt.orbax_backend"}),
+    "jaxckpt.manager.manager": frozenset({"jaxckpt.backends.orbax.backend"}),
 }
 # Names a "Must not import" line may mention that the scanner can check.
 CHECKABLE = FRAMEWORKS | {"torch_bridge", "transformers", "safetensors", "jaxckpt"}
@@ -615,8 +631,8 @@ def test_self_pure_layer_flags_frameworks_anywhere_but_type_checking():
         "jaxckpt.core.policy imports orbax.checkpoint at module level"]
     assert is_pure(parse("jaxckpt.core.policy", source))
     assert is_pure(parse("jaxckpt.parts.x", '"""Part of the pure layer."""'))
-    assert is_pure(parse("jaxckpt.backend", '"""By name, until it moves."""'))
-    assert not is_pure(parse("jaxckpt.orbax_backend", '"""Imports orbax."""'))
+    assert is_pure(parse("jaxckpt.config", '"""By name, outside the folders."""'))
+    assert not is_pure(parse("jaxckpt.backends.orbax.backend", '"""Imports orbax."""'))
     assert pure_layer_problems(parse("jaxckpt.store", "import importlib\n"
                                                       "importlib.import_module('orbax')\n"))
     assert pure_layer_problems(parse("jaxckpt.store", "def f():\n    __import__('jax')\n"))
@@ -672,7 +688,7 @@ def test_self_import_closure_follows_module_level_imports_only():
 
 def test_self_privacy_rules():
     tool = f"{TOOLS}.x"
-    assert privacy_problems(parse(tool, "from jaxckpt.zarr_io import _pwrite_all\n"))
+    assert privacy_problems(parse(tool, "from jaxckpt.backends.orbax.zarr_io import _pwrite\n"))
     assert privacy_problems(parse(tool, "from jaxckpt import _version\n"))
     assert privacy_problems(parse(tool, "from jaxckpt._version import __version__\n"))
     assert privacy_problems(parse(tool, "from torch_bridge import hf\nhf._architecture('x')\n"))

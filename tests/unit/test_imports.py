@@ -28,9 +28,10 @@ def imported_after(statement: str) -> list[str]:
         "jaxckpt.commit.ownership, jaxckpt.commit.deferred_checks",
         "import jaxckpt.core.tree_record, jaxckpt.manager.save, jaxckpt.manager.restore, "
         "jaxckpt.manager.background",
-        "import jaxckpt.config, jaxckpt.backend, jaxckpt.errors, jaxckpt.retry, jaxckpt.compat",
+        "import jaxckpt.config, jaxckpt.backends.base, jaxckpt.errors, jaxckpt.retry, "
+        "jaxckpt.compat",
         "from jaxckpt import CheckpointManager, RecoverConfig, Every, StepInfo",
-        "from jaxckpt import import_orbax; import jaxckpt.orbax_import",
+        "from jaxckpt import import_orbax; import jaxckpt.backends.orbax.import_orbax",
     ],
 )
 def test_pure_layer_imports_no_framework(statement):

@@ -20,7 +20,7 @@ from jaxckpt import (
     RecoverConfig,
     StepInfo,
 )
-from jaxckpt.backend import BackendFeatures, SingleProcess
+from jaxckpt.backends.base import BackendFeatures, SingleProcess
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.commit.verification import Verifier, plan
 from jaxckpt.core.layout import COMMIT_MARKER, export_dirname

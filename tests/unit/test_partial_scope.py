@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from jaxckpt.backend import BackendFeatures, SingleProcess
+from jaxckpt.backends.base import BackendFeatures, SingleProcess
 from jaxckpt.commit.deferred_checks import ReadClaims
 from jaxckpt.commit.verification import plan
 from jaxckpt.config import RecoverConfig

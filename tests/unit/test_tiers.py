@@ -16,7 +16,7 @@ from jaxckpt import (
     RecoverConfig,
     RootLockedError,
 )
-from jaxckpt.backend import SingleProcess
+from jaxckpt.backends.base import SingleProcess
 from jaxckpt.manager.local_tier import local_rules
 
 

@@ -696,7 +696,7 @@ class _Bench:
             self.many_state = _jax_state(_leaf_arrays(data, config.many_leaves))
         del data
         # Reused buffers are aligned whole blocks, so the O_DIRECT floor writes from them.
-        from jaxckpt.zarr_io import aligned_blocks
+        from jaxckpt.backends.orbax.zarr_io import aligned_blocks
 
         self.blocks = [aligned_blocks(a.nbytes) for a in self.arrays]
         self.reused = [block[:a.nbytes].view(a.dtype).reshape(a.shape)
@@ -1104,7 +1104,7 @@ def _train_manager(saver: str, root: str, every: int) -> tuple[Any, Any]:
     if saver not in ("jaxckpt", "jaxckpt-orbax-io"):
         return None, None
     import jaxckpt
-    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
 
     os.makedirs(root, exist_ok=True)
     backend = OrbaxBackend(native_io=saver == "jaxckpt")

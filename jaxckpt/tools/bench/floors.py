@@ -4,7 +4,7 @@ Owns: the raw writes (buffered, and ``O_DIRECT`` from aligned blocks), the raw r
 new memory, the listing of a checkpoint's files and the ``O_DIRECT`` probe, shared by the
 bench's rows (``jaxckpt.tools.bench``) and the ``--scale`` run (``bench.scale``).
 
-Must not import: jax, orbax, torch (numpy and ``jaxckpt.zarr_io``'s buffers only).
+Must not import: jax, orbax, torch (numpy and ``jaxckpt.backends.orbax.zarr_io``'s buffers only).
 
 Concurrency contract: each function is safe on any thread; callers run them on pools.
 """
@@ -46,7 +46,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
     so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from jaxckpt.zarr_io import PIECE
+    from jaxckpt.backends.orbax.zarr_io import PIECE
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
@@ -63,7 +63,7 @@ def _raw_read_direct(path: str, nbytes: int, *, numpy_memory: bool = False) -> n
     memory a restore reads into and hands over (``zarr_io.fresh_blocks``), or with
     ``numpy_memory`` numpy's (``np.empty``, which asks for huge pages from 4 MiB on: a row
     of its own, not a floor; docs/performance.md, "Tenth round (rawread)")."""
-    from jaxckpt.zarr_io import PIECE, aligned_blocks, fresh_blocks
+    from jaxckpt.backends.orbax.zarr_io import PIECE, aligned_blocks, fresh_blocks
 
     out = aligned_blocks(nbytes) if numpy_memory else fresh_blocks(nbytes)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -97,7 +97,7 @@ def _touch_fresh(nbytes: int) -> None:
     """Allocate ``nbytes`` of the memory a restore reads into (``zarr_io.fresh_blocks``)
     and write one byte per page: the page faults alone that any read into new memory pays
     (what this VM makes dear when the host reclaimed the memory)."""
-    from jaxckpt.zarr_io import fresh_blocks
+    from jaxckpt.backends.orbax.zarr_io import fresh_blocks
 
     buffer = fresh_blocks(nbytes)
     buffer[::mmap.PAGESIZE] = 1
@@ -111,7 +111,7 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
     whether it was freed moments before or long enough for the host to take it back, which
     made the floor measure the memory's history rather than the disk (docs/performance.md,
     "Tenth round (rawread)")."""
-    from jaxckpt.zarr_io import fresh_blocks
+    from jaxckpt.backends.orbax.zarr_io import fresh_blocks
 
     out = fresh_blocks(nbytes)[:nbytes]
     with open(path, "rb", buffering=0) as handle:
@@ -126,7 +126,7 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
 
 def _direct_refused(directory: str) -> str:
     """"" when ``directory`` takes O_DIRECT writes of aligned blocks, else why not."""
-    from jaxckpt.zarr_io import ALIGN, aligned_blocks
+    from jaxckpt.backends.orbax.zarr_io import ALIGN, aligned_blocks
 
     if not hasattr(os, "O_DIRECT"):
         return "no O_DIRECT on this platform"

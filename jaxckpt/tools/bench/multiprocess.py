@@ -118,7 +118,7 @@ def _worker(opts: argparse.Namespace) -> dict[str, Any]:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxckpt import CheckpointManager, Every, RecoverConfig, StepInfo
-    from jaxckpt.orbax_backend import OrbaxBackend
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
 
     devices = jax.device_count()
     rows = max(devices, (opts.size_mb << 20) // _LEAVES // 4096 // devices * devices)

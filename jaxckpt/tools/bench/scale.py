@@ -208,7 +208,7 @@ class _Saver:
 def _read_fresh(path: str, size: int) -> np.ndarray:
     """Read one file with ``O_DIRECT`` (where the filesystem allows it) into memory of the
     kind a restore reads into (``zarr_io.fresh_blocks``), in the reader's 8 MiB pieces."""
-    from jaxckpt import zarr_io
+    from jaxckpt.backends.orbax import zarr_io
 
     buffer = zarr_io.fresh_blocks(size)
     try:
@@ -238,7 +238,7 @@ def _prime_new_memory(nbytes: int) -> None:
     the floor after it (5.9 s against 2.4 s); with a primer before each row the primer
     paid that (4.8 s) and the rows did not (1.4-1.6 s each; docs/performance.md, "Eleventh
     round (scale4g)"). Primed, both rows start alike."""
-    from jaxckpt import zarr_io
+    from jaxckpt.backends.orbax import zarr_io
 
     blocks = zarr_io.fresh_blocks(nbytes)
     blocks[::mmap.PAGESIZE] = 0
@@ -324,7 +324,7 @@ class _FloorWriter:
     def __init__(self, state: dict[str, Any], root: str) -> None:
         import concurrent.futures
 
-        from jaxckpt import zarr_io
+        from jaxckpt.backends.orbax import zarr_io
 
         os.makedirs(root, exist_ok=True)
         self.root, self.count = root, 0

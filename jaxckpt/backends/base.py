@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
-from .errors import ConfigError
+from jaxckpt.errors import ConfigError
 
 if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import ReadClaims
@@ -216,9 +216,9 @@ def check_backend(backend: Any) -> None:
     missing = [name for name in _CHECKED if not hasattr(backend, name)]
     if missing:
         raise ConfigError(
-            f"backend must be a jaxckpt.backend.Backend object, got {backend!r}. Leave "
+            f"backend must be a jaxckpt.backends.base.Backend object, got {backend!r}. Leave "
             f"backend=None for Orbax (JAX) or pass an instance such as "
-            f"jaxckpt.orbax_backend.OrbaxBackend(); for PyTorch use "
+            f"jaxckpt.backends.orbax.backend.OrbaxBackend(); for PyTorch use "
             f"torch_bridge.DcpCheckpointManager. (Missing: {', '.join(missing)}.)")
 
 

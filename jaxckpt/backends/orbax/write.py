@@ -4,7 +4,7 @@ Owns: the handle a write returns (:class:`OrbaxWriteHandle`), the host buffers a
 into and reuses (:class:`HostBuffers`), the Orbax type handlers the backend writes with
 (numpy arrays not deep-copied a second time), and the native writer: the files Orbax's
 ``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes, written through a
-``jaxckpt.array_files.ArrayFiles`` (:func:`write_native`): locally with ``jaxckpt.zarr_io``
+``files.ArrayFiles`` (:func:`write_native`): locally with ``zarr_io``
 (O_DIRECT, checksums computed on the way) under a temporary name renamed into place once
 complete, on an object store as objects at their names. Also the small-file writers of the
 state directory (``tree.json``).
@@ -28,10 +28,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import zarr_io
-from jaxckpt._orbax_plan import WritePlan, fill_pack, pack_length
-from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
-from jaxckpt.array_files import ArrayFiles
+from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax.files import ArrayFiles
+from jaxckpt.backends.orbax.plan import WritePlan, fill_pack, pack_length
+from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
 from jaxckpt.core.checksum import default_algorithm
 from jaxckpt.errors import CheckpointWriteError
 

@@ -86,8 +86,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
-from .core.checksum import extend
-from .errors import CheckpointCorruptError
+from jaxckpt.core.checksum import extend
+from jaxckpt.errors import CheckpointCorruptError
 
 __all__ = [
     "ALIGN",

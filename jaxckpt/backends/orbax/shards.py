@@ -5,7 +5,7 @@ Owns: which native write a save gets, if any (:func:`native_writer`: a single pr
 ``_orbax_write.write_native``, or this module's), deciding at staging time what this
 process writes of each stored array (:func:`stage_shards`) and writing it
 (:func:`write_shards`). The layout is the one
-``jaxckpt.zarr_io`` documents for an array sharded over processes (what Orbax's
+``jaxckpt.backends.orbax.zarr_io`` documents for an array sharded over processes (what Orbax's
 ``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes for a sharded array):
 a regular chunk grid of the shard shape, one chunk file per shard at ``c/i/j/...``, written
 by the process holding that shard's replica 0. Arrays every process holds entirely (packs,
@@ -36,11 +36,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxckpt import zarr_io
-from jaxckpt._orbax_process import barrier
-from jaxckpt._orbax_tree import ARRAYS_DIR, ZARR_JSON
-from jaxckpt._orbax_write import host_arrays, write_native
-from jaxckpt.array_files import ArrayFiles
+from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax.files import ArrayFiles
+from jaxckpt.backends.orbax.process import barrier
+from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
+from jaxckpt.backends.orbax.write import host_arrays, write_native
 from jaxckpt.core.checksum import default_algorithm
 
 __all__ = ["ShardedArray", "filling", "native_writer", "stage_shards", "write_shards"]

@@ -1,6 +1,6 @@
 """The JAX/Flax backend: pytrees of arrays stored as Orbax checkpoints.
 
-Owns: :class:`OrbaxBackend`, the :class:`jaxckpt.backend.Backend` for JAX pytrees (dicts,
+Owns: :class:`OrbaxBackend`, the :class:`jaxckpt.backends.base.Backend` for JAX pytrees (dicts,
 lists, tuples, NamedTuples, ``flax.nnx.State``, optax states, live NNX objects): it decides
 which writer and reader run, on which thread, and keeps what lives between saves (write
 plans, host buffers, Orbax checkpointers, thread pools). The work is done by its parts, one
@@ -29,10 +29,10 @@ before it is written), copies numpy leaves (async writes only: the caller may ch
 once write() returns) and returns. In a single process every array is staged as a host
 array (a CPU jax.Array as a zero-copy view: it is immutable), async writes run on the
 backend's own writer thread, and on a local filesystem that thread writes Orbax's files
-itself (``jaxckpt.zarr_io``: the same bytes tensorstore would write, moved with O_DIRECT
+itself (``zarr_io``: the same bytes tensorstore would write, moved with O_DIRECT
 and checksummed on the way; ``native_io``), which restores read back the same way. On an
 object-store root the manager hands the backend its storage (``attach_storage``) and the
-same files go there as objects (``jaxckpt.array_files``, ``_orbax_remote``). With several
+same files go there as objects (``jaxckpt.backends.orbax.files``, ``_orbax_remote``). With several
 processes on a local (shared) root, each process writes the chunk files of the shards it
 owns the same way, in Orbax's layout for a sharded array (``_orbax_shards``), on the same
 writer thread. Orbax writes and reads everything else: dtypes zarr_io does not store,
@@ -71,23 +71,29 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
     import orbax.checkpoint as ocp
     from etils import epath
 
-from jaxckpt import _orbax_process, _orbax_read, _orbax_remote, _orbax_shards, nnx_live
-from jaxckpt._orbax_options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
-from jaxckpt._orbax_plan import (
+from jaxckpt.backends.base import BackendFeatures
+from jaxckpt.backends.orbax import (
+    locations as _orbax_remote,
+    nnx_live,
+    process as _orbax_process,
+    read as _orbax_read,
+    shards as _orbax_shards,
+)
+from jaxckpt.backends.orbax.files import ArrayFiles, StorageArrayFiles
+from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
+from jaxckpt.backends.orbax.plan import (
     WritePlan,
     build_plan as _build_plan,  # a module global tests replace
     layout_key,
 )
-from jaxckpt._orbax_tree import ARRAYS_DIR, TREE_FILE, TREE_FORMAT, TREE_FORMAT_VERSION
-from jaxckpt._orbax_write import (
+from jaxckpt.backends.orbax.tree import ARRAYS_DIR, TREE_FILE, TREE_FORMAT, TREE_FORMAT_VERSION
+from jaxckpt.backends.orbax.write import (
     HostBuffers,
     OrbaxWriteHandle,
     create_directory,
     type_handler_registry,
     write_durably,
 )
-from jaxckpt.array_files import ArrayFiles, StorageArrayFiles
-from jaxckpt.backend import BackendFeatures
 
 if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import ReadClaims
@@ -250,7 +256,7 @@ class OrbaxBackend:
         with _gc_paused(self.options.pause_gc):
             leaves, treedef = jax.tree_util.tree_flatten(state)
             if nnx_live.holds_live(state, treedef):
-                # Live NNX objects are written as their nnx.State (jaxckpt.nnx_live).
+                # Live NNX objects are written as their nnx.State (jaxckpt.backends.orbax.nnx_live).
                 state = nnx_live.to_state_tree(state)
                 leaves, treedef = jax.tree_util.tree_flatten(state)
             # A single process holds every array entirely: it hands Orbax host arrays and
@@ -441,7 +447,7 @@ class OrbaxBackend:
         saved jax.Array (its dtype, on the default device) where an array was: a fresh
         Linen ``TrainState`` (``step=0``) gets back the saved int32 step.
 
-        A ``like`` holding live NNX objects (``jaxckpt.nnx_live``) is read into their
+        A ``like`` holding live NNX objects (``jaxckpt.backends.orbax.nnx_live``) is read into their
         current arrays' shapes, dtypes and shardings, and the result is a
         ``nnx_live.PendingUpdate``: :meth:`finish_read` puts the values into the objects,
         in place. The manager calls it once the checkpoint is judged valid, so a read it

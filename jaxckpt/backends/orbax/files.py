@@ -5,7 +5,7 @@ Owns: ``ArrayFiles``, the few operations the native writer (``_orbax_write``) an
 (``_orbax_read``) need from the place an ``arrays/`` directory lives, and its two
 implementations:
 
-- ``LocalArrayFiles``: a local filesystem through ``jaxckpt.zarr_io`` (O_DIRECT, checksums
+- ``LocalArrayFiles``: a local filesystem through ``zarr_io`` (O_DIRECT, checksums
   on the way, data offsets that line up with the array's memory), written under a temporary
   directory that is renamed into place once complete. This is the path every local root
   took before object stores existed, call for call.
@@ -43,11 +43,10 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.core.checksum import default_algorithm, extend
+from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage.base import Storage
-
-from . import zarr_io
-from .core.checksum import default_algorithm, extend
-from .errors import CheckpointCorruptError
 
 __all__ = [
     "RANGED_READ_OVER",

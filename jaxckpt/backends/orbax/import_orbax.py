@@ -26,16 +26,15 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from jaxckpt.storage.url import root_scheme
-
-from .core.extras import requires_extra
-from .errors import (
+from jaxckpt.core.extras import requires_extra
+from jaxckpt.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointRootError,
     CheckpointWarning,
     ConfigError,
 )
+from jaxckpt.storage.url import root_scheme
 
 __all__ = ["import_orbax"]
 
@@ -250,9 +249,8 @@ def _non_numeric(value: Any, where: str) -> list[str]:
 # --- writing the jaxckpt checkpoint ----------------------------------------------------------
 def _save(state: Any, root: str, step: int, src: str,
           storage_options: Mapping[str, Any] | None) -> str:
+    from jaxckpt.config import RecoverConfig, StepInfo
     from jaxckpt.manager.manager import CheckpointManager
-
-    from .config import RecoverConfig, StepInfo
 
     with CheckpointManager(root, recover=RecoverConfig(mode="on", keep_last_n=None),
                            mode="sync", preemption_signals=(),

@@ -57,7 +57,7 @@ class OrbaxOptions:
     the write."""
     native_io: bool = True
     """Single-process runs on a local filesystem write, and read back, the arrays with
-    jaxckpt's own file I/O (``jaxckpt.zarr_io``) in the zarr3 layout Orbax + tensorstore
+    jaxckpt's own file I/O (``zarr_io``) in the zarr3 layout Orbax + tensorstore
     produce, instead of through them: a third of the CPU per save, checksums computed on
     the way, no read-back at commit. The files are Orbax's: Orbax
     reads them, and arrays Orbax wrote are read natively when their layout is this one.

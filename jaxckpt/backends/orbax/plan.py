@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxckpt._orbax_tree import (
+from jaxckpt.backends.orbax.tree import (
     PACK_PREFIX,
     PY_SCALAR_CLASSES,
     Layout,

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxckpt._orbax_tree import is_key_dtype
+from jaxckpt.backends.orbax.tree import is_key_dtype
 
 __all__ = ["barrier", "broadcast_int", "host_copy"]
 

@@ -6,7 +6,7 @@ of ``like`` with the saved leaves by tree path (every mismatch at once; with ``p
 like may be a subtree, and the scope of its deferred checks is limited to what it reads),
 the restore
 arguments handed to Orbax (shardings, typed keys' data), the native reader
-(``jaxckpt.zarr_io``, checking the deferred checksums of the files it reads as it reads
+(``zarr_io``, checking the deferred checksums of the files it reads as it reads
 them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves (packed leaves
 cut out of their packs, arrays stored as bytes viewed as their dtype, keys wrapped, numpy
 and Python scalars converted; a Python scalar like leaf gets an array where an array was
@@ -29,9 +29,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt import zarr_io
-from jaxckpt._orbax_place import default_sharding, place
-from jaxckpt._orbax_tree import (
+from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax.files import ArrayFiles
+from jaxckpt.backends.orbax.place import default_sharding, place
+from jaxckpt.backends.orbax.tree import (
     ARRAYS_DIR,
     PY_SCALAR_DTYPE_KINDS,
     PY_SCALAR_TYPES,
@@ -44,7 +45,6 @@ from jaxckpt._orbax_tree import (
     numpy_dtype,
     read_tree_json,
 )
-from jaxckpt.array_files import ArrayFiles
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, TreeMismatchError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ object-store locations on the native path (``check_arrays``) and the error for a
 it cannot read there (``refuse_foreign``), and how ``tree.json`` is written there
 (``write_tree``). Orbax 0.12 cannot write ``s3://`` (it finalizes
 by renaming directories, and it creates a local ``./s3:`` directory), so on an object store
-every array goes through ``jaxckpt.array_files.StorageArrayFiles`` in zarr_io's layout (each
+every array goes through ``files.StorageArrayFiles`` in zarr_io's layout (each
 process its own shards): dtypes zarr_io stores, shards on a regular grid. Anything else
 is refused before a byte is written, naming the leaf and what to do.
 
@@ -27,18 +27,18 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt import zarr_io
-from jaxckpt._orbax_options import OrbaxOptions
-from jaxckpt._orbax_shards import native_writer
-from jaxckpt._orbax_tree import TREE_FILE
-from jaxckpt._orbax_write import write_durably
-from jaxckpt.array_files import (
+from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax.files import (
     ArrayFiles,
     LocalArrayFiles,
     SharedLocalArrayFiles,
     StorageArrayFiles,
     StoragePath,
 )
+from jaxckpt.backends.orbax.options import OrbaxOptions
+from jaxckpt.backends.orbax.shards import native_writer
+from jaxckpt.backends.orbax.tree import TREE_FILE
+from jaxckpt.backends.orbax.write import write_durably
 from jaxckpt.errors import CheckpointCorruptError, CheckpointRootError
 
 __all__ = ["check_arrays", "files_for", "path_for", "refuse_foreign", "refuse_uneven",
