@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily below
     # `X as X` marks a re-export (linters cannot read the computed __all__ below).
-    from .dcp_backend import DcpBackend as DcpBackend
+    from torch_bridge.dcp.backend import DcpBackend as DcpBackend
+
     from .hf import (
         ARCHITECTURES as ARCHITECTURES,
         HFExporter as HFExporter,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily b
 # name -> submodule that defines it
 _EXPORTS = {
     "DcpCheckpointManager": "manager",
-    "DcpBackend": "dcp_backend",
+    "DcpBackend": "dcp.backend",
     # Hugging Face export/import (numpy + safetensors; no jax, no torch)
     "export_hf": "hf",
     "load_hf": "hf",

@@ -14,8 +14,7 @@ import os
 from typing import Any
 
 from jaxckpt import CheckpointManager, ConfigError, ExportConfig, RecoverConfig
-
-from .dcp_backend import DcpBackend
+from torch_bridge.dcp.backend import DcpBackend
 
 __all__ = ["DcpCheckpointManager"]
 

@@ -13,7 +13,7 @@ trivially (``close`` returns, ``finish_read`` returns its argument, ``left_out``
 None, a handle's ``checksums`` is None).
 
 Must not import: jax, orbax, torch. Backends live in their own modules (``orbax_backend``,
-``torch_bridge.dcp_backend``) and are imported lazily.
+``torch_bridge.dcp.backend``) and are imported lazily.
 """
 
 from __future__ import annotations

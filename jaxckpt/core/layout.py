@@ -60,7 +60,7 @@ COMMIT_MARKER = "COMMITTED"
 DRIVER_FILE = "driver.json"
 #: Written by the Orbax backend into its directory (jaxckpt/backends/orbax/backend.py).
 TREE_FILE = "tree.json"
-#: Written by the DCP backend into its directory (torch_bridge/dcp_backend.py).
+#: Written by the DCP backend into its directory (torch_bridge/dcp/backend.py).
 OBJECTS_FILE = "objects.json"
 
 #: What jaxckpt itself writes directly under a root. Any other entry there (or under recover/

@@ -333,7 +333,7 @@ def test_a_restore_from_s3_asks_for_the_data_before_checking_the_small_files(
     # pieces land (never over the whole file once it is in), still before DCP loads it.
     from jaxckpt.commit import prefetch as read_ahead
     from jaxckpt.core import checksum
-    from torch_bridge import _dcp_storage
+    from torch_bridge.dcp import files as dcp_files
 
     state, _, _ = training()
     big = torch.randn(1_600_000)  # 6.4 MB: more than one progress piece
@@ -361,7 +361,7 @@ def test_a_restore_from_s3_asks_for_the_data_before_checking_the_small_files(
     monkeypatch.setattr(s3_storage.S3Storage, "read_into", read_into)
     monkeypatch.setattr(s3_storage.S3Storage, "checksum", checksum_of)
     monkeypatch.setattr(read_ahead, "extend", extend)
-    monkeypatch.setattr(_dcp_storage, "extend", extend)
+    monkeypatch.setattr(dcp_files, "extend", extend)
     for how in ("step", "latest"):
         asked.clear()
         fresh, _, _ = training(seed=5)
@@ -524,7 +524,7 @@ def test_the_object_store_bench_times_the_raw_download_after_the_save_has_ended(
 
 
 class _BytesStorage:
-    """The two reads _dcp_storage's fetches use, over one object's bytes."""
+    """The two reads dcp_files's fetches use, over one object's bytes."""
 
     def __init__(self, data: bytes):
         self.data = data
@@ -544,12 +544,12 @@ def test_a_whole_fetch_returns_the_object_as_it_is_whatever_the_metadata_says(ac
     # then fails), a longer one whole (read again as it is): never bytes it does not hold.
     import concurrent.futures
 
-    from torch_bridge import _dcp_storage
+    from torch_bridge.dcp import files as dcp_files
 
     data = os.urandom(actual)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        fetched = _dcp_storage._fetch_whole(_BytesStorage(data), pool, "x", 1000)
-        pieces = _dcp_storage._fetch(_BytesStorage(data), pool, "x", 100, 1200, piece=300)
+        fetched = dcp_files._fetch_whole(_BytesStorage(data), pool, "x", 1000)
+        pieces = dcp_files._fetch(_BytesStorage(data), pool, "x", 100, 1200, piece=300)
     assert bytes(fetched) == data
     assert bytes(pieces) == data[100:1200]
 
@@ -562,13 +562,13 @@ def test_a_fetched_data_file_lies_in_memory_not_advised_for_huge_pages():
     # the restore's own maps.
     import concurrent.futures
 
-    from torch_bridge import _dcp_storage
+    from torch_bridge.dcp import files as dcp_files
 
     from support.memory import mapping_flags, numpy_huge_page_advice
 
     data = os.urandom(6 << 20)
     with numpy_huge_page_advice(), concurrent.futures.ThreadPoolExecutor(2) as pool:
-        fetched = _dcp_storage._fetch(_BytesStorage(data), pool, "x", 0, len(data))
+        fetched = dcp_files._fetch(_BytesStorage(data), pool, "x", 0, len(data))
         import numpy as np
 
         # numpy advises the whole huge pages inside its buffer: look in the middle.

@@ -1,4 +1,4 @@
-"""_dcp_records on real torch.save output: the layout of every dtype's record is found where
+"""dcp_records on real torch.save output: the layout of every dtype's record is found where
 torch.load finds the tensor, and whatever the parser cannot prove (a compressed entry, a
 storage of the wrong length, a non-contiguous or offset-less view, an unknown entry or dtype,
 another pickle, big-endian bytes, a truncated record) gives None, so that the reader leaves
@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from torch_bridge import _dcp_metadata, _dcp_records  # noqa: E402
+from torch_bridge.dcp import metadata as dcp_metadata, records as dcp_records  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
@@ -29,12 +29,12 @@ def saved(value) -> bytes:
 
 
 def parse(data: bytes):
-    return _dcp_records.parse_record(lambda offset, size: data[offset:offset + size],
+    return dcp_records.parse_record(lambda offset, size: data[offset:offset + size],
                                      len(data))
 
 
 def tensor_at(data: bytes, record) -> torch.Tensor:
-    dtype = _dcp_metadata.DTYPES[record.storage]
+    dtype = dcp_metadata.DTYPES[record.storage]
     raw = bytearray(data[record.data_offset:record.data_offset + record.nbytes])
     return torch.frombuffer(raw, dtype=dtype).reshape(record.shape) if raw else torch.empty(
         record.shape, dtype=dtype)
@@ -59,8 +59,8 @@ def test_every_dtype_of_the_table_is_found_where_torch_load_finds_it(dtype):
     value = (torch.arange(24) % 7).to(dtype).reshape(2, 3, 4)
     record = parse(saved(value))
     assert record is not None and record.shape == (2, 3, 4)
-    assert _dcp_metadata.DTYPES[record.storage] == dtype
-    assert _dcp_records.ITEM_SIZES[record.storage] == value.element_size()
+    assert dcp_metadata.DTYPES[record.storage] == dtype
+    assert dcp_records.ITEM_SIZES[record.storage] == value.element_size()
     assert torch.equal(tensor_at(saved(value), record), value)
 
 
@@ -138,9 +138,9 @@ def test_a_truncated_or_garbled_record_is_refused(cut):
 def test_zip64_sizes_take_the_extra_field_for_each_saturated_field():
     extra = struct.pack("<HHQQ", 1, 16, 5 << 32, 7 << 32)
     marker = 0xFFFFFFFF
-    assert _dcp_records._zip64_sizes(extra, [marker, marker, 10]) == [5 << 32, 7 << 32, 10]
-    assert _dcp_records._zip64_sizes(b"", [marker, 3, 10]) is None
-    assert _dcp_records._zip64_sizes(b"", [3, 3, 10]) == [3, 3, 10]
+    assert dcp_records._zip64_sizes(extra, [marker, marker, 10]) == [5 << 32, 7 << 32, 10]
+    assert dcp_records._zip64_sizes(b"", [marker, 3, 10]) is None
+    assert dcp_records._zip64_sizes(b"", [3, 3, 10]) == [3, 3, 10]
 
 
 class _Item:
@@ -174,7 +174,7 @@ def _copied(record: torch.Tensor, target: torch.Tensor, offsets, lengths) -> boo
     padding = b"x" * 37  # the record sits inside a file, after other records
     data = padding + saved(record) + padding
     planner = _Planner(target)
-    done = _dcp_metadata._load_record(io.BytesIO(data), _Info(len(padding), len(data) - 74),
+    done = dcp_metadata._load_record(io.BytesIO(data), _Info(len(padding), len(data) - 74),
                                       _Item(offsets, lengths), planner)
     return done and [t.data_ptr() for t in planner.committed] == [target.data_ptr()]
 
@@ -197,7 +197,7 @@ def test_a_region_of_a_record_lands_in_a_target_of_another_layout_and_dtype():
 
 def test_a_target_of_another_size_is_left_to_dcps_own_error():
     record = torch.arange(6.0)
-    assert _dcp_metadata._load_record(io.BytesIO(saved(record)),
+    assert dcp_metadata._load_record(io.BytesIO(saved(record)),
                                       _Info(0, len(saved(record))), _Item((0,), (6,)),
                                       _Planner(torch.zeros(5))) is False
 

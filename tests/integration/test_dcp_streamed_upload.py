@@ -2,7 +2,7 @@
 
 The writer used to gather each data file in memory and upload it only once DCP closed it:
 serialising and uploading never overlapped, and a rank's whole file sat in memory. Now
-(``torch_bridge._dcp_upload`` over ``Storage.open_writer``; on S3 ``jaxckpt.storage.s3.upload``)
+(``torch_bridge.dcp.upload`` over ``Storage.open_writer``; on S3 ``jaxckpt.storage.s3.upload``)
 its parts are sent while DCP serialises the next tensors, a bounded number at a time, and
 the object still appears only complete. Against a moto server on 127.0.0.1.
 """
@@ -184,7 +184,7 @@ def test_an_aborted_or_failed_streamed_upload_stores_nothing(storage, small_part
 
 
 def test_a_dcp_stream_left_on_an_error_stores_nothing(storage, small_parts):
-    from torch_bridge._dcp_upload import UploadStream
+    from torch_bridge.dcp.upload import UploadStream
 
     path = storage.url(f"{storage.prefix}/state/__0_0.distcp")
     written: dict = {}

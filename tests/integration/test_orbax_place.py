@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.backends.orbax import read as _orbax_read, write as _orbax_write, zarr_io
+from jaxckpt.backends.orbax import read as orbax_read, write as orbax_write, zarr_io
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
 from jaxckpt.backends.orbax.place import place
@@ -185,13 +185,13 @@ def _read_holding(tmp_path, monkeypatch, held: str, wait_s: float, read_threads:
         directory = str(tmp_path / "c")
         backend.write(directory, state, asynchronous=False)
         placed = threading.Event()
-        place_leaves = _orbax_read.place
+        place_leaves = orbax_read.place
 
         def place_and_tell(arrays, shardings):
             placed.set()
             return place_leaves(arrays, shardings)
 
-        monkeypatch.setattr(_orbax_read, "place", place_and_tell)
+        monkeypatch.setattr(orbax_read, "place", place_and_tell)
         files_for = backend._files_for
         held_files: list[_HeldFiles] = []
 
@@ -221,7 +221,7 @@ def test_the_per_leaf_work_that_needs_no_data_runs_while_the_packs_are_read(
     # Unpacker.prepare (each packed leaf's pack and placement) needs nothing read: it
     # runs once the reads are queued, not before them.
     seen: list[bool] = []
-    prepare = _orbax_read.Unpacker.prepare
+    prepare = orbax_read.Unpacker.prepare
     files: list[_HeldFiles] = []
 
     def prepare_after_a_read_started(self):
@@ -229,7 +229,7 @@ def test_the_per_leaf_work_that_needs_no_data_runs_while_the_packs_are_read(
             seen.append(files[-1].started.wait(10))
         prepare(self)
 
-    monkeypatch.setattr(_orbax_read.Unpacker, "prepare", prepare_after_a_read_started)
+    monkeypatch.setattr(orbax_read.Unpacker, "prepare", prepare_after_a_read_started)
     real = _HeldFiles.__init__
 
     def remember(self, *args, **kwargs):
@@ -259,7 +259,7 @@ def test_a_sync_save_fills_its_packs_on_the_io_threads_that_write_them(tmp_path,
     backend = OrbaxBackend(pack_leaf_bytes=4096, pack_bytes=8192)
     fill_threads: list[str] = []
     viewed_by_caller: list[int] = []
-    fill_pack, host_arrays = _orbax_write.fill_pack, _orbax_write.host_arrays
+    fill_pack, host_arrays = orbax_write.fill_pack, orbax_write.host_arrays
 
     def fill_and_tell(buffer, pack, sources):
         fill_threads.append(threading.current_thread().name)
@@ -269,8 +269,8 @@ def test_a_sync_save_fills_its_packs_on_the_io_threads_that_write_them(tmp_path,
         viewed_by_caller.append(len(arrays))
         return host_arrays(arrays)
 
-    monkeypatch.setattr(_orbax_write, "fill_pack", fill_and_tell)
-    monkeypatch.setattr(_orbax_write, "host_arrays", view_and_tell)
+    monkeypatch.setattr(orbax_write, "fill_pack", fill_and_tell)
+    monkeypatch.setattr(orbax_write, "host_arrays", view_and_tell)
     try:
         state = {f"l{i}": jnp.full((900 + i,), i, jnp.float32) for i in range(6)}
         state["big"] = jnp.arange(5000, dtype=jnp.float32)  # over pack_leaf_bytes: its own
@@ -297,7 +297,7 @@ def test_a_failure_to_place_a_packs_leaves_is_not_taken_for_a_damaged_checkpoint
     def out_of_memory(arrays, shardings):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory")
 
-    monkeypatch.setattr(_orbax_read, "place", out_of_memory)
+    monkeypatch.setattr(orbax_read, "place", out_of_memory)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED") as raised:
         backend.read(directory, like)
@@ -346,13 +346,13 @@ def test_bfloat16_leaves_come_to_the_host_without_numpys_detour(tmp_path, monkey
     {"b": [1.0, (np.zeros(2), None)], "a": {"x y": 2, "'q'": [], "z": {}}, "c": None},
     [{"w": 1}, ({"v": 2},)],
     np.zeros(3),
-    {"nt": _orbax_read.Target("jax", (), np.float32)},  # a named tuple: jax's walk
+    {"nt": orbax_read.Target("jax", (), np.float32)},  # a named tuple: jax's walk
     {1: 2.0, 3: 4.0},  # keys that are not strings: jax's walk
 ])
 def test_tree_paths_of_plain_trees_are_jaxs(tree):
     with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
     leaves = jax.tree_util.tree_leaves(tree)
-    found = _orbax_read.plain_paths(tree, leaves)
+    found = orbax_read.plain_paths(tree, leaves)
     if found is not None:
         assert found == [jax.tree_util.keystr(path) for path, _ in with_paths]
     plain = not isinstance(tree, dict) or all(type(k) is str for k in tree) and "nt" not in tree

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from jaxckpt import Every, RecoverConfig, StepInfo, TreeMismatchError
-from torch_bridge import DcpCheckpointManager, _dcp_metadata
+from torch_bridge import DcpCheckpointManager
+from torch_bridge.dcp import metadata as dcp_metadata
 
 INFO = StepInfo(0, 3, 3, None)
 
@@ -54,7 +55,7 @@ def manager(root):
 def dcp_reads(monkeypatch):
     """(key, bytes) of every tensor DCP reads from storage through the backend's reader."""
     seen: list[tuple[str, int]] = []
-    real = _dcp_metadata.safe_reader
+    real = dcp_metadata.safe_reader
 
     def counting_reader(directory):
         reader = real(directory)
@@ -69,7 +70,7 @@ def dcp_reads(monkeypatch):
         reader.read_data = recording
         return reader
 
-    monkeypatch.setattr(_dcp_metadata, "safe_reader", counting_reader)
+    monkeypatch.setattr(dcp_metadata, "safe_reader", counting_reader)
     return seen
 
 

@@ -102,13 +102,13 @@ def test_the_scanner_finds_every_forbidden_construct():
 
 # DCP's index (.metadata) is a pickle by design; this module reads it with an allow-listed
 # find_class (tested below), and is the only file allowed to touch pickle.
-RESTRICTED_UNPICKLER = "torch_bridge/_dcp_metadata.py"
+RESTRICTED_UNPICKLER = "torch_bridge/dcp/metadata.py"
 
 
 # DCP's tensor records are read without unpickling: this module only lists the opcodes of a
 # record's data.pkl with pickletools.genops (a decoder that builds nothing), so importing
 # pickletools is the one thing allowed there (the test below pins that genops is all it uses).
-OPCODE_LISTER = "torch_bridge/_dcp_records.py"
+OPCODE_LISTER = "torch_bridge/dcp/records.py"
 
 
 def test_no_module_of_the_library_can_unpickle_or_evaluate():
@@ -122,7 +122,7 @@ def test_no_module_of_the_library_can_unpickle_or_evaluate():
 
 
 def test_the_record_reader_only_lists_opcodes():
-    """``_dcp_records`` may import pickletools for ``genops`` alone: no ``dis``, no
+    """``dcp_records`` may import pickletools for ``genops`` alone: no ``dis``, no
     unpickler, no ``pickle`` import, no other attribute of the module."""
     tree = ast.parse((REPO / OPCODE_LISTER).read_text())
     used = {node.attr for node in ast.walk(tree)
@@ -139,12 +139,12 @@ def test_the_one_restricted_unpickler_admits_only_dcp_metadata_classes():
     import pickle
 
     from jaxckpt.errors import CheckpointCorruptError
-    from torch_bridge import _dcp_metadata
+    from torch_bridge.dcp import metadata as dcp_metadata
 
     source = (REPO / RESTRICTED_UNPICKLER).read_text()
     assert "def find_class" in source
     assert "pickle.load(" not in source and "pickle.loads(" not in source
-    modules = {module for module, _ in _dcp_metadata.ALLOWED_GLOBALS}
+    modules = {module for module, _ in dcp_metadata.ALLOWED_GLOBALS}
     assert modules <= {"torch.distributed.checkpoint.metadata",
                        "torch.distributed.checkpoint.filesystem",
                        "torch.serialization", "torch", "pathlib"}, modules
@@ -155,7 +155,7 @@ def test_the_one_restricted_unpickler_admits_only_dcp_metadata_classes():
 
     for evil in (Payload(), {"x": eval}, [print], type):
         with pytest.raises(CheckpointCorruptError, match="refusing"):
-            _dcp_metadata.load_metadata(pickle.dumps(evil), "x/.metadata")
+            dcp_metadata.load_metadata(pickle.dumps(evil), "x/.metadata")
 
 
 # --------------------------------------------------------------------- planted payloads

@@ -30,7 +30,8 @@ from jaxckpt import (
 from jaxckpt.backends.base import Backend, WriteHandle
 from jaxckpt.commit.store import DEFER_CHECKSUMS_OVER
 from jaxckpt.core import codec
-from torch_bridge import DcpBackend, DcpCheckpointManager, dcp_backend
+from torch_bridge import DcpBackend, DcpCheckpointManager
+from torch_bridge.dcp import backend as dcp_backend
 
 from support import paths
 

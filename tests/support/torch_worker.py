@@ -50,7 +50,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 from jaxckpt import Every, RecoverConfig, StepInfo
 from jaxckpt.core.layout import COMMIT_MARKER
 from torch_bridge import DcpBackend, DcpCheckpointManager
-from torch_bridge.dcp_backend import DcpWriteHandle
+from torch_bridge.dcp.backend import DcpWriteHandle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kill_points  # a sibling script: the workers run by path

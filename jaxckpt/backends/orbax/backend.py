@@ -6,15 +6,15 @@ which writer and reader run, on which thread, and keeps what lives between saves
 plans, host buffers, Orbax checkpointers, thread pools). The work is done by its parts, one
 concern each (same layer: they may import jax and orbax, never torch):
 
-- ``_orbax_options``: the settings (:class:`OrbaxOptions`), checked once.
-- ``_orbax_tree``: ``tree.json``, the record of every leaf's tree path, shape, dtype and
+- ``options``: the settings (:class:`OrbaxOptions`), checked once.
+- ``tree``: ``tree.json``, the record of every leaf's tree path, shape, dtype and
   kind (array / typed PRNG key / Python scalar; dtypes Orbax cannot store kept as bytes).
-- ``_orbax_plan``: write plans, and the packing of small leaves into a few arrays per dtype.
-- ``_orbax_write``: the write handle, host buffers, the native (zarr_io) writer.
-- ``_orbax_read``: matching ``like`` to tree.json by tree path, restore arguments, the
+- ``plan``: write plans, and the packing of small leaves into a few arrays per dtype.
+- ``write``: the write handle, host buffers, the native (zarr_io) writer.
+- ``read``: matching ``like`` to tree.json by tree path, restore arguments, the
   native reader, unpacking (each pack as soon as it is read).
-- ``_orbax_shards``: the native write of a run of several processes (each its shards).
-- ``_orbax_process``: barrier, broadcast and host copies of a ``jax.distributed`` run.
+- ``shards``: the native write of a run of several processes (each its shards).
+- ``process``: barrier, broadcast and host copies of a ``jax.distributed`` run.
 
 Layout of one written directory::
 
@@ -32,9 +32,9 @@ backend's own writer thread, and on a local filesystem that thread writes Orbax'
 itself (``zarr_io``: the same bytes tensorstore would write, moved with O_DIRECT
 and checksummed on the way; ``native_io``), which restores read back the same way. On an
 object-store root the manager hands the backend its storage (``attach_storage``) and the
-same files go there as objects (``jaxckpt.backends.orbax.files``, ``_orbax_remote``). With several
+same files go there as objects (``jaxckpt.backends.orbax.files``, ``locations``). With several
 processes on a local (shared) root, each process writes the chunk files of the shards it
-owns the same way, in Orbax's layout for a sharded array (``_orbax_shards``), on the same
+owns the same way, in Orbax's layout for a sharded array (``shards``), on the same
 writer thread. Orbax writes and reads everything else: dtypes zarr_io does not store,
 shards that do not tile their array on a regular grid, arrays in another layout. Reading,
 each process of a run reads only the chunk files under its own devices.
@@ -44,7 +44,7 @@ measurements.
 A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
 again, and everything but the data follows from the layout: tree paths, classification, the
 packs and every leaf's place in them, the text of tree.json. That is a write plan
-(``_orbax_plan.WritePlan``); a single-process backend keeps the plans of its last few
+(``orbax_plan.WritePlan``); a single-process backend keeps the plans of its last few
 layouts, so a save of a known layout only flattens the tree, compares the layout, checks
 the values that need checking (Python ints within int64) and copies the data.
 
@@ -73,11 +73,11 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
 
 from jaxckpt.backends.base import BackendFeatures
 from jaxckpt.backends.orbax import (
-    locations as _orbax_remote,
+    locations as orbax_remote,
     nnx_live,
-    process as _orbax_process,
-    read as _orbax_read,
-    shards as _orbax_shards,
+    process as orbax_process,
+    read as orbax_read,
+    shards as orbax_shards,
 )
 from jaxckpt.backends.orbax.files import ArrayFiles, StorageArrayFiles
 from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
@@ -233,12 +233,12 @@ class OrbaxBackend:
         """Block until every process reached barrier ``name`` (names must be unique per run).
         Safe from any thread: it waits in the coordination service, not in a device
         collective."""
-        _orbax_process.barrier(name, timeout_s)
+        orbax_process.barrier(name, timeout_s)
 
     def broadcast_int(self, value: int) -> int:
         """Process 0's ``value`` on every process. A collective: all processes call it, in
         the same order."""
-        return _orbax_process.broadcast_int(value,
+        return orbax_process.broadcast_int(value,
                                             timeout_s=self.options.collective_timeout_s)
 
     # ------------------------------------------------------------------------- write
@@ -317,13 +317,13 @@ class OrbaxBackend:
             # One process's sync write fills its packs as it writes them (defer_fill).
             arrays, used, fills = self._host_buffers.stage(
                 plan, sources, copy_numpy=asynchronous, defer_fill=local and not asynchronous)
-            native = _orbax_shards.filling(  # before any I/O: may refuse
+            native = orbax_shards.filling(  # before any I/O: may refuse
                 self._writes_natively(directory, arrays), fills)
             primary = jax.process_index() == 0
             if primary:
                 create_directory(root, directory)
             if (not arrays or not asynchronous or not local) and primary:
-                _orbax_remote.write_tree(self._remote, root, directory, tree_json,
+                orbax_remote.write_tree(self._remote, root, directory, tree_json,
                                          alongside=bool(arrays) and native is not None)
             if not arrays:  # Orbax refuses an empty tree; tree.json alone describes it.
                 return OrbaxWriteHandle(directory, nbytes)
@@ -372,16 +372,16 @@ class OrbaxBackend:
         self._remote = StorageArrayFiles(storage, read_threads=self.options.read_threads)
 
     def _path(self, directory: str) -> Any:
-        return _orbax_remote.path_for(self._remote, directory)
+        return orbax_remote.path_for(self._remote, directory)
 
     def _files_for(self, directory: str) -> ArrayFiles | None:
-        return _orbax_remote.files_for(self._remote, directory, self.options)
+        return orbax_remote.files_for(self._remote, directory, self.options)
 
     def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> Any:
         """This write through ``_files_for`` as a function of the directory
-        (``_orbax_shards.native_writer``: every array of a dtype and layout zarr_io stores
+        (``orbax_shards.native_writer``: every array of a dtype and layout zarr_io stores
         as Orbax would), else None; a URL's arrays must (``check_arrays``)."""
-        return _orbax_remote.writer_for(self._remote, directory, arrays, self.options,
+        return orbax_remote.writer_for(self._remote, directory, arrays, self.options,
                                         pool=self._pool)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -458,7 +458,7 @@ class OrbaxBackend:
         reads them a second time to verify them; claims are closed before the bulk read.
 
         ``partial``: ``like`` is a subtree of what was saved; the rest is neither matched
-        nor read, nor checked (``_orbax_read.limit_claims``).
+        nor read, nor checked (``orbax_read.limit_claims``).
         """
         if nnx_live.holds_live(like):
             return nnx_live.read_into(
@@ -486,24 +486,24 @@ class OrbaxBackend:
         # The whole read with the GC paused: tree.json and like's paths make tens of
         # thousands of objects with many leaves, and collections would walk them all.
         with _gc_paused(self.options.pause_gc):
-            saved, targets, like_treedef = _orbax_read.match_like(root, directory, like,
+            saved, targets, like_treedef = orbax_read.match_like(root, directory, like,
                                                                   partial=partial)
             if not targets:
-                _orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
+                orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
                 return jax.tree_util.tree_unflatten(like_treedef, [])
-            arrays_dir = _orbax_read.arrays_dir(root, directory)
-            shardings = _orbax_read.Shardings()
-            restore_args, placements = _orbax_read.restore_args_for(targets, saved,
+            arrays_dir = orbax_read.arrays_dir(root, directory)
+            shardings = orbax_read.Shardings()
+            restore_args, placements = orbax_read.restore_args_for(targets, saved,
                                                                     shardings)
-            _orbax_read.limit_claims(claims, directory, arrays_dir, restore_args,
+            orbax_read.limit_claims(claims, directory, arrays_dir, restore_args,
                                      partial=partial)
             # The per-leaf work that needs no data (prepare) runs while the files are read.
-            unpacker = _orbax_read.Unpacker(directory, targets, saved, placements, shardings)
+            unpacker = orbax_read.Unpacker(directory, targets, saved, placements, shardings)
             restored = self._restore(directory, arrays_dir, restore_args, claims,
                                      partial=partial, on_host=unpacker.take,
                                      meanwhile=unpacker.prepare)
             values = unpacker.finish(restored)
-            leaves = _orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
+            leaves = orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
                                                 unpacker.converted)
             return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
@@ -513,31 +513,31 @@ class OrbaxBackend:
                  meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where
         ``native_io`` applies and the files are in its layout (``on_host`` told of each
-        host array as it arrives: ``_orbax_read.read_native``), else by Orbax (told, with
+        host array as it arrives: ``orbax_read.read_native``), else by Orbax (told, with
         ``partial``, that the saved arrays outside ``restore_args`` stay unread). Any failure
         but running out of memory is a damaged checkpoint (CheckpointCorruptError)."""
-        with _orbax_read.unreadable_is_corrupt(directory):
+        with orbax_read.unreadable_is_corrupt(directory):
             restored = None
             files = self._files_for(directory)
             if files is not None:
-                restored = _orbax_read.read_native(
+                restored = orbax_read.read_native(
                     os.fspath(arrays_dir), restore_args, claims, pool=self._readers(),
                     files=files, on_host=on_host, meanwhile=meanwhile)
             if claims is not None:
                 claims.close()
             if restored is None and files is not None and files is self._remote:
-                _orbax_remote.refuse_foreign(directory)
+                orbax_remote.refuse_foreign(directory)
             if restored is None:
                 restored = self._sync.restore(
-                    arrays_dir, args=_orbax_read.restore_request(restore_args, partial))
+                    arrays_dir, args=orbax_read.restore_request(restore_args, partial))
         return restored
 
     # ---------------------------------------------------------------------- the rest
 
     def host_copy(self, state: Any) -> Any:
-        """A copy of ``state`` in host memory (``_orbax_process.host_copy``): a collective
+        """A copy of ``state`` in host memory (``orbax_process.host_copy``): a collective
         where arrays are sharded across processes."""
-        return _orbax_process.host_copy(state)
+        return orbax_process.host_copy(state)
 
     def versions(self) -> dict[str, str]:
         """Versions of the libraries a checkpoint is written with (flax when installed)."""

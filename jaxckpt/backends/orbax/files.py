@@ -1,7 +1,7 @@
 """Where the native Orbax-layout writer and reader keep their files: a local directory, or
 objects of a ``jaxckpt.storage.base.Storage``.
 
-Owns: ``ArrayFiles``, the few operations the native writer (``_orbax_write``) and reader
+Owns: ``ArrayFiles``, the few operations the native writer (``write``) and reader
 (``_orbax_read``) need from the place an ``arrays/`` directory lives, and its two
 implementations:
 

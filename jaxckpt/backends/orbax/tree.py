@@ -234,7 +234,7 @@ def check_int64(path: str, value: int) -> None:
 def classify_leaf(path: str, leaf: Any) -> tuple[Layout, Any]:
     """Classify one state leaf; return what tree.json records of it and the array that
     holds its data (the caller's own numpy array, not a copy: ``HostBuffers.stage`` in
-    ``_orbax_write`` copies what must be copied). Raises TypeError, naming ``path``, for a
+    ``write`` copies what must be copied). Raises TypeError, naming ``path``, for a
     leaf that cannot be stored."""
     if isinstance(leaf, jax.Array):
         if is_key_dtype(leaf.dtype):

@@ -16,9 +16,9 @@ temporary name and renames it, which on an object store is a copy and a delete).
 first gathers, per data file, the byte ranges its tensors occupy (merged where they are
 close), fetches them with ranged GETs on a few threads (a file whose checksum it checks:
 whole, by one GET), each streamed into one buffer (``Storage.read_into``), and reads its
-tensors out of those buffers (``_dcp_metadata``'s reader: a record's raw bytes straight into
+tensors out of those buffers (``dcp_metadata``'s reader: a record's raw bytes straight into
 the live tensor); a partial restore thus fetches only what it loads. ``.metadata`` is read
-with ``_dcp_metadata``'s restricted unpickler, as for a local directory.
+with ``dcp_metadata``'s restricted unpickler, as for a local directory.
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
 
@@ -49,10 +49,9 @@ from jaxckpt.errors import (
 )
 from jaxckpt.storage.base import Storage, fsync_dir
 from jaxckpt.storage.readers import SeekableReader
-
-from . import _dcp_metadata
-from ._dcp_local_writer import checksumming_writer
-from ._dcp_upload import UploadStream
+from torch_bridge.dcp import metadata as dcp_metadata
+from torch_bridge.dcp.local_writer import checksumming_writer
+from torch_bridge.dcp.upload import UploadStream
 
 __all__ = ["DCP_METADATA", "LocalDcpFiles", "StorageDcpFiles"]
 
@@ -169,7 +168,7 @@ class LocalDcpFiles:
         anything), then closes them; the reader's ``damaged`` names the files that do not
         match (load nothing then). ``partial`` changes nothing here: a local restore checks
         every data file, as it did before the read when the manager checked them."""
-        reader = _dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
+        reader = dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
         reader.damaged = _check_local_claims(directory, claims) if claims is not None else []
         return reader
 
@@ -367,7 +366,7 @@ def _storage_writer_class() -> type:
             metadata.storage_meta = self.storage_meta()
             rank = self.rank if not self.use_collectives and self.rank is not None else None
             path = str(self._get_metadata_path(rank))
-            data = _dcp_metadata.dump_metadata(metadata)
+            data = dcp_metadata.dump_metadata(metadata)
             fs: Any = self.fs  # the _StorageFileSystem set in __init__
             fs.storage.write(path, data)
             fs.written[path] = _entry(data)
@@ -497,7 +496,7 @@ def _let_go(fetched: dict[str, list[tuple[int, Any]]]) -> None:
 
 @functools.cache
 def _storage_reader_class() -> type:
-    SafeReader = _dcp_metadata.safe_reader_class()
+    SafeReader = dcp_metadata.safe_reader_class()
 
     class _StorageReader(SafeReader):  # type: ignore[misc, valid-type]
         """The safe reader over a Storage, fetching each file's needed ranges ahead."""

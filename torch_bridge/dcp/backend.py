@@ -22,7 +22,7 @@ into place by the primary once every process's data and DCP's metadata are writt
 only ever appears complete. On an object store (an ``s3://`` or ``gs://`` root: the manager
 hands the backend its ``Storage`` with ``attach_storage``) the files are uploaded at their
 final names, since a store has no rename; either way the manager's ``COMMITTED`` marker is
-what makes a checkpoint valid. Where the files go is ``_dcp_storage``'s. Non-tensor values
+what makes a checkpoint valid. Where the files go is ``dcp_files``'s. Non-tensor values
 never reach DCP, so no pickle is written besides DCP's metadata.
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
@@ -58,8 +58,8 @@ with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, 
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from . import _dcp_metadata
-    from ._dcp_storage import LocalDcpFiles, StorageDcpFiles
+    from torch_bridge.dcp import metadata as dcp_metadata
+    from torch_bridge.dcp.files import LocalDcpFiles, StorageDcpFiles
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
 
@@ -685,7 +685,7 @@ class DcpBackend:
         ``claims`` (a single-process restore with checksums on): the reader claims the
         offered data files it loads from and checks each one before DCP copies anything
         into the live tensors; on an object store it fetches a claimed file once, whole,
-        checks those bytes and loads from them (``_dcp_storage``). A mismatch loads nothing
+        checks those bytes and loads from them (``dcp_files``). A mismatch loads nothing
         and raises ``CheckpointCorruptError`` (the manager reports the files, from the
         claims). Without claims the manager checked every file before calling this.
         """
@@ -719,9 +719,9 @@ class DcpBackend:
         if targets:
             reader = files.reader(directory, claims, partial)
             if not reader.damaged:  # else the claimed files did not match: load nothing
-                # The restricted planner: byte items are never trusted (see _dcp_metadata).
+                # The restricted planner: byte items are never trusted (see dcp_metadata).
                 _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
-                            planner=_dcp_metadata.safe_planner(), process_group=self._io_group,
+                            planner=dcp_metadata.safe_planner(), process_group=self._io_group,
                             no_dist=not self._distributed)
             if reader.damaged:
                 raise CheckpointCorruptError(

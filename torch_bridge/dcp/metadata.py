@@ -1,7 +1,7 @@
 """Loading DCP checkpoints without trusting them: the one place jaxckpt reads a pickle.
 
 Owns: the storage reader and load planner that ``DcpBackend.read`` gives ``dcp.load`` (the
-object-store reader of ``_dcp_storage`` derives from this reader), and the bytes of a
+object-store reader of ``dcp_files`` derives from this reader), and the bytes of a
 ``.metadata`` file for the object-store writer (``dump_metadata``).
 
 torch.distributed.checkpoint stores its index (``.metadata``) as a pickle, and its default
@@ -12,7 +12,7 @@ that admits only the handful of classes DCP's metadata is made of (its dataclass
 ``torch.Size``, dtypes, the layout lookup, ``PosixPath``) and refuses every other global
 with ``CheckpointCorruptError`` before anything is constructed.
 
-Tensor records are read without ``torch.load`` where ``_dcp_records`` proves their layout
+Tensor records are read without ``torch.load`` where ``dcp_records`` proves their layout
 (``SafeReader.read_data``): the record's raw bytes go straight from the file (or the object
 store's fetched ranges) into the live tensor, one copy instead of torch.load's storage and
 a second copy, and no unpickler runs. A record it cannot prove (another writer's, a
@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from jaxckpt.errors import CheckpointCorruptError
-
-from . import _dcp_records
+from torch_bridge.dcp import records as dcp_records
 
 __all__ = ["ALLOWED_GLOBALS", "dump_metadata", "load_metadata", "safe_planner", "safe_reader",
            "safe_reader_class"]
@@ -102,7 +101,7 @@ def load_metadata(data: bytes, where: str) -> Any:
         raise CheckpointCorruptError(f"{where}: DCP metadata cannot be read ({exc})") from exc
 
 
-#: the torch dtype of each storage name _dcp_records takes (its ITEM_SIZES keys).
+#: the torch dtype of each storage name dcp_records takes (its ITEM_SIZES keys).
 DTYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
     "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
@@ -127,7 +126,7 @@ def _read_into(stream: Any, start: int, view: memoryview) -> None:
         filled += count
 
 
-def _record_reader(stream: Any, base: int, length: int) -> _dcp_records.Read:
+def _record_reader(stream: Any, base: int, length: int) -> dcp_records.Read:
     """``read(offset, n)`` over the record at ``base``, its first and last ``_EDGE`` bytes
     read once (the parser's dozen small reads all fall there for a torch.save record)."""
     edges: list[tuple[int, bytes]] = []
@@ -163,7 +162,7 @@ def _load_record(stream: Any, info: Any, item: Any, planner: Any) -> bool:
 
     if item.type != LoadItemType.TENSOR or info.transform_descriptors:
         return False
-    record = _dcp_records.parse_record(_record_reader(stream, info.offset, info.length),
+    record = dcp_records.parse_record(_record_reader(stream, info.offset, info.length),
                                        info.length)
     if record is None:
         return False
@@ -239,7 +238,7 @@ def _classes() -> tuple[type, type]:
 
 def safe_reader_class() -> type:
     """The class of :func:`safe_reader`'s readers, for readers of other storages
-    (``_dcp_storage``) to build on: its ``read_metadata`` reads through ``self.fs``."""
+    (``dcp_files``) to build on: its ``read_metadata`` reads through ``self.fs``."""
     return _classes()[0]
 
 
