@@ -3,8 +3,8 @@
 Owns: one declarative table per architecture (which Flax param becomes which HF tensor, with
 what layout change), the generic engine that reads those tables in both directions, the
 streaming sharded safetensors writer (``export_hf``, ``hf_exporter``) and the reader
-(``load_hf``). Picking the params out of a training state is ``_hf_params``'s; the text of
-config.json and generation_config.json is ``_hf_config``'s.
+(``load_hf``). Picking the params out of a training state is ``params``'s; the text of
+config.json and generation_config.json is ``config_files``'s.
 
 A table (:class:`Architecture`) is a tuple of :class:`HFTensor` rows, one per HF tensor:
 
@@ -70,8 +70,8 @@ from jaxckpt.errors import (
 )
 from jaxckpt.storage.base import fsync_dir, fsync_file
 
-from ._hf_config import GENERATION_CONFIG_FILE, config_files
-from ._hf_params import check_is_params, parse_params_path, pick_params
+from .config_files import GENERATION_CONFIG_FILE, config_files
+from .params import check_is_params, parse_params_path, pick_params
 
 with requires_extra("hf", "torch_bridge's Hugging Face bridge (export_hf, load_hf, hf_exporter)"):
     from safetensors import safe_open
