@@ -14,31 +14,37 @@ export's config files imports transformers (and with it torch, when installed).
 from __future__ import annotations
 
 # `X as X` marks a re-export of a name outside __all__ (kept importable from torch_bridge.hf).
-from .config_files import GENERATION_CONFIG_FILE as GENERATION_CONFIG_FILE
-from .export import (
+from .architectures import (
     ARCHITECTURES,
+    GPT2,
+    LLAMA,
+    QWEN2,
+    Architecture,
+    HFTensor,
+    arch_for_model_type,
+    resolve_architecture,
+)
+from .config_files import (
     CONFIG_FILE as CONFIG_FILE,
+    GENERATION_CONFIG_FILE as GENERATION_CONFIG_FILE,
+)
+from .export import (
     DEFAULT_MAX_SHARD_BYTES,
     EXPORTER_RECORD_FORMAT,
-    GPT2,
-    INDEX_FILE as INDEX_FILE,
-    LLAMA,
     PROVENANCE_FILE,
     PROVENANCE_FORMAT as PROVENANCE_FORMAT,
-    QWEN2,
-    SINGLE_FILE as SINGLE_FILE,
-    Architecture,
     ExportExistsError,
     HFExporter,
-    HFMismatchError,
-    HFTensor,
     ParamsOf as ParamsOf,
-    Progress as Progress,
-    arch_for_model_type,
     export_hf,
     hf_exporter,
-    load_hf,
-    resolve_architecture,
+)
+from .load import load_hf
+from .mapping import HFMismatchError
+from .safetensors_io import (
+    INDEX_FILE as INDEX_FILE,
+    SINGLE_FILE as SINGLE_FILE,
+    Progress as Progress,
 )
 
 __all__ = [
