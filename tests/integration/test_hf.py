@@ -568,7 +568,7 @@ def test_tiled_transpose_matches_numpy_bit_for_bit(shape, target):
     source = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     view = np.swapaxes(source, -1, -2)
     out = np.empty(view.shape, np.dtype(target))
-    hf._copy_in_tiles(out, view)
+    hf.safetensors_io._copy_in_tiles(out, view)
     expected = np.array(view, dtype=np.dtype(target), order="C")
     assert out.tobytes() == expected.tobytes()
 

@@ -7,7 +7,7 @@ that a state given without ``params_of`` really is a param tree of the architect
 ``ConfigError`` that names ``params_of=``, lists the keys and suggests a path where the
 params were found deeper down).
 
-What counts as a param once picked is ``hf._flatten``'s business (an nnx.Module gives its
+What counts as a param once picked is ``mapping.flatten``'s business (an nnx.Module gives its
 ``nnx.Param`` variables; RNG state is dropped).
 
 Must not import jax, torch or flax at import time: flax is imported only for values that are

@@ -23,8 +23,9 @@ from typing import Any
 
 from jaxckpt.errors import ConfigError
 
-__all__ = ["config_files", "GENERATION_CONFIG_FILE"]
+__all__ = ["config_files", "CONFIG_FILE", "GENERATION_CONFIG_FILE"]
 
+CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
