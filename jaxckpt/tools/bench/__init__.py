@@ -13,39 +13,32 @@ torch rows import torch and torch_bridge lazily.
 
 from __future__ import annotations
 
-# The private names (``as`` themselves) are those the tests and benchmarks/experiments use.
+# Names imported ``as`` themselves are private: the tests and benchmarks/experiments use them.
+from .config import _READ_THREADS as _READ_THREADS, SECTIONS, BenchConfig, _MiB as _MiB
 from .floors import (
     _direct_refused as _direct_refused,
     _raw_read as _raw_read,
     _raw_read_direct as _raw_read_direct,
     _touch_fresh as _touch_fresh,
 )
-from .rows import (
-    _READ_THREADS as _READ_THREADS,
+from .results import (
     MARGIN,
-    SECTIONS,
-    BenchConfig,
     BenchResult,
-    _abstract as _abstract,
-    _columns as _columns,
-    _drop_page_cache as _drop_page_cache,
-    _jax_state as _jax_state,
-    _leaf_arrays as _leaf_arrays,
-    _MiB as _MiB,
-    _random_bytes as _random_bytes,
     _Row as _Row,
-    _rss as _rss,
-    _settle as _settle,
     _Target as _Target,
-    _target_line as _target_line,
-    _timed as _timed,
-    _train_worker as _train_worker,
-    _tree_bytes as _tree_bytes,
     format_table,
     held,
     label_of,
-    run_bench,
 )
+from .rows import run_bench
+from .states import (
+    _abstract as _abstract,
+    _jax_state as _jax_state,
+    _leaf_arrays as _leaf_arrays,
+    _random_bytes as _random_bytes,
+    _tree_bytes as _tree_bytes,
+)
+from .timing import _drop_page_cache as _drop_page_cache, _settle as _settle, _timed as _timed
 
 __all__ = ["BenchConfig", "BenchResult", "MARGIN", "SECTIONS", "format_table", "held", "label_of",
            "run_bench"]

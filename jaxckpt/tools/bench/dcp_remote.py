@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _timed
+from .timing import _timed
 
 __all__ = ["dcp_remote_rows", "format_rows", "main"]
 

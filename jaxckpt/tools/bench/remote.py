@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _timed
+from .timing import _timed
 
 __all__ = ["TARGET", "RemoteBenchConfig", "format_remote", "run_remote_bench"]
 

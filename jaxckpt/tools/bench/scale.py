@@ -40,18 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from . import (
-    MARGIN,
-    _abstract,
-    _columns,
-    _drop_page_cache,
-    _MiB,
-    _rss,
-    _settle,
-    _target_line,
-    floors,
-    held,
-)
+from . import floors
+from .config import _MiB
+from .results import MARGIN, _columns, _target_line, held
+from .states import _abstract
+from .timing import _drop_page_cache, _rss, _settle
 
 __all__ = ["ScaleConfig", "format_scale", "run_scale"]
 
