@@ -2,8 +2,9 @@
 
 Owns: ``_Row`` and ``_Target`` (what each row measures, what each target compares),
 ``_ROWS`` and ``_TARGETS`` (every local section's), ``BenchResult`` (seconds per row and
-round, facts, checks; ``to_json``), ``held`` (a target with its margin) and the text
-formatting (``format_table``, ``_columns``, ``_target_line``) every section prints with.
+round, facts, checks; ``to_json``), ``held`` (a target with its margin), and the text every
+section prints (``report`` of ``row_line``s and ``target_row``s; ``format_table`` for a
+``BenchResult``; ``--scale``, ``--root`` and the DCP object-store rows use the same).
 
 A ratio is computed within each round (rows of one round ran side by side), then the
 median over rounds is reported with its spread.
@@ -21,7 +22,8 @@ from typing import Any
 from .config import BenchConfig, _MiB
 from .local import LOCAL_ROWS, LOCAL_TARGETS
 
-__all__ = ["MARGIN", "BenchResult", "format_table", "held", "label_of"]
+__all__ = ["MARGIN", "BenchResult", "format_table", "held", "label_of", "report", "row_line",
+           "target_row"]
 
 
 #: A target holds only with this margin on the median: a ">= 0.8" target needs 0.88, a
@@ -282,18 +284,15 @@ class BenchResult:
         for target in _TARGETS:
             if _section_of(target.numerator) not in self.config.sections:
                 continue
-            values = self.ratios(target)
-            value = statistics.median(values) if values else None
-            missing = [k for k in (target.numerator, target.denominator)
-                       if not self.samples.get(k)]
-            why = "; ".join(self.unavailable.get(k) or self.unavailable.get(_section_of(k), "")
-                            for k in missing).strip("; ")
-            rows.append({"target": label_of(target.label, self.config), "value": value,
-                         "spread": [min(values), max(values)] if values else None,
-                         "op": target.op, "limit": target.limit,
-                         "met": held(value, target.op, target.limit),
-                         "met_with_margin": held(value, target.op, target.limit, MARGIN),
-                         "note": why if value is None else target.note})
+            row = target_row(label_of(target.label, self.config), self.ratios(target),
+                             target.op, target.limit, target.note)
+            if row["value"] is None:
+                missing = [k for k in (target.numerator, target.denominator)
+                           if not self.samples.get(k)]
+                row["note"] = "; ".join(self.unavailable.get(k)
+                                        or self.unavailable.get(_section_of(k), "")
+                                        for k in missing).strip("; ")
+            rows.append(row)
         return rows + self.checks
 
     def to_json(self) -> dict[str, Any]:
@@ -338,36 +337,62 @@ def format_table(result: BenchResult) -> str:
     """The human-readable report: rows (median seconds, GB/s), then targets."""
     config = result.config
     facts = result.facts
-    lines = [f"jaxckpt bench: {_size(result.nbytes.get('jax'))} state in {config.leaves} leaves "
-             f"(float32 + bfloat16), {config.many_leaves} leaves for the many-leaves rows; "
-             f"{config.repeats} round(s), medians",
-             f"directory {facts.get('directory')}; reads: {facts.get('reads')}; "
-             f"{facts.get('cpus')} CPUs; load average at start {facts.get('load_start')}, "
-             f"end {facts.get('load_end')}", ""]
+    header = [f"jaxckpt bench: {_size(result.nbytes.get('jax'))} state in {config.leaves} "
+              f"leaves (float32 + bfloat16), {config.many_leaves} leaves for the many-leaves "
+              f"rows; {config.repeats} round(s), medians",
+              f"directory {facts.get('directory')}; reads: {facts.get('reads')}; "
+              f"{facts.get('cpus')} CPUs; load average at start {facts.get('load_start')}, "
+              f"end {facts.get('load_end')}"]
     table = []
     for row in _ROWS:
         if row.section not in config.sections:
             continue
-        median = result.median(row.key)
-        label = label_of(row.label, config)
-        if median is None:
-            why = result.unavailable.get(row.key) or result.unavailable.get(row.section, "-")
-            table.append([label, "unavailable", "", why])
-            continue
-        nbytes = result.nbytes.get(row.nbytes_of) if row.nbytes_of else None
-        rate = f"{nbytes / median / 1e9:.2f}" if nbytes else ""
-        spread = result.samples[row.key]
-        note = "" if len(spread) < 2 else f"range {min(spread):.3f}-{max(spread):.3f}"
-        table.append([label, f"{median:.3f} s", rate, note])
-    lines += _columns(table, ["ROW", "MEDIAN", "GB/s", "NOTE"])
-    lines.append("")
-    lines += _columns([_target_line(target) for target in result.targets()],
-                      ["TARGET (median of per-round ratios)", "VALUE", "SPREAD", "GOAL", "MET",
-                       f"MET +{MARGIN:.0%}", "NOTE"])
-    for key in ("train", "memory", "aux", "hf_memory", "multiprocess"):
-        if key in facts:
-            lines.append(f"{key}: {json.dumps(facts[key], default=str)}")
-    return "\n".join(lines)
+        why = result.unavailable.get(row.key) or result.unavailable.get(row.section, "-")
+        table.append(row_line(label_of(row.label, config), result.samples.get(row.key),
+                              result.nbytes.get(row.nbytes_of) if row.nbytes_of else None, why))
+    footer = [f"{key}: {json.dumps(facts[key], default=str)}"
+              for key in ("train", "memory", "aux", "hf_memory", "multiprocess") if key in facts]
+    return report(header, table, result.targets(), footer)
+
+
+def target_row(label: str, values: list[float], op: str, limit: float, note: str = "", *,
+               worst: bool = False) -> dict[str, Any]:
+    """A target as every section reports it: the median of ``values`` (per-round ratios;
+    with ``worst``, the largest), their spread, whether it holds, plain and with
+    ``MARGIN``; the keys of ``BenchResult.targets``' entries."""
+    value = (max(values) if worst else statistics.median(values)) if values else None
+    return {"target": label, "value": value,
+            "spread": [min(values), max(values)] if values else None, "op": op,
+            "limit": limit, "met": held(value, op, limit),
+            "met_with_margin": held(value, op, limit, MARGIN), "note": note}
+
+
+def row_line(label: str, seconds: list[float] | None, nbytes: int | None = None,
+             why: str = "-") -> list[str]:
+    """One line of the rows table: the median of ``seconds`` (one per round), GB/s where
+    the row moves ``nbytes``, the range over rounds; "unavailable" and ``why`` without
+    any."""
+    if not seconds:
+        return [label, "unavailable", "", why]
+    median = statistics.median(seconds)
+    rate = f"{nbytes / median / 1e9:.2f}" if nbytes else ""
+    note = "" if len(seconds) < 2 else f"range {min(seconds):.3f}-{max(seconds):.3f}"
+    return [label, f"{median:.3f} s", rate, note]
+
+
+def report(header: list[str], rows: list[list[str]], targets: list[dict[str, Any]],
+           footer: list[str] | None = None, *,
+           target_title: str = "TARGET (median of per-round ratios)") -> str:
+    """The text every section of ``jaxckpt bench`` prints: ``header`` lines, the rows table
+    (``row_line``s; none: no table), the targets table (``target_row``s), ``footer``
+    lines."""
+    lines = [*header, ""]
+    if rows:
+        lines += [*_columns(rows, ["ROW", "MEDIAN", "GB/s", "NOTE"]), ""]
+    lines += _columns([_target_line(target) for target in targets],
+                      [target_title, "VALUE", "SPREAD", "GOAL", "MET", f"MET +{MARGIN:.0%}",
+                       "NOTE"])
+    return "\n".join([*lines, *(footer or [])])
 
 
 def _target_line(target: dict[str, Any]) -> list[str]:
