@@ -22,10 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _timed
+from .results import report, row_line, target_row
+from .timing import _timed
 
 __all__ = ["dcp_remote_rows", "format_rows", "main"]
 
+#: The throughput ratio (raw transfer time / manager time) each comparison should reach.
+TARGET = 0.8
 ROWS = ("raw_upload", "dcpm_save", "raw_download", "dcpm_restore")
 LABELS = {"raw_upload": "raw upload (Storage.write)",
           "dcpm_save": "DcpCheckpointManager save (sync)",
@@ -33,10 +36,10 @@ LABELS = {"raw_upload": "raw upload (Storage.write)",
           "dcpm_restore": "DcpCheckpointManager restore"}
 
 
-def _summary(times: list[float], nbytes: int) -> dict[str, float]:
+def _summary(times: list[float], nbytes: int) -> dict[str, Any]:
     median = statistics.median(times)
     return {"median_s": median, "min_s": min(times), "max_s": max(times),
-            "mib_per_s": nbytes / median / 2**20, "rounds": len(times)}
+            "mib_per_s": nbytes / median / 2**20, "rounds": len(times), "samples_s": times}
 
 
 def dcp_remote_rows(root: str, storage_options: Mapping[str, Any] | None = None, *,
@@ -96,17 +99,16 @@ def dcp_remote_rows(root: str, storage_options: Mapping[str, Any] | None = None,
 
 
 def format_rows(result: Mapping[str, Any]) -> str:
-    """The rows as a plain-text table."""
-    lines = [f"{result['nbytes'] / 2**20:.0f} MiB to {result['root']}, median of "
-             f"{result['repeats']} (min-max)"]
-    for row in ROWS:
-        facts = result["rows"][row]
-        lines.append(f"  {LABELS[row]:<36} {facts['median_s']:8.3f} s "
-                     f"({facts['min_s']:.3f}-{facts['max_s']:.3f})  "
-                     f"{facts['mib_per_s']:8.1f} MiB/s")
-    lines.append(f"  save / raw upload {result['save_vs_upload']:.2f}x, restore / raw download "
-                 f"{result['restore_vs_download']:.2f}x (throughput)")
-    return "\n".join(lines)
+    """The rows as ``jaxckpt bench`` prints every section (``results.report``)."""
+    header = [f"DCP on {result['root']}: {result['nbytes'] / 2**20:.0f} MiB; "
+              f"{result['repeats']} round(s), medians"]
+    rows = [row_line(LABELS[row], result["rows"][row]["samples_s"], result["nbytes"])
+            for row in ROWS]
+    targets = [{**target_row(label, [result[key]], ">=", TARGET, "throughput, of the medians"),
+                "spread": None}
+               for label, key in (("save / raw upload", "save_vs_upload"),
+                                  ("restore / raw download", "restore_vs_download"))]
+    return report(header, rows, targets, target_title="TARGET")
 
 
 def main(argv: list[str] | None = None) -> int:

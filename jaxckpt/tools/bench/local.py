@@ -2,15 +2,11 @@
 and without ``CheckpointManager(local=LocalTier(...))``.
 
 Owns: the "local" section's rows and target (``LOCAL_ROWS``, ``LOCAL_TARGETS``, turned into
-the benchmark's own row and target types by ``jaxckpt.tools.bench``) and their measurement
-(``local_tier_rows``): one short loop of ``maybe_save`` calls on the benchmark's state with
-async saves, once with the durable root alone (a save every ``DURABLE_EVERY`` steps) and
-once with a local tier as well (a save every ``LOCAL_EVERY`` steps in between). A step's
-compute is a sleep long enough for one save to finish before the next is due (taken from
-an untimed save first): the steady state of a loop whose checkpoints keep up. Both roots
-live under the benchmark's directory, so on one disk: the rows show the blocking cost of the
-extra saves and that the durable saves' own blocking does not grow, not the speed of a
-faster local disk.
+``results``' row and target types) and ``local_tier_rows``: a short loop of ``maybe_save``
+calls with async saves, with the durable root alone (every ``DURABLE_EVERY`` steps) and with
+a local tier too (every ``LOCAL_EVERY`` steps); a step's compute is a sleep long enough for
+one save to finish before the next. Both roots share one disk: the rows show the blocking
+cost of the extra saves, not a faster local disk's speed.
 
 Must not import: torch. jax and orbax come with the manager's default backend.
 

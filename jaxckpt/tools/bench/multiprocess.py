@@ -1,19 +1,12 @@
-"""The 2-process rows of ``jaxckpt bench``: what a save costs per byte when two processes
-write one sharded state, against one process writing the same bytes.
+"""The 2-process rows of ``jaxckpt bench``: a save's cost per byte when two processes write one
+sharded state, against one process writing the same bytes.
 
-Owns: the bench worker (``python -m jaxckpt.tools.bench.multiprocess``, one process of a
-``jax.distributed`` run on 127.0.0.1 with 2 CPU devices, or a lone process with 2 devices)
-and ``measure``, which runs the lone process (with jaxckpt's own writer, then through
-Orbax's, ``native_io=False``, for comparison), then the pair (jaxckpt's own writer, each
-process its shards), and adds their save times to a ``BenchResult``
-(rows ``mp_save_1``, ``mp_save_1_orbax``, ``mp_save_2``; state ``"multiprocess"``) with the
-per-round ratios and their spread in ``facts["multiprocess"]``.
-
-How: each run builds the same global state (``leaves`` float32 arrays, rows sharded over every
-device of the run), saves it once to warm up, then ``rounds`` times, each sync save timed on
-process 0 from a common start (a barrier) to the commit. Round ``i`` of one run is paired with
-round ``i`` of the other: the two runs do not overlap (they would share the CPUs), so the
-ratio is of runs taken one after the other, each under whatever load there was.
+Owns: the worker (``python -m jaxckpt.tools.bench.multiprocess``: one process of a
+``jax.distributed`` run on 127.0.0.1 with 2 CPU devices, or a lone process with 2) and
+``measure``: the lone process (jaxckpt's writer, then Orbax's, ``native_io=False``), then the
+pair, each run saving once to warm up and then ``rounds`` timed sync saves (from a barrier
+to the commit); rows ``mp_save_1``, ``mp_save_1_orbax``, ``mp_save_2`` of a ``BenchResult``,
+round ``i`` of one run paired with round ``i`` of the other (the runs do not overlap).
 
 Must not import: torch. Importing it imports the standard library only; the worker imports
 jax and orbax. Concurrency contract: ``measure`` is called from one thread; it waits for the

@@ -1,16 +1,11 @@
 """``jaxckpt bench --root s3://...``: checkpointing to an object store against the store's
 own speed, measured through the same client.
 
-Owns: the object-store rows of the benchmark. Each round uploads the state's bytes as plain
-objects (one PUT per leaf through the same ``S3Storage`` and boto3 client a manager uses,
-``io_threads`` at a time: the manager's writer uploads that many chunks at once; the
-floor), saves the same state with a ``CheckpointManager`` on a fresh prefix (sync: from
-``save`` to the committed marker), downloads the plain objects again (``read_threads`` at
-a time: the manager's reader fetches that many chunks at once) and restores the
-checkpoint; then deletes both. The baseline is thus allowed what the library is: the same
-client, the same bytes, the same number of transfers in flight. A ratio is taken within each
-round (floor time / jaxckpt time: 1.0 means as fast as the raw transfer) and the median over
-rounds is reported with the lowest and highest round, against the target (0.8).
+Owns: the object-store rows. Each round uploads the state's bytes as plain objects (a PUT
+per leaf through the manager's own ``Storage``, ``io_threads`` at once: the floor), saves
+the state with a ``CheckpointManager`` (sync, to the committed marker), downloads the plain
+objects (``read_threads`` at once), restores, then deletes both prefixes. The ratio (raw time
+/ jaxckpt time) is taken per round; the median and spread are held against ``TARGET``.
 
 Imports jax and boto3 when run (``run_remote_bench``); importing this module costs numpy.
 
@@ -29,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _timed
+from .results import report, row_line, target_row
+from .timing import _timed
 
 __all__ = ["TARGET", "RemoteBenchConfig", "format_remote", "run_remote_bench"]
 
@@ -130,20 +126,23 @@ def run_remote_bench(config: RemoteBenchConfig,
                         for name, values in ratios.items()}}
 
 
+#: The label of each row of the text report.
+LABELS = {"raw_upload": "raw upload: a PUT per leaf (Storage.write), io_threads at once",
+          "save": "jaxckpt sync save, committed",
+          "raw_download": "raw download of the same objects, read_threads at once",
+          "restore": "jaxckpt restore"}
+
+
 def format_remote(result: dict[str, Any]) -> str:
-    """The result as a small table: MiB/s per row (median), ratios with their spread."""
-    mib = result["bytes"] / _MiB
-    lines = [(f"object store {result['root']}: {mib:.0f} MiB in {result['leaves']} leaves, "
-              f"{result['repeats']} rounds (median, [lowest, highest])")]
-    for row in ("raw_upload", "save", "raw_download", "restore"):
-        times = result["seconds"][row]
-        lines.append(f"  {row:13} {mib / statistics.median(times):8.1f} MiB/s   "
-                     f"[{mib / max(times):.1f}, {mib / min(times):.1f}]")
-    for name, summary in result["summary"].items():
-        mark = "ok" if summary["met"] else "BELOW TARGET"
-        lines.append(f"  {name} vs raw  {summary['median']:.2f}x  [{summary['min']:.2f}, "
-                     f"{summary['max']:.2f}]  target >= {summary['target']}  {mark}")
-    return "\n".join(lines)
+    """The result as ``jaxckpt bench`` prints every section (``results.report``): each row's
+    median seconds and GB/s with its range, then the ratios against their target."""
+    header = [f"jaxckpt bench --root {result['root']}: {result['bytes'] / _MiB:.0f} MiB in "
+              f"{result['leaves']} leaves; {result['repeats']} round(s), medians"]
+    rows = [row_line(LABELS[row], result["seconds"][row], result["bytes"]) for row in LABELS]
+    targets = [target_row(f"{name} throughput / raw {raw}", result["ratios"][name], ">=",
+                          TARGET, "the same client, bytes and transfers in flight")
+               for name, raw in (("save", "upload"), ("restore", "download"))]
+    return report(header, rows, targets)
 
 
 def bench_command(opts: Any) -> int:

@@ -25,16 +25,9 @@ import sys
 import time
 from typing import Any
 
-from . import (
-    _abstract,
-    _drop_page_cache,
-    _jax_state,
-    _leaf_arrays,
-    _MiB,
-    _random_bytes,
-    _settle,
-    _timed,
-)
+from .config import _MiB
+from .states import _abstract, _jax_state, _leaf_arrays, _random_bytes
+from .timing import _drop_page_cache, _settle, _timed
 
 __all__ = ["first_save_rows", "leaves_rows"]
 
@@ -82,8 +75,8 @@ def first_save_rows(bench: Any) -> None:
 def _in_fresh_process(job: dict[str, Any]) -> dict[str, float]:
     """``_first_save_worker`` in a new Python process (same interpreter, this jaxckpt);
     its result is the JSON on the last line of its output."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))))
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
     inherited = os.environ.get("PYTHONPATH")
     env = dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + inherited
                                                          if inherited else ""))

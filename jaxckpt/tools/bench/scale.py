@@ -1,25 +1,15 @@
 """``jaxckpt bench --scale``: how save and restore grow with the state, and whether they stay flat.
 
-Owns the scale run: states from ``start_mb`` doubling up to what this machine's memory and
-disk allow (at most ``max_mb``; the report says where it stopped and why), each in leaves
-of ``leaf_mb`` (the "shard": the largest array a save writes at once), and for each size,
-per round: a sync save (time per GiB and the peak host memory it adds), an async save (the
-training loop's blocking time), a cold restore (time per GiB and the peak host memory
-above the restored state itself) and, taking turns with it, the read floor: a bare read
-of the checkpoint's own files into new memory of the kind a restore reads into, each of
-the two right after as much new memory was faulted in and freed (``_prime_new_memory``),
-so that they start from the same memory. Then
-``saves`` consecutive async saves of one state, following host memory (RSS) and each
-save's time, each followed by the raw write floor of the same bytes under the same
-pattern: memory and time must stay flat. The floors are there because on the
-development VM what new memory and a write's disk blocks cost changes with size and
-over time (docs/performance.md, "Tenth round (scale)"): the targets against them give
-the library's share.
+Owns the scale run: states from ``start_mb`` doubling up to what memory and disk allow (at
+most ``max_mb``; the report says where it stopped), in leaves of ``leaf_mb``; per size and
+round a sync save (time per GiB, peak extra host memory), an async save (blocking time), a
+cold restore and, taking turns with it, the read floor of the same files (each after as much
+new memory was faulted in and freed, ``_prime_new_memory``); then ``saves`` consecutive async
+saves, each followed by the raw write floor, following RSS and time. The targets against the
+floors give the library's share of any growth (``scale_targets``).
 
-Peak memory is the kernel's high-water mark of this process's resident memory (VmHWM),
-reset before each measured call (``/proc/self/clear_refs``); where that is not possible,
-RSS sampled every 5 ms. Extra memory is the peak minus the resident memory just before
-the call (for a restore, minus the restored state's bytes too).
+Peak memory is the kernel's high-water mark (VmHWM, reset by ``/proc/self/clear_refs``), else
+RSS sampled every 5 ms, minus the resident memory just before the call.
 
 Must not import: torch. jax is imported inside the functions.
 """
@@ -40,18 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from . import (
-    MARGIN,
-    _abstract,
-    _columns,
-    _drop_page_cache,
-    _MiB,
-    _rss,
-    _settle,
-    _target_line,
-    floors,
-    held,
-)
+from . import floors
+from .config import _MiB
+from .results import _columns, report, target_row
+from .states import _abstract
+from .timing import _drop_page_cache, _rss, _settle
 
 __all__ = ["ScaleConfig", "format_scale", "run_scale"]
 
@@ -431,17 +414,6 @@ def run_scale(config: ScaleConfig, *,
 # ------------------------------------------------------------------------- targets
 
 
-def _target(label: str, values: list[float], op: str, limit: float, note: str = "", *,
-            worst: bool = False) -> dict[str, Any]:
-    """A target row as ``bench._target_line`` prints it: the median of ``values`` (their
-    worst, the largest, with ``worst``)."""
-    value = (max(values) if worst else statistics.median(values)) if values else None
-    return {"target": label, "value": value,
-            "spread": [min(values), max(values)] if values else None, "op": op,
-            "limit": limit, "met": held(value, op, limit),
-            "met_with_margin": held(value, op, limit, MARGIN), "note": note}
-
-
 def _per_gib(size: dict[str, Any], key: str) -> list[float]:
     return [seconds / (size["bytes"] / _GiB) for seconds in size[key]]
 
@@ -458,7 +430,7 @@ def scale_targets(config: ScaleConfig, result: dict[str, Any]) -> list[dict[str,
         for key, what in (("save_s", "sync save"), ("restore_s", "restore")):
             ratios = [a / b for a, b in zip(_per_gib(largest, key), _per_gib(reference, key),
                                             strict=False)]
-            targets.append(_target(
+            targets.append(target_row(
                 f"{what} time per GiB, {largest['mib']} MiB / {reference['mib']} MiB", ratios,
                 "<=", 1.25, "cost linear in bytes (per-round ratios)"))
         if largest.get("floor_s") and reference.get("floor_s"):
@@ -466,14 +438,14 @@ def scale_targets(config: ScaleConfig, result: dict[str, Any]) -> list[dict[str,
                       for restore_l, floor_l, restore_r, floor_r in zip(
                           largest["restore_s"], largest["floor_s"], reference["restore_s"],
                           reference["floor_s"], strict=False)]
-            targets.append(_target(
+            targets.append(target_row(
                 f"restore / read floor of the same size, {largest['mib']} MiB / "
                 f"{reference['mib']} MiB", ratios, "<=", 1.25,
                 "linear relative to the disk and new memory (per-round ratios)"))
     shard = config.leaf_mb * _MiB
     for key, what in (("save_extra", "sync save"), ("restore_extra", "restore")):
         worst = [max(size[key]) / shard for size in sizes if size[key]]
-        targets.append(_target(
+        targets.append(target_row(
             f"{what}: peak extra host memory / one leaf ({config.leaf_mb} MiB)", worst, "<=",
             1.0, "the worst round of the worst size; restore: above the restored state",
             worst=True))
@@ -482,18 +454,18 @@ def scale_targets(config: ScaleConfig, result: dict[str, Any]) -> list[dict[str,
         settle = min(4, len(saves["rss"]) - 1)
         growth = (saves["rss"][-1] - saves["rss"][settle]) / _MiB
         limit = max(16.0, config.saves_mb * 0.02)
-        targets.append(_target(f"RSS growth over {len(saves['rss'])} async saves, MiB",
+        targets.append(target_row(f"RSS growth over {len(saves['rss'])} async saves, MiB",
                                [growth], "<=", limit,
                                f"from save {settle + 1} on; limit max(16 MiB, 2% of state)"))
         times = saves["save_s"]
         early = times[settle:settle + 10]
         late = times[-10:]
-        targets.append(_target("save time, last 10 saves / 10 after the first 5",
+        targets.append(target_row("save time, last 10 saves / 10 after the first 5",
                                [statistics.median(late) / statistics.median(early)], "<=",
                                1.2, "flat time over consecutive saves (medians)"))
         if saves.get("floor_s"):
             ratios = [a / b for a, b in zip(times, saves["floor_s"], strict=True)]
-            targets.append(_target(
+            targets.append(target_row(
                 "save / raw write floor after it, last 10 saves / 10 after the first 5",
                 [statistics.median(ratios[-10:]) / statistics.median(ratios[settle:settle + 10])],
                 "<=", 1.2, "the library's drift apart from the disk's (medians of per-save "
@@ -532,8 +504,4 @@ def format_scale(result: dict[str, Any]) -> str:
                        f"RSS MiB {rss[::every]}; save s "
                        f"{[round(t, 3) for t in saves['save_s'][::every]]}; raw write "
                        f"floor s {[round(t, 3) for t in saves.get('floor_s', [])[::every]]}")]
-    lines.append("")
-    lines += _columns([_target_line(t) for t in result["targets"]],
-                      ["TARGET", "VALUE", "SPREAD", "GOAL", "MET", f"MET +{MARGIN:.0%}",
-                       "NOTE"])
-    return "\n".join(lines)
+    return report(lines, [], result["targets"], target_title="TARGET")

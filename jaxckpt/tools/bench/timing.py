@@ -1,0 +1,105 @@
+"""How a row of ``jaxckpt bench`` is timed: settling before it, cold reads, memory.
+
+Owns: ``_settle`` (collect garbage, hand freed memory back, sync: the previous row's leftovers
+are not this row's cost), ``_timed``, ``_drop_page_cache`` (cold reads, root only), host
+memory probes (``_rss``, ``_traced_peak``) and ``_quiet`` (library warnings are not results).
+
+Must not import: jax, orbax, torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+
+def _release_freed_memory() -> None:
+    """Hand the memory this process freed back to the system (glibc's ``malloc_trim``;
+    nothing elsewhere). Buffers numpy freed stay in malloc's heap, faulted in already
+    (often as huge pages, which numpy asks for from 4 MiB on), and the next row's
+    ``np.empty`` gets them back without a page fault: a read floor after a row that freed
+    as many bytes measured reading into recycled memory, not into new memory, where a
+    restore reads into maps of its own (``zarr_io.fresh_blocks``) and faults every page
+    (docs/performance.md, Eighth round)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return
+    trim(0)
+
+
+def _settle() -> None:
+    """Before a timed row: the previous row's garbage, freed memory, dirty pages and the
+    discards of the files it deleted (ext4 -o discard) are not this row's cost."""
+    gc.collect()
+    _release_freed_memory()
+    os.sync()
+
+
+def _host_copies(arrays: list[Any]) -> list[np.ndarray]:
+    return [np.array(a, copy=True) for a in arrays]
+
+
+def _timed(action: Callable[[], Any], *, settle: bool = True) -> float:
+    """Seconds ``action`` takes; first a settle (collect, hand freed memory back) unless
+    ``settle`` is false (the object-store rows time without one)."""
+    if settle:
+        _settle()
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def _drop_page_cache() -> bool:
+    """Write back dirty pages and evict the page cache (root only), so a read comes from
+    the disk. False when the kernel refuses (not root, or a container)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _traced_peak(action: Callable[[], Any]) -> int:
+    """Peak bytes of Python and numpy allocations made during ``action`` (numpy reports its
+    buffers to tracemalloc; RSS cannot show a peak that reuses freed memory)."""
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        action()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Library warnings (DCP's single-process notice, Orbax deprecations) are not results."""
+    import logging
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = logging.getLogger("absl").level
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logging.getLogger("absl").setLevel(previous)
