@@ -1,26 +1,18 @@
 """CheckpointManager: the policy, the store and the driver state tied to one array backend.
 
-Owns: the public API of a training run's checkpoints (``recover``, ``restore``,
-``maybe_save``, ``save``, ``export``, ``wait``, ``close``), the validation of its arguments
-(``arguments``), deciding at each step what is due (the triggers of ``policy``, agreed across
-processes by ``preemption``), the step bookkeeping (the last completed step, which a forced
-save records), and composing the parts that do the work, which share a ``ManagerContext``:
-``pipeline`` (the background thread and the propagation of failures), ``saving`` (one
-recovery save, snapshot to committed marker to retention), ``exports``, ``recovery`` and
-``verification`` (discover, verify, fall back, read), ``preemption`` (signal handlers),
-``root`` (layout, lock and crash debris at start-up), ``reports`` (what calls return) and
-``tiers`` (the optional fast local tier, ``local=LocalTier(...)``, and recovery across it).
-
-Concurrency contract: a manager is used from one training thread. It owns one background
-thread, which runs commits, exports and deletions strictly in order (a local tier has a
-second one for its own saves, see ``tiers``). A failure there is
-recorded on its report and raised (as ``CheckpointWriteError`` chained to the cause, naming
-the step and path) by the next manager call, or only warned when
-``on_write_error="warn"``. Across jobs: one job per root (an exclusive lock); across
-processes of one job: the primary decides and commits, every process writes its share.
+Owns: the public API (``recover``, ``restore``, ``maybe_save``, ``save``, ``export``,
+``wait``, ``close``, ``pin``), deciding at each step what is due (``core.policy``'s
+triggers, agreed across processes by ``preemption``), the last completed step, and the
+wiring of the parts, which share a ``context.ManagerContext``: ``arguments``,
+``background``, ``save``, ``export``, ``restore``, ``commit.verification``,
+``preemption``, ``root``, ``reports`` and ``local_tier``.
 
 Must not import: jax, orbax, torch. The Orbax backend is imported lazily when no backend is
 given.
+
+Concurrency: one training thread uses a manager; its background thread runs commits,
+exports and deletions in order, a failure there raised by the next call (or warned). One
+job per root; across processes the primary decides and commits, each writes its share.
 """
 
 from __future__ import annotations
