@@ -118,6 +118,17 @@ class IndexSampler:
     loader). Across processes, every process makes its sampler with the same arguments except
     ``process_index`` and consumes batches in lockstep; across jobs, the state carries the
     position (the manager restores it on every process from the primary's copy).
+
+    Args:
+        num_samples: the dataset's size (>= 1).
+        global_batch_size: samples per global batch, over all processes; a multiple of
+            ``process_count``.
+        seed: (keyword) the order's seed, an int of at most 64 bits.
+        shuffle: (keyword) False: every epoch in index order.
+        process_index: (keyword) this process's index, ``0 <= process_index < process_count``.
+        process_count: (keyword) how many processes share each global batch.
+        drop_last: (keyword) skip a partial last global batch (True) or fill it up from the
+            start of the epoch's order (False).
     """
 
     #: Tells the manager that this state is the same on every process: it is restored from the

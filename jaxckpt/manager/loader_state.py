@@ -84,7 +84,7 @@ def _ordered_by_epoch(obj: Any) -> bool:
 
 def after_load(obj: Any, saved: Mapping[str, Any]) -> None:
     """After ``obj.load_state_dict``: put the loaded state into use now and set the
-    generator back to its state at the save (module docstring: why). Not for a loader whose
+    generator back to its state at the save (docs/design.md: why). Not for a loader whose
     order the loop sets with ``set_epoch`` before ``iter()``: its restored iterator must be
     made by that ``iter()`` (such a sampler draws nothing from the loader's generator, and
     with a ``generator=`` the loader draws nothing from torch's global RNG either)."""

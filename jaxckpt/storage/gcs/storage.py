@@ -39,7 +39,7 @@ _DEFAULTS = {"max_attempts": 8, "connect_timeout": 10.0, "read_timeout": 30.0,
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _DELETE_THREADS = 8
 _BINARY = "application/octet-stream"
-# The client's modules that draw from the global ``random`` (module docstring).
+# The client's modules that draw from the global ``random`` (docs/cloud.md).
 _DRAWING_MODULES = ("google.cloud.storage._media._upload", "google.api_core.retry.retry_base",
                     "google.auth._exponential_backoff")
 
@@ -90,7 +90,7 @@ def gcs_client(storage_options: Mapping[str, Any] | None = None) -> Any:
 def _private_randomness() -> None:
     """Give the client's modules that draw from Python's global ``random`` (multipart
     boundaries, retry jitter) a ``random.Random`` of their own, so that uploads on background
-    threads never advance the user's global random stream (module docstring). Idempotent."""
+    threads never advance the user's global random stream (docs/cloud.md). Idempotent."""
     for name in _DRAWING_MODULES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "random", None) is random:

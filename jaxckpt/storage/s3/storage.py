@@ -140,7 +140,7 @@ class _Deadline:
 def _private_jitter() -> None:
     """Point the default ``random`` of botocore's retry backoff (bound to the global
     ``random.random`` when botocore was imported) at a ``random.Random`` of its own
-    (module docstring). Idempotent."""
+    (docs/cloud.md). Idempotent."""
     from botocore.retries import standard
 
     init = standard.ExponentialBackoff.__init__
