@@ -71,13 +71,17 @@ def _cell(cell: str) -> frozenset[str]:
 
 
 def table_rows(text: str) -> dict[str, tuple[frozenset[str], ...]]:
-    """folder -> (may import, frameworks, third party, public) of the map's import table."""
+    """folder -> (may import, frameworks, third party, public) of the map's import table.
+    A folder of jaxckpt is written without ``jaxckpt.``, as are the modules it may import."""
     rows = {}
     for line in _section(text, TABLE_HEADING):
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) != 5 or not cells[0].startswith("`"):
             continue
-        rows[f"jaxckpt.{cells[0].strip('`')}"] = tuple(_cell(cell) for cell in cells[1:])
+        folder = cells[0].strip("`")
+        if not folder.startswith(PACKAGES):  # jaxckpt's folders are named without the package
+            folder = f"jaxckpt.{folder}"
+        rows[folder] = tuple(_cell(cell) for cell in cells[1:])
     return rows
 
 
@@ -191,3 +195,8 @@ def test_self_the_table_check():
         "jaxckpt.commit: a FOLDERS row the map's import table lacks"]
     assert table_problems(SYNTHETIC_MAP, {}) == [
         "jaxckpt.core: a row of the map's import table that FOLDERS lacks"]
+    bridge = SYNTHETIC_MAP + ("| `torch_bridge.dcp` | torch_bridge.dcp, errors | all but jax "
+                              "| - | backend |\n")
+    dcp = Folder(may_import=("torch_bridge.dcp", "jaxckpt.errors"), never=frozenset({"jax"}),
+                 third_party=frozenset(), public=frozenset({"backend"}))
+    assert table_problems(bridge, {"jaxckpt.core": row, "torch_bridge.dcp": dcp}) == []
