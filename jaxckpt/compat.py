@@ -1,39 +1,16 @@
 """Reading checkpoint settings written for other frameworks: AReaL-style and torchtune configs.
 
-Owns: translating those configs (dicts, OmegaConf ``DictConfig`` objects or YAML files) into
-jaxckpt's configs, as a ``ManagerSpec`` that builds a manager. Both dialects come from
-OmegaConf-based tools, so they are read with OmegaConf itself: ``${a.b}`` interpolations,
-``???`` mandatory values and YAML parsing behave as in those tools, and a reference that does
-not resolve or a value left ``???`` is an error naming the key and the file. Only the keys
-this module reads are resolved (a file may hold resolvers such as ``${eval:...}`` that only
-its own tool registers). Only fields that mean something here are read; a field that is known
-but has no meaning here is reported in ``ManagerSpec.ignored``, and an unknown field in a
-section this module reads is an error naming it, the nearest known name and the file (a typo
-must not silently disable saving).
+Owns: translating those configs (dicts, OmegaConf ``DictConfig`` objects or YAML files)
+into a ``ManagerSpec`` that builds a manager. They are read with OmegaConf itself, so
+interpolations and ``???`` behave as in those tools; only the keys read here are resolved.
+A known field with no meaning here is listed in ``ManagerSpec.ignored``; an unknown field in
+a section read here is an error naming the nearest known name (a typo must not silently
+disable saving). The dialects, with examples: docs/migration.md.
 
-AReaL-style (``recover`` and ``saver`` sections share ``freq_epochs``/``freq_steps``/
-``freq_secs``, plus ``experiment_name``/``trial_name``/``fileroot``)::
+Must not import: jax, orbax, torch. OmegaConf (the ``compat`` extra) is imported when a
+config is read.
 
-    experiment_name: sft-llama
-    trial_name: run-1
-    cluster: {fileroot: /data}
-    recover: {mode: auto, freq_steps: 500, freq_secs: 3600, retries: 3}
-    saver: {freq_epochs: 1, mode: async}
-
-torchtune (recipe-level keys; the checkpointer's own section; the async GRPO recipe keeps
-``save_every_n_steps`` and ``checkpointer`` under ``training``)::
-
-    output_dir: /ckpt/run-1
-    enable_async_checkpointing: true
-    save_every_n_steps: 1000
-    resume_from_checkpoint: true
-    checkpointer: {output_dir: ${output_dir}, keep_last_n_checkpoints: 2}
-
-Must not import: jax, orbax, torch. OmegaConf (pure Python, the ``compat`` extra) is imported
-when a config is read; without it a ``MissingExtraError`` names ``pip install
-'jaxckpt[compat]'``.
-
-Concurrency contract: functions without state; a ``ManagerSpec`` is frozen.
+Concurrency: functions without state; a ``ManagerSpec`` is frozen.
 """
 
 from __future__ import annotations

@@ -53,6 +53,11 @@ class Every:
     """Any-of trigger: a save is due when ANY set condition holds. All None means never.
 
     Example: ``Every(steps=1000, seconds=3600)``: every 1000 steps or every hour.
+
+    Args:
+        steps: due after every ``steps`` completed global steps; None: no step trigger.
+        epochs: due at the end of every ``epochs``-th epoch; None: no epoch trigger.
+        seconds: due once this many seconds passed since the last save of this kind.
     """
 
     steps: int | None = None
@@ -87,6 +92,14 @@ class StepInfo:
 
     ``maybe_save(step_info, ...)`` is called after step ``step_info`` completed; ``recover``
     returns the StepInfo of the last saved step, and training resumes at ``.next()``.
+
+    Args:
+        epoch: 0-based epoch index.
+        epoch_step: 0-based index of the step within its epoch.
+        global_step: 0-based index of the step over the whole run.
+        steps_per_epoch: steps in one epoch; None when unknown.
+        tokens_seen: (keyword) tokens or samples consumed up to and including this step.
+        counters: (keyword) further user counters (JSON numbers), saved with the step.
     """
 
     epoch: int = 0
@@ -170,6 +183,10 @@ class Versioned:
 
     Pass it in ``items=`` of ``maybe_save``/``save``: a version is written once, the first
     time a recovery checkpoint needs it, and every later checkpoint only refers to it.
+
+    Args:
+        version: an int >= 0 that increases whenever the item changes.
+        tree: the item's arrays, in the backend's state format.
     """
 
     version: int
@@ -250,6 +267,11 @@ class KeepBest:
     The metric is the one given to ``maybe_save(..., metrics={metric: value})`` and stored in
     the checkpoint's ``driver.json``. A checkpoint without it (or with a value that is not a
     finite number) is not eligible; of equal values the newer step ranks first.
+
+    Args:
+        metric: the metric's name, a key of ``metrics=``.
+        mode: "min" (lower is better, a loss) or "max" (higher is better).
+        n: how many of the best checkpoints to keep.
     """
 
     metric: str
@@ -289,7 +311,21 @@ def _check_keep_best(value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RecoverConfig:
-    """Recovery checkpoints: complete training state, to resume a crashed or preempted run."""
+    """Recovery checkpoints: complete training state, to resume a crashed or preempted run.
+
+    Args (keyword only; each field's docstring below says more):
+        mode: "on"/"auto" write and resume; "off"/"disabled" neither.
+        every: when a recovery checkpoint is due (an ``Every``).
+        keep_last_n: how many of the latest valid checkpoints to keep (None: all; 0: only
+            forced saves, the latest kept).
+        keep_every: also keep the steps of ``Every(steps=K)``.
+        keep_best: also keep the best by a metric (a ``KeepBest``).
+        retries: how many times ``jaxckpt run`` restarts a failed run.
+        verify: "checksums" or "sizes": how ``recover`` checks a checkpoint.
+        restore_global_rng: save and restore Python's and NumPy's global RNGs.
+        on_corrupt: "raise" (fail closed) or "start_fresh" when nothing verifies.
+        resume: False: still write checkpoints, but never resume from them.
+    """
 
     mode: RecoverMode = "auto"
     """"on"/"auto": write recovery checkpoints and resume from the latest valid one when it
@@ -356,7 +392,14 @@ class RecoverConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ExportConfig:
-    """Periodic model-only exports (e.g. Hugging Face format) for evaluation and publishing."""
+    """Periodic model-only exports (e.g. Hugging Face format) for evaluation and publishing.
+
+    Args (keyword only):
+        every: when an export is due (an ``Every``).
+        exporter: ``exporter(state, out_dir)`` writes one export (required).
+        mode: "sync", "async" (a host copy exported in the background) or "auto" (async).
+        keep_last_n: None keeps every export; N the latest N; 0 only forced exports.
+    """
 
     every: Every = dataclasses.field(default_factory=Every)
     """When an export is due (any-of)."""
@@ -392,6 +435,11 @@ class LocalTier:
     tier (see docs/design.md, "Two tiers"). ``path`` is a root of its own (same layout and
     commit protocol, its own lock) and must be a local filesystem path apart from the
     durable root.
+
+    Args:
+        path: the local root, e.g. a directory on the machine's NVMe disk (created if missing).
+        every: (keyword) when a local checkpoint is due; default ``Every(steps=50)``.
+        keep_last_n: (keyword) how many local checkpoints to keep (>= 1).
     """
 
     path: str | os.PathLike[str]

@@ -1,34 +1,14 @@
 """Flax NNX reference decoders that match Hugging Face checkpoints: Llama (with Qwen2) and GPT-2.
 
-Owns: the model definitions the Hugging Face bridge (``torch_bridge.hf``) maps to and from, the
-reading of a transformers config (object or dict) into a small validated spec, and two helpers
-to move a plain param tree in and out of a model (``params_of`` / ``load_params``). The demo,
-the notebooks and the parity tests use these models; they reproduce transformers' numerics in
-float32 (RMSNorm computed in float32 with eps inside the root, rotate-half RoPE, GPT-2's tanh
-GELU), so logits agree with ``AutoModelForCausalLM`` to about 1e-5.
+Owns: the models ``torch_bridge.hf`` maps to and from (their param trees are in the class
+docstrings), reading a transformers config into a validated spec, and moving a plain param
+tree in and out of a model (``params_of`` / ``load_params``). They reproduce transformers'
+float32 numerics (logits within about 1e-5 of ``AutoModelForCausalLM``); plain Flax layout
+(``nnx.Linear`` kernels (in, out)); ``scan_layers=True`` stacks the layers on a leading
+axis. Inference and parity references only: no dropout, no KV cache.
 
-Param layout is plain Flax: ``nnx.Linear`` kernels are (in, out), embeddings (vocab, hidden).
-``scan_layers=True`` keeps the decoder layers stacked on a leading layer axis (built with
-``nnx.vmap``, run with ``nnx.scan``); the bridge splits and joins that axis on export/import.
-
-Param tree of ``Llama`` (``params_of(model)``; ``{i}`` is the layer; with ``scan_layers`` the
-``{i}`` level disappears and every layer leaf gains a leading axis of size ``num_layers``)::
-
-    embed.embedding                       (vocab, hidden)
-    layers.{i}.input_norm.scale           (hidden,)
-    layers.{i}.attn.{q,k,v,o}_proj.kernel (hidden, heads*head_dim) ... (.bias when configured)
-    layers.{i}.post_attn_norm.scale       (hidden,)
-    layers.{i}.mlp.{gate,up,down}_proj.kernel
-    norm.scale                            (hidden,)
-    lm_head.kernel                        (hidden, vocab)   only when embeddings are untied
-
-``GPT2``: ``wte.embedding``, ``wpe.embedding``, ``layers.{i}.{ln_1,ln_2}.{scale,bias}``,
-``layers.{i}.attn.{q,k,v,o}_proj.{kernel,bias}`` (q/k/v kept separate: the bridge splits and
-joins GPT-2's fused ``c_attn``), ``layers.{i}.mlp.{fc,proj}.{kernel,bias}``,
-``ln_f.{scale,bias}`` and ``lm_head.kernel`` when untied.
-
-These are inference/parity references: no dropout, no KV cache, full causal attention over
-the given tokens. Importing this module imports jax and flax; ``import jaxckpt`` does not.
+Must not import: torch. Imports jax and flax (the ``jax`` extra); ``import jaxckpt`` does not
+load this module.
 """
 
 from __future__ import annotations
@@ -473,6 +453,17 @@ class Llama(nnx.Module):
     ``scan_layers``: keep the layers stacked (leading layer axis) and run them with
     ``nnx.scan``: one compiled layer instead of ``num_layers`` copies.
 
+    Param tree (``params_of(model)``; ``{i}`` is the layer; with ``scan_layers`` the ``{i}``
+    level disappears and every layer leaf gains a leading axis of size ``num_layers``)::
+
+        embed.embedding                       (vocab, hidden)
+        layers.{i}.input_norm.scale           (hidden,)
+        layers.{i}.attn.{q,k,v,o}_proj.kernel (hidden, heads*head_dim) ... (.bias if set)
+        layers.{i}.post_attn_norm.scale       (hidden,)
+        layers.{i}.mlp.{gate,up,down}_proj.kernel
+        norm.scale                            (hidden,)
+        lm_head.kernel                        (hidden, vocab)   only when untied
+
     Concurrency contract: an NNX module is mutable Python state; use one from one thread.
     """
 
@@ -511,6 +502,11 @@ class GPT2(nnx.Module):
 
     ``config``: a ``GPT2Spec``, a transformers ``GPT2Config`` or its dict. ``scan_layers`` as
     for :class:`Llama`.
+
+    Param tree: ``wte.embedding``, ``wpe.embedding``, ``layers.{i}.{ln_1,ln_2}.{scale,bias}``,
+    ``layers.{i}.attn.{q,k,v,o}_proj.{kernel,bias}`` (the bridge splits and joins GPT-2's
+    fused ``c_attn``), ``layers.{i}.mlp.{fc,proj}.{kernel,bias}``, ``ln_f.{scale,bias}``, and
+    ``lm_head.kernel`` when untied.
 
     Concurrency contract: an NNX module is mutable Python state; use one from one thread.
     """

@@ -1,17 +1,11 @@
 """Restarting a failed training run from its latest checkpoint, a bounded number of times.
 
-Owns: the retry loop for a training command (``run_command``, behind ``jaxckpt run``) and for
-an in-process training function (``run_with_retries``). Each attempt is expected to call
-``CheckpointManager.recover`` at start, so a retry resumes from the latest valid checkpoint.
-The attempt number is exported to the child as ``JAXCKPT_RETRY_ATTEMPT`` (0 for the first).
-
-What is not retried: a clean exit (0); a user interrupt (SIGINT, exit 130); a termination
-request, to the supervisor itself (forwarded to the child) or to the child alone (a child
-that ended by SIGTERM, status -15 or 143: a scheduler or node agent stopping the job, or a
-manager ending the process after its preemption checkpoint, ``on_preemption="exit"``); exit
-codes the caller lists as final (default 2, the usage-error code of argparse and click, and
-78, EX_CONFIG); in-process, configuration and tree-mismatch errors, which fail the same way
-every time.
+Owns: the retry loop for a command (``run_command``, behind ``jaxckpt run``) and for an
+in-process function (``run_with_retries``); each attempt calls ``recover`` at start and sees
+``JAXCKPT_RETRY_ATTEMPT``. Not retried: a clean exit; SIGINT; a termination request (to the
+supervisor, forwarded, or a child ended by SIGTERM, as after ``on_preemption="exit"``); exit
+codes listed as final (default 2 and 78); in-process, configuration and tree-mismatch
+errors, which fail the same way every time.
 
 Must not import: jax, orbax, torch.
 """

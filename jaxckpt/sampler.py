@@ -1,24 +1,12 @@
 """A data position that does not depend on the number of processes: ``IndexSampler``.
 
-Owns: the global order of the sample indices of every epoch, the cutting of that order into
-global batches, each process's slice of each global batch, and the position in it (the epoch,
-and how many global batches of it were consumed) as a small JSON state that is the same on
-every process. Because nothing in the state depends on the number of processes, a checkpoint
-taken by 4 processes resumes on 2 (or 2 on 4): the rest of the epoch is dealt to the new
-processes, each sample once, in the order an uninterrupted run would have used.
-
-The order of an epoch is a pseudorandom permutation of ``range(num_samples)`` that is a
-function of ``(seed, epoch, num_samples)`` alone. It is computed by this module's own integer
-arithmetic (a keyed Feistel network over the smallest power-of-four domain that holds the
-samples, walked until it lands inside ``range(num_samples)``), not by a NumPy generator, whose
-streams NumPy does not promise to keep across versions: an upgrade between save and resume
-must not reorder an epoch. The permutation is evaluated per position, so a batch costs
-O(global_batch_size / process_count) and an epoch needs no O(num_samples) table.
-
-The sampler is one of the stateful objects whose state is global (``jaxckpt_state_scope =
-"global"``): the manager restores it from the primary process's saved state on every process,
-including processes that did not exist when the checkpoint was taken (see
-``jaxckpt.manager.driver_state``).
+Owns: the order of every epoch, its global batches, each process's slice of each batch, and
+the position (epoch, global batches consumed) as a JSON state that is the same on every
+process, so a checkpoint of 4 processes resumes on 2 (or 2 on 4), each sample once, in the
+uninterrupted order. An epoch's order is a function of ``(seed, epoch, num_samples)``
+alone, by this module's own keyed Feistel permutation evaluated per position (not NumPy's
+generators, whose streams may change across versions). Its state is global
+(``jaxckpt_state_scope = "global"``: ``manager.driver_state`` restores the primary's copy).
 
 Must not import: jax, orbax, torch (this module is part of the pure layer).
 """
@@ -130,6 +118,17 @@ class IndexSampler:
     loader). Across processes, every process makes its sampler with the same arguments except
     ``process_index`` and consumes batches in lockstep; across jobs, the state carries the
     position (the manager restores it on every process from the primary's copy).
+
+    Args:
+        num_samples: the dataset's size (>= 1).
+        global_batch_size: samples per global batch, over all processes; a multiple of
+            ``process_count``.
+        seed: (keyword) the order's seed, an int of at most 64 bits.
+        shuffle: (keyword) False: every epoch in index order.
+        process_index: (keyword) this process's index, ``0 <= process_index < process_count``.
+        process_count: (keyword) how many processes share each global batch.
+        drop_last: (keyword) skip a partial last global batch (True) or fill it up from the
+            start of the epoch's order (False).
     """
 
     #: Tells the manager that this state is the same on every process: it is restored from the

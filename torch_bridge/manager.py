@@ -42,6 +42,15 @@ class DcpCheckpointManager(CheckpointManager):
     ``backend`` defaults to ``DcpBackend()``, which this manager closes when it closes; pass
     your own ``DcpBackend(...)`` to choose DCP settings (you then close it).
 
+    Args:
+        root: a local path or an ``s3://``/``gs://`` URL, as for ``CheckpointManager``.
+        recover: the recovery checkpoints' config (default ``RecoverConfig()``).
+        export: the exports' config; None: no exports.
+        mode: "sync", "async" or "auto".
+        backend: a ``DcpBackend``; default ``DcpBackend()``, closed with the manager.
+        options: every other keyword of ``CheckpointManager`` (``on_report``,
+            ``on_write_error``, ``preemption_signals``, ``items``, ``local``...), unchanged.
+
     Concurrency contract: as :class:`jaxckpt.CheckpointManager` (one training thread; one
     background thread for commits; one job per root).
     """

@@ -1,19 +1,14 @@
 """The seam between the framework-agnostic manager and an array-writing backend.
 
-Owns: the one protocol a backend implements (write a state into a directory, read it back
-into a ``like`` tree, the process facts the manager needs, and the declared
-:class:`BackendFeatures` that change how the manager drives it), the protocol of the handle
-a write returns, :func:`check_backend` (the manager's check of a ``backend=`` argument), and
-:class:`SingleProcess`, the trivial members of a single-process backend without optional
-capabilities.
+Owns: the ``Backend`` protocol (write a state into a directory, read it back into a
+``like`` tree, the process facts the manager needs, the declared :class:`BackendFeatures`),
+the ``WriteHandle`` protocol, :func:`check_backend` (the check of a ``backend=`` argument)
+and :class:`SingleProcess`. Every member the manager uses is stated here and required: the
+manager never probes a backend with ``getattr``; a backend implements a member it has no
+use for trivially.
 
-Every member the manager uses is stated here and required: the manager never probes a
-backend with ``getattr``/``hasattr``. A backend with nothing to do for a member implements it
-trivially (``close`` returns, ``finish_read`` returns its argument, ``left_out`` returns
-None, a handle's ``checksums`` is None).
-
-Must not import: jax, orbax, torch. Backends live in their own modules (``orbax_backend``,
-``torch_bridge.dcp.backend``) and are imported lazily.
+Must not import: jax, orbax, torch. Backends live in their own modules
+(``backends.orbax.backend``, ``torch_bridge.dcp.backend``) and are imported lazily.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns: ``ReadClaims``, the hand-over by which a backend that reads a file whole checks that
 file's deferred checksum (``manifest.DEFER_CHECKSUMS_OVER``) from the bytes it read, so that
 the file is not read twice, while the manager's checking thread checks the rest; the
-hand-over of those files' bytes where the manager fetched them ahead (``read_ahead``); and,
+hand-over of those files' bytes where the manager fetched them ahead (``prefetch``); and,
 for a partial restore, the scope that a backend gives of the files its read can touch
 (``limit``), outside which nothing is checked, since nothing there is read.
 

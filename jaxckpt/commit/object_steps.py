@@ -1,25 +1,15 @@
-"""The steps of the commit protocol that take another form on an object store, which has no
-rename.
+"""The steps of the commit protocol that take another form on an object store (no rename).
 
-Owns: quarantine by copy-then-delete (``copy_then_delete``), and exports on an object store
-(``export_staging``, ``publish_export``): the user's exporter writes into a local temporary
-directory, whose files are then uploaded under the export's name and vouched for by a
-``COMMITTED`` manifest written create-only, last, exactly as a recovery checkpoint is. An
-export prefix without that marker is debris (a crash mid-upload): never listed, removed by
-the next primary's start-up cleanup. ``CheckpointStore`` calls these for storages other
-than ``PosixStorage``, which renames instead.
-
-Why copy-then-delete for quarantine rather than a marker object: the step's name must be
-freed for the step about to be written again, and a checkpoint set aside must stay readable
-for inspection, so its objects are copied (on the server: no bytes through this host) to
-``recover/superseded/...`` and only then deleted, marker first. A crash in between leaves
-the checkpoint committed at its name (nothing lost; the copy is debris under
-``superseded/``) or partial (cleaned at the next start).
+Owns: quarantine by server-side copy then delete, marker first (``copy_then_delete``), and
+exports on an object store (``export_staging``, ``publish_export``): the exporter writes a
+local temporary directory, whose files are uploaded under the export's name and vouched
+for by a ``COMMITTED`` manifest created last, as for a recovery checkpoint; a prefix
+without it is debris for the next start-up cleanup. ``CheckpointStore`` calls these for
+storages other than ``PosixStorage``.
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: called by the primary process only, under the root lock, from one
-thread at a time per checkpoint (the store's contract).
+Concurrency: the primary process only, under the root lock, one thread per checkpoint.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Checkpoints pinned by hand: ``{root}/pins.json``, which retention never deletes.
 
-Owns: the pins file (its format, reading it, changing it atomically through the store's
-storage) and the lock that orders a pin against retention, so a checkpoint pinned by a
-``pin()`` that returned is never deleted by a retention pass that was already deciding.
-
-The file is ``{"format": "jaxckpt.pins/1", "steps": [...]}``, written whole (temp file and
-rename by the storage) and read afresh by every retention pass, so pins survive restarts
-and a new manager on the root sees them.
+Owns: the pins file (``{"format": "jaxckpt.pins/1", "steps": [...]}``, written whole by the
+storage, read afresh by every retention pass) and the lock that orders a pin against
+retention: a checkpoint pinned by a ``pin()`` that returned is never deleted by a pass
+that was already deciding.
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: ``pin``/``unpin`` run on the training thread, retention on the
-background thread; both hold ``lock`` while they read and act on the pins. Only the primary
-process writes the file; other processes only check the step. One job per root (root lock).
+Concurrency: ``pin``/``unpin`` (training thread) and retention (background thread) hold
+``lock`` while they read and act on the pins; only the primary process writes the file.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Fetching a restore's bulk files before its reader asks for them.
 
-Owns: ``ReadAhead``, the whole objects of one ``Storage`` fetched on background threads,
-each into a fresh buffer of its own, with its checksum computed piece by piece as the bytes
-land (``Storage.read_into``'s ``progress``), and handed over once (``take``) to the reader
-that would otherwise have fetched it itself.
-
-Why: on an object store a restore first verifies the chosen checkpoint (a listing, then
-the GETs of its small files' checksums) and lets the backend parse its metadata; only then
-did the backend send the GET of its data. The manager knows the data files' names and
-sizes as soon as it has read the commit manifest, so it starts their GETs there and the
-small requests and the parsing run while the data comes down. Starting a fetch is not
-trusting it: what a reader takes is checked against the manifest's checksum (the one
-computed here, from the bytes taken) before anything is loaded from it, and a checkpoint
-that fails verification has its fetches cancelled (``cancel``; ``start`` cancels the
-previous candidate's).
+Owns: ``ReadAhead``, whole objects of one ``Storage`` fetched on background threads as soon
+as the commit manifest names them, each into a fresh buffer with its checksum computed as
+the bytes land (``Storage.read_into``'s ``progress``), and handed over once (``take``) to
+the reader; what it takes is checked against the manifest before anything is loaded.
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: ``start``, ``take`` and ``cancel`` may be called from any thread of
-one process; each started fetch is taken at most once; after ``cancel`` nothing started
-before it is handed out, and fetches still running stop at their next piece.
+Concurrency: ``start``, ``take`` and ``cancel`` may be called from any thread; each fetch
+is taken at most once; after ``cancel`` nothing started before it is handed out, and
+running fetches stop at their next piece (``start`` cancels the previous candidate's).
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """The commit protocol over one root: what makes a directory a checkpoint, and its lifecycle.
 
-Owns: committing a checkpoint (a ``COMMITTED`` manifest of every file's size and checksum,
-written last, create-only, after a durability barrier), listing and verifying checkpoints,
-"latest valid", retention deletion that tolerates races, start-up cleanup of partial
-directories, quarantine, and the directories of exports. Names come from
-``jaxckpt.core.layout``, the manifest's format and checks from ``jaxckpt.core.manifest``, and every
-read, write, listing, deletion and lock goes through a ``jaxckpt.storage.base.Storage``
-(``PosixStorage`` by default): this module holds the protocol, not the I/O.
-
-A checkpoint directory is valid iff its ``COMMITTED`` manifest exists, parses, names only
-paths inside the directory, and every listed file has the listed size (and checksum, when
-asked). Anything else is partial or corrupt and is never restored.
-
-Verification can be split in two for a restore (``verify(defer_over=...)`` then
-``verify_deferred``): everything but the checksums of large bulk-data files up front, those
-checksums while the backend reads the same bytes. See ``manifest.DEFER_CHECKSUMS_OVER``.
-
-Concurrency contract: ``commit``, ``delete``, ``cleanup_partial`` and ``quarantine`` are
-called only by the primary process. ``delete`` deletes the victim's marker only when no
-``reading`` context holds it (``Storage.delete_unless_reading``), so a checkpoint being
-restored (in this or another process on the same host) is never deleted; deletion first
-removes the marker (making the directory "partial" atomically), then the files, and treats
-files that are already gone as success. The store's requests run on a process-wide pool
-(``_pool``) whose tasks never wait on one another, so any number of stores share it.
+Owns: ``CheckpointStore``: commit (a ``COMMITTED`` manifest of every file's size and
+checksum, created last and create-only after a durability barrier), listing, verification
+(whole, or split by ``defer_over`` so that bulk checksums run alongside the backend's
+read), latest valid, race-tolerant deletion (marker first), start-up cleanup, quarantine
+and export directories. Names come from ``core.layout``, the format from ``core.manifest``,
+and every I/O from a ``storage.base.Storage``: this module holds the protocol only.
 
 Must not import: jax, orbax, torch.
+
+Concurrency: ``commit``, ``delete``, ``cleanup_partial`` and ``quarantine`` run on the
+primary only; ``delete`` never removes a checkpoint held by ``reading`` (in any process of
+the host). Requests run on a process-wide pool whose tasks never wait on one another.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """File checksums for commit manifests.
 
-Owns: the checksum algorithms a ``COMMITTED`` manifest may name, computing one over a file,
-and the choice of algorithm for new commits.
-
-A file is read in 1 MiB pieces into one buffer per thread, reused: as fast as a plain
-read, where a memory map pays page faults that bring in the file a few pages at a time.
-
-- ``crc32c`` (Castagnoli), the default for new commits, computed by ``google-crc32c``'s C
-  library with the CPU's CRC instruction, about twice zlib's crc32. tensorstore and cloud
-  object stores use the same polynomial. Arrays are handed to the library's
-  ``crc32c_extend`` through ctypes, which releases the GIL for the call: the package's
-  Python extension keeps the GIL for anything but ``bytes``, so the writer and reader
-  threads' checksums would run one at a time and hold up the training loop's thread.
-- ``crc32`` (zlib), what manifests of format 1 carry; still verified, and what new commits
-  fall back to when ``google-crc32c`` has no compiled extension on a platform (its pure
-  Python fallback runs at a few MB/s, too slow for gigabytes).
+Owns: the algorithms a ``COMMITTED`` manifest may name, computing one over a file or buffer
+(read in 1 MiB pieces into one reused buffer per thread), and the choice for new commits:
+``crc32c`` (``google-crc32c``'s C library, called through ctypes so that the GIL is
+released), or ``crc32`` (zlib: format-1 manifests, and the fallback where ``google-crc32c``
+has no compiled extension).
 
 Must not import: jax, orbax, torch.
+
+Concurrency: thread-safe; every function may run on many threads at once.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Names on disk: every file and directory name jaxckpt writes under a root, and their parsing.
 
-Owns the layout of a root, and nothing but strings::
-
-    {root}/
-      .lock                                     the root lock (storage.RootLock)
-      pins.json                                 checkpoints pinned by hand (commit.pins)
-      tier.json                                 a local tier's durable root (manager.local_tier)
-      recover/
-        step_{global_step:08d}/                 one recovery checkpoint
-          COMMITTED                             the manifest (core.manifest), written last
-          driver.json                           counters, RNG, stateful objects (manager)
-          driver.p{index:05d}.json              another process's local driver state
-          done.p{index:05d}                     "my writes are durable", before the commit
-          state/                                the backend's directory
-            tree.json                           the Orbax backend's description of the tree
-            objects.json                        the DCP backend's description of the state
-        items/{name}/v{version:06d}/            one version of an auxiliary item
-          state/ ... COMMITTED
-        superseded/{dirname}.{reason}.{time}.{tag}   a checkpoint moved aside, kept to inspect
-        .tmp-*                                  temporary entries, removed at start-up
-      export/
-        epoch{E}epochstep{S}globalstep{G}/      one model export
-        .tmp-*
-
-Format functions and their parsers are inverse of each other (``parse_*`` returns None for a
-name that is not of the kind); tests/unit/test_layout.py holds the table.
+Owns the layout of a root, strings only: ``.lock``, ``pins.json``, ``tier.json``;
+``recover/step_{global_step:08d}/`` (``COMMITTED``, ``driver.json``,
+``driver.p{index:05d}.json``, ``done.p{index:05d}``, ``state/``);
+``recover/items/{name}/v{version:06d}/``; ``recover/superseded/``; ``export/
+epoch{E}epochstep{S}globalstep{G}/``; ``.tmp-*`` entries. docs/design.md draws the tree.
+Each format function and its parser are inverse (``parse_*`` returns None for a name of
+another kind); tests/unit/core/test_layout.py holds the table.
 
 Pure: no I/O. Must not import: jax, orbax, torch, or any jaxckpt module.
 """

@@ -1,27 +1,12 @@
 """Which recovery checkpoints to keep, and why: the retention engine as one pure function.
 
 Owns: the facts retention decides on (``CheckpointFacts``), the rules (``RetentionRules``,
-built from a ``RecoverConfig`` and recorded in ``driver.json`` so tools can replay them), and
-``decide``, which returns for every checkpoint whether it is kept and every reason it is.
-No I/O: the manager and ``jaxckpt ls`` gather the facts; this module is tested with tables.
-
-A checkpoint is kept when ANY reason holds:
-
-- ``resume-point``: the newest valid (committed) checkpoint, whatever the rules say;
-- ``last-N``: among the newest ``keep_last_n`` valid ones (None keeps every valid one; 0
-  behaves as 1: it allows forced saves only, and the latest of those is kept);
-- ``every-K``: ``keep_every=Every(steps=K)`` and ``(step + 1) % K == 0``;
-- ``best``: among the ``keep_best.n`` best valid ones by the metric (a checkpoint missing
-  the metric, or holding a value that is not a finite number, is not eligible; of equal
-  values the newer step ranks first);
-- ``pinned``: pinned by hand (``CheckpointManager.pin``), valid or not;
-- ``being-read``: being restored right now; it never counts towards ``last-N``, so
-  protecting an old checkpoint never costs a new one;
-- ``unverified``: it failed verification but no valid checkpoint newer than it exists, so
-  nothing has superseded it (fail closed: the evidence stays until a newer one commits).
-
-A checkpoint that failed verification is deleted once a newer valid one exists (unless
-pinned or being read); rules other than ``pinned`` never keep one.
+from a ``RecoverConfig``, recorded in ``driver.json`` so tools can replay them) and
+``decide``: for every checkpoint, kept or not and every reason (``resume-point``, the
+newest valid one; ``last-N``; ``every-K``; ``best`` by a finite metric, newer first on
+ties; ``pinned``; ``being-read``, never counted towards last-N; ``unverified``, a failed
+one with no valid one newer). A failed checkpoint is kept by ``pinned``, ``being-read`` or
+``unverified`` only. The manager and ``jaxckpt ls`` gather the facts; no I/O here.
 
 Must not import: jax, orbax, torch, or any module that does I/O.
 """

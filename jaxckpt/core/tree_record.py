@@ -3,7 +3,7 @@
 Owns: the identity of the Orbax backend's tree record (``TREE_FORMAT``, the versions) and
 ``read_tree_record``, which reads a checkpoint's ``state/tree.json`` as plain JSON and
 refuses a file of another owner or of a newer version. The backend's own parsing of each
-leaf (``_orbax_tree``) starts from this; tools that only list a checkpoint's leaves
+leaf (``backends.orbax.tree``) starts from this; tools that only list a checkpoint's leaves
 (``jaxckpt info``, ``jaxckpt export-hf``) use it as it is, without loading jax.
 
 Must not import: jax, orbax, torch (this module is part of the pure layer).

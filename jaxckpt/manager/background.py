@@ -1,19 +1,16 @@
 """The save pipeline's thread and its error propagation.
 
-Owns: the manager's single background thread, on which commits, exports and deletions run
-strictly in order; running the rest of a save inline (sync) or there (async), then its
-housekeeping (retention) there in both modes (a sync save waits for it); the ``on_report``
-hook; the failures of saves (each recorded on its report and raised at the next manager call
-as a ``CheckpointWriteError``, or only warned with ``on_write_error="warn"``); and the
-bounded wait of a commit for the other processes (``wait_for``).
+Owns: ``SavePipeline``: the manager's one background thread (commits, exports, deletions,
+strictly in order); running the rest of a save inline (sync) or there (async), then its
+retention there in both modes; the ``on_report`` hook; each failure recorded on its report
+and raised at the next call as ``CheckpointWriteError`` (or warned); ``wait_for``, the
+bounded wait of a commit for the other processes.
 
 Must not import: jax, orbax, torch, or the other parts of the manager: what a save does is
 handed in as functions, so the pipeline is tested with fakes.
 
-Concurrency contract: ``run``, ``submit``, ``failed_to_start``, ``drain``, ``raise_unraised``
-and ``shutdown`` are called from the one training thread; the jobs run on the background
-thread (or inline, for sync saves). The list of failed reports is the only state both
-threads touch, under the pipeline's lock.
+Concurrency: called from the training thread; jobs run on the background thread. The list
+of failed reports, under the pipeline's lock, is the only state both threads touch.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The state the manager's parts share, in one explicit object.
 
 Owns: :class:`ManagerContext`, what more than one part of a ``CheckpointManager`` reads or
-writes (the store, the backend and its process facts, the configs, the triggers, the steps
-being read, the item versions on disk, the last report of each kind, the restored step,
-the pins).
-Each part (``saving``, ``exports``, ``recovery``, ``verification``) gets the context instead of
-reaching into another part; what only one part needs stays in that part.
+writes: store, backend and process facts, configs, triggers, the steps being read, the item
+versions on disk, the last report of each kind, the restored step, the pins. Each part gets
+the context instead of reaching into another part.
 
 Must not import: jax, orbax, torch, or any part of the manager (the parts import this).
 
-Concurrency contract: the context is built once by the manager. ``reading`` and
-``written_items`` are shared with the background thread and are only touched under
-``state_lock``; every other field is read and written on the training thread only (the
-background thread reads the configs and the process facts, which never change).
+Concurrency: built once by the manager; ``reading`` and ``written_items`` are shared with
+the background thread under ``state_lock``; the other fields change on the training thread.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Driver state: everything besides the arrays that an exact resume needs.
 
-Owns: capturing and restoring progress counters (``StepInfo``), the state of ``stateful``
-objects (data loaders, evaluators, loggers: anything with ``state_dict``/``load_state_dict``,
-grain's ``get_state``/``set_state``, NumPy Generators, ``random.Random``; a torch data
-loader's generator with it, ``jaxckpt.manager.loader_state``), Python's and NumPy's
-global RNG state, the framework RNG a backend reports, and library versions; and their JSON
-files in a checkpoint: ``driver.json`` (written by the primary: global facts plus the
-primary's local state) and ``driver.p{index:05d}.json`` (each other process's local state:
-per-process data-loader positions and RNGs differ across hosts).
-
-Scope of a stateful object's state: per process by default (process i restores what process
-i saved). An object whose class says ``jaxckpt_state_scope = "global"`` (its state is the same
-on every process, e.g. ``jaxckpt.IndexSampler``) is restored on every process from the
-primary's copy, so a run resumed on more processes than saved it gives the new ones that
-state too.
-
-Everything goes through :mod:`jaxckpt.core.codec`: never pickle. A key missing from an older
-checkpoint is optional on restore and produces a ``CheckpointWarning``, not a KeyError.
+Owns: capturing and restoring counters (``StepInfo``), ``stateful`` objects (anything with
+``state_dict``/``load_state_dict`` or ``get_state``/``set_state``, NumPy Generators,
+``random.Random``; torch loaders through ``manager.loader_state``), Python's and NumPy's
+global RNGs, the backend's RNG and library versions; and their files: ``driver.json`` (the
+primary's) and ``driver.p{index:05d}.json`` (each other process's local state). A stateful
+object is per process unless its class sets ``jaxckpt_state_scope = "global"``: then every
+process restores the primary's copy. All through ``core.codec`` (never pickle); a key an
+older checkpoint lacks warns instead of failing.
 
 Must not import: jax, orbax, torch.
 """

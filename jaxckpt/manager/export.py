@@ -1,18 +1,14 @@
 """Exports: model-only copies of the state written by the user's exporter, and their retention.
 
-Owns: one export (a host copy of the state where the write runs in the background or the
-arrays are sharded across processes, then ``exporter(state, tmp_dir)`` and a rename to
-``export/epoch{E}epochstep{S}globalstep{G}``), the retention of exports (``keep_last_n`` of
-``ExportConfig``), and ``export_record``, what the exporter says about itself for every
-recovery checkpoint's driver.json.
+Owns: ``Exporter``: one export (a host copy where needed, ``exporter(state, tmp_dir)``, then
+the move to ``export/epoch{E}epochstep{S}globalstep{G}``), their retention (``keep_last_n``
+of ``ExportConfig``), and ``export_record``, what ``driver.json`` says of the exporter.
 
-Must not import: jax, orbax, torch, or the recovery and saving parts; the thread and the
-error propagation are the ``SavePipeline``'s.
+Must not import: jax, orbax, torch, or the restore and save parts; the thread and the error
+propagation are the ``SavePipeline``'s.
 
-Concurrency contract: ``save`` runs on the training thread (every process joins the host
-copy, a collective in multi-process runs); the exporter, the rename and ``apply_retention``
-run on the pipeline's background thread (the exporter inline in sync mode), on the primary
-only.
+Concurrency: ``save`` on the training thread (the host copy is a collective); the exporter,
+the move and retention on the background thread (inline in sync mode), primary only.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Torch data loaders as ``stateful`` objects: what their own state leaves out.
 
-Owns: the RNG a ``torch.utils.data.DataLoader``-family loader (``StatefulDataLoader``) draws
-from (its ``generator`` attribute), saved beside the loader's ``state_dict`` and set back
-once the loaded state is in use; making that loaded state take effect inside ``recover``;
-and refusing samplers whose order such a loader cannot resume exactly. Part of the pure
-layer: it recognises loaders by their attributes and never imports a framework.
-
-Why: an iterator of a torch loader draws from ``loader.generator`` twice as it is created:
-the sampler's permutation (``shuffle=True`` hands the loader's generator to its
-``RandomSampler``) and the iterator's base seed (from torch's global RNG when the loader has
-no generator). ``StatefulDataLoader`` saves the generator as it was before the permutation
-and on load draws the permutation again but not the base seed: its generator ends one draw
-behind the uninterrupted run's and every later epoch is shuffled differently. And
-``load_state_dict`` only stores the state: the iterator that uses it (and draws again) is
-made by the next ``iter()``, after ``recover`` restored torch's global RNG, so that draw
-moved the global RNG too. ``after_load`` makes the iterator at once (``state_dict()`` does;
-the next ``iter()`` returns that same iterator), before the manager restores the global
-RNGs, then sets the generator to its state at the save; not for a loader whose sampler
-the loop orders with ``set_epoch`` before ``iter()`` (``after_load``).
+Owns: a ``StatefulDataLoader``'s ``generator``, saved beside its ``state_dict`` and set back
+by ``after_load``, which makes the restored iterator at once (inside ``recover``, before
+the global RNGs are restored) so that the loader resumes exactly; and refusing samplers
+whose order such a loader cannot resume. Part of the pure layer: it recognises loaders by
+their attributes. Why the loader's own state is not enough: docs/design.md, Driver files.
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: called on the training thread by ``manager.driver_state`` while it
-captures or restores stateful objects; holds no state of its own.
+Concurrency: called on the training thread by ``manager.driver_state``; no state of its own.
 """
 
 from __future__ import annotations
@@ -98,7 +84,7 @@ def _ordered_by_epoch(obj: Any) -> bool:
 
 def after_load(obj: Any, saved: Mapping[str, Any]) -> None:
     """After ``obj.load_state_dict``: put the loaded state into use now and set the
-    generator back to its state at the save (module docstring: why). Not for a loader whose
+    generator back to its state at the save (docs/design.md: why). Not for a loader whose
     order the loop sets with ``set_epoch`` before ``iter()``: its restored iterator must be
     made by that ``iter()`` (such a sampler draws nothing from the loader's generator, and
     with a ``generator=`` the loader draws nothing from torch's global RNG either)."""

@@ -1,32 +1,17 @@
 """A fast local tier over the durable root: frequent recovery checkpoints on local disk, and
 recovery across both tiers.
 
-Owns: :class:`LocalTierSet`, what a manager built with ``local=LocalTier(...)`` adds: a second
-``CheckpointStore`` at ``LocalTier.path`` (same layout, commit protocol and verification as
-the durable root, its own lock, its own retention: ``LocalTier.keep_last_n``), its trigger,
-its own save pipeline (background thread) and saver, the claim that ties the local root to
-one durable root (``tier.json``), and the choice of the checkpoint to resume from across both
-tiers (newest first, local before durable at an equal step, falling back past unusable ones,
-failing closed across both).
-
-What it guarantees:
-- the durable tier never waits for, nor reads, anything of the local tier: its saves drain
-  only its own pipeline, its items live under its own root, its retention counts only its
-  own checkpoints;
-- at a step where both tiers are due only the durable root is written (it holds the newest
-  state; the local trigger counts that save as its own);
-- a local write that fails is a ``CheckpointWarning``, never an error: the local tier is a
-  cache in front of the durable root, and training goes on.
+Owns: :class:`LocalTierSet`, what ``local=LocalTier(...)`` adds: a second
+``CheckpointStore`` at ``LocalTier.path`` (same protocol, its own lock and retention), its
+trigger, pipeline and saver, the ``tier.json`` claim tying it to one durable root, and the
+choice of the checkpoint to resume from across both tiers (newest first, local first at an
+equal step, falling back, failing closed across both). The durable tier never waits for
+the local one; where both are due only the durable root is written; a failed local write
+is a ``CheckpointWarning``. docs/design.md has the rules.
 
 Must not import: jax, orbax, torch, or the manager facade (``manager`` imports this).
 
-Concurrency contract: the methods run on the manager's training thread. The local tier's
-pipeline owns one background thread (commits and retention of local checkpoints, in order),
-apart from the durable pipeline's, so a slow durable write never holds up a local save.
-Across processes: single-process runs only for now (``ConfigError`` otherwise: each host
-would need its own local root and a barrier on which tier to resume from). Across jobs: the
-local root's lock admits one job; ``tier.json`` refuses a local root that belongs to another
-durable root.
+Concurrency: the training thread; the local pipeline has a background thread of its own.
 """
 
 from __future__ import annotations

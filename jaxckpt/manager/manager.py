@@ -1,26 +1,18 @@
 """CheckpointManager: the policy, the store and the driver state tied to one array backend.
 
-Owns: the public API of a training run's checkpoints (``recover``, ``restore``,
-``maybe_save``, ``save``, ``export``, ``wait``, ``close``), the validation of its arguments
-(``arguments``), deciding at each step what is due (the triggers of ``policy``, agreed across
-processes by ``preemption``), the step bookkeeping (the last completed step, which a forced
-save records), and composing the parts that do the work, which share a ``ManagerContext``:
-``pipeline`` (the background thread and the propagation of failures), ``saving`` (one
-recovery save, snapshot to committed marker to retention), ``exports``, ``recovery`` and
-``verification`` (discover, verify, fall back, read), ``preemption`` (signal handlers),
-``root`` (layout, lock and crash debris at start-up), ``reports`` (what calls return) and
-``tiers`` (the optional fast local tier, ``local=LocalTier(...)``, and recovery across it).
-
-Concurrency contract: a manager is used from one training thread. It owns one background
-thread, which runs commits, exports and deletions strictly in order (a local tier has a
-second one for its own saves, see ``tiers``). A failure there is
-recorded on its report and raised (as ``CheckpointWriteError`` chained to the cause, naming
-the step and path) by the next manager call, or only warned when
-``on_write_error="warn"``. Across jobs: one job per root (an exclusive lock); across
-processes of one job: the primary decides and commits, every process writes its share.
+Owns: the public API (``recover``, ``restore``, ``maybe_save``, ``save``, ``export``,
+``wait``, ``close``, ``pin``), deciding at each step what is due (``core.policy``'s
+triggers, agreed across processes by ``preemption``), the last completed step, and the
+wiring of the parts, which share a ``context.ManagerContext``: ``arguments``,
+``background``, ``save``, ``export``, ``restore``, ``commit.verification``,
+``preemption``, ``root``, ``reports`` and ``local_tier``.
 
 Must not import: jax, orbax, torch. The Orbax backend is imported lazily when no backend is
 given.
+
+Concurrency: one training thread uses a manager; its background thread runs commits,
+exports and deletions in order, a failure there raised by the next call (or warned). One
+job per root; across processes the primary decides and commits, each writes its share.
 """
 
 from __future__ import annotations
@@ -68,34 +60,32 @@ log = logging.getLogger("jaxckpt")
 class CheckpointManager:
     """Recovery checkpoints and exports for one training run under ``root``.
 
-    ``backend`` defaults to the Orbax backend (JAX/Flax pytrees). ``on_report`` is called with
-    every finished :class:`SaveReport` (from the background thread in async mode).
-    ``on_write_error``: "raise" makes a failed save raise at the next call; "warn" turns it
-    into a ``CheckpointWarning`` so training continues (earlier checkpoints stay valid).
-    ``preemption_signals``: signals that request a checkpoint at the next step boundary
-    (``maybe_save`` saves with reason "preempted" and ``preempted`` becomes True). Handlers
-    are installed only from the main thread and the previous ones are put back by ``close``.
-    Pass ``()`` to leave signals alone. ``on_preemption``: "exit" (default) ends the process
-    as the signal would have, in the ``maybe_save`` that wrote that checkpoint, once it
-    committed and the manager closed; "continue" leaves the loop to stop on ``preempted``.
-    ``items``: auxiliary items that change on their own cadence (e.g. a GRPO reference policy
-    updated every K steps), ``{name: Every(steps=K)}``. Pass the item's tree in ``items=`` of
-    ``maybe_save``/``save``: its version is derived from the step and it is written only the
-    first time a checkpoint needs that version (``jaxckpt.Versioned(version, tree)`` gives the
-    version explicitly instead). Every checkpoint restores the version current when it was taken.
-    ``root`` is a local path or an object-store URL ``s3://bucket/prefix`` or
-    ``gs://bucket/prefix`` (nothing is then created locally); ``storage_options`` configure
-    the object store's client (``endpoint_url``, credentials, ``max_attempts``... and
-    ``lease_s``/``heartbeat_s`` of the root lease), each taken from the standard environment
-    (``AWS_ENDPOINT_URL``, ``AWS_REGION``..., ``STORAGE_EMULATOR_HOST``) when not given
-    (docs/cloud.md).
+    Args:
+        root: a local path, or ``s3://bucket/prefix`` / ``gs://bucket/prefix`` (docs/cloud.md).
+        recover: the recovery checkpoints' config (default ``RecoverConfig()``).
+        export: the exports' config; None: no exports.
+        mode: "sync", "async" or "auto" (async where the backend supports it).
+        backend: the array backend; default the Orbax backend (JAX/Flax pytrees).
+        on_report: called with every finished :class:`SaveReport` (from the background thread
+            in async mode).
+        on_write_error: "raise": a failed save raises at the next call; "warn": a
+            ``CheckpointWarning``, training goes on (earlier checkpoints stay valid).
+        commit_timeout_s: how long a commit waits for the other processes' writes.
+        preemption_signals: signals that request a checkpoint at the next step boundary
+            (reason "preempted"); handlers installed from the main thread only, restored by
+            ``close``; ``()`` leaves signals alone.
+        on_preemption: "exit": once that checkpoint committed and the manager closed, end the
+            process as the signal would have; "continue": the loop stops on ``preempted``.
+        items: auxiliary items on their own cadence, ``{name: Every(steps=K)}``; their trees
+            go in ``items=`` of ``maybe_save``/``save`` (version from the step, or
+            ``Versioned(version, tree)``), written once per version.
+        clock: the time source of the time triggers (tests inject one).
+        local: a fast local tier (``LocalTier``) of frequent checkpoints between the durable
+            root's; ``recover`` resumes from the newest valid one of either.
+        storage_options: the object store's client settings (``endpoint_url``, credentials,
+            ``max_attempts``, ``lease_s``/``heartbeat_s``...), else the standard environment.
 
-    ``local``: a fast local tier (``jaxckpt.LocalTier``) that takes frequent recovery
-    checkpoints between the durable root's; ``recover`` resumes from the newest valid one of
-    either (see ``jaxckpt.manager.local_tier``). Single-process runs only for now.
-
-    Concurrency contract: see the module docstring (one training thread; one background
-    thread; one job per root; the primary decides and commits).
+    Concurrency: one training thread; one background thread; one job per root.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, recover: RecoverConfig | None = None,

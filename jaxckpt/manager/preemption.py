@@ -1,21 +1,16 @@
 """Preemption: signals that ask for a checkpoint at the next step boundary, the decision of
 what is due shared across processes, and ending the process once that checkpoint is safe.
 
-Owns: installing the preemption signal handlers (only from the main thread) and putting the
-previous ones back, the pending request (from a signal or ``request``), whether the run was
-preempted and by which signal, ``agree`` (in multi-process runs with time triggers or signal
-handling, the primary's decision of what is due wins, shared by one small broadcast per step,
-which carries the primary's signal number too), and ``end_process``: ending the process by
-that signal's default action, as if the scheduler's signal had not been intercepted (the
-manager calls it from the training thread, after the checkpoint committed and the manager
-closed, with ``on_preemption="exit"``).
+Owns: ``Preemption``: installing the signal handlers (main thread only) and restoring the
+previous ones, the pending request, ``agree`` (the primary's decision of what is due and its
+signal, shared by one small broadcast per step) and ``end_after``/``end_process`` (with
+``on_preemption="exit"``, the process ends by the signal's default action once the
+checkpoint committed and the manager closed).
 
 Must not import: jax, orbax, torch, or the other parts of the manager.
 
-Concurrency contract: used from the training thread. A handler only records the signal (it
-runs on the main thread between bytecodes); the save itself happens at the next
-``maybe_save``, and the process ends only after it, never from the handler mid-write.
-``agree`` is a collective: every process calls it at every step, or none.
+Concurrency: the training thread; a handler only records the signal, the save happens at
+the next ``maybe_save``. ``agree`` is a collective: every process calls it at every step.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Recovery: find the checkpoint to resume from, verify it, fall back past damaged ones, and
 read it.
 
-Owns: choosing the step (the primary walks the committed checkpoints newest first, checks
-each and the item versions it refers to, and shares its choice; on an object store it
-starts fetching a candidate's bulk state files as soon as the manifest names them:
-``read_ahead``), failing closed when
-checkpoints exist and none verifies (``RecoverConfig.on_corrupt``), reading the driver state,
-the arrays and the requested items under a reader lock (retention keeps off), judging the
-read once the deferred checksums are in (``verification``), falling back when they fail,
-setting unusable checkpoints aside, and restoring each process's local state (stateful
-objects, RNGs) only once the arrays are in.
+Owns: ``Recovery``: choosing the step (the primary walks committed checkpoints newest first,
+checks each and its item versions, starts fetching bulk files early on an object store,
+and shares its choice), failing closed (``RecoverConfig.on_corrupt``), reading driver,
+arrays and items under a reader lock, judging the read once the deferred checksums are in,
+falling back, setting unusable checkpoints aside, and restoring local state only once the
+arrays are in; ``start_fresh``. docs/architecture.md, Walk 2, names the functions.
 
-Must not import: jax, orbax, torch, or the saving, export and pipeline parts: the manager
+Must not import: jax, orbax, torch, or the save, export and pipeline parts: the manager
 waits for in-flight saves before it calls ``restore``.
 
-Concurrency contract: ``restore`` runs on the training thread with no save in flight. The
-step being read is in the context's ``reading`` set (under ``state_lock``) for as long as it is
-read, so that the background thread's retention leaves it alone. Across processes: the primary
-decides which step and whether its deferred checksums passed; every process takes the shared
-verdict, so that all of them fall back or raise together.
+Concurrency: the training thread, no save in flight; the step being read is in the
+context's ``reading`` set (under ``state_lock``), so retention leaves it alone.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Taking a checkpoint root for one job: its layout, its lock, the debris of a crash.
 
-Owns: ``open_store``, what a root string becomes before anything is written (a local path
-or an object-store URL with its ``Storage``, refused when it holds another tool's files),
-``attach_backend`` (an object-store root needs a backend that writes there, and hands it the
-storage), and ``prepare_root``, what the primary process does to a root before a manager
-uses it (on an object store, check that the server honours conditional writes,
-``jaxckpt.storage.write_probe``; create the directories, take the exclusive root lock, remove the
-partial and temporary entries and the unfinished uploads an interrupted run left), with the
-errors a root that cannot be used raises. The lock itself (``CheckpointStore.lock``, a
-``RootLease``) and the layout are the store's.
+Owns: ``open_store`` (a root string to a store over its ``Storage``, refused when it holds
+another tool's files), ``attach_backend`` (an object-store root's storage handed to a
+backend that writes there) and ``prepare_root``, what the primary does before a manager
+uses a root: check conditional writes on an object store (``storage.write_probe``), create
+the directories, take the root lock (``CheckpointStore.lock``), remove partial and
+temporary entries and unfinished uploads; with the errors of an unusable root.
 
 Must not import: jax, orbax, torch, or any part of the manager.
 
-Concurrency contract: called once per manager, by the primary process only, before any
-other process touches the root (the manager's start-up barrier follows). Across jobs: the
-lock admits one job per root; a second job's ``prepare_root`` raises and leaves the root as
-it was.
+Concurrency: once per manager, by the primary, before any other process touches the root;
+a second job's ``prepare_root`` raises and leaves the root as it was.
 """
 
 from __future__ import annotations

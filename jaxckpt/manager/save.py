@@ -1,34 +1,18 @@
 """One recovery save, from the snapshot on the training thread to the committed marker and
 retention on the background thread.
 
-The steps of a save of step S into D = recover/step_S:
+Owns: ``RecoverySaver``: snapshotting the driver state, making room for a step already on
+disk, starting the driver file's and the backend's writes (``save``: its time is
+``report.blocking_s``), committing each new item version and then the checkpoint (the
+``done.p{i}`` handshake across processes), retention of checkpoints and items, and the
+once-per-manager warning about what a save leaves out (docs/architecture.md, Walk 1).
 
-1. training thread (``RecoverySaver.save``, this is ``report.blocking_s``): wait for the
-   previous save (only one is ever in flight), snapshot the driver state to JSON bytes, let
-   the store's pool start writing the driver JSON, let the backend stage the arrays of the
-   checkpoint and of every item version not on disk yet (``backend.write`` returns once the
-   caller may touch its arrays again; a sync write has written them);
-2. background thread, or inline in sync mode (the ``finish`` job handed to the
-   ``SavePipeline``): wait for the driver JSON and the backend's writes, commit each new
-   item version and then the checkpoint: in multi-process runs every process drops
-   ``done.p{i}`` and the primary waits for all of them; the primary checksums and fsyncs every
-   file and writes ``COMMITTED`` atomically (``store.commit``);
-3. background thread, only after a commit: retention (checkpoints no rule of
-   ``jaxckpt.core.retention`` keeps, then item versions no committed checkpoint refers to), or the
-   partial directory's removal after a failure.
+Must not import: jax, orbax, torch, or the restore and export parts; the thread and the
+error propagation are ``background.SavePipeline``'s.
 
-Owns: those steps, the item versions of a save, making room for a step already on disk, the
-``done.p{i}`` handshake, retention of recovery checkpoints and items, and the once-per-manager
-warning about framework objects a save leaves out.
-
-Must not import: jax, orbax, torch, or the recovery and export parts; the thread and the
-error propagation are the ``SavePipeline``'s.
-
-Concurrency contract: ``save`` and ``warn_left_out`` run on the training thread; the commit,
-``apply_retention`` and the partial cleanup run on the pipeline's background thread (inline
-in sync mode). The shared fields of the context they touch (``written_items``, ``reading``)
-are guarded by its ``state_lock``. Across processes: every process writes its share and drops
-its ``done.p{i}``; only the primary writes the driver, commits and deletes.
+Concurrency: ``save`` and ``warn_left_out`` on the training thread; commit, retention and
+cleanup on the pipeline's thread (inline in sync mode), shared context fields under its
+``state_lock``. Only the primary writes the driver, commits and deletes.
 """
 
 from __future__ import annotations

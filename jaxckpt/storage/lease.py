@@ -1,51 +1,18 @@
 """The root lock on an object store: a lease object, created only if absent, renewed by a
 heartbeat, taken over by one job once its holder is gone. The part every object store shares.
 
-Owns: ``Lease`` (taking, renewing and giving up a lease, and the ``RootLockedError`` a second
-job gets) over ``LeaseObject``, the four conditional requests a store must offer for it
-(``storage.s3.lease`` on S3, ``storage.gcs.lease`` on GCS); ``LeaseConflict``, what such a
-request raises when its condition does not hold; ``LeaseRequestUnsupported``, what it raises
-when the server does not implement it (HTTP 501).
-
-The protocol. The lease of a root is the object ``{root}/.lock`` holding JSON: a holder token
-unique to this lease, the holder's process (host, boot id, pid namespace, pid, the process's
-start time), the lease length and heartbeat. Taking it: a create-only write. When the object
-is there, it is free when any of these holds, and then taken over by a write conditional on
-the version that was read (an ETag on S3, a generation on GCS), so of several takers exactly
-one wins:
-
-- it is marked released (a release where the server refuses a conditional delete);
-- its holder is this very process and no lease of this process holds it now (an earlier
-  manager released it, or failed to): a process is never "another job" to itself;
-- its holder ran on this host (same host name, boot and pid namespace) and that process is
-  gone: no process with its pid, a zombie, or one started at another time (the pid reused);
-- it was not rewritten for a whole lease length: by the server's clock (the server's time of
-  the read minus the object's modification time, so hosts' clocks need not agree), or as
-  watched from here.
-
-A holder that cannot be checked from here (another host) and was renewed less than a lease
-length ago is watched: the taker reads the object again every fraction of a heartbeat, logging
-that it waits. Rewritten meanwhile, the holder is alive (``RootLockedError`` naming it);
-unchanged until the lease runs out, it is taken over. So a job restarted right after a SIGKILL
-waits at most a lease length for its predecessor's lease, and only a holder that keeps renewing
-is refused. A live holder on this host, or a live lease of this process, is refused at once.
-
-A heartbeat thread renews the lease every ``heartbeat_s`` with a write conditional on the
-version of the last renewal; if that condition fails, someone took the lease over (this job
-stalled longer than the lease): the heartbeat stops and logs an error, and ``lost`` says so.
-Releasing deletes the object if it is still ours (a delete conditional on our version); a
-server that does not implement that request (LocalStack's S3 answers 501) gets a write
-conditional on our version instead, marking the lease released.
-
-A conditional write whose response was lost may be retried by the client and then fail its
-own condition (the first try succeeded). Every conflict is therefore checked by reading the
-object back: if it holds this lease's token, the write was ours and succeeded.
+Owns: ``Lease`` (take, renew, give up; ``RootLockedError`` for a second job) over
+``LeaseObject``, the four conditional requests a store offers (``storage.s3.lease``,
+``storage.gcs.lease``); ``LeaseConflict`` (a condition failed) and
+``LeaseRequestUnsupported`` (HTTP 501). The protocol (a held lease is free once released, this
+process's own, a gone process of this host, or unrenewed for a lease length) is in
+docs/cloud.md; a conflict is checked by reading the object back (a retry can fail its own
+condition).
 
 Must not import: jax, orbax, torch, boto3, google (the stores' clients stay in their modules).
 
-Concurrency contract: one ``Lease`` per holder; ``release`` may be called from any thread,
-any number of times. The tokens of the leases this process holds are kept in a set guarded by
-a lock. Across jobs and hosts the server's conditional requests decide.
+Concurrency: one ``Lease`` per holder, renewed by its heartbeat thread; ``release`` from any
+thread, any number of times. Across jobs and hosts the server's conditional requests decide.
 """
 
 from __future__ import annotations

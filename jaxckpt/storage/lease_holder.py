@@ -1,22 +1,15 @@
-"""Who holds a root lease: the identity of this process as a lease records it, and what can be
+"""Who holds a root lease: this process's identity as a lease records it, and what can be
 told from here about the process a lease names.
 
-Owns: ``this_process`` (host name, boot id, pid namespace, pid and start time of the calling
-process) and ``holder_status`` (a recorded holder is this process, a running process on this
-host, one that is gone, or one that cannot be checked from here).
-
-Why all five fields: a pid alone names a process only on one host, in one pid namespace
-(containers have their own), during one boot, and only until the pid is reused. The boot id
-(``/proc/sys/kernel/random/boot_id``) and the pid namespace (``/proc/self/ns/pid``) tell
-whether a pid read from a lease means the same process table as ours; the start time
-(``/proc/<pid>/stat``, in clock ticks since boot) tells a reused pid from the holder. Where
-these cannot be read (not Linux), a holder is never judged from here: the lease protocol then
-waits for the lease to run out instead (``jaxckpt.storage.lease``).
+Owns: ``this_process`` (host name, boot id, pid namespace, pid, start time: together they
+name one process, which a pid alone does not across hosts, containers, boots and pid
+reuse) and ``holder_status`` (this process, a running one of this host, a gone one, or one
+that cannot be checked from here, as anywhere but Linux).
 
 Must not import: jax, orbax, torch, boto3, google.
 
-Concurrency contract: pure functions of /proc and the record given; ``this_process`` caches
-its answer per pid (a forked child computes its own).
+Concurrency: pure functions of /proc and the record given; ``this_process`` caches its
+answer per pid (a forked child computes its own).
 """
 
 from __future__ import annotations

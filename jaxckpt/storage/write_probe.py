@@ -1,34 +1,17 @@
 """Does an object store honour conditional writes? The check a root's opening makes.
 
-Owns: ``check_conditional_writes`` (called by ``jaxckpt.manager.root.prepare_root`` for an
-object-store root, before the root lease is taken), the probe's requests on S3 and on GCS,
-the ``conditional_writes`` storage option (``conditional_writes_mode``: ``"check"``, the
-default, or ``"unsafe_skip_check"``) and the message of ``ConditionalWritesError``.
-
-Why: the commit marker is a create-only write and the root lease a create-only write
-renewed by writes conditional on its version, each decided by the server. A server that
-ignores the conditions (s3rver 3.7, some S3-compatible stores and older versions) answers
-200 and overwrites: a second job then takes a root another job holds, and two writers of
-one step both "commit", the last one's data winning, with nothing in the results to show
-it. So the server is asked, at open, to refuse both kinds of write.
-
-The probe is one small object of its own, ``{root}/.tmp-write-probe.{token}`` (a temporary
-name, which a root may hold and ``check_root`` passes over; unique per probe, so that jobs
-opening one root at once never meet each other's object): written plainly, then written
-create-only (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``) and conditional on a
-version it is not at (S3 ``If-Match`` with another ETag, GCS ``ifGenerationMatch`` with
-another generation), both of which an honest server refuses with 412, then deleted: four
-requests per open. A job killed during those requests may leave the object behind; nothing
-reads it, and it may be deleted by hand.
-
-``"unsafe_skip_check"`` skips the probe and warns once per open: the user then keeps to one
-job per root on their honour.
+Owns: ``check_conditional_writes`` (from ``manager.root.prepare_root``, for an object-store
+root, before the lease is taken), the probe's requests on S3 and GCS (a plain write of
+``{root}/.tmp-write-probe.{token}``, then a create-only write and one conditional on
+another version, both of which must be refused with 412, then a delete), the
+``conditional_writes`` option (``"check"`` or ``"unsafe_skip_check"``, which warns) and
+the message of ``ConditionalWritesError``. Why and which servers: docs/cloud.md.
 
 Must not import: jax, orbax, torch, boto3, google (the stores' clients come through their
-storages, and each store's module is imported only for a root of its scheme).
+storages).
 
-Concurrency contract: called by one process per job (the primary) as the root is opened;
-the probe's object is its own, so any number of jobs may probe one root at once.
+Concurrency: the primary, as it opens the root; each probe object is its own, so any
+number of jobs may probe one root at once.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """The crash-and-resume demo, and the training worker that it and the tests run.
 
-Owns: a deterministic, stateful synthetic data loader (``SyntheticLoader``), a small Flax NNX
-training loop wired to ``jaxckpt.CheckpointManager`` (``train``), the ``worker`` command line
-that runs that loop in a subprocess (``python -m jaxckpt.tools.demo worker --root R --steps
-N``), and ``run_demo``: train once uninterrupted, then train on another root while SIGKILLing the
-worker twice (once at a random step, once right after it started an async save) and resuming
-it, and show that both runs produced bit-identical losses and final state.
+Owns: a deterministic, stateful synthetic loader (``SyntheticLoader``), a small Flax NNX
+training loop wired to ``CheckpointManager`` (``train``), the ``worker`` command (``python
+-m jaxckpt.tools.demo worker --root R --steps N``; its stdout protocol and log format are
+in ``_emit``), and ``run_demo``: train once uninterrupted, then on another root while
+SIGKILLing the worker twice and resuming it, and show bit-identical losses and final state.
 
-The worker's stdout protocol, one line each, flushed at once so a parent process can kill
-the worker at precise moments:
-
-    RESUMED {"step": S, "path": P}   restored the checkpoint of step S (training goes on at S+1)
-    FRESH                            no valid checkpoint: training starts at step 0
-    STEP n                           step n finished (its loss is already in the log file)
-    SAVING n                         maybe_save after step n started a recovery checkpoint
-    REPORT {...}                     at the end: one save report (step, blocking_s, total_s, ...)
-    DONE {...}                       at the end: the last step and the path of the final .npz
-
-The log file gets one JSON line per finished step, ``{"step": n, "loss": float.hex(loss)}``,
-flushed and fsynced before ``STEP n`` is printed; hex floats compare bit for bit.
-
-Importing this module imports numpy only; jax, flax and optax are imported by ``train``.
+Must not import at module level: jax, flax, optax, torch (``train`` imports jax, flax and
+optax).
 """
 
 from __future__ import annotations
@@ -126,6 +113,19 @@ class SyntheticLoader:
 
 
 def _emit(line: str) -> None:
+    """Write one line of the worker's stdout protocol, flushed at once so a parent process
+    can kill the worker at precise moments::
+
+        RESUMED {"step": S, "path": P}   restored step S (training goes on at S+1)
+        FRESH                            no valid checkpoint: training starts at step 0
+        STEP n                           step n finished (its loss is already in the log)
+        SAVING n                         maybe_save after step n started a recovery save
+        REPORT {...}                     at the end: one save report (step, blocking_s, ...)
+        DONE {...}                       at the end: the last step, the final .npz's path
+
+    The log file gets one JSON line per finished step, ``{"step": n, "loss":
+    float.hex(loss)}``, flushed and fsynced before ``STEP n``; hex floats compare bit for bit.
+    """
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -239,7 +239,7 @@ def train(root: str | os.PathLike[str], *, total_steps: int, save_every: int,
     """Train the reference MLP on ``SyntheticLoader`` batches for ``total_steps`` global
     steps, resuming from the latest valid checkpoint under ``root`` when there is one.
 
-    See the module docstring for the lines passed to ``emit`` and the log format. At the end:
+    ``_emit`` describes the lines passed to ``emit`` and the log format. At the end:
     a forced save, ``close()``, and the final params + optimizer state (PRNG keys as key
     data) written to ``final_path`` (default: next to the log as ``<log stem>.final.npz``, or
     beside the root as ``{root}.final.npz``: never inside it, where jaxckpt writes alone).

@@ -1,17 +1,12 @@
 """The logic behind ``jaxckpt export-hf`` and ``jaxckpt import-hf``.
 
-Owns: turning a committed recovery checkpoint (Orbax backend) into a Hugging Face model
-directory, and a Hugging Face directory into a recovery checkpoint that
-``jaxckpt.CheckpointManager.restore`` loads; progress bars for both (tqdm when installed,
-else one updating stderr line: ``jaxckpt.tools.progress``). Argument parsing lives in
-``jaxckpt.tools.cli``. Roots may be local paths or ``s3://`` / ``gs://`` URLs: a checkpoint
-on a URL is read through its root's store (the Orbax backend is handed that storage), and an
-export to a URL is written in a local temporary directory, then uploaded and committed with
-a manifest (``jaxckpt.commit.object_steps.publish_export``), as exports on object roots are.
-
-Reading a checkpoint never takes the root's lock and never cleans anything up: exporting
-from a root while its training job runs is safe (the checkpoint read is held with the
-store's shared read lock, so retention skips it).
+Owns: a committed recovery checkpoint (Orbax backend) into a Hugging Face model directory,
+and a Hugging Face directory into a recovery checkpoint, with their progress displays
+(``tools.progress``); argument parsing is ``tools.cli``'s. Roots may be paths or URLs: a
+checkpoint on a URL is read through its root's store, an export to a URL staged locally,
+then uploaded and committed (``commit.object_steps.publish_export``). Reading never takes
+the root's lock nor cleans up, and holds the store's read lock, so exporting while the
+training job runs is safe.
 
 Importing this module imports neither jax nor torch; the functions import jax/orbax when they
 read or write a recovery checkpoint.

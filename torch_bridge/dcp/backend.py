@@ -1,29 +1,14 @@
 """The PyTorch backend: training state written and read by torch.distributed.checkpoint (DCP).
 
-Owns: turning a state dict of ``name -> object`` (``nn.Module``, ``torch.optim.Optimizer``,
-LR schedulers and anything else with ``state_dict``/``load_state_dict``, tensors, DTensors,
-and plain containers of tensors and JSON-like values) into a flat ``{key: tensor}`` dict that
-DCP writes plus a JSON description of everything else (``objects.json``), and the way back:
-matching saved tensors to the live objects of a ``like`` dict by tree path, reporting every
-mismatch at once, loading in place (modules and optimizers go through
-``torch.distributed.checkpoint.state_dict`` so DDP/FSDP-wrapped models reshard). Also the
-process facts of a ``torch.distributed`` run and the per-process torch RNG state.
-
-Layout of one written directory (the manager passes ``step_XXXXXXXX/state``)::
-
-    {directory}/.metadata        DCP's metadata (a pickle: DCP's own format)
-    {directory}/__{rank}_0.distcp  DCP's data, one file per process; tensors only
-    {directory}/objects.json     ours (primary process): entry kinds, non-tensor values
-                                 (optimizer param groups, scheduler state) through the safe
-                                 jaxckpt codec, and the path, shape and dtype of every tensor
-
-A local directory is filled under the temporary name ``.tmp-{name}`` next to it and renamed
-into place by the primary once every process's data and DCP's metadata are written, so it
-only ever appears complete. On an object store (an ``s3://`` or ``gs://`` root: the manager
-hands the backend its ``Storage`` with ``attach_storage``) the files are uploaded at their
-final names, since a store has no rename; either way the manager's ``COMMITTED`` marker is
-what makes a checkpoint valid. Where the files go is ``dcp_files``'s. Non-tensor values
-never reach DCP, so no pickle is written besides DCP's metadata.
+Owns: ``DcpBackend``: a state dict of ``name -> object`` (modules, optimizers, schedulers,
+anything with ``state_dict``; tensors, DTensors, containers of tensors and JSON-like
+values) into a flat ``{key: tensor}`` that DCP writes plus ``objects.json`` (entry kinds,
+non-tensor values through jaxckpt's codec, every tensor's path, shape and dtype), and back:
+matching a ``like`` dict by tree path, every mismatch reported at once, loading in place
+(through ``torch.distributed.checkpoint.state_dict`` so DDP/FSDP models reshard); the
+process facts of a ``torch.distributed`` run and the torch RNG. Where the files go (a local
+directory renamed into place, or an object store's prefix) is ``dcp.files``'s; the
+manager's ``COMMITTED`` marker makes a checkpoint valid. No pickle besides DCP's metadata.
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
 """

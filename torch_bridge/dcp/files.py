@@ -1,30 +1,17 @@
 """Where the DCP backend's files live: a local directory, or prefixes of a jaxckpt ``Storage``.
 
-Owns: ``LocalDcpFiles`` (a directory filled under a temporary name and renamed into place,
-as the DCP backend always did) and ``StorageDcpFiles`` (an object store's prefix, written in
-place: the manager's ``COMMITTED`` marker is what makes it valid, and a store has no
-rename), with the one interface ``DcpBackend`` uses for either: prepare a write and put
-``objects.json``, the DCP storage writer and reader for a location, publish a finished
-write, read ``objects.json`` back. Also DCP's ``FileSystemBase`` over a ``Storage``, which
-the object-store writer and reader are built on.
-
-How bytes move on an object store: a DCP data file is sent while DCP writes it
-(``_dcp_upload``; on S3 its parts go up while DCP serialises the next tensors, and the
-object exists once DCP closes the file); ``.metadata`` is uploaded once, at its final name
-(DCP's own ``finish`` writes a
-temporary name and renames it, which on an object store is a copy and a delete). A restore
-first gathers, per data file, the byte ranges its tensors occupy (merged where they are
-close), fetches them with ranged GETs on a few threads (a file whose checksum it checks:
-whole, by one GET), each streamed into one buffer (``Storage.read_into``), and reads its
-tensors out of those buffers (``dcp_metadata``'s reader: a record's raw bytes straight into
-the live tensor); a partial restore thus fetches only what it loads. ``.metadata`` is read
-with ``dcp_metadata``'s restricted unpickler, as for a local directory.
+Owns: ``LocalDcpFiles`` (a directory filled under ``.tmp-{name}`` and renamed into place)
+and ``StorageDcpFiles`` (an object store's prefix written in place, data files streamed up
+as DCP writes them through ``dcp.upload``, ``.metadata`` put once at its final name;
+restores fetch the byte ranges their tensors occupy, or a whole file whose checksum is
+checked, into one buffer, read by ``dcp.metadata``'s reader), behind the one interface
+``DcpBackend`` uses; and DCP's ``FileSystemBase`` over a ``Storage``.
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
 
-Concurrency contract: a ``*DcpFiles`` object is stateless beyond its storage and is used
-from the backend's threads (training thread, DCP's writer thread) at once; a writer or
-reader it makes serves one ``dcp.save``/``dcp.load``.
+Concurrency: a ``*DcpFiles`` object holds nothing beyond its storage and is used from the
+training thread and DCP's writer threads at once; each writer or reader it makes serves
+one ``dcp.save``/``dcp.load``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """DCP's file writer for a local directory that checksums and fsyncs each file as it writes it.
 
-Owns: ``checksumming_writer(path)``, a ``FileSystemWriter`` whose streams feed every byte DCP
-hands them to the commit's checksum on its way to the file, fsync the file when DCP closes
-it, and keep its manifest entry (size and checksum) in ``writer.fs.written`` by path. The
-commit takes those entries (``LocalDcpFiles.known_checksums``) instead of reading the data
-files back, which cost a second pass over every byte of a sync save.
-The bytes checksummed are the bytes written: DCP writes each file from its start to its end
-and never seeks back, which the stream checks (a stream that was sought in records nothing,
-and the commit then reads that file back as before).
+Owns: ``checksumming_writer(path)``, a ``FileSystemWriter`` whose streams checksum every
+byte on its way to the file, fsync it on close, and keep its manifest entry in
+``writer.fs.written``; the commit takes those (``LocalDcpFiles.known_checksums``) instead
+of reading the files back. A stream that was sought in records nothing (the commit then
+reads that file back).
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
 
-Concurrency contract: DCP's writer threads each write their own files; ``written`` is filled
-under a lock. A writer serves one ``dcp.save`` and is used in this process only (DCP's
-checkpoint process would fill a copy: ``LocalDcpFiles`` gives that executor a plain writer).
+Concurrency: DCP's writer threads each write their own files; ``written`` is filled under a
+lock. A writer serves one ``dcp.save`` in this process only.
 """
 
 from __future__ import annotations

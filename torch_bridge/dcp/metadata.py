@@ -1,26 +1,12 @@
 """Loading DCP checkpoints without trusting them: the one place jaxckpt reads a pickle.
 
-Owns: the storage reader and load planner that ``DcpBackend.read`` gives ``dcp.load`` (the
-object-store reader of ``dcp_files`` derives from this reader), and the bytes of a
-``.metadata`` file for the object-store writer (``dump_metadata``).
-
-torch.distributed.checkpoint stores its index (``.metadata``) as a pickle, and its default
-reader unpickles it with no restriction: a checkpoint copied from elsewhere could run code on
-restore. torch's own weights-only unpickler cannot read it (it supports pickle protocol 2;
-DCP writes protocol 4 frames), so this module unpickles ``.metadata`` with a ``find_class``
-that admits only the handful of classes DCP's metadata is made of (its dataclasses,
-``torch.Size``, dtypes, the layout lookup, ``PosixPath``) and refuses every other global
-with ``CheckpointCorruptError`` before anything is constructed.
-
-Tensor records are read without ``torch.load`` where ``dcp_records`` proves their layout
-(``SafeReader.read_data``): the record's raw bytes go straight from the file (or the object
-store's fetched ranges) into the live tensor, one copy instead of torch.load's storage and
-a second copy, and no unpickler runs. A record it cannot prove (another writer's, a
-non-contiguous one, a dtype outside its table) goes through DCP's own ``read_data``.
-
-The second door is DCP's byte items: the default planner turns them back into objects with
-``torch.load(weights_only=False)``. ``DcpBackend`` never writes byte items (non-tensor values
-go to ``objects.json`` through jaxckpt's JSON codec), so the planner here refuses them.
+Owns: the storage reader and load planner ``DcpBackend.read`` gives ``dcp.load``, and
+``dump_metadata`` for the object-store writer. ``.metadata`` (a pickle) is unpickled with a
+``find_class`` that admits only the classes DCP's metadata is made of and refuses any other
+global with ``CheckpointCorruptError``; tensor records whose layout ``dcp.records`` proves
+are copied from the file (or fetched ranges) straight into the live tensor, other records
+go through DCP's ``read_data``; byte items (which ``DcpBackend`` never writes, and DCP
+would ``torch.load``) are refused. Why not torch's weights-only unpickler: docs/torch.md.
 
 Must not import: jax. torch.distributed.checkpoint is imported when the classes are built.
 """

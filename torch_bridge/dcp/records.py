@@ -1,29 +1,13 @@
 """The layout of one DCP tensor record, proven from its bytes without unpickling anything.
 
-Owns: ``parse_record`` and ``Record``. DCP's file writer stores each tensor chunk as the
-output of ``torch.save(tensor)``: an uncompressed zip ("stored" entries) holding a small
-pickle ``data.pkl`` that names the storage's dtype, shape, strides and offset, and one entry
-``data/{key}`` with the storage's raw bytes. DCP reads a record back with ``torch.load`` (the
-zip reader, an unpickler, a fresh storage) and then copies that tensor into the live one;
-the reader in ``_dcp_metadata`` instead asks this module where the raw bytes lie and in what
-layout, and copies them straight into the live tensor.
-
-Nothing is assumed: the zip's end record, central directory and local headers are parsed
-(every entry stored, uncompressed, sizes agreeing, names among the few ``torch.save``
-writes; the zip64 end record torch always writes, and zip64 sizes of records over 4 GiB,
-are read), the byte order entry must name this machine's (the bytes are copied as they
-are), and ``data.pkl`` is disassembled with ``pickletools.genops`` (which decodes opcodes
-and constructs nothing) and accepted only when it is exactly the pattern ``torch.save``
-emits for one plain tensor: ``torch._utils._rebuild_tensor_v2((persistent 'storage',
-torch.<Name>Storage, key, location, numel), offset, size, stride, requires_grad,
-OrderedDict())``, with a storage name in a small table. The storage entry's length must
-equal numel times the item size, the view must lie inside it, and the strides must be the
-contiguous ones (dimensions of size one excepted: their stride is never used). Whatever
-cannot be proven gives ``None``, and the reader leaves that record to DCP's own path:
-records of other writers or of later torch versions, compressed or non-contiguous ones,
-tensors with extra metadata (conjugate or negative bits), dtypes outside the table. The
-zip's CRC is not checked (``torch.load`` does not check it either: a flipped data byte
-loads silently): the manager's checksums of whole files cover the bytes.
+Owns: ``parse_record`` and ``Record``: where a ``torch.save(tensor)`` record's raw bytes lie
+and in what layout, so ``dcp.metadata``'s reader copies them straight into the live
+tensor. Nothing is assumed: the zip headers are parsed (stored entries, sizes agreeing,
+zip64), the byte order must be this machine's, ``data.pkl`` is disassembled with
+``pickletools.genops`` and accepted only as the exact pattern ``torch.save`` emits for one
+plain contiguous tensor of a dtype in a small table, and the view must lie inside the
+storage. Anything else gives ``None`` and goes to DCP's own path. The zip's CRC is not
+checked: the manager's checksums of whole files cover the bytes.
 
 Must not import: jax, orbax, torch, pickle (nothing here unpickles; the result names a dtype
 by its storage name and the reader maps it).

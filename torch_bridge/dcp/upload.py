@@ -1,19 +1,15 @@
 """A DCP data file written to an object store as DCP produces it: ``UploadStream``.
 
-Owns: the stream DCP's writer writes a data file into on an object store. Each byte DCP
-writes extends the file's checksum (the commit's algorithm, as ``_dcp_local_writer`` does on
-a disk) and goes to the storage's ``ObjectWriter`` (``Storage.open_writer``), which on S3
-sends parts of the file while DCP serialises the next tensors, a bounded number of parts in
-memory; other storages gather it and write it whole. Closing the stream stores the object
-(``write``'s guarantees: complete or absent) and records its entry, so the commit reads
-nothing back; leaving its ``with`` block on an error aborts it (nothing stored, parts
-discarded). DCP writes a file from start to end and never seeks back, which the stream
-relies on (it has no ``seek``).
+Owns: the stream DCP's writer writes a data file into on an object store: each byte extends
+the file's checksum and goes to the storage's ``ObjectWriter`` (``Storage.open_writer``: on
+S3, parts go up while DCP serialises the next tensors). Closing stores the object (complete
+or absent) and records its entry, so the commit reads nothing back; an error aborts it. It
+has no ``seek``: DCP writes a file from start to end.
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: one stream per file, used by the DCP writer thread that writes that
-file; ``written`` is a dict shared by the streams of one writer, each storing one key.
+Concurrency: one stream per file, used by the DCP writer thread writing it; ``written`` is
+shared by one writer's streams, each storing one key.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Importing checkpoints that plain Orbax wrote.
 
-Owns: recognising the Orbax layouts (a ``CheckpointManager`` directory of step directories,
-one step directory with its item subdirectories, one ``PyTreeCheckpointer`` /
-``StandardCheckpointer`` directory), choosing the step, reading every item the way Orbax's
-own restore without a target reads it, and saving the result as a committed, verified
-jaxckpt recovery checkpoint. The source is only ever read.
-
-What the saved state is: the restored tree itself when the step holds one array item named
-``default`` (what ``ocp.CheckpointManager.restore(step)`` returns for ``StandardSave`` /
-``PyTreeSave``) or when the source is a single checkpointer directory; otherwise a dict
-``{item name: tree}`` (what it returns for ``Composite``). A ``JsonSave`` item is kept when
-every value in it is a number or a bool (restored as Python scalars); any other JSON item is
-left out with a ``CheckpointWarning`` naming it.
+Owns: recognising the Orbax layouts (a ``CheckpointManager`` directory, one step directory,
+one checkpointer directory), choosing the step, reading every item as Orbax's restore
+without a target does, and saving it as a committed, verified jaxckpt checkpoint (the
+source is only read): the tree itself for one ``default`` item or a checkpointer directory,
+else ``{item name: tree}``; a ``JsonSave`` item of numbers and bools is kept, any other is
+left out with a ``CheckpointWarning``.
 
 Must not import at module level: jax, orbax (``import jaxckpt`` loads this module; both are
 imported when ``import_orbax`` runs). Never imports torch.

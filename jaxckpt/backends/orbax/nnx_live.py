@@ -1,27 +1,14 @@
 """Live Flax NNX objects as values of a state tree, saved whole and restored in place.
 
-Owns: finding the NNX objects (``nnx.Module``, ``nnx.Optimizer``, ``nnx.Rngs``,
-``nnx.Metric`` / ``nnx.MultiMetric``: any ``nnx.Pytree`` / ``nnx.Object``) among the values
-of a state tree; the pure tree that is written in their place (each object becomes its
-``nnx.State``: every Variable, so params, optimizer moments and step, RNG keys and counts,
-metric totals, batch stats); reading back into them in place with ``nnx.update``; and the
-diagnostic that names NNX objects of the caller's scope that a save leaves out.
+Owns: finding NNX objects (any ``nnx.Pytree`` / ``nnx.Object``: modules, optimizers,
+``Rngs``, metrics) among a state tree's values; the pure tree written in their place (each
+object's ``nnx.State``: the same files as ``nnx.state(obj)``, a Variable shared by several
+objects stored once); reading back in two steps (``read_into``, then
+``PendingUpdate.apply`` with ``nnx.update``) so that a read thrown away never changes the
+caller's objects; and naming NNX objects of the caller's scope a save leaves out.
 
-What is written for ``{"model": model, "rngs": rngs, "step": x}`` is exactly what
-``{"model": nnx.state(model), "rngs": nnx.state(rngs), "step": x}`` writes (tree paths such
-as ``['model']['linear']['kernel'].value``), except that a Variable reachable from several
-objects (tied weights, a module held by two objects) is stored once, under the first object
-in tree order that reaches it, as ``nnx.state`` of all the objects together does. Restoring
-updates that one Variable, so every object sharing it sees the same value. Trees without
-NNX objects are not touched: their layout on disk is what it always was.
-
-Restoring is two steps (``read_into`` then ``PendingUpdate.apply``), so that a read that is
-thrown away (its checkpoint failed a checksum checked alongside the read) never changes the
-caller's objects.
-
-Flax is never imported here: it is looked up in ``sys.modules``, since no NNX object can
-exist before ``flax.nnx`` was imported, and a run without flax pays nothing. Imported by
-the Orbax backend only; must not import orbax or torch.
+Must not import: orbax, torch. Flax is never imported here, only looked up in
+``sys.modules`` (no NNX object exists before ``flax.nnx`` is imported).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Placing host arrays on devices: the last step of a restore, cheap per array.
 
-Owns: :func:`place`, which turns host numpy arrays into ``jax.Array``s on given shardings,
-the same arrays ``jax.device_put(arrays, shardings)`` returns.
-
-Why not just ``jax.device_put``: over a list it still spends Python per array (abstract
-values, sharding checks, deferred handlers), which for a restore of many small leaves was
-most of the restore. For the common case, a host array of a canonical dtype going to one
-device of this process (``SingleDeviceSharding``: every leaf of a single-process run), this
-module makes the two calls ``jax.device_put`` ends in itself (jaxlib's
-``batched_device_put``, then the array's result handler), with their inputs worked out once
-per (shape, dtype, sharding) rather than once per array. Everything else (other shardings,
-dtypes jax would convert, device arrays, a jax whose internals moved) goes through
-``jax.device_put``. tests/integration/test_orbax_place.py holds the two ways to the same
-results (values, dtype, sharding, abstract value, committed).
+Owns: :func:`place`, which returns the arrays ``jax.device_put(arrays, shardings)`` would.
+For a host array of a canonical dtype going to one device of this process it makes the two
+calls ``jax.device_put`` ends in (``batched_device_put``, then the result handler) with
+their inputs worked out once per (shape, dtype, sharding), since ``jax.device_put`` spends
+Python per array; anything else goes through ``jax.device_put``.
+tests/integration/test_orbax_place.py holds the two ways to the same results.
 
 Must not import: orbax, torch.
 """

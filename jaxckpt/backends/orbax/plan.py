@@ -1,21 +1,12 @@
 """Write plans: where each leaf of a state goes, and the packing of small leaves.
 
-Owns: everything a write derives from the state's layout (tree structure, leaf types,
-shapes, dtypes) rather than from its values: the tree.json text, which leaf is an Orbax
-array of its own and which goes into a pack at which offset, and how each leaf's data is
-fetched (:class:`WritePlan`, built by :func:`build_plan`); and the key that tells two
-layouts apart (:func:`layout_key`), by which the backend reuses plans.
-
-Why packs: Orbax spends milliseconds of Python per leaf whatever its size (docs/design.md,
-"Measured facts"), so a state of thousands of small leaves (optimizer states, biases,
-norms) would cost seconds in bookkeeping alone. Leaves of at most ``pack_leaf_bytes`` bytes
-that this process holds entirely (numpy arrays, Python scalars, fully addressable jax.Arrays, typed
-keys' data) are copied into a few 1-D arrays per dtype (``pack_float32_000``, each at most
-``pack_bytes`` bytes) and written as ordinary Orbax arrays. tree.json records, for every
-packed leaf, the pack and the element offset; a read cuts the leaves out by tree path
-(``_orbax_read``), so matching, mismatch errors and types are exactly those of unpacked
-leaves. Large leaves and leaves sharded across processes are written as they are, one
-Orbax array each, on their own shardings.
+Owns: what a write derives from the state's layout rather than its values
+(:class:`WritePlan`, by :func:`build_plan`): the tree.json text, which leaf is an Orbax
+array of its own and which goes into a pack (``pack_float32_000``, 1-D per dtype) at which
+offset, how each leaf's data is fetched; and :func:`layout_key`, by which plans are reused.
+Packs exist because Orbax's cost per leaf is fixed (docs/design.md, Measured facts): leaves
+of at most ``pack_leaf_bytes`` held whole by this process are packed; reads cut them out by
+tree path, so matching and errors are those of unpacked leaves.
 
 Must not import: orbax, torch. No I/O.
 """

@@ -1,24 +1,13 @@
 """The native writer of a run of several JAX processes: each process writes the chunk files
 of the shards it owns, in the layout Orbax gives a sharded array.
 
-Owns: which native write a save gets, if any (:func:`native_writer`: a single process's
-``_orbax_write.write_native``, or this module's), deciding at staging time what this
-process writes of each stored array (:func:`stage_shards`) and writing it
-(:func:`write_shards`). The layout is the one
-``jaxckpt.backends.orbax.zarr_io`` documents for an array sharded over processes (what Orbax's
-``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes for a sharded array):
-a regular chunk grid of the shard shape, one chunk file per shard at ``c/i/j/...``, written
-by the process holding that shard's replica 0. Arrays every process holds entirely (packs,
-numpy leaves, fully addressable jax.Arrays) are the primary's, as one chunk; the primary
-also writes every ``zarr.json`` and Orbax's metadata files (all follow from the global
-shapes and shardings, which every process knows).
-
-The files are written in place (no temporary directory renamed at the end: the processes
-share one ``arrays/`` directory, local or on an object store); the checkpoint's commit
-marker, written by the primary once every process is done, is what makes them count.
-Anything this writer does not store (dtypes zarr_io does not write, shards that do not tile
-their array on a regular grid) returns None from :func:`stage_shards`, and the backend
-hands the whole write to Orbax (on a local root; an object store refuses it).
+Owns: which native write a save gets (:func:`native_writer`), what this process writes of
+each stored array (:func:`stage_shards`) and writing it (:func:`write_shards`): a regular
+chunk grid of the shard shape, one chunk file per shard, written by the holder of its
+replica 0; arrays every process holds whole, every ``zarr.json`` and Orbax's metadata are
+the primary's. Files are written in place; the primary's commit marker makes them count.
+What it cannot store (dtypes ``zarr_io`` does not write, irregular shards) gives None, and
+the backend hands the write to Orbax (a local root only).
 
 Must not import: torch.
 """

@@ -9,7 +9,7 @@ into and reuses (:class:`HostBuffers`), the Orbax type handlers the backend writ
 complete, on an object store as objects at their names. Also the small-file writers of the
 state directory (``tree.json``).
 
-Which writer runs, on which thread, is the backend's decision (``orbax_backend``); this
+Which writer runs, on which thread, is the backend's decision (``backend``); this
 module only does the writing. Must not import: torch.
 """
 

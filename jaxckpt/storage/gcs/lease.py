@@ -1,21 +1,14 @@
 """The root lock on GCS: the lease protocol of ``jaxckpt.storage.lease`` over GCS generations.
 
-Owns: ``GCSLease``, a ``jaxckpt.storage.lease.Lease`` whose object is ``{root}/.lock`` in the
-storage's bucket. A version is the object's generation. Taking the lease is an upload with
-``ifGenerationMatch=0`` (only if absent); a takeover and a renewal are an upload with
-``ifGenerationMatch=<generation last seen>`` (the GCS counterpart of S3's ``If-Match``);
-the release is a delete with the same precondition (answered 501, the release is an upload
-with it instead: ``LeaseRequestUnsupported``). A 412 (the precondition failed) or a
-404 (the object vanished) is a ``LeaseConflict``.
-
-The age of the object is the server's clock minus its ``updated`` time: the server's clock is
-the ``Date`` header of the metadata read, which the client library does not expose, so that
-one read goes through the client's own authorised HTTP session (``Client._http``) to the JSON
-API, retried like every other request of the storage.
+Owns: ``GCSLease``, whose object is ``{root}/.lock``: taking is an upload with
+``ifGenerationMatch=0``; takeover and renewal an upload with the generation last seen; the
+release a delete with it (an upload where the delete is answered 501). 412 or 404 is a
+``LeaseConflict``. The object's age is the server's ``Date`` minus its ``updated`` time,
+read through the client's authorised HTTP session (``Client._http``), which exposes it.
 
 Must not import: jax, orbax, torch. google-cloud-storage comes through ``GCSStorage``.
 
-Concurrency contract: as ``jaxckpt.storage.lease.Lease``; the GCS server decides between jobs.
+Concurrency: as ``jaxckpt.storage.lease.Lease``; the GCS server decides between jobs.
 """
 
 from __future__ import annotations

@@ -1,42 +1,13 @@
 """The storage seam on Google Cloud Storage (and GCS emulators): ``GCSStorage``.
 
-Owns: ``GCSStorage``, the ``jaxckpt.storage.base.Storage`` implementation over
-google-cloud-storage; ``gcs_client``, how a client is built from the environment and
-``storage_options``; and ``Tries``/``is_transient``, which requests are retried and how
-often. The root lock (a lease object) is ``jaxckpt.storage.gcs.lease``.
-
-Locations are URLs ``gs://{bucket}/{name}``; a storage serves one bucket and, below it, one
-name prefix (a guard: a location outside it is a ``ValueError``, never a request). Names
-below a location are joined with "/"; a "directory" is a name prefix ending in "/".
-
-How the contract is kept: an upload is atomic and durable once it returns, so ``write`` is
-one upload and ``sync`` does nothing; ``create`` is an upload with ``ifGenerationMatch=0``,
-decided by the server (a second creator gets 412, which is ``FileExistsError``); listings
-are paged by the client; ``delete_prefix`` deletes object by object on a few threads (the
-JSON API's batch requests are not retried and report only their last error).
-
-Retries, chosen per request rather than left to the client's defaults: every request is
-retried on 408, 429, 5xx, timeouts and dropped connections, with exponential backoff, at
-most ``max_attempts`` tries in all; a server that does not answer (no connection, no answer
-within the timeouts) is tried no more once ``request_deadline_s`` have passed since the
-request began, and the ``TimeoutError`` names the endpoint and the request.
-google-cloud-storage retries a write by default only when it carries a precondition (a
-retried plain upload could overwrite a newer object written meanwhile); jaxckpt retries
-plain writes too, on purpose: a plain ``write`` is made only by the holder of the root
-lease, to a name nobody else writes, with the same bytes on every try. A conditional write
-that is retried after its first try succeeded unseen fails its own condition (412):
-``create`` then reads the object back and counts it as its own when the bytes are the ones
-it wrote.
-
-``reading`` holds are kept in this process only, as on S3 (``jaxckpt.storage.s3.storage``).
-
-The user's global ``random`` stays theirs: google-cloud-storage draws the boundary of every
-multipart upload, and google-api-core and google-auth the jitter of every retry, from
-Python's global ``random`` module. A save uploads on background threads while training draws
-from that module, so the training's random stream would depend on how uploads and steps
-interleave, and a resumed run (whose restored RNG state was snapshotted on the training
-thread) would not match an uninterrupted one. ``gcs_client`` points those modules at a
-``random.Random`` of their own (``_private_randomness``).
+Owns: ``GCSStorage`` (``storage.base.Storage`` over google-cloud-storage, one bucket and
+name prefix of ``gs://`` URLs: a location outside is a ``ValueError``), ``gcs_client``
+(built from the environment and ``storage_options``, with a private ``random.Random`` for
+the library's jitter and multipart boundaries) and ``Tries``/``is_transient`` (retries per
+request: 408, 429, 5xx, timeouts, dropped connections, at most ``max_attempts`` tries and
+``request_deadline_s``). ``write`` is one upload, ``create`` one with
+``ifGenerationMatch=0`` (read back after a retry), ``sync`` does nothing; ``reading``
+holds live in this process. The root lock is ``storage.gcs.lease``.
 
 Must not import: jax, orbax, torch. Imports google-cloud-storage lazily, when a storage is
 made (the ``gcs`` extra).
@@ -68,7 +39,7 @@ _DEFAULTS = {"max_attempts": 8, "connect_timeout": 10.0, "read_timeout": 30.0,
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _DELETE_THREADS = 8
 _BINARY = "application/octet-stream"
-# The client's modules that draw from the global ``random`` (module docstring).
+# The client's modules that draw from the global ``random`` (docs/cloud.md).
 _DRAWING_MODULES = ("google.cloud.storage._media._upload", "google.api_core.retry.retry_base",
                     "google.auth._exponential_backoff")
 
@@ -119,7 +90,7 @@ def gcs_client(storage_options: Mapping[str, Any] | None = None) -> Any:
 def _private_randomness() -> None:
     """Give the client's modules that draw from Python's global ``random`` (multipart
     boundaries, retry jitter) a ``random.Random`` of their own, so that uploads on background
-    threads never advance the user's global random stream (module docstring). Idempotent."""
+    threads never advance the user's global random stream (docs/cloud.md). Idempotent."""
     for name in _DRAWING_MODULES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "random", None) is random:

@@ -1,38 +1,15 @@
 """The storage seam on S3 (and S3-protocol servers): ``S3Storage``.
 
-Owns: ``S3Storage``, the ``jaxckpt.storage.base.Storage`` implementation over boto3, and
-``s3_client``, how a client is built from the environment and ``storage_options``. The root
-lock (a lease object) is ``jaxckpt.storage.s3.lease``.
-
-Locations are URLs ``s3://{bucket}/{key}``; a storage serves one bucket and, below it, one
-key prefix (a guard: a location outside it is a ``ValueError``, never a request). Names
-below a location are joined with "/"; a "directory" is a key prefix ending in "/".
-
-How the contract is kept: a PUT is atomic and durable once it returns, so ``write`` is one
-PUT (a multipart upload above ``MULTIPART_OVER`` bytes, its parts sent on a few threads; the
-object appears only when the upload completes) and ``sync`` does nothing; ``create`` is a
-PUT with ``If-None-Match: *``, decided by the server (a second creator gets
-``FileExistsError``, however many race); listings are paged; ``delete_prefix`` deletes in
-batches of 1000 keys; ``copy`` is a server-side copy (no bytes through this host);
-``discard_incomplete_uploads`` aborts the multipart uploads a killed writer left (their
-parts are billed, and invisible to listings). Small checkpoint objects this storage wrote
-are not read back by the commit, and those a verification read are not read again by the
-restore that follows (``_SmallObjects``; nor are they asked about by ``exists`` and
-``is_prefix``). Transient failures (5xx, throttling, timeouts, dropped connections) are
-retried by botocore with backoff, a bounded number of times (``max_attempts``); a server
-that does not answer is given up on, with the endpoint and operation named, once
-``request_deadline_s`` have passed since the operation began. No operation here renames: the
-POSIX-only extra (``PosixStorage.rename_posix``) has no equivalent, and the store does
-quarantine and export publishing another way there (``jaxckpt.commit.object_steps``).
-
-botocore draws the jitter of every retry from Python's global ``random`` (the default of
-its backoff's ``random`` argument); ``s3_client`` gives it a ``random.Random`` of its own, so
-that a save's retries on background threads never shift the training loop's random stream
-(as for GCS, ``jaxckpt.storage.gcs.storage``).
-
-``reading`` holds are kept in this process only: a checkpoint being restored by this process
-is never deleted by it, but another process's deleter does not see them (on an object store
-only the primary process deletes, after the start-up barrier).
+Owns: ``S3Storage`` (``storage.base.Storage`` over boto3, one bucket and key prefix of
+``s3://`` URLs: a location outside is a ``ValueError``) and ``s3_client`` (built from the
+environment and ``storage_options``, with a private ``random.Random`` for botocore's retry
+jitter). ``write`` is one PUT (multipart above ``MULTIPART_OVER``), ``create`` a PUT with
+``If-None-Match: *``, ``copy`` server-side, ``delete_prefix`` in batches of 1000,
+``discard_incomplete_uploads`` aborts a killed writer's uploads; small objects it wrote or
+verified are kept for the commit and read that follow (``_SmallObjects``). Retries are
+botocore's, bounded by ``max_attempts`` and ``request_deadline_s``. No rename:
+``commit.object_steps`` does quarantine and exports instead. ``reading`` holds live in this
+process. The root lock is ``storage.s3.lease``; streamed writes ``storage.s3.upload``.
 
 Must not import: jax, orbax, torch. Imports boto3 lazily, when a storage is made.
 """
@@ -163,7 +140,7 @@ class _Deadline:
 def _private_jitter() -> None:
     """Point the default ``random`` of botocore's retry backoff (bound to the global
     ``random.random`` when botocore was imported) at a ``random.Random`` of its own
-    (module docstring). Idempotent."""
+    (docs/cloud.md). Idempotent."""
     from botocore.retries import standard
 
     init = standard.ExponentialBackoff.__init__

@@ -1,24 +1,16 @@
 """An S3 object written as a stream: ``StreamingUpload``, what ``S3Storage.open_writer`` gives.
 
-Owns: sending an object's bytes while its writer is still producing them. The bytes are
-gathered into parts; once a part is full and more bytes come, a multipart upload is started
-and the part is sent on a thread of the upload's own while the writer fills the next one.
-At most ``PART_THREADS`` parts are sent or waiting at once (the writer waits for a free
-slot), so an upload holds at most ``PART_THREADS + 1`` parts in memory, whatever the size
-of the object. ``close`` sends the last part and completes the upload (only then does the
-object appear: atomic, as ``Storage.write``); an object that fits in one part goes up as a
-single PUT through ``S3Storage.write``, as before. Any failure, or ``abort``, aborts the
-multipart upload; a process killed meanwhile leaves it to
-``S3Storage.discard_incomplete_uploads``.
-
-Part sizes: ``STREAM_PART_BYTES`` for the first 2,000 parts, doubling every 2,000 after
-(S3 takes 10,000 parts of 5 MiB to 5 GiB: about 1 TB per object, more than the 64 MiB parts
-of ``S3Storage.write``'s uploads reach).
+Owns: sending an object's bytes while its writer still produces them: full parts go up on
+the upload's own threads as a multipart upload (at most ``PART_THREADS`` in flight, so at
+most ``PART_THREADS + 1`` parts in memory; part size ``STREAM_PART_BYTES``, doubling every
+2,000 parts to reach S3's 10,000-part limit late); ``close`` completes it, and only then
+does the object appear. An object of one part is a single PUT. A failure or ``abort``
+aborts the upload; a killed process leaves it to ``discard_incomplete_uploads``.
 
 Must not import: jax, orbax, torch. Uses the storage's boto3 client.
 
-Concurrency contract: one writer thread calls ``write``, ``close`` and ``abort``; the part
-threads only send. Each upload has its own threads, so several uploads run side by side.
+Concurrency: one writer thread calls ``write``, ``close`` and ``abort``; the part threads
+only send; each upload has its own threads.
 """
 
 from __future__ import annotations
