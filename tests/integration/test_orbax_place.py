@@ -18,12 +18,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.backends.orbax import read as orbax_read, write as orbax_write, zarr_io
+from jaxckpt.backends.orbax import read as orbax_read, write as orbax_write
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
 from jaxckpt.backends.orbax.place import place
 from jaxckpt.backends.orbax.plan import PACK_ALIGN, build_plan
 from jaxckpt.errors import CheckpointCorruptError
+from jaxckpt.storage.buffers import aligned_empty
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def backend():
 
 def _host_arrays() -> list[np.ndarray]:
     rng = np.random.default_rng(0)
-    pack = zarr_io.aligned_empty((4096,), np.uint8)
+    pack = aligned_empty((4096,), np.uint8)
     pack[:] = rng.integers(0, 255, pack.shape, dtype=np.uint8)
     return [
         rng.standard_normal((3, 5)).astype(np.float32),

@@ -30,6 +30,7 @@ from jaxckpt.backends.orbax.files import LocalArrayFiles
 from jaxckpt.commit.store import CheckpointStore, ReadClaims
 from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
+from jaxckpt.storage.buffers import aligned_empty
 
 from support.memory import mapping_flags, numpy_huge_page_advice
 
@@ -266,7 +267,7 @@ def test_data_offset_follows_the_arrays_memory(tmp_path):
     assert zarr_io.data_offset(placed(big[:-1], 64), str(tmp_path)) == 0  # small: copied
     matrix = placed(np.zeros((1024, 2048), np.uint8), 64)
     assert zarr_io.data_offset(matrix[:, ::2], str(tmp_path)) == 0  # not contiguous
-    assert zarr_io.aligned_empty((3, 5), np.float32).ctypes.data % ALIGN == 0
+    assert aligned_empty((3, 5), np.float32).ctypes.data % ALIGN == 0
     array = jnp.arange(ZERO_COPY_MIN // 4, dtype=jnp.float32)
     host = np.asarray(array)
     assert zarr_io.data_offset(host, str(tmp_path)) == host.ctypes.data % ALIGN

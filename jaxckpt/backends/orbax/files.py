@@ -46,6 +46,7 @@ import numpy as np
 from jaxckpt.backends.orbax import zarr_io
 from jaxckpt.core.checksum import default_algorithm, extend
 from jaxckpt.errors import CheckpointCorruptError
+from jaxckpt.storage import buffers
 from jaxckpt.storage.base import Storage
 
 __all__ = [
@@ -257,7 +258,7 @@ class StorageArrayFiles:
         # One byte more than expected is asked for: an object that is longer than its
         # zarr.json says shows up without a separate size request.
         wanted = size + 1
-        buffer = zarr_io.fresh_blocks(wanted)  # streamed into and handed over: no copy
+        buffer = buffers.fresh_blocks(wanted)  # streamed into and handed over: no copy
         view = buffer.data
         part = -(-wanted // -(-wanted // RANGED_READ_OVER))  # equal parts, none tiny
         ranges = [(start, min(part, wanted - start)) for start in range(0, wanted, part)]

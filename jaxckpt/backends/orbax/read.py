@@ -46,6 +46,7 @@ from jaxckpt.backends.orbax.tree import (
     read_tree_json,
 )
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, TreeMismatchError
+from jaxckpt.storage.buffers import aligned_empty
 
 if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import ReadClaims
@@ -426,7 +427,7 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
             jobs.append((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape))}", shape,
                          dtype, offset, None))
             continue
-        grids[name] = zarr_io.aligned_empty(shape, dtype, fresh=True)
+        grids[name] = aligned_empty(shape, dtype, fresh=True)
         wanted = _addressable_parts(args, shape)
         jobs.extend((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape), index)}",
                      chunk_shape, dtype, 0, slices)

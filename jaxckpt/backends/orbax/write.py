@@ -34,6 +34,7 @@ from jaxckpt.backends.orbax.plan import WritePlan, fill_pack, pack_length
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
 from jaxckpt.core.checksum import default_algorithm
 from jaxckpt.errors import CheckpointWriteError
+from jaxckpt.storage.buffers import aligned_empty
 
 __all__ = ["OrbaxWriteHandle", "HostBuffers", "host_arrays", "type_handler_registry",
            "create_directory", "write_native", "write_small", "write_durably"]
@@ -230,7 +231,7 @@ class HostBuffers:
             if slot[1] is None or slot[1].done():
                 break
         else:
-            slot = [zarr_io.aligned_empty(shape, dtype), None]  # written without a copy
+            slot = [aligned_empty(shape, dtype), None]  # written without a copy
             if self._reuse:
                 slots.append(slot)
         used.append(slot)

@@ -88,19 +88,16 @@ import numpy as np
 
 from jaxckpt.core.checksum import extend
 from jaxckpt.errors import CheckpointCorruptError
+from jaxckpt.storage import buffers
+from jaxckpt.storage.buffers import ALIGN
 
 __all__ = [
-    "ALIGN",
-    "FRESH_MIN",
     "SUPPORTED_DTYPES",
     "ZERO_COPY_MIN",
-    "aligned_blocks",
-    "aligned_empty",
     "array_bytes",
     "chunk_grid",
     "chunk_relpath",
     "data_offset",
-    "fresh_blocks",
     "metadata_text",
     "parse_grid",
     "parse_metadata",
@@ -114,14 +111,8 @@ __all__ = [
     "write_chunk",
 ]
 
-#: Alignment of O_DIRECT buffers, offsets and lengths: 4 KiB covers every logical block
-#: size in use (512 B and 4 KiB).
-ALIGN = 4096
 #: Bytes per read or write call, and the size of each thread's bounce buffer.
 PIECE = 8 << 20
-#: Read buffers from this size on are memory maps of their own (``fresh_blocks``): numpy
-#: asks for huge pages from 4 MiB on.
-FRESH_MIN = 4 << 20
 #: Arrays from this size on may start past the beginning of their chunk file, so that
 #: they are written from their own memory (``data_offset``).
 ZERO_COPY_MIN = 1 << 20
@@ -280,55 +271,6 @@ def checkpoint_metadata_text(init_ns: int, commit_ns: int) -> str:
 
 def commit_success_text(directory: str) -> str:
     return f"Checkpoint commit was successful to {directory}"
-
-
-# ------------------------------------------------------------------------------ buffers
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def aligned_blocks(nbytes: int) -> np.ndarray:
-    """A uint8 array of ``nbytes`` rounded up to whole ``ALIGN`` blocks, starting on an
-    ``ALIGN`` boundary (what O_DIRECT transfers into)."""
-    padded = _padded(max(nbytes, 1))
-    raw = np.empty(padded + ALIGN, np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
-    return raw[start:start + padded]
-
-
-def fresh_blocks(nbytes: int) -> np.ndarray:
-    """``aligned_blocks`` for a buffer that is filled once and handed over (what a restore
-    reads into): from ``FRESH_MIN`` bytes on, an anonymous memory map of its own, given
-    back to the system when the last array over it goes.
-
-    Why not ``np.empty``: numpy asks for transparent huge pages (``MADV_HUGEPAGE``) on
-    every allocation of 4 MiB or more, and where the kernel's THP setting is ``madvise``
-    (the usual default) that opts the buffer in to huge pages found or made at fault time,
-    which made a cold ``O_DIRECT`` read in a fresh process slower by up to several times on
-    the development VM. A map we do not advise gets whatever the system gives by default:
-    4 KiB pages there, huge pages without stalls where THP is ``always``. Huge pages are
-    cheaper when the memory was freed moments before and dearer once the VM handed it back
-    to its host, while 4 KiB pages cost about the same either way: a restarted job meets
-    the second case (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md,
-    benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md)."""
-    if nbytes < FRESH_MIN:
-        return aligned_blocks(nbytes)
-    # mmap's memory starts on a page boundary and is whole pages: ALIGN divides both.
-    # Private: shared anonymous memory would be shmem, with its own accounting and limits.
-    memory = mmap.mmap(-1, _padded(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(memory, np.uint8)
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any, *, fresh: bool = False) -> np.ndarray:
-    """An uninitialised array starting on an ``ALIGN`` boundary: staging buffers made
-    this way are written with ``O_DIRECT`` straight from their memory (``data_offset``
-    0, no bounce copy). ``fresh``: from ``fresh_blocks`` (a buffer that is filled once
-    and handed over), else from ``aligned_blocks`` (a buffer that is reused)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    blocks = fresh_blocks(nbytes) if fresh else aligned_blocks(nbytes)
-    return blocks[:nbytes].view(dtype).reshape(shape)
 
 
 _local = threading.local()
@@ -657,7 +599,7 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
                 f"{path} has {size} bytes; an array of {nbytes} bytes at offset {offset} is "
                 f"stored in {offset + nbytes + INDEX_BYTES}. The checkpoint is damaged; "
                 "restore another one.")
-        buffer = fresh_blocks(size)  # the array's memory once jax adopts it: no copy
+        buffer = buffers.fresh_blocks(size)  # the array's memory once jax adopts it: no copy
         crc = 0
         if hasattr(os, "posix_fadvise") and not is_direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

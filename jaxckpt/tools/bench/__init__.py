@@ -531,7 +531,7 @@ def _release_freed_memory() -> None:
     (often as huge pages, which numpy asks for from 4 MiB on), and the next row's
     ``np.empty`` gets them back without a page fault: a read floor after a row that freed
     as many bytes measured reading into recycled memory, not into new memory, where a
-    restore reads into maps of its own (``zarr_io.fresh_blocks``) and faults every page
+    restore reads into maps of its own (``buffers.fresh_blocks``) and faults every page
     (docs/performance.md, Eighth round)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
@@ -696,7 +696,7 @@ class _Bench:
             self.many_state = _jax_state(_leaf_arrays(data, config.many_leaves))
         del data
         # Reused buffers are aligned whole blocks, so the O_DIRECT floor writes from them.
-        from jaxckpt.backends.orbax.zarr_io import aligned_blocks
+        from jaxckpt.storage.buffers import aligned_blocks
 
         self.blocks = [aligned_blocks(a.nbytes) for a in self.arrays]
         self.reused = [block[:a.nbytes].view(a.dtype).reshape(a.shape)

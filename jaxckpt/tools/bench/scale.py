@@ -207,10 +207,11 @@ class _Saver:
 
 def _read_fresh(path: str, size: int) -> np.ndarray:
     """Read one file with ``O_DIRECT`` (where the filesystem allows it) into memory of the
-    kind a restore reads into (``zarr_io.fresh_blocks``), in the reader's 8 MiB pieces."""
+    kind a restore reads into (``buffers.fresh_blocks``), in the reader's 8 MiB pieces."""
     from jaxckpt.backends.orbax import zarr_io
+    from jaxckpt.storage import buffers
 
-    buffer = zarr_io.fresh_blocks(size)
+    buffer = buffers.fresh_blocks(size)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     except OSError:
@@ -238,9 +239,9 @@ def _prime_new_memory(nbytes: int) -> None:
     the floor after it (5.9 s against 2.4 s); with a primer before each row the primer
     paid that (4.8 s) and the rows did not (1.4-1.6 s each; docs/performance.md, "Eleventh
     round (scale4g)"). Primed, both rows start alike."""
-    from jaxckpt.backends.orbax import zarr_io
+    from jaxckpt.storage import buffers
 
-    blocks = zarr_io.fresh_blocks(nbytes)
+    blocks = buffers.fresh_blocks(nbytes)
     blocks[::mmap.PAGESIZE] = 0
     del blocks  # unmapped here: its pages are free again before the row starts
 
@@ -324,7 +325,7 @@ class _FloorWriter:
     def __init__(self, state: dict[str, Any], root: str) -> None:
         import concurrent.futures
 
-        from jaxckpt.backends.orbax import zarr_io
+        from jaxckpt.storage import buffers
 
         os.makedirs(root, exist_ok=True)
         self.root, self.count = root, 0
@@ -332,7 +333,7 @@ class _FloorWriter:
         self.blocks = []
         for leaf in state.values():
             data = np.asarray(leaf["w"]).reshape(-1).view(np.uint8)
-            block = zarr_io.aligned_blocks(data.nbytes)  # whole blocks, zero-padded
+            block = buffers.aligned_blocks(data.nbytes)  # whole blocks, zero-padded
             block[:data.nbytes] = data
             block[data.nbytes:] = 0
             self.blocks.append(block)
