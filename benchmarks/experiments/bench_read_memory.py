@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io
 from jaxckpt.storage import buffers
 from jaxckpt.tools import bench
 
@@ -109,7 +109,7 @@ def _read_file(path: str, size: int, memory: Callable[[int], np.ndarray],
     try:
         offset = 0
         while offset < size:
-            piece = out[offset:offset + zarr_io.PIECE]
+            piece = out[offset:offset + chunk_io.PIECE]
             got = os.preadv(fd, [piece.data], offset)
             if got <= 0:
                 break
@@ -153,11 +153,11 @@ class _Checkpoint:
             if "zarr.json" not in names:
                 continue
             with open(os.path.join(parent, "zarr.json")) as handle:
-                parsed = zarr_io.parse_metadata(handle.read())
+                parsed = chunk_io.parse_metadata(handle.read())
             if parsed is None:
                 raise RuntimeError(f"{parent} is not in zarr_io's layout")
             shape, dtype, offset = parsed
-            path = os.path.join(parent, zarr_io.chunk_relpath(len(shape)))
+            path = os.path.join(parent, chunk_io.chunk_relpath(len(shape)))
             self.files.append((path, os.path.getsize(path), offset, dtype, shape))
         self.files.sort(key=lambda file: -file[1])
 

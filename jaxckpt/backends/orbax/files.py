@@ -43,7 +43,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io
 from jaxckpt.core.checksum import default_algorithm, extend
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage import buffers
@@ -79,7 +79,7 @@ class ArrayFiles(Protocol):
         """A write into ``base`` failed: remove what it wrote, where that is cheap."""
 
     def chunk_offset(self, array: np.ndarray, base: str) -> int:
-        """Where ``array``'s bytes start in its chunk file (``zarr_io.data_offset``)."""
+        """Where ``array``'s bytes start in its chunk file (``chunk_io.data_offset``)."""
 
     def make_parent(self, path: str) -> None:
         """Prepare the directories above ``path`` (nothing on an object store)."""
@@ -98,7 +98,7 @@ class ArrayFiles(Protocol):
 
     def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
                    offset: int) -> tuple[np.ndarray, str | None]:
-        """A chunk file whole, in an aligned buffer, and its checksum (``zarr_io.read_chunk``)."""
+        """A chunk file whole, in an aligned buffer, and its checksum (``chunk_io.read_chunk``)."""
 
 
 class LocalArrayFiles:
@@ -119,7 +119,7 @@ class LocalArrayFiles:
         shutil.rmtree(base, ignore_errors=True)
 
     def chunk_offset(self, array: np.ndarray, base: str) -> int:
-        return zarr_io.data_offset(array, base, direct=self.direct)
+        return chunk_io.data_offset(array, base, direct=self.direct)
 
     def make_parent(self, path: str) -> None:
         os.makedirs(os.path.dirname(path))
@@ -132,7 +132,7 @@ class LocalArrayFiles:
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
                     offset: int) -> tuple[int, str]:
-        return zarr_io.write_chunk(path, array, algorithm=algorithm, direct=self.direct,
+        return chunk_io.write_chunk(path, array, algorithm=algorithm, direct=self.direct,
                                    offset=offset)
 
     def read_small(self, path: str, limit: int) -> bytes:
@@ -141,7 +141,7 @@ class LocalArrayFiles:
 
     def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
                    offset: int) -> tuple[np.ndarray, str | None]:
-        return zarr_io.read_chunk(path, nbytes, algorithm=algorithm, direct=self.direct,
+        return chunk_io.read_chunk(path, nbytes, algorithm=algorithm, direct=self.direct,
                                   offset=offset)
 
 
@@ -238,7 +238,7 @@ class StorageArrayFiles:
         # (``Storage.write_joined``: a copy into one fresh buffer cost here about the CPU
         # of the PUT itself); its checksum is taken from exactly those bytes.
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        index = zarr_io.shard_index(flat.size, offset)
+        index = chunk_io.shard_index(flat.size, offset)
         pieces: list[bytes | memoryview] = [bytes(offset), flat.data, index]
         crc = 0
         for piece in pieces:
@@ -254,7 +254,7 @@ class StorageArrayFiles:
 
     def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
                    offset: int) -> tuple[np.ndarray, str | None]:
-        size = offset + nbytes + zarr_io.INDEX_BYTES
+        size = offset + nbytes + chunk_io.INDEX_BYTES
         # One byte more than expected is asked for: an object that is longer than its
         # zarr.json says shows up without a separate size request.
         wanted = size + 1

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io
 from jaxckpt.backends.orbax.files import (
     ArrayFiles,
     LocalArrayFiles,
@@ -99,17 +99,17 @@ def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
     if bad:
         raise CheckpointRootError(
             f"{directory}: these stored arrays cannot be written to object storage (only "
-            f"dtypes {sorted(zarr_io.SUPPORTED_DTYPES)} with at least one element are): "
+            f"dtypes {sorted(chunk_io.SUPPORTED_DTYPES)} with at least one element are): "
             f"{'; '.join(bad)}. Nothing was written. Fix: cast such leaves (e.g. int4 to "
             f"int8) or save to a filesystem root.")
 
 
 def _storable(array: Any) -> bool:
     if isinstance(array, np.ndarray):
-        return zarr_io.supported(array)
+        return chunk_io.supported(array)
     if not isinstance(array, jax.Array):
         return False
-    return zarr_io.supported(np.empty((1,) if array.size else (0,), array.dtype))
+    return chunk_io.supported(np.empty((1,) if array.size else (0,), array.dtype))
 
 
 def refuse_uneven(directory: str) -> None:

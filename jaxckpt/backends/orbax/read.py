@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io
 from jaxckpt.backends.orbax.files import ArrayFiles
 from jaxckpt.backends.orbax.place import default_sharding, place
 from jaxckpt.backends.orbax.tree import (
@@ -412,7 +412,7 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
     """One read job per chunk file of the arrays ``restore_args`` asks for: (name, file,
     chunk shape, dtype, offset, the slices of the array it fills, None for a single-chunk
     array, read as it is), and the buffers of the multi-chunk arrays, which their jobs
-    fill; None when an array's zarr.json (``parsed_metadata``, ``zarr_io.parse_grid`` of
+    fill; None when an array's zarr.json (``parsed_metadata``, ``chunk_io.parse_grid`` of
     each) is not in zarr_io's layout or disagrees with tree.json."""
     jobs: list[_ChunkJob] = []
     grids: dict[str, np.ndarray] = {}
@@ -424,14 +424,14 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
                 tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
             return None
         if chunk_shape == shape:
-            jobs.append((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape))}", shape,
+            jobs.append((name, f"{base}/{name}/{chunk_io.chunk_relpath(len(shape))}", shape,
                          dtype, offset, None))
             continue
         grids[name] = aligned_empty(shape, dtype, fresh=True)
         wanted = _addressable_parts(args, shape)
-        jobs.extend((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape), index)}",
+        jobs.extend((name, f"{base}/{name}/{chunk_io.chunk_relpath(len(shape), index)}",
                      chunk_shape, dtype, 0, slices)
-                    for index, slices in zarr_io.chunk_grid(shape, chunk_shape)
+                    for index, slices in chunk_io.chunk_grid(shape, chunk_shape)
                     if wanted is None or any(_overlaps(slices, part, shape) for part in wanted))
     return jobs, grids
 
@@ -482,7 +482,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
 
     def metadata(name: str) -> tuple[tuple[int, ...], np.dtype, int, tuple[int, ...]] | None:
         try:
-            return zarr_io.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}", 1 << 16))
+            return chunk_io.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}", 1 << 16))
         except OSError:
             return None
 
@@ -506,7 +506,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
         content, checksum = files.read_chunk(file, nbytes, algorithm=algorithm, offset=offset)
         if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
             claims.settle(file, checksum)
-        data = zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
+        data = chunk_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
         if slices is None:
             return name, data
         grids[name][slices] = data

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io
 from jaxckpt.backends.orbax.files import ArrayFiles
 from jaxckpt.backends.orbax.plan import WritePlan, fill_pack, pack_length
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
@@ -350,10 +350,10 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         # sends it alongside, and ``finish`` waits for it). The "commit" time Orbax
         # records is then that of the last array's start; the checkpoint's own commit is
         # the marker, later still.
-        small("_METADATA", zarr_io.tree_metadata_text(list(arrays)))
+        small("_METADATA", chunk_io.tree_metadata_text(list(arrays)))
         small("_CHECKPOINT_METADATA",
-              zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
-        small("commit_success.txt", zarr_io.commit_success_text(final))
+              chunk_io.checkpoint_metadata_text(started_ns, time.time_ns()))
+        small("commit_success.txt", chunk_io.commit_success_text(final))
 
     def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
         # Each array's directories and zarr.json are made on the I/O threads too: made on
@@ -363,14 +363,14 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         fill = fills.get(name)
         if fill is not None:
             fill()
-        relative = f"{name}/{zarr_io.chunk_relpath(array.ndim)}"
+        relative = f"{name}/{chunk_io.chunk_relpath(array.ndim)}"
         chunk = f"{base}/{relative}"
         files.make_parent(chunk)
         # Large arrays start where their memory lines up with the file's blocks, and
-        # are written from it without a copy (zarr_io.data_offset).
+        # are written from it without a copy (chunk_io.data_offset).
         offset = files.chunk_offset(array, base)
         small(f"{name}/{ZARR_JSON}",
-              zarr_io.metadata_text(array.shape, array.dtype.name, offset))
+              chunk_io.metadata_text(array.shape, array.dtype.name, offset))
         with unstarted_lock:
             unstarted[0] -= 1
             last = not unstarted[0]

@@ -47,7 +47,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
     so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from jaxckpt.backends.orbax.zarr_io import PIECE
+    from jaxckpt.backends.orbax.chunk_io import PIECE
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
@@ -64,7 +64,7 @@ def _raw_read_direct(path: str, nbytes: int, *, numpy_memory: bool = False) -> n
     memory a restore reads into and hands over (``buffers.fresh_blocks``), or with
     ``numpy_memory`` numpy's (``np.empty``, which asks for huge pages from 4 MiB on: a row
     of its own, not a floor; docs/performance.md, "Tenth round (rawread)")."""
-    from jaxckpt.backends.orbax.zarr_io import PIECE
+    from jaxckpt.backends.orbax.chunk_io import PIECE
     from jaxckpt.storage.buffers import aligned_blocks, fresh_blocks
 
     out = aligned_blocks(nbytes) if numpy_memory else fresh_blocks(nbytes)

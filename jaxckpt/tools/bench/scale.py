@@ -208,7 +208,7 @@ class _Saver:
 def _read_fresh(path: str, size: int) -> np.ndarray:
     """Read one file with ``O_DIRECT`` (where the filesystem allows it) into memory of the
     kind a restore reads into (``buffers.fresh_blocks``), in the reader's 8 MiB pieces."""
-    from jaxckpt.backends.orbax import zarr_io
+    from jaxckpt.backends.orbax import chunk_io
     from jaxckpt.storage import buffers
 
     buffer = buffers.fresh_blocks(size)
@@ -219,7 +219,7 @@ def _read_fresh(path: str, size: int) -> np.ndarray:
     try:
         offset = 0
         while offset < size:
-            got = os.preadv(fd, [buffer[offset:offset + zarr_io.PIECE].data], offset)
+            got = os.preadv(fd, [buffer[offset:offset + chunk_io.PIECE].data], offset)
             if got <= 0:
                 break
             offset += got
