@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.backends.orbax import chunk_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.storage import buffers
 from jaxckpt.tools import bench
 
@@ -153,11 +153,11 @@ class _Checkpoint:
             if "zarr.json" not in names:
                 continue
             with open(os.path.join(parent, "zarr.json")) as handle:
-                parsed = chunk_io.parse_metadata(handle.read())
+                parsed = zarr_format.parse_metadata(handle.read())
             if parsed is None:
-                raise RuntimeError(f"{parent} is not in zarr_io's layout")
+                raise RuntimeError(f"{parent} is not in zarr_format's layout")
             shape, dtype, offset = parsed
-            path = os.path.join(parent, chunk_io.chunk_relpath(len(shape)))
+            path = os.path.join(parent, zarr_format.chunk_relpath(len(shape)))
             self.files.append((path, os.path.getsize(path), offset, dtype, shape))
         self.files.sort(key=lambda file: -file[1])
 

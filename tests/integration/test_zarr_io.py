@@ -24,19 +24,19 @@ from test_integrity import flip_byte, step_dir
 from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same_tree, like_of
 
 from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo
-from jaxckpt.backends.orbax import chunk_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.files import LocalArrayFiles
 from jaxckpt.commit.store import CheckpointStore, ReadClaims
 from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
-from jaxckpt.storage.buffers import aligned_empty
+from jaxckpt.storage.buffers import ALIGN, aligned_empty
 
 from support.memory import mapping_flags, numpy_huge_page_advice
 
 ALGORITHM = default_algorithm()
 PIECE = chunk_io.PIECE
-ALIGN = chunk_io.ALIGN
+
 ZERO_COPY_MIN = chunk_io.ZERO_COPY_MIN
 
 
@@ -124,12 +124,12 @@ def stored_chunk(directory: Path, rel: str) -> tuple[int, bytes]:
     """(offset, array bytes) of the chunk file ``rel`` under ``directory``, after checking
     that the file is exactly ``offset`` zeros, the bytes, and the shard index naming them."""
     name_dir = (directory / rel).parents[len(Path(rel).parts) - 3]
-    shape, dtype, offset = chunk_io.parse_metadata((name_dir / "zarr.json").read_bytes())
+    shape, dtype, offset = zarr_format.parse_metadata((name_dir / "zarr.json").read_bytes())
     nbytes = int(np.prod(shape)) * dtype.itemsize
     content = (directory / rel).read_bytes()
     assert len(content) == offset + nbytes + 20, rel
     assert content[:offset] == bytes(offset), rel
-    assert content[offset + nbytes:] == chunk_io.shard_index(nbytes, offset), rel
+    assert content[offset + nbytes:] == zarr_format.shard_index(nbytes, offset), rel
     return offset, content[offset:offset + nbytes]
 
 
@@ -161,7 +161,7 @@ def fidelity(tmp_path_factory, backends):
     """The same flat dict written by Orbax and by zarr_io, every leaf its own array."""
     rng = np.random.default_rng(0)
     state = {f"{name}_{len(shape)}d": random_array(name, shape, rng)
-             for name in sorted(chunk_io.SUPPORTED_DTYPES)
+             for name in sorted(zarr_format.SUPPORTED_DTYPES)
              for shape in [(), (7,), (3, 5), (2, 3, 4)]}
     state["one_block"] = random_array("uint8", (ALIGN - 20,), rng)  # data + index: 4096
     state["two_blocks"] = random_array("float32", ((2 * ALIGN - 20) // 4,), rng)
@@ -326,7 +326,7 @@ def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, monkeypatch, direct,
                                     offset=offset)
     content = path.read_bytes()
     assert size == len(content) == offset + nbytes + 20
-    assert content == bytes(offset) + data.tobytes() + chunk_io.shard_index(nbytes, offset)
+    assert content == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes, offset)
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
 
     read, checksum = chunk_io.read_chunk(str(path), nbytes, algorithm=ALGORITHM, offset=offset)
@@ -379,7 +379,7 @@ def test_write_chunk_sends_only_the_last_partial_block_through_the_page_cache(
     whole = size - size % ALIGN
     assert [(position, length) for position, length, _, direct in writes
             if not direct] == [(whole, size - whole)]
-    assert path.read_bytes() == bytes(offset) + data.tobytes() + chunk_io.shard_index(nbytes,
+    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes,
                                                                                      offset)
 
 
@@ -447,7 +447,7 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
     else:  # each from the array itself
         first = data.ctypes.data
         assert all(first <= source < first + nbytes for source in sources)
-    assert path.read_bytes() == bytes(offset) + data.tobytes() + chunk_io.shard_index(nbytes,
+    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes,
                                                                                      offset)
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
 
@@ -480,11 +480,11 @@ def test_write_chunk_refuses_an_offset_outside_a_block(tmp_path):
 
 
 def test_parse_metadata_takes_orbaxs_form_and_ours_only():
-    plain = chunk_io.metadata_text((3, 4), "float32")
-    assert chunk_io.parse_metadata(plain) == ((3, 4), np.dtype("float32"), 0)
-    ours = chunk_io.metadata_text((3, 4), "float32", 64)
+    plain = zarr_format.metadata_text((3, 4), "float32")
+    assert zarr_format.parse_metadata(plain) == ((3, 4), np.dtype("float32"), 0)
+    ours = zarr_format.metadata_text((3, 4), "float32", 64)
     assert json.loads(ours)["attributes"] == {"jaxckpt": {"chunk_offset": 64}}
-    assert chunk_io.parse_metadata(ours) == ((3, 4), np.dtype("float32"), 64)
+    assert zarr_format.parse_metadata(ours) == ((3, 4), np.dtype("float32"), 64)
     document = json.loads(plain)
     for attributes in ({"other": 1}, {"jaxckpt": {"chunk_offset": 64}, "other": 1},
                        {"jaxckpt": {"chunk_offset": 64, "more": 1}}, {"jaxckpt": 64}, [],
@@ -492,7 +492,7 @@ def test_parse_metadata_takes_orbaxs_form_and_ours_only():
                        {"jaxckpt": {"chunk_offset": True}}, {"jaxckpt": {"chunk_offset": 6.0}},
                        {"jaxckpt": {"chunk_offset": "64"}}):
         text = json.dumps({**document, "attributes": attributes})
-        assert chunk_io.parse_metadata(text) is None, attributes
+        assert zarr_format.parse_metadata(text) is None, attributes
 
 
 @pytest.fixture(scope="module")
@@ -802,18 +802,18 @@ def test_commit_refuses_a_bad_known_entry(written, case):
 
 
 def test_parse_grid_takes_a_regular_grid_that_divides_the_shape_only():
-    grid = chunk_io.metadata_text((8, 4), "float32", chunk_shape=(2, 4))
-    assert chunk_io.parse_grid(grid) == ((8, 4), np.dtype("float32"), 0, (2, 4))
-    assert chunk_io.parse_metadata(grid) is None  # not one chunk
-    single = chunk_io.metadata_text((8, 4), "float32")
-    assert chunk_io.parse_grid(single) == ((8, 4), np.dtype("float32"), 0, (8, 4))
-    uneven = chunk_io.metadata_text((8, 4), "float32", chunk_shape=(3, 4))
-    assert chunk_io.parse_grid(uneven) is None
+    grid = zarr_format.metadata_text((8, 4), "float32", chunk_shape=(2, 4))
+    assert zarr_format.parse_grid(grid) == ((8, 4), np.dtype("float32"), 0, (2, 4))
+    assert zarr_format.parse_metadata(grid) is None  # not one chunk
+    single = zarr_format.metadata_text((8, 4), "float32")
+    assert zarr_format.parse_grid(single) == ((8, 4), np.dtype("float32"), 0, (8, 4))
+    uneven = zarr_format.metadata_text((8, 4), "float32", chunk_shape=(3, 4))
+    assert zarr_format.parse_grid(uneven) is None
     document = json.loads(grid)
     document["codecs"][0]["configuration"]["chunk_shape"] = [1, 4]  # inner != outer
-    assert chunk_io.parse_grid(json.dumps(document)) is None
+    assert zarr_format.parse_grid(json.dumps(document)) is None
     with pytest.raises(ValueError, match="single-chunk"):
-        chunk_io.metadata_text((8, 4), "float32", 64, chunk_shape=(2, 4))
+        zarr_format.metadata_text((8, 4), "float32", 64, chunk_shape=(2, 4))
 
 
 def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
@@ -830,7 +830,7 @@ def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(tmp_path / "arrays",
                           args=ocp.args.PyTreeSave(item={"leaf_000000": array}))
-    grid = chunk_io.parse_grid((tmp_path / "arrays/leaf_000000/zarr.json").read_bytes())
+    grid = zarr_format.parse_grid((tmp_path / "arrays/leaf_000000/zarr.json").read_bytes())
     assert grid is not None and grid[3] != grid[0]  # several chunks
     claims, offered = offer_chunks(tmp_path)
     assert len(offered) == 8
@@ -851,7 +851,7 @@ def test_a_missing_chunk_file_of_a_grid_is_a_damaged_checkpoint(tmp_path):
     arrays = tmp_path / "arrays"
     (arrays / "leaf_000000/c/0").mkdir(parents=True)
     (arrays / "leaf_000000/zarr.json").write_text(
-        chunk_io.metadata_text((4, 2), "int32", chunk_shape=(2, 2)))
+        zarr_format.metadata_text((4, 2), "int32", chunk_shape=(2, 2)))
     chunk_io.write_chunk(str(arrays / "leaf_000000/c/0/0"), np.zeros((2, 2), np.int32),
                         algorithm=ALGORITHM)
     restore_args = {"leaf_000000": ocp.RestoreArgs(restore_type=np.ndarray)}

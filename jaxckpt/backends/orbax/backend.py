@@ -10,7 +10,7 @@ concern each (same layer: they may import jax and orbax, never torch):
 - ``tree``: ``tree.json``, the record of every leaf's tree path, shape, dtype and
   kind (array / typed PRNG key / Python scalar; dtypes Orbax cannot store kept as bytes).
 - ``plan``: write plans, and the packing of small leaves into a few arrays per dtype.
-- ``write``: the write handle, host buffers, the native (zarr_io) writer.
+- ``write``: the write handle, host buffers, the native (chunk_io) writer.
 - ``read``: matching ``like`` to tree.json by tree path, restore arguments, the
   native reader, unpacking (each pack as soon as it is read).
 - ``shards``: the native write of a run of several processes (each its shards).
@@ -29,13 +29,13 @@ before it is written), copies numpy leaves (async writes only: the caller may ch
 once write() returns) and returns. In a single process every array is staged as a host
 array (a CPU jax.Array as a zero-copy view: it is immutable), async writes run on the
 backend's own writer thread, and on a local filesystem that thread writes Orbax's files
-itself (``zarr_io``: the same bytes tensorstore would write, moved with O_DIRECT
+itself (``chunk_io``: the same bytes tensorstore would write, moved with O_DIRECT
 and checksummed on the way; ``native_io``), which restores read back the same way. On an
 object-store root the manager hands the backend its storage (``attach_storage``) and the
 same files go there as objects (``jaxckpt.backends.orbax.files``, ``locations``). With several
 processes on a local (shared) root, each process writes the chunk files of the shards it
 owns the same way, in Orbax's layout for a sharded array (``shards``), on the same
-writer thread. Orbax writes and reads everything else: dtypes zarr_io does not store,
+writer thread. Orbax writes and reads everything else: dtypes the native I/O does not store,
 shards that do not tile their array on a regular grid, arrays in another layout. Reading,
 each process of a run reads only the chunk files under its own devices.
 docs/performance.md lists these choices with a reason each; benchmarks/results/ has the
@@ -145,7 +145,7 @@ def _started(pool: concurrent.futures.ThreadPoolExecutor | None, workers: int,
 
 def _write_local_native(root: epath.Path, tree_json: str | None,
                         native: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
-    """The writer thread's half of an async write through zarr_io."""
+    """The writer thread's half of an async write through chunk_io."""
     if tree_json is not None:
         write_durably(root / TREE_FILE, tree_json)
     return native(root)
@@ -379,7 +379,7 @@ class OrbaxBackend:
 
     def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> Any:
         """This write through ``_files_for`` as a function of the directory
-        (``orbax_shards.native_writer``: every array of a dtype and layout zarr_io stores
+        (``orbax_shards.native_writer``: every array of a dtype and layout the native I/O stores
         as Orbax would), else None; a URL's arrays must (``check_arrays``)."""
         return orbax_remote.writer_for(self._remote, directory, arrays, self.options,
                                         pool=self._pool)

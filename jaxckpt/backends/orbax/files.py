@@ -5,7 +5,7 @@ Owns: ``ArrayFiles``, the few operations the native writer (``write``) and reade
 (``_orbax_read``) need from the place an ``arrays/`` directory lives, and its two
 implementations:
 
-- ``LocalArrayFiles``: a local filesystem through ``zarr_io`` (O_DIRECT, checksums
+- ``LocalArrayFiles``: a local filesystem through ``chunk_io`` (O_DIRECT, checksums
   on the way, data offsets that line up with the array's memory), written under a temporary
   directory that is renamed into place once complete. This is the path every local root
   took before object stores existed, call for call.
@@ -43,7 +43,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxckpt.backends.orbax import chunk_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.core.checksum import default_algorithm, extend
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage import buffers
@@ -102,7 +102,7 @@ class ArrayFiles(Protocol):
 
 
 class LocalArrayFiles:
-    """``ArrayFiles`` on a local filesystem: ``zarr_io`` with O_DIRECT where ``direct``."""
+    """``ArrayFiles`` on a local filesystem: ``chunk_io`` with O_DIRECT where ``direct``."""
 
     def __init__(self, *, direct: bool):
         self.direct = direct
@@ -238,7 +238,7 @@ class StorageArrayFiles:
         # (``Storage.write_joined``: a copy into one fresh buffer cost here about the CPU
         # of the PUT itself); its checksum is taken from exactly those bytes.
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        index = chunk_io.shard_index(flat.size, offset)
+        index = zarr_format.shard_index(flat.size, offset)
         pieces: list[bytes | memoryview] = [bytes(offset), flat.data, index]
         crc = 0
         for piece in pieces:
@@ -254,7 +254,7 @@ class StorageArrayFiles:
 
     def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
                    offset: int) -> tuple[np.ndarray, str | None]:
-        size = offset + nbytes + chunk_io.INDEX_BYTES
+        size = offset + nbytes + zarr_format.INDEX_BYTES
         # One byte more than expected is asked for: an object that is longer than its
         # zarr.json says shows up without a separate size request.
         wanted = size + 1

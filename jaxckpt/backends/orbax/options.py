@@ -57,12 +57,12 @@ class OrbaxOptions:
     the write."""
     native_io: bool = True
     """Single-process runs on a local filesystem write, and read back, the arrays with
-    jaxckpt's own file I/O (``zarr_io``) in the zarr3 layout Orbax + tensorstore
+    jaxckpt's own file I/O (``chunk_io``) in the zarr3 layout Orbax + tensorstore
     produce, instead of through them: a third of the CPU per save, checksums computed on
     the way, no read-back at commit. The files are Orbax's: Orbax
     reads them, and arrays Orbax wrote are read natively when their layout is this one.
     (Large arrays may start a few bytes into their file, where their memory lines up with
-    its blocks: ``zarr_io.data_offset``.) False: Orbax writes and reads everything, as with
+    its blocks: ``chunk_io.data_offset``.) False: Orbax writes and reads everything, as with
     several processes."""
     direct_io: bool = True
     """With ``native_io``, move the bytes with ``O_DIRECT`` where the filesystem allows it

@@ -6,7 +6,7 @@ of ``like`` with the saved leaves by tree path (every mismatch at once; with ``p
 like may be a subtree, and the scope of its deferred checks is limited to what it reads),
 the restore
 arguments handed to Orbax (shardings, typed keys' data), the native reader
-(``zarr_io``, checking the deferred checksums of the files it reads as it reads
+(``chunk_io``, checking the deferred checksums of the files it reads as it reads
 them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves (packed leaves
 cut out of their packs, arrays stored as bytes viewed as their dtype, keys wrapped, numpy
 and Python scalars converted; a Python scalar like leaf gets an array where an array was
@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt.backends.orbax import chunk_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.backends.orbax.files import ArrayFiles
 from jaxckpt.backends.orbax.place import default_sharding, place
 from jaxckpt.backends.orbax.tree import (
@@ -147,7 +147,7 @@ class Shardings:
 def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
                      shardings: Shardings) -> tuple[dict[str, Any],
                                                     dict[str, jax.sharding.Sharding]]:
-    """What to ask Orbax (or zarr_io) for: restore args by storage name (a pack once), and
+    """What to ask Orbax (or chunk_io) for: restore args by storage name (a pack once), and
     where each jax leaf that is not packed goes (``shardings.of``). Packed leaves cost one
     look-up each here: where they go is worked out by ``Unpacker.prepare``, while the
     packs are read."""
@@ -412,8 +412,8 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
     """One read job per chunk file of the arrays ``restore_args`` asks for: (name, file,
     chunk shape, dtype, offset, the slices of the array it fills, None for a single-chunk
     array, read as it is), and the buffers of the multi-chunk arrays, which their jobs
-    fill; None when an array's zarr.json (``parsed_metadata``, ``chunk_io.parse_grid`` of
-    each) is not in zarr_io's layout or disagrees with tree.json."""
+    fill; None when an array's zarr.json (``parsed_metadata``, ``zarr_format.parse_grid`` of
+    each) is not in ``zarr_format``'s layout or disagrees with tree.json."""
     jobs: list[_ChunkJob] = []
     grids: dict[str, np.ndarray] = {}
     for (name, args), parsed in zip(restore_args.items(), parsed_metadata, strict=True):
@@ -424,14 +424,14 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
                 tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
             return None
         if chunk_shape == shape:
-            jobs.append((name, f"{base}/{name}/{chunk_io.chunk_relpath(len(shape))}", shape,
+            jobs.append((name, f"{base}/{name}/{zarr_format.chunk_relpath(len(shape))}", shape,
                          dtype, offset, None))
             continue
         grids[name] = aligned_empty(shape, dtype, fresh=True)
         wanted = _addressable_parts(args, shape)
-        jobs.extend((name, f"{base}/{name}/{chunk_io.chunk_relpath(len(shape), index)}",
+        jobs.extend((name, f"{base}/{name}/{zarr_format.chunk_relpath(len(shape), index)}",
                      chunk_shape, dtype, 0, slices)
-                    for index, slices in chunk_io.chunk_grid(shape, chunk_shape)
+                    for index, slices in zarr_format.chunk_grid(shape, chunk_shape)
                     if wanted is None or any(_overlaps(slices, part, shape) for part in wanted))
     return jobs, grids
 
@@ -458,9 +458,9 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
                 on_host: Callable[[str, np.ndarray], None] | None = None,
                 meanwhile: Callable[[], None] | None = None,
                 ) -> dict[str, Any] | None:
-    """What Orbax's restore returns for ``restore_args``, read through ``files`` (zarr_io
+    """What Orbax's restore returns for ``restore_args``, read through ``files`` (chunk_io
     with O_DIRECT on a local disk, GETs on an object store) on ``pool``'s threads; None
-    (before any bulk read) when some array is not stored in zarr_io's layout or not as
+    (before any bulk read) when some array is not stored in ``zarr_format``'s layout or not as
     tree.json says (Orbax then reads everything and reports what is wrong).
 
     Claims the deferred checks of the files it reads (``claims``: a restore's deferred
@@ -482,7 +482,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
 
     def metadata(name: str) -> tuple[tuple[int, ...], np.dtype, int, tuple[int, ...]] | None:
         try:
-            return chunk_io.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}", 1 << 16))
+            return zarr_format.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}", 1 << 16))
         except OSError:
             return None
 

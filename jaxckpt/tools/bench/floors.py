@@ -46,7 +46,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
-    so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
+    so the device copies straight from it (8 MiB writes, what chunk_io writes)."""
     from jaxckpt.backends.orbax.chunk_io import PIECE
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
