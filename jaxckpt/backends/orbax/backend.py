@@ -74,6 +74,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
 from jaxckpt.backends.base import BackendFeatures
 from jaxckpt.backends.orbax import (
     locations as orbax_remote,
+    match as orbax_match,
     nnx_live,
     process as orbax_process,
     read as orbax_read,
@@ -486,7 +487,7 @@ class OrbaxBackend:
         # The whole read with the GC paused: tree.json and like's paths make tens of
         # thousands of objects with many leaves, and collections would walk them all.
         with _gc_paused(self.options.pause_gc):
-            saved, targets, like_treedef = orbax_read.match_like(root, directory, like,
+            saved, targets, like_treedef = orbax_match.match_like(root, directory, like,
                                                                   partial=partial)
             if not targets:
                 orbax_read.limit_claims(claims, directory, None, {}, partial=partial)

@@ -20,7 +20,7 @@ DEFAULT_PACK_LEAF_BYTES = 1 << 20
 #: restore never needs one huge contiguous buffer. Sizes from 16 to 64 MiB measured alike
 #: at 1 GiB; 8 MiB because at small states larger packs are fewer than the read threads and
 #: all finish together, where many packs keep every read thread busy and let the first be
-#: unpacked while the last are still read (``_orbax_read.Unpacker``).
+#: unpacked while the last are still read (``read.Unpacker``).
 DEFAULT_PACK_BYTES = 8 << 20
 
 
