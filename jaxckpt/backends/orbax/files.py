@@ -1,28 +1,15 @@
 """Where the native Orbax-layout writer and reader keep their files: a local directory, or
 objects of a ``jaxckpt.storage.base.Storage``.
 
-Owns: ``ArrayFiles``, the few operations the native writer (``write``) and reader
-(``_orbax_read``) need from the place an ``arrays/`` directory lives, and its two
-implementations:
-
-- ``LocalArrayFiles``: a local filesystem through ``chunk_io`` (O_DIRECT, checksums
-  on the way, data offsets that line up with the array's memory), written under a temporary
-  directory that is renamed into place once complete. This is the path every local root
-  took before object stores existed, call for call.
-- ``SharedLocalArrayFiles``: the same, written in place, for the ``arrays/`` directory
-  several processes write together (each its own chunk files).
-- ``StorageArrayFiles``: one object per file through a ``Storage`` (``S3Storage``): one PUT
-  per chunk file (the storage switches to a multipart upload for big ones), the small
-  metadata files sent on threads of their own, all at once, while the chunks go up (the
-  write's ``finish`` waits for them), reads by GET,
-  big chunk files in ranged GETs on a few threads. Objects are written at their final
-  names: an object store has no rename, and the checkpoint's commit marker, written after
-  them, is what makes them part of a checkpoint. ``StoragePath`` lets the backend's code
-  for a checkpoint directory (``tree.json``, listing) run on such a location.
-
-Both write the same bytes under the same names (``StorageArrayFiles`` always at data offset
-0: tensorstore's own layout), so a checkpoint copied from an object store to a disk (``aws
-s3 cp --recursive``) is a valid local checkpoint, and the other way round.
+Owns: ``ArrayFiles``, the few operations the native writer (``write``, ``shards``) and reader
+(``read``) need from the place an ``arrays/`` directory lives, and its implementations:
+``LocalArrayFiles`` (``chunk_io`` on a local filesystem, written under a temporary directory
+renamed into place once complete), ``SharedLocalArrayFiles`` (the same in place, for the
+``arrays/`` several processes write together) and ``StorageArrayFiles`` (an object per file,
+written at its final name: a store has no rename, and the commit marker written after them
+makes them count; big chunk files read in ranged GETs). ``StoragePath`` lets the backend's
+code for a checkpoint directory run on such a location. Both write the same bytes under the
+same names, so a checkpoint copied between a disk and an object store stays valid.
 
 Must not import: jax, orbax, torch.
 

@@ -1,16 +1,13 @@
 """Where the Orbax backend's files live: a local path or an object store, and the limits there.
 
-Owns: which ``ArrayFiles`` the native writer and reader use for a directory, and which
-native write a save gets there (``writer_for``)
-(``files_for``: chunk_io on a local disk, the attached storage for a URL, none where Orbax
-does the work), the directory as a path object (``path_for``), the checks that keep
-object-store locations on the native path (``check_arrays``) and the error for a checkpoint
-it cannot read there (``refuse_foreign``), and how ``tree.json`` is written there
-(``write_tree``). Orbax 0.12 cannot write ``s3://`` (it finalizes
-by renaming directories, and it creates a local ``./s3:`` directory), so on an object store
-every array goes through ``files.StorageArrayFiles`` in ``zarr_format``'s layout (each
-process its own shards): dtypes the native I/O stores, shards on a regular grid. Anything else
-is refused before a byte is written, naming the leaf and what to do.
+Owns: which ``files.ArrayFiles`` a directory gets (``files_for``: ``chunk_io`` on a local
+disk, the attached storage for a URL, none where Orbax does the work), which native write a
+save gets (``writer_for``), the directory as a path object (``path_for``), how ``tree.json``
+is written there (``write_tree``), and the refusals of an object store (``check_arrays``,
+``refuse_uneven``, ``refuse_foreign``): Orbax cannot write ``s3://`` (it finalizes by
+renaming directories), so there every array goes through ``StorageArrayFiles`` in
+``zarr_format``'s layout, and anything else is refused before a byte is written. Kept apart
+from ``files``: this chooses among writers (``write``, ``shards``) that use ``files``.
 
 Must not import: torch.
 
