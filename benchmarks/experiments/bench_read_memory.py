@@ -6,7 +6,7 @@ written once, then, per round and in a rotated order, each variant read cold (pa
 dropped, freed memory handed back, optionally ``--gap`` seconds of waiting so that a VM's
 free page reporting returns the freed memory to its host first): the raw ``O_DIRECT`` read
 of the checkpoint's own files into numpy's buffers (huge pages asked for), into
-``zarr_io.fresh_blocks`` (the restore's memory), into maps advised for and against huge
+``buffers.fresh_blocks`` (the restore's memory), into maps advised for and against huge
 pages; the same read on 8 threads with the checksum and placement into jax arrays (a floor
 that ends where a restore ends); the backend's read; the restore; and the restore into
 numpy's buffers. Per variant: the median wall time and its range, CPU (user, system),
@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
+from jaxckpt.storage import buffers
 from jaxckpt.tools import bench
 
 _MiB = 1 << 20
@@ -89,8 +90,8 @@ def _mapped(nbytes: int, advice: int) -> np.ndarray:
 
 
 _MEMORY: dict[str, Callable[[int], np.ndarray]] = {
-    "numpy": zarr_io.aligned_blocks,  # np.empty: numpy asks for huge pages from 4 MiB
-    "restore's": lambda nbytes: zarr_io.fresh_blocks(nbytes),  # looked up when called
+    "numpy": buffers.aligned_blocks,  # np.empty: numpy asks for huge pages from 4 MiB
+    "restore's": lambda nbytes: buffers.fresh_blocks(nbytes),  # looked up when called
     "huge": lambda nbytes: _mapped(nbytes, mmap.MADV_HUGEPAGE),
     "nohuge": lambda nbytes: _mapped(nbytes, mmap.MADV_NOHUGEPAGE),
 }
@@ -108,7 +109,7 @@ def _read_file(path: str, size: int, memory: Callable[[int], np.ndarray],
     try:
         offset = 0
         while offset < size:
-            piece = out[offset:offset + zarr_io.PIECE]
+            piece = out[offset:offset + chunk_io.PIECE]
             got = os.preadv(fd, [piece.data], offset)
             if got <= 0:
                 break
@@ -122,12 +123,12 @@ def _read_file(path: str, size: int, memory: Callable[[int], np.ndarray],
 
 @contextlib.contextmanager
 def _restore_reads_into(memory: Callable[[int], np.ndarray]) -> Iterator[None]:
-    real = zarr_io.fresh_blocks
-    zarr_io.fresh_blocks = memory  # type: ignore[assignment]
+    real = buffers.fresh_blocks
+    buffers.fresh_blocks = memory  # type: ignore[assignment]
     try:
         yield
     finally:
-        zarr_io.fresh_blocks = real
+        buffers.fresh_blocks = real
 
 
 class _Checkpoint:
@@ -152,11 +153,11 @@ class _Checkpoint:
             if "zarr.json" not in names:
                 continue
             with open(os.path.join(parent, "zarr.json")) as handle:
-                parsed = zarr_io.parse_metadata(handle.read())
+                parsed = zarr_format.parse_metadata(handle.read())
             if parsed is None:
-                raise RuntimeError(f"{parent} is not in zarr_io's layout")
+                raise RuntimeError(f"{parent} is not in zarr_format's layout")
             shape, dtype, offset = parsed
-            path = os.path.join(parent, zarr_io.chunk_relpath(len(shape)))
+            path = os.path.join(parent, zarr_format.chunk_relpath(len(shape)))
             self.files.append((path, os.path.getsize(path), offset, dtype, shape))
         self.files.sort(key=lambda file: -file[1])
 
@@ -198,7 +199,7 @@ class _Checkpoint:
         found["backend read (verify=sizes)"] = (
             lambda: self.manager.backend.read(self.directory, self.like))
         found["restore (the default)"] = lambda: self.manager.restore(self.like)
-        found["restore into numpy memory"] = restore_into(zarr_io.aligned_blocks)
+        found["restore into numpy memory"] = restore_into(buffers.aligned_blocks)
         return found
 
 

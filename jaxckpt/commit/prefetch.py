@@ -42,7 +42,7 @@ class _Cancelled(Exception):
 def _fresh(nbytes: int) -> memoryview:
     """A buffer of ``nbytes`` filled once and handed over: an anonymous private map, not
     ``bytearray``/numpy memory (numpy advises huge pages, whose cost swings with the
-    memory's history on a VM: ``zarr_io.fresh_blocks`` has the figures)."""
+    memory's history on a VM: ``storage.buffers.fresh_blocks`` has the figures)."""
     if nbytes <= 0:
         return memoryview(bytearray(0))
     return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))

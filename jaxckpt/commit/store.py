@@ -415,7 +415,7 @@ class CheckpointStore:
 
         ``known``: manifest entries (``{"size": n, algorithm: hex}``, by path relative to
         ``path``) of files whose writer computed their checksum from the bytes it wrote and
-        made them durable itself (``zarr_io``): those are not read back, only their size is
+        made them durable itself (``chunk_io``): those are not read back, only their size is
         checked against the file's. Entries of another algorithm than this commit's, or of
         files that are not there, are refused (a writer's bug, never a valid manifest).
         """

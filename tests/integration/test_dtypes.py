@@ -4,7 +4,7 @@ One table: each dtype numpy and ml_dtypes define, at shapes (), (0,), (3, 0), (2
 a 1-D array of awkward bit patterns (every pattern of a one-byte type; NaNs with payloads,
 -0.0 and infinities of wider floats), as numpy leaves and, where jax holds the dtype, as
 jax.Array leaves (64-bit types under ``jax.enable_x64``). Restores must be bit-exact, through
-the native single-process writer (``backends.orbax.zarr_io``, packed and unpacked leaves) and
+the native single-process writer (``backends.orbax.chunk_io``, packed and unpacked leaves) and
 through plain Orbax (``native_io=False``). Dtypes Orbax has no type for are stored as their
 bytes (tree.json version 3); the others exactly as before.
 """

@@ -18,12 +18,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.backends.orbax import read as orbax_read, write as orbax_write, zarr_io
+from jaxckpt.backends.orbax import match as orbax_match, read as orbax_read, write as orbax_write
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
 from jaxckpt.backends.orbax.place import place
 from jaxckpt.backends.orbax.plan import PACK_ALIGN, build_plan
 from jaxckpt.errors import CheckpointCorruptError
+from jaxckpt.storage.buffers import aligned_empty
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def backend():
 
 def _host_arrays() -> list[np.ndarray]:
     rng = np.random.default_rng(0)
-    pack = zarr_io.aligned_empty((4096,), np.uint8)
+    pack = aligned_empty((4096,), np.uint8)
     pack[:] = rng.integers(0, 255, pack.shape, dtype=np.uint8)
     return [
         rng.standard_normal((3, 5)).astype(np.float32),
@@ -346,13 +347,13 @@ def test_bfloat16_leaves_come_to_the_host_without_numpys_detour(tmp_path, monkey
     {"b": [1.0, (np.zeros(2), None)], "a": {"x y": 2, "'q'": [], "z": {}}, "c": None},
     [{"w": 1}, ({"v": 2},)],
     np.zeros(3),
-    {"nt": orbax_read.Target("jax", (), np.float32)},  # a named tuple: jax's walk
+    {"nt": orbax_match.Target("jax", (), np.float32)},  # a named tuple: jax's walk
     {1: 2.0, 3: 4.0},  # keys that are not strings: jax's walk
 ])
 def test_tree_paths_of_plain_trees_are_jaxs(tree):
     with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
     leaves = jax.tree_util.tree_leaves(tree)
-    found = orbax_read.plain_paths(tree, leaves)
+    found = orbax_match.plain_paths(tree, leaves)
     if found is not None:
         assert found == [jax.tree_util.keystr(path) for path, _ in with_paths]
     plain = not isinstance(tree, dict) or all(type(k) is str for k in tree) and "nt" not in tree

@@ -2,7 +2,7 @@
 ``recover(like, partial=True)`` read (and checksum) only the arrays of the subtree ``like``,
 return exactly its keys, name a path that was never saved, restore into live NNX objects and
 onto another sharding. What is read is observed by recording every file Python opens under
-the checkpoint (zarr_io's reads and the store's checksums both open files from Python)."""
+the checkpoint (chunk_io's reads and the store's checksums both open files from Python)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_partial_restore_reads_and_checksums_only_the_subtree(tmp_path, opened, 
     for key in ("w", "b"):
         np.testing.assert_array_equal(restored.state["params"][key], state["params"][key])
     read = array_dirs_opened(opened, state_dir)
-    # zarr_io opens the model's arrays to read them; with Orbax reading (tensorstore opens
+    # chunk_io opens the model's arrays to read them; with Orbax reading (tensorstore opens
     # files outside Python) the model's files are still opened here: to be checksummed.
     assert model_files <= read
     assert not read & optimizer_files, f"optimizer arrays were opened: {read & optimizer_files}"
@@ -158,7 +158,7 @@ def test_partial_restore_verifies_what_it_reads_and_only_that(tmp_path, native_i
 def test_with_ocdbt_a_partial_restore_checks_every_data_file(tmp_path, opened):
     # OCDBT's data files each hold many arrays: no file can be left out of the checks.
     state = training_state()
-    backend = OrbaxBackend(use_ocdbt=True, native_io=False)  # zarr_io writes no OCDBT
+    backend = OrbaxBackend(use_ocdbt=True, native_io=False)  # chunk_io writes no OCDBT
     state_dir = save(tmp_path, state, backend=backend)
     data_files = {os.path.realpath(os.path.join(top, name))
                   for top, _, names in os.walk(os.path.join(state_dir, "arrays"))

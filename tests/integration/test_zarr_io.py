@@ -24,19 +24,20 @@ from test_integrity import flip_byte, step_dir
 from test_orbax_backend import _FileSizeLimit, assert_bitwise_equal, assert_same_tree, like_of
 
 from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInfo
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.files import LocalArrayFiles
 from jaxckpt.commit.store import CheckpointStore, ReadClaims
 from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
+from jaxckpt.storage.buffers import ALIGN, aligned_empty
 
 from support.memory import mapping_flags, numpy_huge_page_advice
 
 ALGORITHM = default_algorithm()
-PIECE = zarr_io.PIECE
-ALIGN = zarr_io.ALIGN
-ZERO_COPY_MIN = zarr_io.ZERO_COPY_MIN
+PIECE = chunk_io.PIECE
+
+ZERO_COPY_MIN = chunk_io.ZERO_COPY_MIN
 
 
 @pytest.fixture(scope="module")
@@ -113,22 +114,22 @@ def placed(array: np.ndarray, past_page: int) -> np.ndarray:
 
 def bounce_of_kind(monkeypatch: pytest.MonkeyPatch, huge: bool) -> None:
     """Make the writer's bounce buffers anew, seen as backed by huge pages or not (which
-    decides whether every block goes through them: ``zarr_io._write_direct``), whatever
+    decides whether every block goes through them: ``chunk_io._write_direct``), whatever
     pages this system gives."""
-    monkeypatch.setattr(zarr_io, "_local", threading.local())
-    monkeypatch.setattr(zarr_io, "_huge_pages_at", lambda address: huge)
+    monkeypatch.setattr(chunk_io, "_local", threading.local())
+    monkeypatch.setattr(chunk_io, "_huge_pages_at", lambda address: huge)
 
 
 def stored_chunk(directory: Path, rel: str) -> tuple[int, bytes]:
     """(offset, array bytes) of the chunk file ``rel`` under ``directory``, after checking
     that the file is exactly ``offset`` zeros, the bytes, and the shard index naming them."""
     name_dir = (directory / rel).parents[len(Path(rel).parts) - 3]
-    shape, dtype, offset = zarr_io.parse_metadata((name_dir / "zarr.json").read_bytes())
+    shape, dtype, offset = zarr_format.parse_metadata((name_dir / "zarr.json").read_bytes())
     nbytes = int(np.prod(shape)) * dtype.itemsize
     content = (directory / rel).read_bytes()
     assert len(content) == offset + nbytes + 20, rel
     assert content[:offset] == bytes(offset), rel
-    assert content[offset + nbytes:] == zarr_io.shard_index(nbytes, offset), rel
+    assert content[offset + nbytes:] == zarr_format.shard_index(nbytes, offset), rel
     return offset, content[offset:offset + nbytes]
 
 
@@ -160,7 +161,7 @@ def fidelity(tmp_path_factory, backends):
     """The same flat dict written by Orbax and by zarr_io, every leaf its own array."""
     rng = np.random.default_rng(0)
     state = {f"{name}_{len(shape)}d": random_array(name, shape, rng)
-             for name in sorted(zarr_io.SUPPORTED_DTYPES)
+             for name in sorted(zarr_format.SUPPORTED_DTYPES)
              for shape in [(), (7,), (3, 5), (2, 3, 4)]}
     state["one_block"] = random_array("uint8", (ALIGN - 20,), rng)  # data + index: 4096
     state["two_blocks"] = random_array("float32", ((2 * ALIGN - 20) // 4,), rng)
@@ -258,18 +259,18 @@ def test_manager_commits_a_manifest_that_verifies(tmp_path, mode):
 
 def test_data_offset_follows_the_arrays_memory(tmp_path):
     big = np.zeros(ZERO_COPY_MIN, np.uint8)
-    assert zarr_io.data_offset(placed(big, 64), str(tmp_path)) == 64  # where jax puts them
-    assert zarr_io.data_offset(placed(big, 448), str(tmp_path)) == 448
-    assert zarr_io.data_offset(placed(big, 0), str(tmp_path)) == 0  # already aligned
-    assert zarr_io.data_offset(placed(big, 16), str(tmp_path)) == 0  # restored misaligned
-    assert zarr_io.data_offset(placed(big, 64), str(tmp_path), direct=False) == 0
-    assert zarr_io.data_offset(placed(big[:-1], 64), str(tmp_path)) == 0  # small: copied
+    assert chunk_io.data_offset(placed(big, 64), str(tmp_path)) == 64  # where jax puts them
+    assert chunk_io.data_offset(placed(big, 448), str(tmp_path)) == 448
+    assert chunk_io.data_offset(placed(big, 0), str(tmp_path)) == 0  # already aligned
+    assert chunk_io.data_offset(placed(big, 16), str(tmp_path)) == 0  # restored misaligned
+    assert chunk_io.data_offset(placed(big, 64), str(tmp_path), direct=False) == 0
+    assert chunk_io.data_offset(placed(big[:-1], 64), str(tmp_path)) == 0  # small: copied
     matrix = placed(np.zeros((1024, 2048), np.uint8), 64)
-    assert zarr_io.data_offset(matrix[:, ::2], str(tmp_path)) == 0  # not contiguous
-    assert zarr_io.aligned_empty((3, 5), np.float32).ctypes.data % ALIGN == 0
+    assert chunk_io.data_offset(matrix[:, ::2], str(tmp_path)) == 0  # not contiguous
+    assert aligned_empty((3, 5), np.float32).ctypes.data % ALIGN == 0
     array = jnp.arange(ZERO_COPY_MIN // 4, dtype=jnp.float32)
     host = np.asarray(array)
-    assert zarr_io.data_offset(host, str(tmp_path)) == host.ctypes.data % ALIGN
+    assert chunk_io.data_offset(host, str(tmp_path)) == host.ctypes.data % ALIGN
 
 
 @pytest.fixture
@@ -288,14 +289,14 @@ def test_a_restore_reads_into_memory_it_hands_over_without_advising_huge_pages(
     # read buffers do not ask; and jax
     # adopts them as they are, so no byte is copied after the read.
     read_into: list[tuple[int, int]] = []
-    real_read = zarr_io.read_chunk
+    real_read = chunk_io.read_chunk
 
     def spy(path, nbytes, **options):
         content, checksum = real_read(path, nbytes, **options)
         read_into.append((content.ctypes.data, content.ctypes.data + content.nbytes))
         return content, checksum
 
-    monkeypatch.setattr(zarr_io, "read_chunk", spy)
+    monkeypatch.setattr(chunk_io, "read_chunk", spy)
     count = 2 << 20  # 8 MiB of float32, 4 of bfloat16: numpy advises huge pages from 4 MiB
     state = {"big": jnp.arange(count, dtype=jnp.float32) + 1,
              "half": jnp.arange(count, dtype=jnp.bfloat16) - 1}
@@ -321,27 +322,27 @@ def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, monkeypatch, direct,
     bounce_of_kind(monkeypatch, huge)
     data = placed(random_array("uint8", (nbytes,), np.random.default_rng(nbytes)), past_page)
     path = tmp_path / "chunk"
-    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, direct=direct,
+    size, crc = chunk_io.write_chunk(str(path), data, algorithm=ALGORITHM, direct=direct,
                                     offset=offset)
     content = path.read_bytes()
     assert size == len(content) == offset + nbytes + 20
-    assert content == bytes(offset) + data.tobytes() + zarr_io.shard_index(nbytes, offset)
+    assert content == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes, offset)
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
 
-    read, checksum = zarr_io.read_chunk(str(path), nbytes, algorithm=ALGORITHM, offset=offset)
+    read, checksum = chunk_io.read_chunk(str(path), nbytes, algorithm=ALGORITHM, offset=offset)
     assert checksum == crc
-    restored = zarr_io.array_bytes(str(path), read, nbytes, offset)
+    restored = chunk_io.array_bytes(str(path), read, nbytes, offset)
     assert restored.tobytes() == data.tobytes()
     assert restored.ctypes.data % ALIGN == offset  # 64-byte aligned: jax adopts it as is
     # A zarr.json that names another offset: the size, or else the shard index, says so.
     with pytest.raises(CheckpointCorruptError, match=f"at offset {offset + 1} is stored in"):
-        zarr_io.read_chunk(str(path), nbytes, algorithm=None, offset=offset + 1)
+        chunk_io.read_chunk(str(path), nbytes, algorithm=None, offset=offset + 1)
     with pytest.raises(CheckpointCorruptError, match=f"shard index .* offset {offset + 1}"):
-        zarr_io.array_bytes(str(path), read, nbytes - 1, offset + 1)
+        chunk_io.array_bytes(str(path), read, nbytes - 1, offset + 1)
 
 
 def write_recording(monkeypatch, path, data, offset):
-    """``zarr_io.write_chunk`` of ``data`` to ``path``, recording each ``pwrite`` as
+    """``chunk_io.write_chunk`` of ``data`` to ``path``, recording each ``pwrite`` as
     (position, length, source address, O_DIRECT or not): (size, crc, writes). Skips where
     the filesystem refuses O_DIRECT."""
     import fcntl
@@ -354,9 +355,9 @@ def write_recording(monkeypatch, path, data, offset):
         writes.append((position, len(view), np.frombuffer(view, np.uint8).ctypes.data, direct))
         return pwrite(fd, view, position)
 
-    monkeypatch.setattr(zarr_io.os, "pwrite", recording)
-    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=offset)
-    if os.stat(path.parent).st_dev in zarr_io._no_direct:
+    monkeypatch.setattr(chunk_io.os, "pwrite", recording)
+    size, crc = chunk_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=offset)
+    if os.stat(path.parent).st_dev in chunk_io._no_direct:
         pytest.skip("this filesystem refuses O_DIRECT")
     return size, crc, writes
 
@@ -378,7 +379,7 @@ def test_write_chunk_sends_only_the_last_partial_block_through_the_page_cache(
     whole = size - size % ALIGN
     assert [(position, length) for position, length, _, direct in writes
             if not direct] == [(whole, size - whole)]
-    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_io.shard_index(nbytes,
+    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes,
                                                                                      offset)
 
 
@@ -399,7 +400,7 @@ def test_write_chunk_checksums_a_piece_of_the_array_while_writing_it(tmp_path, m
         with lock:
             return started.setdefault(length, threading.Event())
 
-    pwrite, extend = os.pwrite, zarr_io.extend
+    pwrite, extend = os.pwrite, chunk_io.extend
 
     def writing(fd, view, position):
         event(position).set()
@@ -411,11 +412,11 @@ def test_write_chunk_checksums_a_piece_of_the_array_while_writing_it(tmp_path, m
             assert event(position).wait(timeout=10), "checksummed before its write began"
         return extend(algorithm, crc, memory)
 
-    monkeypatch.setattr(zarr_io.os, "pwrite", writing)
-    monkeypatch.setattr(zarr_io, "extend", checksumming)
+    monkeypatch.setattr(chunk_io.os, "pwrite", writing)
+    monkeypatch.setattr(chunk_io, "extend", checksumming)
     path = tmp_path / "chunk"
-    size, crc = zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=0)
-    if os.stat(tmp_path).st_dev in zarr_io._no_direct:
+    size, crc = chunk_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=0)
+    if os.stat(tmp_path).st_dev in chunk_io._no_direct:
         pytest.skip("this filesystem refuses O_DIRECT")
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
 
@@ -437,7 +438,7 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
     path = tmp_path / "chunk"
     size, crc, writes = write_recording(monkeypatch, path, data, offset)
     sources = [address for _, _, address, direct in writes if direct]
-    bounce, huge = zarr_io._bounce()
+    bounce, huge = chunk_io._bounce()
     assert huge
     start, end = bounce.ctypes.data, bounce.ctypes.data + bounce.nbytes
     assert len(sources) == 3  # one piece after another
@@ -446,7 +447,7 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
     else:  # each from the array itself
         first = data.ctypes.data
         assert all(first <= source < first + nbytes for source in sources)
-    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_io.shard_index(nbytes,
+    assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes,
                                                                                      offset)
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
 
@@ -460,30 +461,30 @@ def test_the_bounce_buffer_is_private_memory_that_asks_for_huge_pages(monkeypatc
 
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         pytest.skip("no MADV_HUGEPAGE here")
-    monkeypatch.setattr(zarr_io, "_local", threading.local())
-    bounce, _ = zarr_io._bounce()
+    monkeypatch.setattr(chunk_io, "_local", threading.local())
+    bounce, _ = chunk_io._bounce()
     assert bounce.nbytes == PIECE
     assert bounce.ctypes.data % (2 << 20) == 0
     flags = mapping_flags(bounce.ctypes.data)
     assert "hg" in flags and "sh" not in flags, flags
-    assert zarr_io._bounce()[0] is bounce
+    assert chunk_io._bounce()[0] is bounce
     with concurrent.futures.ThreadPoolExecutor(1) as other:
-        assert other.submit(lambda: zarr_io._bounce()[0]).result() is not bounce
+        assert other.submit(lambda: chunk_io._bounce()[0]).result() is not bounce
 
 
 def test_write_chunk_refuses_an_offset_outside_a_block(tmp_path):
     with pytest.raises(ValueError, match="offset 4096"):
-        zarr_io.write_chunk(str(tmp_path / "c"), np.zeros(8, np.uint8), algorithm=ALGORITHM,
+        chunk_io.write_chunk(str(tmp_path / "c"), np.zeros(8, np.uint8), algorithm=ALGORITHM,
                             offset=ALIGN)
     assert not (tmp_path / "c").exists()
 
 
 def test_parse_metadata_takes_orbaxs_form_and_ours_only():
-    plain = zarr_io.metadata_text((3, 4), "float32")
-    assert zarr_io.parse_metadata(plain) == ((3, 4), np.dtype("float32"), 0)
-    ours = zarr_io.metadata_text((3, 4), "float32", 64)
+    plain = zarr_format.metadata_text((3, 4), "float32")
+    assert zarr_format.parse_metadata(plain) == ((3, 4), np.dtype("float32"), 0)
+    ours = zarr_format.metadata_text((3, 4), "float32", 64)
     assert json.loads(ours)["attributes"] == {"jaxckpt": {"chunk_offset": 64}}
-    assert zarr_io.parse_metadata(ours) == ((3, 4), np.dtype("float32"), 64)
+    assert zarr_format.parse_metadata(ours) == ((3, 4), np.dtype("float32"), 64)
     document = json.loads(plain)
     for attributes in ({"other": 1}, {"jaxckpt": {"chunk_offset": 64}, "other": 1},
                        {"jaxckpt": {"chunk_offset": 64, "more": 1}}, {"jaxckpt": 64}, [],
@@ -491,7 +492,7 @@ def test_parse_metadata_takes_orbaxs_form_and_ours_only():
                        {"jaxckpt": {"chunk_offset": True}}, {"jaxckpt": {"chunk_offset": 6.0}},
                        {"jaxckpt": {"chunk_offset": "64"}}):
         text = json.dumps({**document, "attributes": attributes})
-        assert zarr_io.parse_metadata(text) is None, attributes
+        assert zarr_format.parse_metadata(text) is None, attributes
 
 
 @pytest.fixture(scope="module")
@@ -623,7 +624,7 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_io(backends):
         state = mixed_state()
         handle = backends("native", 0).write(str(directory / "ckpt"), state, asynchronous=False)
         handle.wait()
-        assert os.stat(directory).st_dev in zarr_io._no_direct
+        assert os.stat(directory).st_dev in chunk_io._no_direct
         assert_checksums_are_the_files(handle, directory / "ckpt")
         assert_same_tree(backends("native", 0).read(str(directory / "ckpt"), like_of(state)),
                          state)
@@ -649,24 +650,24 @@ def test_a_failed_native_write_leaves_no_arrays_directory(tmp_path, asynchronous
 def test_array_bytes_refuses_a_damaged_shard_index(tmp_path):
     data = random_array("float32", (1000,), np.random.default_rng(3))
     path = tmp_path / "chunk"
-    zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM)
-    content, _ = zarr_io.read_chunk(str(path), data.nbytes, algorithm=None)
-    assert zarr_io.array_bytes(str(path), content, data.nbytes).tobytes() == data.tobytes()
+    chunk_io.write_chunk(str(path), data, algorithm=ALGORITHM)
+    content, _ = chunk_io.read_chunk(str(path), data.nbytes, algorithm=None)
+    assert chunk_io.array_bytes(str(path), content, data.nbytes).tobytes() == data.tobytes()
     for offset in (data.nbytes + 9, data.nbytes + 18):  # its length field, its crc32c
         flip_byte(path, offset)
-        content, _ = zarr_io.read_chunk(str(path), data.nbytes, algorithm=None)
+        content, _ = chunk_io.read_chunk(str(path), data.nbytes, algorithm=None)
         with pytest.raises(CheckpointCorruptError, match="shard index"):
-            zarr_io.array_bytes(str(path), content, data.nbytes)
+            chunk_io.array_bytes(str(path), content, data.nbytes)
         flip_byte(path, offset)  # undo
 
 
 def test_read_chunk_refuses_a_truncated_file(tmp_path):
     data = np.arange(5000, dtype=np.int32)
     path = tmp_path / "chunk"
-    zarr_io.write_chunk(str(path), data, algorithm=ALGORITHM)
+    chunk_io.write_chunk(str(path), data, algorithm=ALGORITHM)
     os.truncate(path, path.stat().st_size - 1)
     with pytest.raises(CheckpointCorruptError, match=f"{data.nbytes + 19} bytes"):
-        zarr_io.read_chunk(str(path), data.nbytes, algorithm=ALGORITHM)
+        chunk_io.read_chunk(str(path), data.nbytes, algorithm=ALGORITHM)
 
 
 @pytest.mark.parametrize("where", ["data", "index"])
@@ -801,18 +802,18 @@ def test_commit_refuses_a_bad_known_entry(written, case):
 
 
 def test_parse_grid_takes_a_regular_grid_that_divides_the_shape_only():
-    grid = zarr_io.metadata_text((8, 4), "float32", chunk_shape=(2, 4))
-    assert zarr_io.parse_grid(grid) == ((8, 4), np.dtype("float32"), 0, (2, 4))
-    assert zarr_io.parse_metadata(grid) is None  # not one chunk
-    single = zarr_io.metadata_text((8, 4), "float32")
-    assert zarr_io.parse_grid(single) == ((8, 4), np.dtype("float32"), 0, (8, 4))
-    uneven = zarr_io.metadata_text((8, 4), "float32", chunk_shape=(3, 4))
-    assert zarr_io.parse_grid(uneven) is None
+    grid = zarr_format.metadata_text((8, 4), "float32", chunk_shape=(2, 4))
+    assert zarr_format.parse_grid(grid) == ((8, 4), np.dtype("float32"), 0, (2, 4))
+    assert zarr_format.parse_metadata(grid) is None  # not one chunk
+    single = zarr_format.metadata_text((8, 4), "float32")
+    assert zarr_format.parse_grid(single) == ((8, 4), np.dtype("float32"), 0, (8, 4))
+    uneven = zarr_format.metadata_text((8, 4), "float32", chunk_shape=(3, 4))
+    assert zarr_format.parse_grid(uneven) is None
     document = json.loads(grid)
     document["codecs"][0]["configuration"]["chunk_shape"] = [1, 4]  # inner != outer
-    assert zarr_io.parse_grid(json.dumps(document)) is None
+    assert zarr_format.parse_grid(json.dumps(document)) is None
     with pytest.raises(ValueError, match="single-chunk"):
-        zarr_io.metadata_text((8, 4), "float32", 64, chunk_shape=(2, 4))
+        zarr_format.metadata_text((8, 4), "float32", 64, chunk_shape=(2, 4))
 
 
 def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
@@ -829,7 +830,7 @@ def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(tmp_path / "arrays",
                           args=ocp.args.PyTreeSave(item={"leaf_000000": array}))
-    grid = zarr_io.parse_grid((tmp_path / "arrays/leaf_000000/zarr.json").read_bytes())
+    grid = zarr_format.parse_grid((tmp_path / "arrays/leaf_000000/zarr.json").read_bytes())
     assert grid is not None and grid[3] != grid[0]  # several chunks
     claims, offered = offer_chunks(tmp_path)
     assert len(offered) == 8
@@ -850,8 +851,8 @@ def test_a_missing_chunk_file_of_a_grid_is_a_damaged_checkpoint(tmp_path):
     arrays = tmp_path / "arrays"
     (arrays / "leaf_000000/c/0").mkdir(parents=True)
     (arrays / "leaf_000000/zarr.json").write_text(
-        zarr_io.metadata_text((4, 2), "int32", chunk_shape=(2, 2)))
-    zarr_io.write_chunk(str(arrays / "leaf_000000/c/0/0"), np.zeros((2, 2), np.int32),
+        zarr_format.metadata_text((4, 2), "int32", chunk_shape=(2, 2)))
+    chunk_io.write_chunk(str(arrays / "leaf_000000/c/0/0"), np.zeros((2, 2), np.int32),
                         algorithm=ALGORITHM)
     restore_args = {"leaf_000000": ocp.RestoreArgs(restore_type=np.ndarray)}
     with concurrent.futures.ThreadPoolExecutor(2) as pool, \

@@ -301,20 +301,20 @@ def test_read_floors_read_into_the_memory_a_restore_hands_over(tmp_path, monkeyp
 
     import numpy as np
 
-    from jaxckpt.backends.orbax import zarr_io
+    from jaxckpt.storage import buffers
     from jaxckpt.tools import bench
 
     from support.memory import mapping_flags, numpy_huge_page_advice
 
     handed: list[tuple[int, int]] = []
-    real_fresh = zarr_io.fresh_blocks
+    real_fresh = buffers.fresh_blocks
 
     def spy(nbytes):
         blocks = real_fresh(nbytes)
         handed.append((blocks.ctypes.data, blocks.ctypes.data + blocks.nbytes))
         return blocks
 
-    monkeypatch.setattr(zarr_io, "fresh_blocks", spy)
+    monkeypatch.setattr(buffers, "fresh_blocks", spy)
     nbytes = 8 << 20  # numpy advises huge pages from 4 MiB on
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     path = tmp_path / "leaf"

@@ -68,8 +68,8 @@ FOLDERS = {
     "jaxckpt.storage": Folder(
         may_import=("jaxckpt.storage", "jaxckpt.core", "jaxckpt.errors"),
         never=FRAMEWORKS,
-        third_party=frozenset({"boto3", "botocore", "google", "requests", "urllib3"}),
-        public=frozenset({"base", "url", "readers", "s3.storage", "gcs.storage"}),
+        third_party=frozenset({"boto3", "botocore", "google", "requests", "urllib3", "numpy"}),
+        public=frozenset({"base", "url", "readers", "buffers", "s3.storage", "gcs.storage"}),
     ),
     "jaxckpt.manager": Folder(
         may_import=("jaxckpt.manager", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.commit",
@@ -92,7 +92,7 @@ FOLDERS = {
         never=frozenset({"torch"}),
         third_party=frozenset({"jax", "jaxlib", "orbax", "flax", "optax", "tensorstore", "numpy",
                                "ml_dtypes", "etils"}),
-        public=frozenset({"backend", "zarr_io", "import_orbax", "tree"}),
+        public=frozenset({"backend", "chunk_io", "import_orbax", "tree"}),
     ),
     "jaxckpt.commit": Folder(
         may_import=("jaxckpt.commit", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.errors",
@@ -688,7 +688,7 @@ def test_self_import_closure_follows_module_level_imports_only():
 
 def test_self_privacy_rules():
     tool = f"{TOOLS}.x"
-    assert privacy_problems(parse(tool, "from jaxckpt.backends.orbax.zarr_io import _pwrite\n"))
+    assert privacy_problems(parse(tool, "from jaxckpt.backends.orbax.chunk_io import _pwrite\n"))
     assert privacy_problems(parse(tool, "from jaxckpt import _version\n"))
     assert privacy_problems(parse(tool, "from jaxckpt._version import __version__\n"))
     assert privacy_problems(parse(tool, "from torch_bridge import hf\nhf._architecture('x')\n"))

@@ -25,7 +25,6 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from jaxckpt.backends.orbax.zarr_io import fresh_blocks
 from jaxckpt.commit.deferred_checks import ReadClaims
 from jaxckpt.core.checksum import RunningChecksum, extend, file_checksum
 from jaxckpt.core.layout import OBJECTS_FILE, TMP_PREFIX
@@ -35,6 +34,7 @@ from jaxckpt.errors import (
     CheckpointWriteError,
 )
 from jaxckpt.storage.base import Storage, fsync_dir
+from jaxckpt.storage.buffers import fresh_blocks
 from jaxckpt.storage.readers import SeekableReader
 from torch_bridge.dcp import metadata as dcp_metadata
 from torch_bridge.dcp.local_writer import checksumming_writer

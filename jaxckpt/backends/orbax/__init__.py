@@ -1,11 +1,12 @@
 """The JAX/Flax backend: pytrees of arrays stored in Orbax's layout.
 
 Owns: ``OrbaxBackend`` (``backend``) and its parts: its settings (``options``), the record of
-saved leaves (``tree``), where each leaf goes (``plan``), the write path (``write``), the
-read path and tree matching (``read``), placing arrays on devices (``place``), the writer of
-a multi-process run (``shards``), the facts of a ``jax.distributed`` run (``process``), where
-its files live (``files``, ``locations``), zarr3 chunk I/O (``zarr_io``), live Flax NNX
-objects (``nnx_live``) and importing plain Orbax checkpoints (``import_orbax``).
+saved leaves (``tree``), where each leaf goes (``plan``), the write path (``write``), matching
+``like`` to tree.json (``match``), the read path (``read``), placing arrays on devices
+(``place``), the writer of a multi-process run (``shards``), the facts of a
+``jax.distributed`` run (``process``), where its files live (``files``, ``locations``),
+Orbax's zarr3 form (``zarr_format``) and the I/O of its chunk files (``chunk_io``), live Flax
+NNX objects (``nnx_live``) and importing plain Orbax checkpoints (``import_orbax``).
 
 May import: jax, orbax, flax and the rest of jaxckpt's library. Importing this package loads
 no framework: ``OrbaxBackend`` and ``import_orbax`` load their modules on first use.

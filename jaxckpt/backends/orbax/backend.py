@@ -1,56 +1,20 @@
-"""The JAX/Flax backend: pytrees of arrays stored as Orbax checkpoints.
+"""The JAX/Flax backend: pytrees of arrays stored as Orbax checkpoints (``OrbaxBackend``).
 
 Owns: :class:`OrbaxBackend`, the :class:`jaxckpt.backends.base.Backend` for JAX pytrees (dicts,
-lists, tuples, NamedTuples, ``flax.nnx.State``, optax states, live NNX objects): it decides
-which writer and reader run, on which thread, and keeps what lives between saves (write
-plans, host buffers, Orbax checkpointers, thread pools). The work is done by its parts, one
-concern each (same layer: they may import jax and orbax, never torch):
+lists, tuples, NamedTuples, ``flax.nnx.State``, optax states, live NNX objects): which writer
+and reader run, on which thread, and what lives between saves (the write plans of the last
+few layouts, host buffers, Orbax checkpointers, thread pools). Its parts, one concern each:
+``options``, ``tree`` (tree.json), ``plan`` (write plans, packs), ``write``, ``shards`` (the
+write of several processes), ``match`` (``like`` against tree.json), ``read``, ``place``,
+``process``, ``files`` and ``locations`` (where the files live), ``zarr_format`` and
+``chunk_io`` (Orbax's files, our I/O), ``nnx_live``.
 
-- ``options``: the settings (:class:`OrbaxOptions`), checked once.
-- ``tree``: ``tree.json``, the record of every leaf's tree path, shape, dtype and
-  kind (array / typed PRNG key / Python scalar; dtypes Orbax cannot store kept as bytes).
-- ``plan``: write plans, and the packing of small leaves into a few arrays per dtype.
-- ``write``: the write handle, host buffers, the native (zarr_io) writer.
-- ``read``: matching ``like`` to tree.json by tree path, restore arguments, the
-  native reader, unpacking (each pack as soon as it is read).
-- ``shards``: the native write of a run of several processes (each its shards).
-- ``process``: barrier, broadcast and host copies of a ``jax.distributed`` run.
+A written directory holds ``tree.json`` (ours: every leaf's path, shape, dtype and kind) and
+``arrays/``, an Orbax PyTreeCheckpointHandler checkpoint of the flat dict of stored arrays,
+written natively (``native_io``) where it can be and by Orbax elsewhere. How a write and a
+read run: docs/architecture.md; why: docs/design.md and docs/performance.md.
 
-Layout of one written directory::
-
-    {directory}/tree.json     our metadata (see ``TREE_FORMAT``), written by the primary process
-    {directory}/arrays/       an Orbax PyTreeCheckpointHandler checkpoint of the flat dict,
-                              written under a temporary name and renamed into place only once
-                              every process's data is written
-
-How a write runs: the caller's thread validates and classifies the leaves, fills the packs
-(a sync write of one process leaves that to the I/O threads that write them, each pack just
-before it is written), copies numpy leaves (async writes only: the caller may change them
-once write() returns) and returns. In a single process every array is staged as a host
-array (a CPU jax.Array as a zero-copy view: it is immutable), async writes run on the
-backend's own writer thread, and on a local filesystem that thread writes Orbax's files
-itself (``zarr_io``: the same bytes tensorstore would write, moved with O_DIRECT
-and checksummed on the way; ``native_io``), which restores read back the same way. On an
-object-store root the manager hands the backend its storage (``attach_storage``) and the
-same files go there as objects (``jaxckpt.backends.orbax.files``, ``locations``). With several
-processes on a local (shared) root, each process writes the chunk files of the shards it
-owns the same way, in Orbax's layout for a sharded array (``shards``), on the same
-writer thread. Orbax writes and reads everything else: dtypes zarr_io does not store,
-shards that do not tile their array on a regular grid, arrays in another layout. Reading,
-each process of a run reads only the chunk files under its own devices.
-docs/performance.md lists these choices with a reason each; benchmarks/results/ has the
-measurements.
-
-A training run saves the same layout (tree structure, leaf types, shapes, dtypes) again and
-again, and everything but the data follows from the layout: tree paths, classification, the
-packs and every leaf's place in them, the text of tree.json. That is a write plan
-(``orbax_plan.WritePlan``); a single-process backend keeps the plans of its last few
-layouts, so a save of a known layout only flattens the tree, compares the layout, checks
-the values that need checking (Python ints within int64) and copies the data.
-
-This module and its ``_orbax_*`` parts are the only ones of jaxckpt that write or read with
-orbax (``orbax_import`` only converts plain Orbax checkpoints). They must not import torch
-(nor torch_bridge): a JAX run must never pay for, or depend on, PyTorch.
+Must not import: torch, torch_bridge (a JAX run must never pay for, or depend on, PyTorch).
 """
 
 from __future__ import annotations
@@ -74,6 +38,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
 from jaxckpt.backends.base import BackendFeatures
 from jaxckpt.backends.orbax import (
     locations as orbax_remote,
+    match as orbax_match,
     nnx_live,
     process as orbax_process,
     read as orbax_read,
@@ -145,7 +110,7 @@ def _started(pool: concurrent.futures.ThreadPoolExecutor | None, workers: int,
 
 def _write_local_native(root: epath.Path, tree_json: str | None,
                         native: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
-    """The writer thread's half of an async write through zarr_io."""
+    """The writer thread's half of an async write through chunk_io."""
     if tree_json is not None:
         write_durably(root / TREE_FILE, tree_json)
     return native(root)
@@ -379,7 +344,7 @@ class OrbaxBackend:
 
     def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> Any:
         """This write through ``_files_for`` as a function of the directory
-        (``orbax_shards.native_writer``: every array of a dtype and layout zarr_io stores
+        (``orbax_shards.native_writer``: every array of a dtype and layout the native I/O stores
         as Orbax would), else None; a URL's arrays must (``check_arrays``)."""
         return orbax_remote.writer_for(self._remote, directory, arrays, self.options,
                                         pool=self._pool)
@@ -486,7 +451,7 @@ class OrbaxBackend:
         # The whole read with the GC paused: tree.json and like's paths make tens of
         # thousands of objects with many leaves, and collections would walk them all.
         with _gc_paused(self.options.pause_gc):
-            saved, targets, like_treedef = orbax_read.match_like(root, directory, like,
+            saved, targets, like_treedef = orbax_match.match_like(root, directory, like,
                                                                   partial=partial)
             if not targets:
                 orbax_read.limit_claims(claims, directory, None, {}, partial=partial)

@@ -1,28 +1,15 @@
 """Where the native Orbax-layout writer and reader keep their files: a local directory, or
 objects of a ``jaxckpt.storage.base.Storage``.
 
-Owns: ``ArrayFiles``, the few operations the native writer (``write``) and reader
-(``_orbax_read``) need from the place an ``arrays/`` directory lives, and its two
-implementations:
-
-- ``LocalArrayFiles``: a local filesystem through ``zarr_io`` (O_DIRECT, checksums
-  on the way, data offsets that line up with the array's memory), written under a temporary
-  directory that is renamed into place once complete. This is the path every local root
-  took before object stores existed, call for call.
-- ``SharedLocalArrayFiles``: the same, written in place, for the ``arrays/`` directory
-  several processes write together (each its own chunk files).
-- ``StorageArrayFiles``: one object per file through a ``Storage`` (``S3Storage``): one PUT
-  per chunk file (the storage switches to a multipart upload for big ones), the small
-  metadata files sent on threads of their own, all at once, while the chunks go up (the
-  write's ``finish`` waits for them), reads by GET,
-  big chunk files in ranged GETs on a few threads. Objects are written at their final
-  names: an object store has no rename, and the checkpoint's commit marker, written after
-  them, is what makes them part of a checkpoint. ``StoragePath`` lets the backend's code
-  for a checkpoint directory (``tree.json``, listing) run on such a location.
-
-Both write the same bytes under the same names (``StorageArrayFiles`` always at data offset
-0: tensorstore's own layout), so a checkpoint copied from an object store to a disk (``aws
-s3 cp --recursive``) is a valid local checkpoint, and the other way round.
+Owns: ``ArrayFiles``, the few operations the native writer (``write``, ``shards``) and reader
+(``read``) need from the place an ``arrays/`` directory lives, and its implementations:
+``LocalArrayFiles`` (``chunk_io`` on a local filesystem, written under a temporary directory
+renamed into place once complete), ``SharedLocalArrayFiles`` (the same in place, for the
+``arrays/`` several processes write together) and ``StorageArrayFiles`` (an object per file,
+written at its final name: a store has no rename, and the commit marker written after them
+makes them count; big chunk files read in ranged GETs). ``StoragePath`` lets the backend's
+code for a checkpoint directory run on such a location. Both write the same bytes under the
+same names, so a checkpoint copied between a disk and an object store stays valid.
 
 Must not import: jax, orbax, torch.
 
@@ -43,9 +30,10 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.core.checksum import default_algorithm, extend
 from jaxckpt.errors import CheckpointCorruptError
+from jaxckpt.storage import buffers
 from jaxckpt.storage.base import Storage
 
 __all__ = [
@@ -78,7 +66,7 @@ class ArrayFiles(Protocol):
         """A write into ``base`` failed: remove what it wrote, where that is cheap."""
 
     def chunk_offset(self, array: np.ndarray, base: str) -> int:
-        """Where ``array``'s bytes start in its chunk file (``zarr_io.data_offset``)."""
+        """Where ``array``'s bytes start in its chunk file (``chunk_io.data_offset``)."""
 
     def make_parent(self, path: str) -> None:
         """Prepare the directories above ``path`` (nothing on an object store)."""
@@ -97,11 +85,11 @@ class ArrayFiles(Protocol):
 
     def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
                    offset: int) -> tuple[np.ndarray, str | None]:
-        """A chunk file whole, in an aligned buffer, and its checksum (``zarr_io.read_chunk``)."""
+        """A chunk file whole, in an aligned buffer, and its checksum (``chunk_io.read_chunk``)."""
 
 
 class LocalArrayFiles:
-    """``ArrayFiles`` on a local filesystem: ``zarr_io`` with O_DIRECT where ``direct``."""
+    """``ArrayFiles`` on a local filesystem: ``chunk_io`` with O_DIRECT where ``direct``."""
 
     def __init__(self, *, direct: bool):
         self.direct = direct
@@ -118,7 +106,7 @@ class LocalArrayFiles:
         shutil.rmtree(base, ignore_errors=True)
 
     def chunk_offset(self, array: np.ndarray, base: str) -> int:
-        return zarr_io.data_offset(array, base, direct=self.direct)
+        return chunk_io.data_offset(array, base, direct=self.direct)
 
     def make_parent(self, path: str) -> None:
         os.makedirs(os.path.dirname(path))
@@ -131,7 +119,7 @@ class LocalArrayFiles:
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
                     offset: int) -> tuple[int, str]:
-        return zarr_io.write_chunk(path, array, algorithm=algorithm, direct=self.direct,
+        return chunk_io.write_chunk(path, array, algorithm=algorithm, direct=self.direct,
                                    offset=offset)
 
     def read_small(self, path: str, limit: int) -> bytes:
@@ -140,7 +128,7 @@ class LocalArrayFiles:
 
     def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
                    offset: int) -> tuple[np.ndarray, str | None]:
-        return zarr_io.read_chunk(path, nbytes, algorithm=algorithm, direct=self.direct,
+        return chunk_io.read_chunk(path, nbytes, algorithm=algorithm, direct=self.direct,
                                   offset=offset)
 
 
@@ -237,7 +225,7 @@ class StorageArrayFiles:
         # (``Storage.write_joined``: a copy into one fresh buffer cost here about the CPU
         # of the PUT itself); its checksum is taken from exactly those bytes.
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        index = zarr_io.shard_index(flat.size, offset)
+        index = zarr_format.shard_index(flat.size, offset)
         pieces: list[bytes | memoryview] = [bytes(offset), flat.data, index]
         crc = 0
         for piece in pieces:
@@ -253,11 +241,11 @@ class StorageArrayFiles:
 
     def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
                    offset: int) -> tuple[np.ndarray, str | None]:
-        size = offset + nbytes + zarr_io.INDEX_BYTES
+        size = offset + nbytes + zarr_format.INDEX_BYTES
         # One byte more than expected is asked for: an object that is longer than its
         # zarr.json says shows up without a separate size request.
         wanted = size + 1
-        buffer = zarr_io.fresh_blocks(wanted)  # streamed into and handed over: no copy
+        buffer = buffers.fresh_blocks(wanted)  # streamed into and handed over: no copy
         view = buffer.data
         part = -(-wanted // -(-wanted // RANGED_READ_OVER))  # equal parts, none tiny
         ranges = [(start, min(part, wanted - start)) for start in range(0, wanted, part)]

@@ -1,16 +1,13 @@
 """Where the Orbax backend's files live: a local path or an object store, and the limits there.
 
-Owns: which ``ArrayFiles`` the native writer and reader use for a directory, and which
-native write a save gets there (``writer_for``)
-(``files_for``: zarr_io on a local disk, the attached storage for a URL, none where Orbax
-does the work), the directory as a path object (``path_for``), the checks that keep
-object-store locations on the native path (``check_arrays``) and the error for a checkpoint
-it cannot read there (``refuse_foreign``), and how ``tree.json`` is written there
-(``write_tree``). Orbax 0.12 cannot write ``s3://`` (it finalizes
-by renaming directories, and it creates a local ``./s3:`` directory), so on an object store
-every array goes through ``files.StorageArrayFiles`` in zarr_io's layout (each
-process its own shards): dtypes zarr_io stores, shards on a regular grid. Anything else
-is refused before a byte is written, naming the leaf and what to do.
+Owns: which ``files.ArrayFiles`` a directory gets (``files_for``: ``chunk_io`` on a local
+disk, the attached storage for a URL, none where Orbax does the work), which native write a
+save gets (``writer_for``), the directory as a path object (``path_for``), how ``tree.json``
+is written there (``write_tree``), and the refusals of an object store (``check_arrays``,
+``refuse_uneven``, ``refuse_foreign``): Orbax cannot write ``s3://`` (it finalizes by
+renaming directories), so there every array goes through ``StorageArrayFiles`` in
+``zarr_format``'s layout, and anything else is refused before a byte is written. Kept apart
+from ``files``: this chooses among writers (``write``, ``shards``) that use ``files``.
 
 Must not import: torch.
 
@@ -27,7 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import (
     ArrayFiles,
     LocalArrayFiles,
@@ -56,7 +53,7 @@ def path_for(remote: StorageArrayFiles | None, directory: str) -> Any:
 def files_for(remote: StorageArrayFiles | None, directory: str,
               options: OrbaxOptions, *, writing: bool = False) -> ArrayFiles | None:
     """Where the native writer and reader put ``directory``'s files: the attached storage
-    for a URL (always: Orbax cannot write there), zarr_io for a local path with
+    for a URL (always: Orbax cannot write there), chunk_io for a local path with
     ``native_io`` (written in place, ``SharedLocalArrayFiles``, by several processes),
     else None (Orbax does the work). With several processes each writes its own shards'
     files or objects (``_orbax_shards``) and reads the chunks under its own devices."""
@@ -75,7 +72,7 @@ def writer_for(remote: StorageArrayFiles | None, directory: str, arrays: dict[st
                pool: Callable[[], concurrent.futures.ThreadPoolExecutor]) -> Any:
     """The native write of ``arrays`` into ``directory`` (``_orbax_shards.native_writer``,
     through ``files_for``), or None where Orbax writes them; on an object store, where
-    Orbax cannot, ``CheckpointRootError`` before any I/O for what zarr_io does not store."""
+    Orbax cannot, ``CheckpointRootError`` before any I/O for what the native I/O does not store."""
     files = files_for(remote, directory, options, writing=True)
     on_storage = files is not None and files is remote
     if on_storage:
@@ -89,7 +86,7 @@ def writer_for(remote: StorageArrayFiles | None, directory: str, arrays: dict[st
 
 
 def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
-    """``CheckpointRootError`` naming every stored array zarr_io cannot write (sub-byte or
+    """``CheckpointRootError`` naming every stored array the native I/O cannot write (sub-byte or
     big-endian dtypes, zero-size arrays outside packs): on an object store there is no
     Orbax to hand them to. Arrays are numpy arrays, or jax.Arrays sharded over processes
     (their dtype and size decide alike)."""
@@ -99,17 +96,17 @@ def check_arrays(directory: str, arrays: dict[str, Any]) -> None:
     if bad:
         raise CheckpointRootError(
             f"{directory}: these stored arrays cannot be written to object storage (only "
-            f"dtypes {sorted(zarr_io.SUPPORTED_DTYPES)} with at least one element are): "
+            f"dtypes {sorted(zarr_format.SUPPORTED_DTYPES)} with at least one element are): "
             f"{'; '.join(bad)}. Nothing was written. Fix: cast such leaves (e.g. int4 to "
             f"int8) or save to a filesystem root.")
 
 
 def _storable(array: Any) -> bool:
     if isinstance(array, np.ndarray):
-        return zarr_io.supported(array)
+        return zarr_format.supported(array)
     if not isinstance(array, jax.Array):
         return False
-    return zarr_io.supported(np.empty((1,) if array.size else (0,), array.dtype))
+    return zarr_format.supported(np.empty((1,) if array.size else (0,), array.dtype))
 
 
 def refuse_uneven(directory: str) -> None:
@@ -123,7 +120,7 @@ def refuse_uneven(directory: str) -> None:
 
 
 def refuse_foreign(directory: str) -> None:
-    """A checkpoint on an object store whose arrays are not in zarr_io's layout (written by
+    """A checkpoint on an object store whose arrays are not in ``zarr_format``'s layout (written by
     Orbax itself, or damaged): nothing here can read it."""
     raise CheckpointCorruptError(
         f"{directory}: its arrays are not stored in the single-chunk zarr3 layout jaxckpt "

@@ -20,7 +20,7 @@ DEFAULT_PACK_LEAF_BYTES = 1 << 20
 #: restore never needs one huge contiguous buffer. Sizes from 16 to 64 MiB measured alike
 #: at 1 GiB; 8 MiB because at small states larger packs are fewer than the read threads and
 #: all finish together, where many packs keep every read thread busy and let the first be
-#: unpacked while the last are still read (``_orbax_read.Unpacker``).
+#: unpacked while the last are still read (``read.Unpacker``).
 DEFAULT_PACK_BYTES = 8 << 20
 
 
@@ -57,12 +57,12 @@ class OrbaxOptions:
     the write."""
     native_io: bool = True
     """Single-process runs on a local filesystem write, and read back, the arrays with
-    jaxckpt's own file I/O (``zarr_io``) in the zarr3 layout Orbax + tensorstore
+    jaxckpt's own file I/O (``chunk_io``) in the zarr3 layout Orbax + tensorstore
     produce, instead of through them: a third of the CPU per save, checksums computed on
     the way, no read-back at commit. The files are Orbax's: Orbax
     reads them, and arrays Orbax wrote are read natively when their layout is this one.
     (Large arrays may start a few bytes into their file, where their memory lines up with
-    its blocks: ``zarr_io.data_offset``.) False: Orbax writes and reads everything, as with
+    its blocks: ``chunk_io.data_offset``.) False: Orbax writes and reads everything, as with
     several processes."""
     direct_io: bool = True
     """With ``native_io``, move the bytes with ``O_DIRECT`` where the filesystem allows it

@@ -1,18 +1,15 @@
-"""The Orbax backend's read path: matching a ``like`` tree to tree.json, and the way back.
+"""The Orbax backend's read path, once ``like`` matches tree.json (``match``): the way back.
 
-Owns: what each ``like`` leaf asks for (:class:`Target`) and its tree path (``plain_paths``
-for trees of plain containers), where each leaf goes (:class:`Shardings`), the comparison
-of ``like`` with the saved leaves by tree path (every mismatch at once; with ``partial``,
-like may be a subtree, and the scope of its deferred checks is limited to what it reads),
-the restore
-arguments handed to Orbax (shardings, typed keys' data), the native reader
-(``zarr_io``, checking the deferred checksums of the files it reads as it reads
-them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves (packed leaves
-cut out of their packs, arrays stored as bytes viewed as their dtype, keys wrapped, numpy
-and Python scalars converted; a Python scalar like leaf gets an array where an array was
-saved).
+Owns: where each jax leaf goes (:class:`Shardings`; a typed key's data placed with the key's
+sharding), the restore arguments handed to Orbax, the scope of a partial read's deferred
+checks (``limit_claims``), the native reader (``read_native``: ``chunk_io`` reads the
+arrays in ``zarr_format``'s layout, checking the deferred checksums of the files as it
+reads them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves
+(``Unpacker``: packed leaves cut out of their packs as each pack arrives, arrays stored as
+bytes viewed as their dtype; ``to_like_leaves``: keys wrapped, numpy and Python scalars
+converted).
 
-Which reader runs is the backend's decision (``orbax_backend``). Must not import: torch.
+Which reader runs is the backend's decision (``backend``). Must not import: torch.
 """
 
 from __future__ import annotations
@@ -22,82 +19,33 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from math import prod
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.backends.orbax.files import ArrayFiles
+from jaxckpt.backends.orbax.match import Target
 from jaxckpt.backends.orbax.place import default_sharding, place
 from jaxckpt.backends.orbax.tree import (
     ARRAYS_DIR,
-    PY_SCALAR_DTYPE_KINDS,
-    PY_SCALAR_TYPES,
     STORAGE_NAME,
     TREE_FILE,
     ZARR_JSON,
     SavedLeaf,
-    dtype_name,
     from_bytes,
-    numpy_dtype,
-    read_tree_json,
 )
-from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, TreeMismatchError
+from jaxckpt.errors import CheckpointCorruptError
+from jaxckpt.storage.buffers import aligned_empty
 
 if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import ReadClaims
 
-__all__ = ["Target", "Shardings", "match_like", "arrays_dir", "restore_args_for",
-           "limit_claims", "restore_request", "read_native", "Unpacker", "to_like_leaves"]
-
-
-# ---------------------------------------------------------------------------- like leaves
-
-
-class Target(NamedTuple):
-    """What a ``like`` leaf asks for (a named tuple: a restore makes one per leaf)."""
-
-    target: str
-    """"jax" (jax.Array, also for ShapeDtypeStruct), "numpy", "numpy_scalar" or "python"."""
-    shape: tuple[int, ...]
-    dtype: Any
-    """numpy or key dtype; the Python type for target "python"."""
-    sharding: jax.sharding.Sharding | None = None
-    """Where a "jax" leaf goes; None means the default device."""
-
-    def describe(self) -> str:
-        if self.target == "python":
-            return f"python {self.dtype.__name__}"
-        return f"shape {self.shape} {dtype_name(self.dtype)}"
-
-
-def target_of(leaf: Any) -> Target | None:
-    if isinstance(leaf, jax.Array):
-        return Target("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding)
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return Target("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding)
-    if isinstance(leaf, np.ndarray):
-        return Target("numpy", tuple(leaf.shape), leaf.dtype)
-    if isinstance(leaf, np.generic):
-        return Target("numpy_scalar", (), leaf.dtype)
-    for py_type in PY_SCALAR_TYPES.values():
-        if type(leaf) is py_type:
-            return Target("python", (), py_type)
-    return None
-
-
-def mismatch(target: Target, saved: SavedLeaf) -> bool:
-    if target.target == "python":
-        # A Python scalar like accepts any 0-d, non-key saved leaf of a matching kind (a
-        # step counter saved as a jnp.int32 matches a Python int, and restores as the
-        # saved array: as_saved).
-        type_name = target.dtype.__name__
-        return (saved.kind == "key" or saved.shape != ()
-                or np.dtype(saved.dtype).kind not in PY_SCALAR_DTYPE_KINDS[type_name])
-    return saved.shape != target.shape or saved.dtype != dtype_name(target.dtype)
+__all__ = ["Shardings", "arrays_dir", "restore_args_for", "limit_claims", "restore_request",
+           "read_native", "Unpacker", "to_like_leaves"]
 
 
 def key_data_sharding(sharding: jax.sharding.Sharding, key_ndim: int,
@@ -146,7 +94,7 @@ class Shardings:
 def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
                      shardings: Shardings) -> tuple[dict[str, Any],
                                                     dict[str, jax.sharding.Sharding]]:
-    """What to ask Orbax (or zarr_io) for: restore args by storage name (a pack once), and
+    """What to ask Orbax (or chunk_io) for: restore args by storage name (a pack once), and
     where each jax leaf that is not packed goes (``shardings.of``). Packed leaves cost one
     look-up each here: where they go is worked out by ``Unpacker.prepare``, while the
     packs are read."""
@@ -171,181 +119,6 @@ def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLe
                 sharding=sharding, global_shape=entry.stored_shape,
                 dtype=entry.stored_dtype)
     return restore_args, placements
-
-
-def plain_paths(tree: Any, leaves: list[Any]) -> list[str] | None:
-    """``jax.tree_util.keystr`` of the tree path of each of ``leaves`` (``tree``'s, as
-    ``jax.tree_util.tree_flatten`` gives them), where ``tree`` is made of plain dicts with
-    string keys, lists, tuples and None; None for any other tree (jax's own walk then).
-
-    jax's walk makes a key object per node and a string per key of every path, about 2 us
-    a leaf; here each key's text is made once and paths share their prefixes. The leaves
-    found must be ``leaves`` themselves, in order, or the answer is None."""
-    paths: list[str] = []
-    keys: dict[str, str] = {}  # a dict key -> its text in a path
-    count, position = len(leaves), 0
-
-    def leaf(node: Any, path: str) -> None:
-        nonlocal position
-        # Attribute and item access only, no calls: this runs once per leaf.
-        if position >= count or leaves[position] is not node:
-            raise _NotPlain
-        paths.append(path)
-        position += 1
-
-    def walk(node: Any, prefix: str) -> None:
-        nonlocal position
-        kind = node.__class__
-        if kind is dict:
-            for key in sorted(node):  # jax's order; a TypeError (mixed keys) ends the walk
-                if key.__class__ is not str:
-                    raise _NotPlain
-                if key in keys:
-                    text = keys[key]
-                else:
-                    text = keys[key] = f"[{key!r}]"
-                child = node[key]
-                if child.__class__ in _CONTAINERS or child is None:
-                    walk(child, prefix + text)
-                elif position < count and leaves[position] is child:  # leaf(), inline
-                    paths.append(prefix + text)
-                    position += 1
-                else:
-                    raise _NotPlain
-        elif kind is list or kind is tuple:
-            for index, child in enumerate(node):
-                walk(child, f"{prefix}[{index}]")
-        elif node is not None:
-            leaf(node, prefix)
-
-    try:
-        walk(tree, "")
-    except (_NotPlain, TypeError, RecursionError):
-        return None  # a node jax flattens differently (a registered type, say)
-    return paths if position == count else None
-
-
-class _NotPlain(Exception):
-    """``plain_paths`` met a node it does not know, or leaves other than jax's."""
-
-
-_CONTAINERS = frozenset({dict, list, tuple})
-
-
-def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:
-    """``(tree path, what the leaf asks for)`` of every leaf of ``like``, and its treedef;
-    TypeError listing every leaf that describes no array."""
-    leaves, like_treedef = jax.tree_util.tree_flatten(like)
-    paths = plain_paths(like, leaves)
-    if paths is None:
-        with_paths = jax.tree_util.tree_flatten_with_path(like)[0]
-        # jax.tree_util.keystr(key_path), without its call: this runs once per leaf.
-        paths = ["".join(map(str, key_path)) for key_path, _ in with_paths]
-    targets: list[tuple[str, Target]] = []
-    bad_like: list[str] = []
-    abstract, new = jax.ShapeDtypeStruct, tuple.__new__
-    target: Target | None
-    for path, leaf in zip(paths, leaves, strict=True):
-        if type(leaf) is abstract:  # the usual like leaf (jax.eval_shape, nnx.eval_shape)
-            target = new(Target, ("jax", tuple(leaf.shape), leaf.dtype, leaf.sharding))
-        else:
-            target = target_of(leaf)
-        if target is None:
-            bad_like.append(f"  {path}: {type(leaf).__module__}.{type(leaf).__qualname__}")
-        else:
-            targets.append((path, target))
-    if bad_like:
-        raise TypeError(
-            "like has leaves that describe no array:\n" + "\n".join(bad_like) + "\nFix: "
-            "give like leaves that are jax.Array, jax.ShapeDtypeStruct, numpy arrays or "
-            "Python bool/int/float (e.g. from nnx.eval_shape or jax.eval_shape).")
-    return targets, like_treedef
-
-
-def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf], *,
-            partial: bool = False) -> list[str]:
-    """Every difference between like and the checkpoint, one line per tree path. With
-    ``partial`` (like is a subtree of what was saved) saved leaves outside like are not
-    differences: they are simply not read."""
-    problems = []
-    missing = False
-    names: dict[Any, str] = {}  # dtype_name of each like dtype, asked once per dtype
-    for path, target in targets:
-        # Item access rather than calls (saved.get): this loop runs once per leaf.
-        if path not in saved:
-            missing = True
-            problems.append(f"{path}: missing from checkpoint (like has {target.describe()})")
-            continue
-        entry = saved[path]
-        # mismatch(), spelled out for the usual leaf.
-        if target.target == "python":
-            differs = mismatch(target, entry)
-        else:
-            dtype = target.dtype
-            if dtype not in names:
-                names[dtype] = dtype_name(dtype)
-            differs = entry.shape != target.shape or entry.dtype != names[dtype]
-        if differs:
-            problems.append(f"{path}: expected {target.describe()}, checkpoint has "
-                            f"{entry.describe()}")
-    if not partial:
-        like_paths = {path for path, _ in targets}
-        # Every like path is saved: the saved ones outside like are the surplus, if any.
-        if missing or len(like_paths) != len(saved):
-            problems.extend(f"{path}: not in like (checkpoint has {entry.describe()})"
-                            for path, entry in saved.items() if path not in like_paths)
-    # Sorted by path so that related problems (a renamed subtree) read side by side.
-    return sorted(problems)
-
-
-
-# --------------------------------------------------------------------------- the read
-
-
-def match_like(root: epath.Path, directory: str, like: Any, *, partial: bool = False,
-               ) -> tuple[dict[str, SavedLeaf], list[tuple[str, Target]], Any]:
-    """The saved leaves of ``directory`` by tree path, the targets of ``like`` and its
-    treedef, once ``like`` matches the checkpoint. Raises CheckpointNotFoundError for a
-    missing directory, CheckpointCorruptError for an unreadable tree.json, TypeError for
-    like leaves that describe no array, and one TreeMismatchError listing every mismatch
-    (missing, extra, shape, dtype, key impl); nothing has been read from ``arrays/`` then.
-    ``partial``: like may leave saved leaves out (see ``compare``)."""
-    if not root.exists():
-        raise CheckpointNotFoundError(f"no checkpoint at {directory}: the directory does "
-                                      "not exist")
-    saved = read_tree_json(root, directory)
-    targets, like_treedef = like_targets(like)
-    problems = compare(targets, saved, partial=partial)
-    if problems:
-        fix = ("build like as a subtree of the saved tree (the same paths, shapes and "
-               "dtypes for what it keeps; `jaxckpt info PATH --tree` lists every saved "
-               "path)" if partial else
-               "build like with the same code and configuration that produced the "
-               "checkpoint (e.g. nnx.eval_shape of the same model and optimizer)")
-        if not partial and all(": not in like " in line for line in problems):
-            fix += "; to read only the part like describes, pass partial=True"
-        raise TreeMismatchError(
-            f"cannot restore {directory} into like: {len(problems)} tree path(s) do not "
-            "match:\n" + "\n".join(f"  {line}" for line in problems) + f"\nFix: {fix}, "
-            f"or read with a like that matches {directory}/{TREE_FILE} and convert the "
-            "result yourself.",
-            problems)
-    return saved, as_saved(targets, saved), like_treedef
-
-
-def as_saved(targets: list[tuple[str, Target]],
-             saved: dict[str, SavedLeaf]) -> list[tuple[str, Target]]:
-    """``targets`` where each Python-scalar like leaf whose saved leaf is an array asks for
-    the array (a jax.Array of the saved shape and dtype on the default device) instead: a
-    restore gives back what was saved, and a Python scalar only where one was saved. A Linen
-    ``TrainState.create`` holds ``step=0``, an int, while the state saved after a jitted
-    step holds an int32 array; restored into the fresh state the step stays that array.
-    Changed in place and returned."""
-    for slot, (path, target) in enumerate(targets):
-        if target.target == "python" and saved[path].kind != "scalar":
-            entry = saved[path]
-            targets[slot] = (path, Target("jax", entry.shape, numpy_dtype(entry.dtype)))
-    return targets
 
 
 def arrays_dir(root: epath.Path, directory: str) -> epath.Path:
@@ -411,8 +184,8 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
     """One read job per chunk file of the arrays ``restore_args`` asks for: (name, file,
     chunk shape, dtype, offset, the slices of the array it fills, None for a single-chunk
     array, read as it is), and the buffers of the multi-chunk arrays, which their jobs
-    fill; None when an array's zarr.json (``parsed_metadata``, ``zarr_io.parse_grid`` of
-    each) is not in zarr_io's layout or disagrees with tree.json."""
+    fill; None when an array's zarr.json (``parsed_metadata``, ``zarr_format.parse_grid`` of
+    each) is not in ``zarr_format``'s layout or disagrees with tree.json."""
     jobs: list[_ChunkJob] = []
     grids: dict[str, np.ndarray] = {}
     for (name, args), parsed in zip(restore_args.items(), parsed_metadata, strict=True):
@@ -423,14 +196,14 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
                 tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
             return None
         if chunk_shape == shape:
-            jobs.append((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape))}", shape,
+            jobs.append((name, f"{base}/{name}/{zarr_format.chunk_relpath(len(shape))}", shape,
                          dtype, offset, None))
             continue
-        grids[name] = zarr_io.aligned_empty(shape, dtype, fresh=True)
+        grids[name] = aligned_empty(shape, dtype, fresh=True)
         wanted = _addressable_parts(args, shape)
-        jobs.extend((name, f"{base}/{name}/{zarr_io.chunk_relpath(len(shape), index)}",
+        jobs.extend((name, f"{base}/{name}/{zarr_format.chunk_relpath(len(shape), index)}",
                      chunk_shape, dtype, 0, slices)
-                    for index, slices in zarr_io.chunk_grid(shape, chunk_shape)
+                    for index, slices in zarr_format.chunk_grid(shape, chunk_shape)
                     if wanted is None or any(_overlaps(slices, part, shape) for part in wanted))
     return jobs, grids
 
@@ -457,9 +230,9 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
                 on_host: Callable[[str, np.ndarray], None] | None = None,
                 meanwhile: Callable[[], None] | None = None,
                 ) -> dict[str, Any] | None:
-    """What Orbax's restore returns for ``restore_args``, read through ``files`` (zarr_io
+    """What Orbax's restore returns for ``restore_args``, read through ``files`` (chunk_io
     with O_DIRECT on a local disk, GETs on an object store) on ``pool``'s threads; None
-    (before any bulk read) when some array is not stored in zarr_io's layout or not as
+    (before any bulk read) when some array is not stored in ``zarr_format``'s layout or not as
     tree.json says (Orbax then reads everything and reports what is wrong).
 
     Claims the deferred checks of the files it reads (``claims``: a restore's deferred
@@ -481,7 +254,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
 
     def metadata(name: str) -> tuple[tuple[int, ...], np.dtype, int, tuple[int, ...]] | None:
         try:
-            return zarr_io.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}", 1 << 16))
+            return zarr_format.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}", 1 << 16))
         except OSError:
             return None
 
@@ -505,7 +278,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | No
         content, checksum = files.read_chunk(file, nbytes, algorithm=algorithm, offset=offset)
         if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
             claims.settle(file, checksum)
-        data = zarr_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
+        data = chunk_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
         if slices is None:
             return name, data
         grids[name][slices] = data

@@ -6,7 +6,7 @@ each stored array (:func:`stage_shards`) and writing it (:func:`write_shards`): 
 chunk grid of the shard shape, one chunk file per shard, written by the holder of its
 replica 0; arrays every process holds whole, every ``zarr.json`` and Orbax's metadata are
 the primary's. Files are written in place; the primary's commit marker makes them count.
-What it cannot store (dtypes ``zarr_io`` does not write, irregular shards) gives None, and
+What it cannot store (dtypes ``chunk_io`` does not write, irregular shards) gives None, and
 the backend hands the write to Orbax (a local root only).
 
 Must not import: torch.
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import ArrayFiles
 from jaxckpt.backends.orbax.process import barrier
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
@@ -73,16 +73,16 @@ def stage_shards(arrays: dict[str, Any], *, primary: bool) -> dict[str, ShardedA
     owned: list[tuple[str, str, Any]] = []  # (name, chunk path, shard data on device)
     for name, array in arrays.items():
         dtype = np.dtype(array.dtype)
-        if not zarr_io.supported(np.empty((1,) if array.size else (0,), dtype)):
+        if not zarr_format.supported(np.empty((1,) if array.size else (0,), dtype)):
             return None
         shape = tuple(array.shape)
         if isinstance(array, np.ndarray) or array.is_fully_addressable:
             # Every process holds it entirely: the primary's copy is stored, as one chunk.
             staged[name] = ShardedArray(shape, dtype.name, None, ())
             if primary and isinstance(array, np.ndarray):
-                pieces[name] = [(zarr_io.chunk_relpath(len(shape)), array)]
+                pieces[name] = [(zarr_format.chunk_relpath(len(shape)), array)]
             elif primary:
-                owned.append((name, zarr_io.chunk_relpath(len(shape)), array))
+                owned.append((name, zarr_format.chunk_relpath(len(shape)), array))
             continue
         chunk = _grid_of(array)
         if chunk is None:
@@ -91,7 +91,7 @@ def stage_shards(arrays: dict[str, Any], *, primary: bool) -> dict[str, ShardedA
             if shard.replica_id == 0:
                 position = tuple(part.indices(size)[0] // cell for part, size, cell
                                  in zip(shard.index, shape, chunk, strict=True))
-                owned.append((name, zarr_io.chunk_relpath(len(shape), position), shard.data))
+                owned.append((name, zarr_format.chunk_relpath(len(shape), position), shard.data))
         staged[name] = ShardedArray(shape, dtype.name, None if chunk == shape else chunk, ())
     # One batched transfer of every owned jax shard (on CPU: views, nothing copied).
     fetched = host_arrays([data for _, _, data in owned])
@@ -136,12 +136,12 @@ def write_shards(root: str, staged: dict[str, ShardedArray], *, primary: bool,
     results = list(pool.map(write, jobs))
     if primary:
         for name, entry in staged.items():
-            small(f"{name}/{ZARR_JSON}", zarr_io.metadata_text(
+            small(f"{name}/{ZARR_JSON}", zarr_format.metadata_text(
                 entry.shape, entry.dtype_name, chunk_shape=entry.chunk_shape))
-        small("_METADATA", zarr_io.tree_metadata_text(list(staged)))
+        small("_METADATA", zarr_format.tree_metadata_text(list(staged)))
         small("_CHECKPOINT_METADATA",
-              zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
-        small("commit_success.txt", zarr_io.commit_success_text(final))
+              zarr_format.checkpoint_metadata_text(started_ns, time.time_ns()))
+        small("commit_success.txt", zarr_format.commit_success_text(final))
     files.finish(base, final)
     entries = {relative: (size, crc) for relative, size, crc in results}
     entries.update(known)
@@ -166,7 +166,7 @@ def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: 
     if files is None:
         return None
     if not shared:
-        if not all(isinstance(array, np.ndarray) and zarr_io.supported(array)
+        if not all(isinstance(array, np.ndarray) and zarr_format.supported(array)
                    for array in arrays.values()):
             return None
         return functools.partial(_write_single, arrays=arrays, pool=pool, files=files)

@@ -4,7 +4,7 @@ Owns: the handle a write returns (:class:`OrbaxWriteHandle`), the host buffers a
 into and reuses (:class:`HostBuffers`), the Orbax type handlers the backend writes with
 (numpy arrays not deep-copied a second time), and the native writer: the files Orbax's
 ``PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)`` writes, written through a
-``files.ArrayFiles`` (:func:`write_native`): locally with ``zarr_io``
+``files.ArrayFiles`` (:func:`write_native`): locally with ``chunk_io``
 (O_DIRECT, checksums computed on the way) under a temporary name renamed into place once
 complete, on an object store as objects at their names. Also the small-file writers of the
 state directory (``tree.json``).
@@ -28,12 +28,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxckpt.backends.orbax import zarr_io
+from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import ArrayFiles
 from jaxckpt.backends.orbax.plan import WritePlan, fill_pack, pack_length
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
 from jaxckpt.core.checksum import default_algorithm
 from jaxckpt.errors import CheckpointWriteError
+from jaxckpt.storage.buffers import aligned_empty
 
 __all__ = ["OrbaxWriteHandle", "HostBuffers", "host_arrays", "type_handler_registry",
            "create_directory", "write_native", "write_small", "write_durably"]
@@ -230,7 +231,7 @@ class HostBuffers:
             if slot[1] is None or slot[1].done():
                 break
         else:
-            slot = [zarr_io.aligned_empty(shape, dtype), None]  # written without a copy
+            slot = [aligned_empty(shape, dtype), None]  # written without a copy
             if self._reuse:
                 slots.append(slot)
         used.append(slot)
@@ -349,10 +350,10 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         # sends it alongside, and ``finish`` waits for it). The "commit" time Orbax
         # records is then that of the last array's start; the checkpoint's own commit is
         # the marker, later still.
-        small("_METADATA", zarr_io.tree_metadata_text(list(arrays)))
+        small("_METADATA", zarr_format.tree_metadata_text(list(arrays)))
         small("_CHECKPOINT_METADATA",
-              zarr_io.checkpoint_metadata_text(started_ns, time.time_ns()))
-        small("commit_success.txt", zarr_io.commit_success_text(final))
+              zarr_format.checkpoint_metadata_text(started_ns, time.time_ns()))
+        small("commit_success.txt", zarr_format.commit_success_text(final))
 
     def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
         # Each array's directories and zarr.json are made on the I/O threads too: made on
@@ -362,14 +363,14 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         fill = fills.get(name)
         if fill is not None:
             fill()
-        relative = f"{name}/{zarr_io.chunk_relpath(array.ndim)}"
+        relative = f"{name}/{zarr_format.chunk_relpath(array.ndim)}"
         chunk = f"{base}/{relative}"
         files.make_parent(chunk)
         # Large arrays start where their memory lines up with the file's blocks, and
-        # are written from it without a copy (zarr_io.data_offset).
+        # are written from it without a copy (chunk_io.data_offset).
         offset = files.chunk_offset(array, base)
         small(f"{name}/{ZARR_JSON}",
-              zarr_io.metadata_text(array.shape, array.dtype.name, offset))
+              zarr_format.metadata_text(array.shape, array.dtype.name, offset))
         with unstarted_lock:
             unstarted[0] -= 1
             last = not unstarted[0]

@@ -4,7 +4,8 @@ Owns: the raw writes (buffered, and ``O_DIRECT`` from aligned blocks), the raw r
 new memory, the listing of a checkpoint's files and the ``O_DIRECT`` probe, shared by the
 bench's rows (``jaxckpt.tools.bench``) and the ``--scale`` run (``bench.scale``).
 
-Must not import: jax, orbax, torch (numpy and ``jaxckpt.backends.orbax.zarr_io``'s buffers only).
+Must not import: jax, orbax, torch (numpy, ``jaxckpt.storage.buffers``, the chunk I/O's
+``PIECE``).
 
 Concurrency contract: each function is safe on any thread; callers run them on pools.
 """
@@ -45,8 +46,8 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _raw_write_direct(path: str, block: np.ndarray) -> None:
     """The same with O_DIRECT: ``block`` is already ALIGN-aligned and whole blocks long,
-    so the device copies straight from it (8 MiB writes, what zarr_io writes)."""
-    from jaxckpt.backends.orbax.zarr_io import PIECE
+    so the device copies straight from it (8 MiB writes, what chunk_io writes)."""
+    from jaxckpt.backends.orbax.chunk_io import PIECE
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
@@ -60,10 +61,11 @@ def _raw_write_direct(path: str, block: np.ndarray) -> None:
 
 def _raw_read_direct(path: str, nbytes: int, *, numpy_memory: bool = False) -> np.ndarray:
     """Read a file with O_DIRECT into one new aligned buffer, in 8 MiB reads: the kind of
-    memory a restore reads into and hands over (``zarr_io.fresh_blocks``), or with
+    memory a restore reads into and hands over (``buffers.fresh_blocks``), or with
     ``numpy_memory`` numpy's (``np.empty``, which asks for huge pages from 4 MiB on: a row
     of its own, not a floor; docs/performance.md, "Tenth round (rawread)")."""
-    from jaxckpt.backends.orbax.zarr_io import PIECE, aligned_blocks, fresh_blocks
+    from jaxckpt.backends.orbax.chunk_io import PIECE
+    from jaxckpt.storage.buffers import aligned_blocks, fresh_blocks
 
     out = aligned_blocks(nbytes) if numpy_memory else fresh_blocks(nbytes)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -94,10 +96,10 @@ def _read_all(pool: concurrent.futures.Executor, read: Callable[[str, int], np.n
 
 
 def _touch_fresh(nbytes: int) -> None:
-    """Allocate ``nbytes`` of the memory a restore reads into (``zarr_io.fresh_blocks``)
+    """Allocate ``nbytes`` of the memory a restore reads into (``buffers.fresh_blocks``)
     and write one byte per page: the page faults alone that any read into new memory pays
     (what this VM makes dear when the host reclaimed the memory)."""
-    from jaxckpt.backends.orbax.zarr_io import fresh_blocks
+    from jaxckpt.storage.buffers import fresh_blocks
 
     buffer = fresh_blocks(nbytes)
     buffer[::mmap.PAGESIZE] = 1
@@ -106,12 +108,12 @@ def _touch_fresh(nbytes: int) -> None:
 def _raw_read(path: str, nbytes: int) -> np.ndarray:
     """Read a whole file into one new buffer (what a restore has to produce at least), in
     8 MiB reads: one giant read() was several times slower here on some runs. The buffer is
-    the kind of memory a restore reads into and hands over (``zarr_io.fresh_blocks``):
+    the kind of memory a restore reads into and hands over (``buffers.fresh_blocks``):
     numpy's own (huge pages asked for) took 0.5x to 2.5x its time on this VM, depending on
     whether it was freed moments before or long enough for the host to take it back, which
     made the floor measure the memory's history rather than the disk (docs/performance.md,
     "Tenth round (rawread)")."""
-    from jaxckpt.backends.orbax.zarr_io import fresh_blocks
+    from jaxckpt.storage.buffers import fresh_blocks
 
     out = fresh_blocks(nbytes)[:nbytes]
     with open(path, "rb", buffering=0) as handle:
@@ -126,7 +128,7 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
 
 def _direct_refused(directory: str) -> str:
     """"" when ``directory`` takes O_DIRECT writes of aligned blocks, else why not."""
-    from jaxckpt.backends.orbax.zarr_io import ALIGN, aligned_blocks
+    from jaxckpt.storage.buffers import ALIGN, aligned_blocks
 
     if not hasattr(os, "O_DIRECT"):
         return "no O_DIRECT on this platform"

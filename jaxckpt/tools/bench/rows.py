@@ -104,7 +104,7 @@ class _Bench:
             self.many_state = _jax_state(_leaf_arrays(data, config.many_leaves))
         del data
         # Reused buffers are aligned whole blocks, so the O_DIRECT floor writes from them.
-        from jaxckpt.backends.orbax.zarr_io import aligned_blocks
+        from jaxckpt.storage.buffers import aligned_blocks
 
         self.blocks = [aligned_blocks(a.nbytes) for a in self.arrays]
         self.reused = [block[:a.nbytes].view(a.dtype).reshape(a.shape)

@@ -190,10 +190,11 @@ class _Saver:
 
 def _read_fresh(path: str, size: int) -> np.ndarray:
     """Read one file with ``O_DIRECT`` (where the filesystem allows it) into memory of the
-    kind a restore reads into (``zarr_io.fresh_blocks``), in the reader's 8 MiB pieces."""
-    from jaxckpt.backends.orbax import zarr_io
+    kind a restore reads into (``buffers.fresh_blocks``), in the reader's 8 MiB pieces."""
+    from jaxckpt.backends.orbax import chunk_io
+    from jaxckpt.storage import buffers
 
-    buffer = zarr_io.fresh_blocks(size)
+    buffer = buffers.fresh_blocks(size)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     except OSError:
@@ -201,7 +202,7 @@ def _read_fresh(path: str, size: int) -> np.ndarray:
     try:
         offset = 0
         while offset < size:
-            got = os.preadv(fd, [buffer[offset:offset + zarr_io.PIECE].data], offset)
+            got = os.preadv(fd, [buffer[offset:offset + chunk_io.PIECE].data], offset)
             if got <= 0:
                 break
             offset += got
@@ -221,9 +222,9 @@ def _prime_new_memory(nbytes: int) -> None:
     the floor after it (5.9 s against 2.4 s); with a primer before each row the primer
     paid that (4.8 s) and the rows did not (1.4-1.6 s each; docs/performance.md, "Eleventh
     round (scale4g)"). Primed, both rows start alike."""
-    from jaxckpt.backends.orbax import zarr_io
+    from jaxckpt.storage import buffers
 
-    blocks = zarr_io.fresh_blocks(nbytes)
+    blocks = buffers.fresh_blocks(nbytes)
     blocks[::mmap.PAGESIZE] = 0
     del blocks  # unmapped here: its pages are free again before the row starts
 
@@ -307,7 +308,7 @@ class _FloorWriter:
     def __init__(self, state: dict[str, Any], root: str) -> None:
         import concurrent.futures
 
-        from jaxckpt.backends.orbax import zarr_io
+        from jaxckpt.storage import buffers
 
         os.makedirs(root, exist_ok=True)
         self.root, self.count = root, 0
@@ -315,7 +316,7 @@ class _FloorWriter:
         self.blocks = []
         for leaf in state.values():
             data = np.asarray(leaf["w"]).reshape(-1).view(np.uint8)
-            block = zarr_io.aligned_blocks(data.nbytes)  # whole blocks, zero-padded
+            block = buffers.aligned_blocks(data.nbytes)  # whole blocks, zero-padded
             block[:data.nbytes] = data
             block[data.nbytes:] = 0
             self.blocks.append(block)

@@ -27,7 +27,7 @@ def _release_freed_memory() -> None:
     (often as huge pages, which numpy asks for from 4 MiB on), and the next row's
     ``np.empty`` gets them back without a page fault: a read floor after a row that freed
     as many bytes measured reading into recycled memory, not into new memory, where a
-    restore reads into maps of its own (``zarr_io.fresh_blocks``) and faults every page
+    restore reads into maps of its own (``buffers.fresh_blocks``) and faults every page
     (docs/performance.md, Eighth round)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim

@@ -1,71 +1,17 @@
-"""Orbax's single-chunk zarr3 arrays, written and read with plain file I/O.
+"""One chunk file of Orbax's zarr3 form written and read with plain file I/O, checksummed.
 
-Owns: the on-disk form of one array as Orbax's ``PyTreeCheckpointHandler`` stores it with
-zarr3, OCDBT off and no compression, and the PyTree metadata files around those arrays; a
-writer that streams an array's bytes to disk with ``O_DIRECT`` and checksums them on the
-way; a reader that reads them back the same way into page-aligned buffers and checksums
-them on the way.
-
-The form (what tensorstore writes for Orbax; ``tests/integration/test_zarr_io.py`` compares it byte
-for byte with files Orbax wrote, and has Orbax read what this module wrote, offsets
-included)::
-
-    {name}/zarr.json            shape, dtype, a regular grid of ONE chunk (the whole array),
-                                the "sharding_indexed" codec holding one inner chunk in
-                                little-endian "bytes"; compact JSON, keys sorted
-    {name}/c/0/.../0            the array's raw little-endian bytes in C order, then the
-                                shard index: offset (u64, 0 but see below), length (u64 =
-                                nbytes), and the crc32c of those 16 bytes (u32); one "0"
-                                per dimension, and just "c" for a 0-d array
-    _METADATA                   Orbax's tree metadata: every name, as a numpy array
-    _CHECKPOINT_METADATA        Orbax's step metadata: handler, timestamps
-    commit_success.txt          Orbax's marker of a finished write
-
-One departure, for arrays of ``ZERO_COPY_MIN`` bytes or more (``data_offset``): the bytes
-may start up to 4 KiB into the chunk file, after zeros, where the array's memory lines up
-with the file's blocks. The shard index's offset says where they start (tensorstore, hence
-Orbax, reads such a file as it is: a sharded zarr3 file may hold its chunks anywhere), and
-zarr.json carries ``"attributes": {"jaxckpt": {"chunk_offset": N}}``, so that a reader that
-knows only offset 0, an older jaxckpt included, sees a layout it does not know and lets
-Orbax read the array. Everything else is byte for byte what tensorstore writes.
-
-Why not tensorstore for these: Orbax + tensorstore spent several times the CPU of a
-plain buffered write of the same bytes a save, and the commit then read every file back
-to checksum it (benchmarks/results/save-restore-round2_cpu2core_2026-11-22.md).
-Here the bytes go to disk with ``O_DIRECT``: the device copies from our memory, so
-nothing is copied into the page cache, and the bytes are checksummed
-(crc32c) from the memory that is written, so the commit does not read them again. Each
-I/O thread has one reused bounce buffer backed by huge pages where the system gives them;
-then every piece of an array in jax's host memory is copied through it and written from
-it, because the device takes a write from huge pages in a third as many requests as one
-from the array's own 4 KiB pages, and that is faster than the copy costs (our own
-staging and pack buffers, page-aligned at offset 0 and already in huge pages, are written
-from their own memory). Without huge pages, where the
-array's memory and its file's blocks line up (the offset above; our own staging buffers,
-page-aligned, at offset 0) the blocks are written from the array itself; where they do
-not (jax's host buffers are only 64-byte aligned, ``O_DIRECT`` wants 512 or 4096) each
-piece is copied through the bounce buffer first. ``O_DIRECT`` also
-keeps gigabytes of checkpoint out of the page cache, where they would push out the
-training data's pages. Filesystems that refuse ``O_DIRECT`` (tmpfs, some network and FUSE
-filesystems) get plain buffered writes, checksummed from the source the same way.
-
-Reading mirrors it: ``O_DIRECT`` reads into 4 KiB-aligned buffers (jax adopts the array's
-bytes there without a copy on CPU: they sit at the offset, a multiple of 64) with the
-checksum computed as each piece arrives, on the reading thread, so a restore needs no
-separate verification pass over the same bytes. The buffers are memory maps of their own
-(``fresh_blocks``), not numpy's allocations, which ask for huge pages: faulting in fresh
-huge pages made restores 1.5-4x slower than the read on the development VM.
-
-Arrays sharded over several processes are stored as Orbax stores them: a regular grid of
-chunks of the shard shape (``chunk_shape`` in both places of zarr.json), one file per
-chunk at ``c/i/j/...`` (its grid position), each holding one inner chunk at offset 0 and
-its shard index; each process writes the chunks it owns (``chunk_grid``, ``parse_grid``).
-
-Anything this module does not write the same way (other codecs, compression, uneven
-grids, sub-byte or big-endian dtypes, zero-size arrays) is left to Orbax: ``supported``,
-``parse_metadata`` and ``parse_grid`` say which.
+Owns: ``write_chunk`` (an array's bytes streamed to a new file with ``O_DIRECT`` and made
+durable, checksummed from the memory that is written, so that the commit reads nothing
+back), ``read_chunk`` (a chunk file read with ``O_DIRECT`` into memory jax adopts without a
+copy, checksummed as each piece arrives) and ``array_bytes``, where an array's bytes start
+(``data_offset``: where its memory lines up with the file's blocks), each I/O thread's
+bounce buffer (huge pages where the system gives them), and the fallback to buffered I/O on
+filesystems that refuse ``O_DIRECT``. The form of the files is ``zarr_format``'s; why our
+own I/O rather than tensorstore's: docs/design.md, "Orbax's files, our I/O".
 
 Must not import: jax, orbax, tensorstore, torch.
+
+Concurrency contract: any thread may write or read; each thread has its own bounce buffer.
 """
 
 from __future__ import annotations
@@ -74,262 +20,27 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
-import itertools
-import json
 import mmap
 import os
-import struct
-import sys
 import threading
-from typing import Any
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
+from jaxckpt.backends.orbax.zarr_format import INDEX_BYTES, shard_index
 from jaxckpt.core.checksum import extend
 from jaxckpt.errors import CheckpointCorruptError
+from jaxckpt.storage import buffers
+from jaxckpt.storage.buffers import ALIGN
 
-__all__ = [
-    "ALIGN",
-    "FRESH_MIN",
-    "SUPPORTED_DTYPES",
-    "ZERO_COPY_MIN",
-    "aligned_blocks",
-    "aligned_empty",
-    "array_bytes",
-    "chunk_grid",
-    "chunk_relpath",
-    "data_offset",
-    "fresh_blocks",
-    "metadata_text",
-    "parse_grid",
-    "parse_metadata",
-    "INDEX_BYTES",
-    "read_chunk",
-    "shard_index",
-    "supported",
-    "tree_metadata_text",
-    "checkpoint_metadata_text",
-    "commit_success_text",
-    "write_chunk",
-]
+__all__ = ["PIECE", "ZERO_COPY_MIN", "array_bytes", "data_offset", "read_chunk",
+           "write_chunk"]
 
-#: Alignment of O_DIRECT buffers, offsets and lengths: 4 KiB covers every logical block
-#: size in use (512 B and 4 KiB).
-ALIGN = 4096
 #: Bytes per read or write call, and the size of each thread's bounce buffer.
 PIECE = 8 << 20
-#: Read buffers from this size on are memory maps of their own (``fresh_blocks``): numpy
-#: asks for huge pages from 4 MiB on.
-FRESH_MIN = 4 << 20
 #: Arrays from this size on may start past the beginning of their chunk file, so that
 #: they are written from their own memory (``data_offset``).
 ZERO_COPY_MIN = 1 << 20
 _HOST_ALIGN = 64  # jax adopts host memory aligned this far without a copy (CPU)
-_ATTRIBUTE = "jaxckpt"  # our key in zarr.json's attributes
-#: Bytes of the shard index after the data: offset u64, length u64, crc32c u32.
-INDEX_BYTES = 20
-
-#: dtypes stored one element per ``itemsize`` bytes, as numpy holds them, that Orbax's
-#: tensorstore writes with exactly this layout (checked by tests/integration/test_zarr_io.py).
-#: Sub-byte types (int4, float4) and anything else go through Orbax.
-SUPPORTED_DTYPES = frozenset({
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2",
-})
-
-_ORBAX_HANDLER = ("orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
-                  "PyTreeCheckpointHandler")
-
-
-def supported(array: np.ndarray) -> bool:
-    """Whether this module writes ``array`` (else the whole write goes through Orbax)."""
-    dtype = array.dtype
-    return (dtype.name in SUPPORTED_DTYPES and array.size > 0
-            and dtype.byteorder in "=|<" and sys.byteorder == "little")
-
-
-def chunk_relpath(ndim: int, index: tuple[int, ...] | None = None) -> str:
-    """Path of the chunk file at grid position ``index`` (default: the one chunk of a
-    single-chunk array) of an array of ``ndim`` dimensions, below its directory: zarr3's
-    default chunk key encoding, "c" then one component per dimension."""
-    return "/".join(["c"] + [str(i) for i in (index if index is not None else (0,) * ndim)])
-
-
-def chunk_grid(shape: tuple[int, ...],
-               chunk_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
-    """Every chunk of an array of ``shape`` cut into ``chunk_shape`` (which divides it):
-    its grid position and the slices of the array it holds, in C order."""
-    counts = [size // chunk for size, chunk in zip(shape, chunk_shape, strict=True)]
-    return [(index, tuple(slice(i * chunk, (i + 1) * chunk)
-                          for i, chunk in zip(index, chunk_shape, strict=True)))
-            for index in itertools.product(*(range(count) for count in counts))]
-
-
-def _fill_value(dtype_name: str) -> Any:
-    if dtype_name == "bool":
-        return False
-    if dtype_name.startswith("complex"):
-        return [0.0, 0.0]
-    if dtype_name.startswith(("int", "uint")):
-        return 0
-    return 0.0
-
-
-def _metadata(shape: tuple[int, ...], dtype_name: str,
-              chunk_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
-    chunk = list(shape if chunk_shape is None else chunk_shape)
-    inner: dict[str, Any] = {"name": "bytes"}
-    if np.dtype(dtype_name).itemsize > 1:  # one-byte types carry no endianness
-        inner["configuration"] = {"endian": "little"}
-    return {
-        "chunk_grid": {"configuration": {"chunk_shape": chunk}, "name": "regular"},
-        "chunk_key_encoding": {"name": "default"},
-        "codecs": [{"configuration": {
-            "chunk_shape": chunk,
-            "codecs": [inner],
-            "index_codecs": [{"configuration": {"endian": "little"}, "name": "bytes"},
-                             {"name": "crc32c"}]},
-            "name": "sharding_indexed"}],
-        "data_type": dtype_name,
-        "fill_value": _fill_value(dtype_name),
-        "node_type": "array",
-        "shape": list(shape),
-        "zarr_format": 3,
-    }
-
-
-def metadata_text(shape: tuple[int, ...], dtype_name: str, offset: int = 0,
-                  chunk_shape: tuple[int, ...] | None = None) -> str:
-    """The ``zarr.json`` of one array, as tensorstore writes it (sorted keys, compact);
-    with ``offset`` (where the bytes start in the chunk file, see ``data_offset``) also
-    the attribute that records it. ``chunk_shape``: a grid of chunks of that shape (one
-    file each, every one at offset 0: several processes write them), else one chunk."""
-    if chunk_shape is not None and tuple(chunk_shape) != tuple(shape) and offset:
-        raise ValueError("a data offset is recorded only for single-chunk arrays")
-    document = _metadata(shape, dtype_name, chunk_shape)
-    if offset:
-        document["attributes"] = {_ATTRIBUTE: {"chunk_offset": offset}}
-    return json.dumps(document, sort_keys=True, separators=(",", ":"))
-
-
-def parse_metadata(text: bytes | str) -> tuple[tuple[int, ...], np.dtype, int] | None:
-    """Shape, dtype and data offset of a single-chunk ``zarr.json`` in exactly a form this
-    module writes, or None when it is anything else (then Orbax reads that array)."""
-    parsed = parse_grid(text)
-    if parsed is None or parsed[3] != parsed[0]:
-        return None
-    return parsed[:3]
-
-
-def parse_grid(text: bytes | str) -> tuple[tuple[int, ...], np.dtype, int,
-                                           tuple[int, ...]] | None:
-    """Shape, dtype, data offset and chunk shape of a ``zarr.json`` in exactly a form this
-    module writes (one chunk, or a regular grid of chunks that divides the shape, each a
-    file holding one inner chunk at offset 0: what Orbax writes for a sharded array), or
-    None when it is anything else (then Orbax reads that array)."""
-    try:
-        found = json.loads(text)
-        shape = tuple(int(n) for n in found["shape"])
-        chunk_shape = tuple(int(n) for n in found["chunk_grid"]["configuration"]["chunk_shape"])
-        name = found["data_type"]
-        offset = 0
-        attributes = found.pop("attributes", None)
-        if attributes is not None:  # only ours, and only the one key
-            if set(attributes) != {_ATTRIBUTE} or set(attributes[_ATTRIBUTE]) != {"chunk_offset"}:
-                return None
-            offset = attributes[_ATTRIBUTE]["chunk_offset"]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if (name not in SUPPORTED_DTYPES or len(chunk_shape) != len(shape)
-            or found != _metadata(shape, name, chunk_shape) or 0 in shape
-            or 0 in chunk_shape or any(s % c for s, c in zip(shape, chunk_shape, strict=True))
-            or type(offset) is not int or not 0 <= offset < ALIGN
-            or (offset and chunk_shape != shape)):
-        return None
-    return shape, np.dtype(name), offset, chunk_shape
-
-
-def _crc32c(data: bytes) -> int:
-    return extend("crc32c", 0, data)
-
-
-def shard_index(nbytes: int, offset: int = 0) -> bytes:
-    """The shard index that ends a chunk file: where its one chunk starts and its length."""
-    head = struct.pack("<QQ", offset, nbytes)
-    return head + struct.pack("<I", _crc32c(head))
-
-
-def tree_metadata_text(names: list[str]) -> str:
-    """Orbax's ``_METADATA`` for a flat dict of numpy arrays named ``names``."""
-    tree = {f"('{name}',)": {"key_metadata": [{"key": name, "key_type": 2}],
-                             "value_metadata": {"value_type": "np.ndarray",
-                                                "skip_deserialize": False}}
-            for name in sorted(names)}
-    return json.dumps({"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": True,
-                       "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
-
-
-def checkpoint_metadata_text(init_ns: int, commit_ns: int) -> str:
-    """Orbax's ``_CHECKPOINT_METADATA`` of a PyTreeCheckpointHandler checkpoint."""
-    return json.dumps({"item_handlers": _ORBAX_HANDLER, "metrics": {},
-                       "performance_metrics": {}, "init_timestamp_nsecs": init_ns,
-                       "commit_timestamp_nsecs": commit_ns, "custom_metadata": {}})
-
-
-def commit_success_text(directory: str) -> str:
-    return f"Checkpoint commit was successful to {directory}"
-
-
-# ------------------------------------------------------------------------------ buffers
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def aligned_blocks(nbytes: int) -> np.ndarray:
-    """A uint8 array of ``nbytes`` rounded up to whole ``ALIGN`` blocks, starting on an
-    ``ALIGN`` boundary (what O_DIRECT transfers into)."""
-    padded = _padded(max(nbytes, 1))
-    raw = np.empty(padded + ALIGN, np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
-    return raw[start:start + padded]
-
-
-def fresh_blocks(nbytes: int) -> np.ndarray:
-    """``aligned_blocks`` for a buffer that is filled once and handed over (what a restore
-    reads into): from ``FRESH_MIN`` bytes on, an anonymous memory map of its own, given
-    back to the system when the last array over it goes.
-
-    Why not ``np.empty``: numpy asks for transparent huge pages (``MADV_HUGEPAGE``) on
-    every allocation of 4 MiB or more, and where the kernel's THP setting is ``madvise``
-    (the usual default) that opts the buffer in to huge pages found or made at fault time,
-    which made a cold ``O_DIRECT`` read in a fresh process slower by up to several times on
-    the development VM. A map we do not advise gets whatever the system gives by default:
-    4 KiB pages there, huge pages without stalls where THP is ``always``. Huge pages are
-    cheaper when the memory was freed moments before and dearer once the VM handed it back
-    to its host, while 4 KiB pages cost about the same either way: a restarted job meets
-    the second case (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md,
-    benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md)."""
-    if nbytes < FRESH_MIN:
-        return aligned_blocks(nbytes)
-    # mmap's memory starts on a page boundary and is whole pages: ALIGN divides both.
-    # Private: shared anonymous memory would be shmem, with its own accounting and limits.
-    memory = mmap.mmap(-1, _padded(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(memory, np.uint8)
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any, *, fresh: bool = False) -> np.ndarray:
-    """An uninitialised array starting on an ``ALIGN`` boundary: staging buffers made
-    this way are written with ``O_DIRECT`` straight from their memory (``data_offset``
-    0, no bounce copy). ``fresh``: from ``fresh_blocks`` (a buffer that is filled once
-    and handed over), else from ``aligned_blocks`` (a buffer that is reused)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    blocks = fresh_blocks(nbytes) if fresh else aligned_blocks(nbytes)
-    return blocks[:nbytes].view(dtype).reshape(shape)
-
 
 _local = threading.local()
 #: Size and alignment of a transparent huge page (x86-64 and arm64 with 4 KiB pages).
@@ -399,9 +110,9 @@ def data_offset(array: np.ndarray, directory: str, *, direct: bool = True) -> in
     through a bounce buffer, and a restore's page-aligned read puts the bytes back at a
     64-byte boundary, which jax still adopts without a copy. Only the first block (the zeros
     and the array's first 4 KiB - offset bytes) is copied, through the bounce buffer; the
-    shard index records
-    the offset, so Orbax reads the file as it is; zarr.json records it too
-    (``metadata_text``), so that readers that only know offset 0 hand the array to Orbax.
+    shard index records the offset, so Orbax reads the file as it is; zarr.json records it
+    too (``zarr_format.metadata_text``), so that readers that only know offset 0 hand the
+    array to Orbax.
     Where the I/O thread's bounce buffer has huge pages, every block is copied through it
     anyway (``_write_direct``); the offset is kept, so that the layout does not depend on
     the memory a save happened to get.
@@ -472,7 +183,7 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
     """Write one array's chunk file (``offset`` zero bytes, the array's bytes, then the
     shard index) to the new file ``path`` and make it durable. ``data`` is the array (any
     alignment; C-contiguous); ``offset`` comes from ``data_offset`` (0: tensorstore's
-    layout) and must be the one given to ``metadata_text``.
+    layout) and must be the one given to ``zarr_format.metadata_text``.
 
     Returns (file size, checksum of the whole file with ``algorithm``), computed from the
     bytes as they were handed to the kernel.
@@ -630,7 +341,7 @@ def _write_buffered(fd: int, image: _FileImage, algorithm: str) -> str:
 def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = True,
                offset: int = 0) -> tuple[np.ndarray, str | None]:
     """Read the chunk file at ``path`` of an array of ``nbytes`` bytes starting at
-    ``offset`` (from its zarr.json: ``parse_metadata``).
+    ``offset`` (from its zarr.json: ``zarr_format.parse_metadata``).
 
     Returns (the whole file in an ``ALIGN``-aligned uint8 array, its checksum with
     ``algorithm`` or None); ``array_bytes`` then checks the shard index and gives the
@@ -657,7 +368,7 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
                 f"{path} has {size} bytes; an array of {nbytes} bytes at offset {offset} is "
                 f"stored in {offset + nbytes + INDEX_BYTES}. The checkpoint is damaged; "
                 "restore another one.")
-        buffer = fresh_blocks(size)  # the array's memory once jax adopts it: no copy
+        buffer = buffers.fresh_blocks(size)  # the array's memory once jax adopts it: no copy
         crc = 0
         if hasattr(os, "posix_fadvise") and not is_direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
