@@ -88,8 +88,8 @@ def _gc_paused(enabled: bool) -> Iterator[None]:
 
 @functools.cache
 def _library_versions() -> dict[str, str]:
-    """Looked up once: the metadata lookups cost ~2 ms, and the manager asks at every save
-    on the training thread. Callers copy the result."""
+    """Looked up once: the package-metadata lookups are slow, and the manager asks at every
+    save on the training thread. Callers copy the result."""
     found = {"jax": jax.__version__}
     for package in ("jaxlib", "orbax-checkpoint", "flax"):
         try:

@@ -21,9 +21,8 @@ SECTIONS = ("jax", "many", "leaves", "first", "torch", "hf", "train", "memory", 
 
 _MiB = 1 << 20
 #: Threads of the O_DIRECT read floor and the bare read beside the restore: as many as a
-#: restore reads with (``OrbaxOptions.read_threads``). Into the restore's 4 KiB pages, 4
-#: threads read 512 MiB in 0.54 s where 8 took 0.40 s (the page faults are CPU work that
-#: more reads in flight overlap with the disk; docs/performance.md, Tenth round (rawread)).
+#: restore reads with (``OrbaxOptions.read_threads``): more reads in flight overlap the page
+#: faults with the disk (benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md).
 _READ_THREADS = 8
 
 

@@ -69,10 +69,10 @@ def dcp_remote_rows(root: str, storage_options: Mapping[str, Any] | None = None,
         with DcpCheckpointManager(f"{base}/ckpt", storage_options=storage_options,
                                   recover=RecoverConfig(every=Every(steps=1), keep_last_n=None),
                                   mode="sync", preemption_signals=()) as mgr:
-            # Round 0 warms both sides up and is not counted: the first two saves in a
-            # process took 1.5-2 times the later ones (connections, DCP's planner caches),
-            # which moved a 5-round median ("Eleventh round (dcps3)"); the first save is
-            # the JAX bench's own row ("first"), not this one's.
+            # Round 0 warms both sides up and is not counted: a process's first saves are
+            # slower (connections, DCP's planner caches) and moved the median
+            # (benchmarks/results/dcp-s3-restore_cpu2core_2026-11-25.md); the first save
+            # is the JAX bench's own row ("first"), not this one's.
             for step in range(repeats + 1):
                 raw = f"{base}/raw/{step}"
                 info = StepInfo(0, step, step)

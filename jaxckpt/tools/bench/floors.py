@@ -63,7 +63,7 @@ def _raw_read_direct(path: str, nbytes: int, *, numpy_memory: bool = False) -> n
     """Read a file with O_DIRECT into one new aligned buffer, in 8 MiB reads: the kind of
     memory a restore reads into and hands over (``buffers.fresh_blocks``), or with
     ``numpy_memory`` numpy's (``np.empty``, which asks for huge pages from 4 MiB on: a row
-    of its own, not a floor; docs/performance.md, "Tenth round (rawread)")."""
+    of its own, not a floor; benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md)."""
     from jaxckpt.backends.orbax.chunk_io import PIECE
     from jaxckpt.storage.buffers import aligned_blocks, fresh_blocks
 
@@ -107,12 +107,10 @@ def _touch_fresh(nbytes: int) -> None:
 
 def _raw_read(path: str, nbytes: int) -> np.ndarray:
     """Read a whole file into one new buffer (what a restore has to produce at least), in
-    8 MiB reads: one giant read() was several times slower here on some runs. The buffer is
-    the kind of memory a restore reads into and hands over (``buffers.fresh_blocks``):
-    numpy's own (huge pages asked for) took 0.5x to 2.5x its time on this VM, depending on
-    whether it was freed moments before or long enough for the host to take it back, which
-    made the floor measure the memory's history rather than the disk (docs/performance.md,
-    "Tenth round (rawread)")."""
+    8 MiB reads rather than one giant read(). The buffer is the kind of memory a restore
+    reads into and hands over (``buffers.fresh_blocks``): numpy's own memory would make the
+    floor measure the memory's history rather than the disk
+    (benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md)."""
     from jaxckpt.storage.buffers import fresh_blocks
 
     out = fresh_blocks(nbytes)[:nbytes]

@@ -155,7 +155,7 @@ class _Bench:
         the copy row, read on as many threads as a restore reads with (``_READ_THREADS``)
         into the memory a restore reads into; then the same read into numpy's memory,
         shown but not a floor: its huge pages are cheap only when freed moments before
-        (docs/performance.md, "Tenth round (rawread)")."""
+        (benchmarks/results/restore-read-floor_cpu2core_2026-11-25.md)."""
         result = self.result
         result.add("write_direct", _timed(lambda: list(pool.map(
             lambda i: _raw_write_direct(paths[i], self.blocks[i]), range(len(paths))))))
@@ -246,9 +246,8 @@ class _Bench:
             return
         # The restore, the backend's read and a bare read of the very same files take turns
         # going first. Each must produce the state in fresh memory, and on this kind of VM
-        # what fresh memory costs swings from one moment to the next (page faults: 0.1 to
-        # 2.4 s per GiB, the "fresh_memory" row), so the figures to compare are the ones
-        # taken side by side.
+        # what fresh memory costs swings from one moment to the next (page faults; the
+        # "fresh_memory" row), so the figures to compare are the ones taken side by side.
         files = _files_under(os.path.join(report.path, STATE_DIR))
         bare = _raw_read_direct if self.direct_refused == "" else _raw_read  # "": it works
         with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:

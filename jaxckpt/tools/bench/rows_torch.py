@@ -64,9 +64,9 @@ class _TorchRows:
         result.add("torch_save", _timed(torch_save))
         directory = self.bench.fresh("dcp")
         # Written while torch.save's file and the previous round's copy still exist, as the
-        # manager's saves are (its last checkpoint is kept until the new one commits): on
-        # this VM a write into blocks freed a moment before runs up to 3x faster than one
-        # into blocks never written (Eighth round (d)), so both sides get the same disk.
+        # manager's saves are (its last checkpoint is kept until the new one commits): where
+        # a write lands changes what it costs, so both sides get the same disk
+        # (benchmarks/results/dcp-sync-save_cpu2core_2026-11-25.md).
         result.add("dcp_save", _timed(lambda: dcp.save(state, checkpoint_id=directory)))
         os.unlink(path)
         target = {k: torch.empty_like(v) for k, v in state.items()}

@@ -216,12 +216,9 @@ def _prime_new_memory(nbytes: int) -> None:
     page, and free it, so that the next row starts right after that much memory was freed.
 
     Why: of the two rows of a round, the second reads into memory the first freed a moment
-    before, while the first meets whatever the saves before it left. On the development VM
-    (whose host takes freed memory back: virtio-balloon free page reporting) the first
-    row of the first 4 GiB round (the restore) spent 2.5 times the system CPU per page of
-    the floor after it (5.9 s against 2.4 s); with a primer before each row the primer
-    paid that (4.8 s) and the rows did not (1.4-1.6 s each; docs/performance.md, "Eleventh
-    round (scale4g)"). Primed, both rows start alike."""
+    before, while the first meets whatever the saves before it left; on a VM whose host
+    takes freed memory back, the first row paid for that alone. Primed, both rows start
+    alike (benchmarks/results/scale-4g-restore_cpu2core_2026-11-25.md)."""
     from jaxckpt.storage import buffers
 
     blocks = buffers.fresh_blocks(nbytes)
@@ -233,12 +230,10 @@ def _restore_and_floor(saver: _Saver, like: Any, path: str, nbytes: int,
                        found: dict[str, Any], turn: int) -> None:
     """A cold restore and the read floor at this size, taking turns going first: a bare
     read of the checkpoint's own files (8 threads, as the reader) into new memory of the
-    kind the restore's arrays live in. On this VM what new memory costs per GiB changes
-    from one moment to the next and was dearer at 4 GiB than at 1 GiB (docs/performance.md,
-    "Tenth round (scale)"); the floor pays it as the restore does, so restore / floor is
-    the library's share. Each row starts from the same memory (``_prime_new_memory``):
-    without it the first row of a round paid for memory the host had taken back and the
-    second did not."""
+    kind the restore's arrays live in. What new memory costs per GiB can change from one
+    moment to the next (benchmarks/results/scale-drift_cpu2core_2026-11-25.md); the floor
+    pays it as the restore does, so restore / floor is the library's share. Each row starts
+    from the same memory (``_prime_new_memory``)."""
     import concurrent.futures
 
     from jaxckpt.core.layout import STATE_DIR
@@ -300,10 +295,10 @@ class _FloorWriter:
     (``O_DIRECT`` where the filesystem takes it, else buffered), 4 threads, every file
     and the directory fsynced, from a copy of the state made once (so the consecutive
     saves' RSS includes it, flat), under the manager's pattern: each copy in a new directory,
-    the previous one deleted once the new one is written (``keep_last_n=1``). On this VM
-    where a write lands on the disk changes what it costs (docs/performance.md, Eighth
-    round (d)); a floor taken in turns with the saves, under the same pattern, tells the
-    disk's drift from the library's."""
+    the previous one deleted once the new one is written (``keep_last_n=1``). Where a
+    write lands on the disk changes what it costs; a floor taken in turns with the saves,
+    under the same pattern, tells the disk's drift from the library's
+    (benchmarks/results/scale-drift_cpu2core_2026-11-25.md)."""
 
     def __init__(self, state: dict[str, Any], root: str) -> None:
         import concurrent.futures

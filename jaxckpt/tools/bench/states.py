@@ -37,10 +37,9 @@ def _leaf_arrays(data: np.ndarray, leaves: int) -> list[np.ndarray]:
 
 def _jax_state(arrays: list[np.ndarray]) -> dict[str, Any]:
     """A two-level param-like tree of jax.Arrays (``{"layer_00017": {"w": ...}}``), each
-    the output of a computation, as a training step's state is: XLA's own buffers. (Arrays
-    made by ``jnp.asarray`` from numpy wrote to disk 15-20% slower with O_DIRECT here, 1 GiB
-    in 64 leaves, for reasons of their memory, not of the writer: docs/performance.md,
-    Seventh round, item 6.)"""
+    the output of a computation, as a training step's state is: XLA's own buffers, not
+    arrays made by ``jnp.asarray`` from numpy, whose memory writes differently
+    (benchmarks/results/leaves-many_cpu2core_2026-11-25.md)."""
     import jax
     import jax.numpy as jnp
 

@@ -28,7 +28,7 @@ def _release_freed_memory() -> None:
     ``np.empty`` gets them back without a page fault: a read floor after a row that freed
     as many bytes measured reading into recycled memory, not into new memory, where a
     restore reads into maps of its own (``buffers.fresh_blocks``) and faults every page
-    (docs/performance.md, Eighth round)."""
+    (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to trim
