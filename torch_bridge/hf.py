@@ -68,7 +68,7 @@ from jaxckpt.errors import (
     ConfigError,
     TreeMismatchError,
 )
-from jaxckpt.storage.base import fsync_dir, fsync_file
+from jaxckpt.storage.posix import fsync_dir, fsync_file
 
 from ._hf_config import GENERATION_CONFIG_FILE, config_files
 from ._hf_params import check_is_params, parse_params_path, pick_params

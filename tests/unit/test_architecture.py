@@ -69,7 +69,7 @@ FOLDERS = {
         may_import=("jaxckpt.storage", "jaxckpt.core", "jaxckpt.errors"),
         never=FRAMEWORKS,
         third_party=frozenset({"boto3", "botocore", "google", "requests", "urllib3"}),
-        public=frozenset({"base", "url", "readers", "s3.storage", "gcs.storage"}),
+        public=frozenset({"base", "posix", "url", "readers", "s3.storage", "gcs.storage"}),
     ),
     "jaxckpt.manager": Folder(
         may_import=("jaxckpt.manager", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.commit",

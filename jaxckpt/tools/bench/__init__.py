@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt.core.extras import requires_extra
-from jaxckpt.storage.base import fsync_file
+from jaxckpt.storage.posix import fsync_file
 
 from .floors import (
     _direct_refused,
