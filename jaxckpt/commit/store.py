@@ -61,7 +61,8 @@ from jaxckpt.core.manifest import (
     unreadable_problem,
 )
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
-from jaxckpt.storage.base import PosixStorage, RootLease, RootLock, Storage
+from jaxckpt.storage.base import RootLease, Storage
+from jaxckpt.storage.posix import PosixStorage, RootLock
 
 __all__ = ["CheckpointStore", "Entry", "OnManifest", "Status", "write_file_soon"]
 

@@ -44,7 +44,7 @@ from jaxckpt.errors import (
 from jaxckpt.manager import driver_state as drv
 from jaxckpt.manager.context import ManagerContext
 from jaxckpt.manager.reports import Recovered
-from jaxckpt.storage.base import PosixStorage
+from jaxckpt.storage.posix import PosixStorage
 
 __all__ = ["Recovery", "start_fresh"]
 

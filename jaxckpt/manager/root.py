@@ -24,7 +24,8 @@ from jaxckpt.backends.base import Backend, ObjectStorageBackend
 from jaxckpt.commit.ownership import check_root
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.errors import CheckpointError, CheckpointRootError
-from jaxckpt.storage.base import PosixStorage, RootLease
+from jaxckpt.storage.base import RootLease
+from jaxckpt.storage.posix import PosixStorage
 from jaxckpt.storage.url import parse_root
 from jaxckpt.storage.write_probe import check_conditional_writes
 

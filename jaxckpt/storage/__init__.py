@@ -1,7 +1,7 @@
 """The I/O seam: where checkpoint bytes are kept, and the lock on a root.
 
-Owns: the ``Storage`` interface and POSIX directories (``base``), what a root string names
-(``url``), the lease protocol an object store's root lock follows (``lease``,
+Owns: the ``Storage`` interface (``base``) and POSIX directories (``posix``), what a root
+string names (``url``), the lease protocol an object store's root lock follows (``lease``,
 ``lease_holder``), the conditional-write check a root's opening makes (``write_probe``),
 readers over several buffers (``readers``), page-aligned memory for file I/O (``buffers``),
 and the two object stores, ``s3/`` and ``gcs/``.

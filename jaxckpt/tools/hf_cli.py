@@ -154,7 +154,7 @@ def _tree_document(store: Any, state_dir: str) -> dict[str, Any]:
     directory or an object-store prefix); export-hf reads Orbax-backend checkpoints only."""
     from jaxckpt.core.layout import TREE_FILE
     from jaxckpt.core.tree_record import parse_tree_record, read_tree_record
-    from jaxckpt.storage.base import PosixStorage
+    from jaxckpt.storage.posix import PosixStorage
 
     if isinstance(store.storage, PosixStorage):
         return read_tree_record(state_dir)

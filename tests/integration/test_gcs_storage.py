@@ -1,24 +1,20 @@
-"""GCSStorage keeps the Storage contract (tests/support/storage_contract.py) against a GCS
-emulator this module starts on 127.0.0.1, reached through a proxy that enforces generation
-preconditions as GCS does (the emulator ignores them: tests/support/gcs_server.py). Plus
-what only an object store has: the preconditions a client sends, create-only and the root
-lease decided by them (refused, expired, taken over by exactly one), retries, the commit
-protocol of CheckpointStore and the CLI over gs://."""
+"""GCSStorage against a GCS emulator this module starts on 127.0.0.1, reached through a
+proxy that enforces generation preconditions as GCS does (the emulator ignores them:
+tests/support/gcs_server.py): what only GCS has, the preconditions a client sends (a lost
+answer to a create, the lease's conditional requests), retries, the commit protocol of
+CheckpointStore, the CLI over gs:// and the manager round trip. What every object store
+keeps (the Storage contract, create-only races, lease takeover, bounded retries) is
+test_object_store_contract.py, run against S3 and GCS alike."""
 
 import itertools
-import logging
 import os
 import random
-import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
 import pytest
-
-from support import storage_contract
 
 pytest.importorskip("google.cloud.storage")
 pytest.importorskip("gcp_storage_emulator")
@@ -71,21 +67,6 @@ def base():
     return f"gs://{BUCKET}/{PREFIX}/{uuid.uuid4().hex}"
 
 
-def spawn_source(options) -> str:
-    return ("from jaxckpt.storage.gcs.storage import GCSStorage\n"
-            f"storage = GCSStorage({BUCKET!r}, {PREFIX!r}, storage_options={options!r}, "
-            f"**{SHORT_LEASE!r})")
-
-
-@pytest.mark.parametrize("check", storage_contract.CHECKS, ids=lambda check: check.__name__)
-def test_contract(check, storage, base):
-    check(storage, base)
-
-
-def test_contract_lock(storage, base, options):
-    storage_contract.check_lock_excludes_a_second_holder(storage, base, spawn_source(options))
-
-
 def test_gcs_storage_is_a_storage_and_refuses_locations_outside_its_prefix(storage):
     assert isinstance(storage, Storage)
     for outside in (f"gs://other-bucket/{PREFIX}/x", f"gs://{BUCKET}/elsewhere/x",
@@ -105,29 +86,6 @@ def test_create_only_writes_carry_if_generation_match_zero(storage, base, proxy)
     assert [u.query.get("ifGenerationMatch") for u in proxy.uploads(marker)] == ["0"]
     data = storage.name(f"{path}/driver.json")
     assert [u.query.get("ifGenerationMatch") for u in proxy.uploads(data)] == [None]
-
-
-def test_create_only_race_has_exactly_one_winner(storage, base):
-    path = f"{base}/COMMITTED"
-    outcomes: list[str] = []
-    start = threading.Barrier(12)
-
-    def create(index: int) -> None:
-        start.wait()
-        try:
-            storage.create(path, f"writer {index}".encode())
-            outcomes.append(f"won {index}")
-        except FileExistsError:
-            outcomes.append("refused")
-
-    threads = [threading.Thread(target=create, args=(i,)) for i in range(12)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    winners = [o for o in outcomes if o.startswith("won")]
-    assert len(outcomes) == 12 and len(winners) == 1
-    assert storage.read(path) == f"writer {winners[0].split()[1]}".encode()
 
 
 def test_a_create_whose_answer_was_lost_is_retried_and_counts_as_created(storage, base, proxy):
@@ -157,32 +115,6 @@ def test_uploads_and_retries_leave_the_global_random_stream_alone(storage, base,
     storage.write(f"{base}/retried", b"z")
     assert storage.read(f"{base}/retried") == b"z"
     assert random.getstate() == before
-
-
-def test_transient_server_errors_are_retried_a_bounded_number_of_times(storage, base, proxy):
-    marker = f"{base}/COMMITTED"
-    storage.write(f"{base}/warm-up", b"")  # the client's first look at the bucket, uncounted
-
-    def tries() -> list[int]:
-        return [r.answered for r in proxy.requests if r.name == storage.name(marker)]
-
-    def answered() -> list[tuple[str, int]]:  # every request, the marker's and any other
-        return [(r.name.rsplit("/", 1)[-1], r.answered) for r in proxy.requests]
-
-    # Three 503s, then the fourth try goes through. (Rarely, under load, the client sends a
-    # request of its own in between that takes one of the 503s: every 503 is counted.)
-    proxy.fail_before, proxy.requests[:] = 3, []
-    storage.create(marker, b"m")
-    assert [status for _, status in answered()].count(503) == 3, answered()
-    assert tries()[-1] == 200 and tries().count(200) == 1 and 503 in tries(), answered()
-    proxy.fail_before, proxy.requests[:] = 2, []
-    assert storage.read(marker) == b"m"
-    assert [status for _, status in answered()].count(503) == 2, answered()
-    assert tries()[-1] == 200 and tries().count(200) == 1, answered()
-    proxy.fail_before, proxy.requests[:] = -1, []  # the server never recovers: give up
-    with pytest.raises(Exception, match="503"):
-        storage.read(marker)
-    assert tries() == [503] * FAST_RETRIES["max_attempts"]
 
 
 def _plant_expired_lease(storage, base) -> int:
@@ -215,30 +147,6 @@ def test_lease_requests_are_conditional_on_the_generation_they_read(storage, bas
     assert not storage.exists(f"{base}/.lock")
 
 
-def test_two_takers_of_an_expired_lease_exactly_one_wins(storage, base):
-    _plant_expired_lease(storage, base)
-    won, refused = [], []
-    start = threading.Barrier(6)
-
-    def take() -> None:
-        start.wait()
-        try:
-            won.append(storage.lock_root(base))
-        except RootLockedError as exc:
-            refused.append(str(exc))
-
-    threads = [threading.Thread(target=take) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    try:
-        assert len(won) == 1 and len(refused) == 5
-    finally:
-        for lease in won:
-            lease.release()
-
-
 def test_a_lease_is_renewed_while_held_and_a_lost_answer_does_not_lose_it(storage, base,
                                                                           proxy):
     proxy.fail_after = 1  # the create's answer is lost: the lease must still be ours
@@ -251,31 +159,6 @@ def test_a_lease_is_renewed_while_held_and_a_lost_answer_does_not_lose_it(storag
     finally:
         lease.release()
     storage.lock_root(base).release()
-
-
-def test_the_lease_of_a_killed_holder_on_this_host_is_taken_over_at_once(storage, base, options,
-                                                                        caplog):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", spawn_source(options) + "\n"
-         f"lease = storage.lock_root({base!r})\nprint('held', flush=True)\n"
-         "import time\ntime.sleep(600)\n"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RootLockedError, match=f"pid {holder.pid}"):
-            storage.lock_root(base)  # alive: refused
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(timeout=30)
-        # Renewed under a heartbeat ago, but its process is gone: taken over without waiting.
-        with caplog.at_level(logging.WARNING, logger="jaxckpt"):
-            lease = storage.lock_root(base)
-        assert "its process on this host is gone" in caplog.text
-        assert "waiting up to" not in caplog.text
-        lease.release()
-    finally:
-        if holder.poll() is None:
-            os.kill(holder.pid, signal.SIGKILL)
-            holder.wait(timeout=30)
 
 
 def test_checkpoint_store_commits_verifies_and_deletes_on_gcs(storage, base):

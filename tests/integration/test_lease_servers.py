@@ -1,7 +1,7 @@
 """The root lease and request deadlines against the servers the tests start (moto for s3://,
 the GCS emulator behind its precondition proxy for gs://), with the fault proxy between where
 a server must misbehave: a conditional DELETE answered 501 (LocalStack's S3), a server that
-stops answering. The protocol's decisions one by one are tests/unit/test_lease.py."""
+stops answering. The protocol's decisions one by one are tests/unit/storage/test_lease.py."""
 
 import json
 import logging

@@ -6,11 +6,12 @@ import os
 import pytest
 
 from jaxckpt.core.layout import TMP_PREFIX
-from jaxckpt.storage.base import PosixStorage, RootLock, Storage
+from jaxckpt.storage.base import Storage
+from jaxckpt.storage.posix import PosixStorage, RootLock
 
 from support import storage_contract
 
-SPAWN = "from jaxckpt.storage.base import PosixStorage\nstorage = PosixStorage()"
+SPAWN = "from jaxckpt.storage.posix import PosixStorage\nstorage = PosixStorage()"
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def _tree_to_sync(base):
 
 
 def test_sync_fsyncs_every_file_and_directory_and_the_parent(storage, base, monkeypatch):
-    from jaxckpt.storage import base as storage_module
+    from jaxckpt.storage import posix as storage_module
 
     prefix = _tree_to_sync(base)
     synced = []
@@ -124,7 +125,7 @@ def test_sync_keeps_several_directory_fsyncs_in_flight(storage, base, monkeypatc
     time, no two callers ever meet at this barrier and it breaks."""
     import threading
 
-    from jaxckpt.storage import base as storage_module
+    from jaxckpt.storage import posix as storage_module
 
     prefix = _tree_to_sync(base)
     meeting = threading.Barrier(4, timeout=10)

@@ -1,21 +1,18 @@
-"""S3Storage keeps the Storage contract (tests/support/storage_contract.py) against a moto S3
-server this module starts on 127.0.0.1, plus what only an object store has: create-only
-decided by the server, the root lease (refused, expired, taken over by exactly one), and the
-commit protocol of CheckpointStore over it."""
+"""S3Storage against a moto S3 server this module starts on 127.0.0.1: what only S3 has
+or only S3 is checked for (locations outside its prefix, listings of many pages, renewal of
+the lease while held, the commit protocol of CheckpointStore, the CLI over s3://, retries
+that leave the random stream alone, ``read_into``). What every object store keeps (the
+Storage contract, create-only races, lease takeover, bounded retries) is
+test_object_store_contract.py, run against S3 and GCS alike."""
 
 import logging
 import os
 import random
-import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 
 import pytest
 
-from support import storage_contract
 from support.fault_proxy import FaultProxy
 
 pytest.importorskip("boto3")
@@ -60,21 +57,6 @@ def base():
     return f"s3://{BUCKET}/{PREFIX}/{uuid.uuid4().hex}"
 
 
-def spawn_source(options) -> str:
-    return ("from jaxckpt.storage.s3.storage import S3Storage\n"
-            f"storage = S3Storage({BUCKET!r}, {PREFIX!r}, storage_options={options!r}, "
-            f"**{SHORT_LEASE!r})")
-
-
-@pytest.mark.parametrize("check", storage_contract.CHECKS, ids=lambda check: check.__name__)
-def test_contract(check, storage, base):
-    check(storage, base)
-
-
-def test_contract_lock(storage, base, options):
-    storage_contract.check_lock_excludes_a_second_holder(storage, base, spawn_source(options))
-
-
 def test_s3_storage_is_a_storage_and_refuses_locations_outside_its_prefix(storage):
     assert isinstance(storage, Storage)
     for outside in (f"s3://other-bucket/{PREFIX}/x", f"s3://{BUCKET}/elsewhere/x",
@@ -94,29 +76,6 @@ def test_listing_pages_through_more_than_one_page(storage, base, options):
     assert storage.list_files(f"{base}/d") == {}
 
 
-def test_create_only_race_has_exactly_one_winner(storage, base):
-    path = f"{base}/COMMITTED"
-    outcomes: list[str] = []
-    start = threading.Barrier(16)
-
-    def create(index: int) -> None:
-        start.wait()
-        try:
-            storage.create(path, f"writer {index}".encode())
-            outcomes.append(f"won {index}")
-        except FileExistsError:
-            outcomes.append("refused")
-
-    threads = [threading.Thread(target=create, args=(i,)) for i in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    winners = [o for o in outcomes if o.startswith("won")]
-    assert len(outcomes) == 16 and len(winners) == 1
-    assert storage.read(path) == f"writer {winners[0].split()[1]}".encode()
-
-
 def test_a_lease_is_renewed_while_held(storage, base):
     lease = storage.lock_root(base)
     try:
@@ -127,58 +86,6 @@ def test_a_lease_is_renewed_while_held(storage, base):
     finally:
         lease.release()
     storage.lock_root(base).release()
-
-
-def test_the_lease_of_a_killed_holder_on_this_host_is_taken_over_at_once(storage, base, options,
-                                                                        caplog):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", spawn_source(options) + "\n"
-         f"lease = storage.lock_root({base!r})\nprint('held', flush=True)\n"
-         "import time\ntime.sleep(600)\n"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RootLockedError, match=f"pid {holder.pid}"):
-            storage.lock_root(base)  # alive: refused
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(timeout=30)
-        # Renewed under a heartbeat ago, but its process is gone: taken over without waiting.
-        with caplog.at_level(logging.WARNING, logger="jaxckpt"):
-            lease = storage.lock_root(base)
-        assert "its process on this host is gone" in caplog.text
-        assert "waiting up to" not in caplog.text
-        lease.release()
-    finally:
-        if holder.poll() is None:
-            os.kill(holder.pid, signal.SIGKILL)
-            holder.wait(timeout=30)
-
-
-def test_two_takers_of_an_expired_lease_exactly_one_wins(storage, base):
-    # A lease left by a holder that stopped renewing 1 s-leases.
-    storage.client.put_object(Bucket=BUCKET, Key=storage.key(f"{base}/.lock"),
-                              Body=b'{"holder": "dead", "host": "gone", "pid": 1, "lease_s": 1}')
-    time.sleep(2.5)
-    won, refused = [], []
-    start = threading.Barrier(8)
-
-    def take() -> None:
-        start.wait()
-        try:
-            won.append(storage.lock_root(base))
-        except RootLockedError as exc:
-            refused.append(str(exc))
-
-    threads = [threading.Thread(target=take) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    try:
-        assert len(won) == 1 and len(refused) == 7
-    finally:
-        for lease in won:
-            lease.release()
 
 
 def test_checkpoint_store_commits_verifies_and_deletes_on_s3(storage, base):
@@ -276,29 +183,6 @@ def test_cli_refuses_what_it_cannot_read_on_object_storage(base, s3_environment,
     assert main(["ls", "az://bucket/run"]) == 2
     assert "the az:// scheme is not supported" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
-
-
-def test_transient_server_errors_are_retried_a_bounded_number_of_times(options, base):
-    proxy = FaultProxy(options["endpoint_url"])  # no random faults: only fail_next
-
-    def requests() -> int:
-        return sum(proxy.counts.values())
-
-    try:
-        flaky = S3Storage(BUCKET, PREFIX, storage_options={
-            **options, "endpoint_url": proxy.url, "max_attempts": 4})
-        proxy.fail_next = 3  # three 503s, then the fourth try goes through
-        flaky.create(f"{base}/COMMITTED", b"m")
-        assert requests() == 4
-        proxy.fail_next = 2
-        assert flaky.read(f"{base}/COMMITTED") == b"m"
-        proxy.fail_next = -1  # the server never recovers: give up
-        proxy.counts = dict.fromkeys(proxy.counts, 0)
-        with pytest.raises(Exception, match="503|ServiceUnavailable|reached max retries"):
-            flaky.read(f"{base}/COMMITTED")
-        assert requests() == 4  # max_attempts tries in all, then the error
-    finally:
-        proxy.close()
 
 
 def test_retries_leave_the_global_random_stream_alone(options, base):

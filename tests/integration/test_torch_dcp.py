@@ -255,7 +255,7 @@ def test_the_commit_reads_no_dcp_file_back_and_every_one_is_fsynced(tmp_path, mo
     # DCP's writer checksums each file's bytes as it writes them and fsyncs the file: the
     # commit takes those checksums instead of a second pass over the data (the sync save
     # cost twice the bytes of a bare dcp.save), and the manifest still matches the disk.
-    from jaxckpt.storage import base as storage_module
+    from jaxckpt.storage import posix as storage_module
 
     summed: list[str] = []
     real_checksum = storage_module.PosixStorage.checksum

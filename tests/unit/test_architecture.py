@@ -69,7 +69,8 @@ FOLDERS = {
         may_import=("jaxckpt.storage", "jaxckpt.core", "jaxckpt.errors"),
         never=FRAMEWORKS,
         third_party=frozenset({"boto3", "botocore", "google", "requests", "urllib3", "numpy"}),
-        public=frozenset({"base", "url", "readers", "buffers", "s3.storage", "gcs.storage"}),
+        public=frozenset({"base", "posix", "url", "readers", "buffers", "s3.storage",
+                          "gcs.storage"}),
     ),
     "jaxckpt.manager": Folder(
         may_import=("jaxckpt.manager", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.commit",

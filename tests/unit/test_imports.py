@@ -25,7 +25,7 @@ def imported_after(statement: str) -> list[str]:
         "import jaxckpt.core.policy, jaxckpt.commit.store, jaxckpt.manager.driver_state, "
         "jaxckpt.manager.manager, jaxckpt.core.codec",
         "import jaxckpt.core.layout, jaxckpt.core.manifest, jaxckpt.storage.base, "
-        "jaxckpt.commit.ownership, jaxckpt.commit.deferred_checks",
+        "jaxckpt.storage.posix, jaxckpt.commit.ownership, jaxckpt.commit.deferred_checks",
         "import jaxckpt.core.tree_record, jaxckpt.manager.save, jaxckpt.manager.restore, "
         "jaxckpt.manager.background",
         "import jaxckpt.config, jaxckpt.backends.base, jaxckpt.errors, jaxckpt.retry, "

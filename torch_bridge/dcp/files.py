@@ -33,8 +33,9 @@ from jaxckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from jaxckpt.storage.base import Storage, fsync_dir
+from jaxckpt.storage.base import Storage
 from jaxckpt.storage.buffers import fresh_blocks
+from jaxckpt.storage.posix import fsync_dir
 from jaxckpt.storage.readers import SeekableReader
 from torch_bridge.dcp import metadata as dcp_metadata
 from torch_bridge.dcp.local_writer import checksumming_writer

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxckpt import __version__
 from jaxckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from jaxckpt.storage.base import fsync_dir, fsync_file
+from jaxckpt.storage.posix import fsync_dir, fsync_file
 
 from .architectures import (
     ARCHITECTURES,

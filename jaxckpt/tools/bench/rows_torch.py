@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxckpt.storage.base import fsync_file
+from jaxckpt.storage.posix import fsync_file
 
 from .config import _MiB
 from .states import _llama_params, _tree_bytes

@@ -7,6 +7,7 @@ The fake keeps what a server keeps: a version that changes on every write, the t
 last write (its clock is this process's monotonic clock), and conditional requests decided
 under a lock."""
 
+import itertools
 import json
 import logging
 import os
@@ -232,3 +233,120 @@ def test_an_expired_lease_is_taken_over_without_waiting():
     taker.acquire()
     assert lease_object.record()["holder"] == taker.token
     taker.release()
+
+
+def test_a_lease_is_created_renewed_by_its_heartbeat_and_deleted_on_release():
+    lease_object = MemoryLeaseObject()
+    holder = lease(lease_object)
+    holder.acquire()
+    assert lease_object.record()["holder"] == holder.token
+    first = lease_object.version
+    deadline = time.monotonic() + 60  # two renewals, however slowly a loaded machine runs
+    while lease_object.version < first + 2:  # each a write conditional on the last one
+        assert time.monotonic() < deadline, "the lease was never renewed"
+        time.sleep(0.02)
+    assert lease_object.record()["holder"] == holder.token and not holder.lost
+    holder.release()
+    assert lease_object.body is None  # given up: a delete conditional on our version
+    holder.release()  # idempotent
+    again = lease(lease_object)
+    again.acquire()  # free at once
+    assert lease_object.record()["holder"] == again.token
+    again.release()
+
+
+def test_a_lease_renewed_by_its_heartbeat_keeps_a_taker_elsewhere_out(monkeypatch):
+    """A holder whose process cannot be checked from here is refused only because it keeps
+    renewing: the taker watching it sees the heartbeat's new version and gives up. (A long
+    lease: a heartbeat starved by a loaded machine is still seen renewing.)"""
+    lease_object = MemoryLeaseObject()
+    elsewhere = {**this_process(), "host": "another-host", "pid": 4242}
+    # The holder's records (its renewals too) name another host; the taker judges them with
+    # lease_holder's view of this process, which the patch leaves alone.
+    monkeypatch.setattr("jaxckpt.storage.lease.this_process", lambda: elsewhere)
+    holder = Lease(lease_object, lease_s=30.0, heartbeat_s=HEARTBEAT_S)
+    holder.acquire()
+    try:
+        with pytest.raises(RootLockedError, match="pid 4242.*renewed while this job waited"):
+            lease(lease_object).acquire()
+        assert lease_object.record()["holder"] == holder.token and not holder.lost
+    finally:
+        holder.release()
+    assert lease_object.body is None
+
+
+class GatedLeaseObject(MemoryLeaseObject):
+    """A ``MemoryLeaseObject`` whose first ``parties`` replaces wait for each other, so that
+    every taker of an expired lease asks to replace the same version."""
+
+    def __init__(self, parties: int):
+        super().__init__()
+        self.gate = threading.Barrier(parties, timeout=60)
+        self.gated = itertools.count()
+
+    def replace(self, body, version):
+        if next(self.gated) < self.gate.parties:  # the takers' replaces, not later renewals
+            self.gate.wait()
+        return super().replace(body, version)
+
+
+def test_takers_of_an_expired_lease_replace_the_same_version_and_exactly_one_wins():
+    takers = 8
+    lease_object = GatedLeaseObject(takers)
+    plant(lease_object, host="another-host", pid=4242, start=1, lease_s=0.01)
+    time.sleep(0.05)  # the planted lease's length passes
+    planted = str(lease_object.version)
+    leases = [lease(lease_object) for _ in range(takers)]
+    won, refused = [], []
+
+    def take(taker) -> None:
+        try:
+            taker.acquire()
+            won.append(taker)
+        except RootLockedError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=take, args=(t,)) for t in leases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(won) == 1 and len(refused) == takers - 1, refused
+        assert all("another job took it over just now" in message for message in refused)
+        assert lease_object.record()["holder"] == won[0].token
+        assert str(lease_object.version) != planted
+    finally:
+        for taker in won:
+            taker.release()
+
+
+class RenewedAfterReadLeaseObject(MemoryLeaseObject):
+    """A ``MemoryLeaseObject`` whose holder (of a lease lasting 0.01 s) renews it right after
+    each of the taker's first ``renewals`` reads, and whose server clock says each state
+    read was written a second ago: every read sees the lease expired, and every state read
+    is stale by the time the taker acts on it."""
+
+    holder = {"host": "another-host", "pid": 4242, "start": 1, "lease_s": 0.01}
+
+    def __init__(self, renewals: int):
+        super().__init__()
+        self.renewals = renewals
+
+    def read(self):
+        state = super().read()
+        if self.renewals:
+            self.renewals -= 1
+            plant(self, **self.holder)
+        return None if state is None else LeaseState(
+            version=state.version, body=state.body, age_s=state.age_s + 1.0)
+
+
+def test_a_lease_renewed_between_the_takers_read_and_its_takeover_is_not_taken():
+    # Two renewals: after the read that decides the lease is free, whether or not a read
+    # comes before it; the takeover names the version read, which is gone by then.
+    lease_object = RenewedAfterReadLeaseObject(renewals=2)
+    plant(lease_object, **lease_object.holder)
+    with pytest.raises(RootLockedError, match="pid 4242.*another job took it over just now"):
+        lease(lease_object).acquire()
+    assert lease_object.record()["holder"] == "planted"

@@ -83,7 +83,7 @@ def test_commit_makes_the_names_durable_while_it_checksums_the_files(store, monk
     together are shared), and the marker comes after both: here every file's checksum
     waits until a directory fsync has begun. Done one after the other, the checksums
     would wait in vain (the timeout says so)."""
-    from jaxckpt.storage import base as storage_module
+    from jaxckpt.storage import posix as storage_module
 
     path = make_step(store, 1, commit=False)
     naming = threading.Event()
@@ -408,7 +408,7 @@ def test_root_lock_excludes_a_second_job_and_names_the_holder(tmp_path):
 
 
 def test_root_lock_is_released_when_the_holder_is_killed(tmp_path):
-    code = (f"from jaxckpt.storage.base import RootLock; l = RootLock({str(tmp_path)!r}); "
+    code = (f"from jaxckpt.storage.posix import RootLock; l = RootLock({str(tmp_path)!r}); "
             "l.acquire(); print('locked', flush=True); import time; time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
