@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 from jaxckpt.errors import ConfigError
 
 if TYPE_CHECKING:
-    from jaxckpt.commit.deferred_checks import ReadClaims
+    from jaxckpt.commit.deferred_checks import DeferredChecks
     from jaxckpt.storage.base import Storage
 
 __all__ = ["Backend", "BackendFeatures", "ObjectStorageBackend", "WriteHandle", "SingleProcess",
@@ -43,7 +43,7 @@ class BackendFeatures:
     cannot be thrown away: the manager verifies every checksum before reading instead of
     checking those of large data files while ``read`` runs (but see ``verifies_reads``)."""
     verifies_reads: bool = False
-    """``read`` uses its ``claims`` (a ``store.ReadClaims``): it checks the deferred
+    """``read`` uses its ``claims`` (a ``store.DeferredChecks``): it checks the deferred
     checksums of the files it reads whole as it reads them, so the manager's verifier skips
     those. False: the manager passes ``claims=None``. With ``reads_in_place`` as well, the
     backend promises more: it claims every offered file its read loads from, checks each
@@ -141,7 +141,7 @@ class Backend(Protocol):
         tree path of a value that cannot be written.
         """
 
-    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+    def read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
              partial: bool = False) -> Any:
         """Read the state in ``directory`` into the structure, shapes, dtypes and placement of
         ``like`` (concrete or abstract leaves). Raises ``TreeMismatchError`` listing every
@@ -149,7 +149,7 @@ class Backend(Protocol):
 
         ``partial``: ``like`` is a subtree of what was saved; what it leaves out is not read
         (and not a mismatch), a path of ``like`` that was never saved still is. A backend
-        that reads whole files per array limits ``claims`` to them (``ReadClaims.limit``).
+        that reads whole files per array limits ``claims`` to them (``DeferredChecks.limit``).
 
         ``claims``: given only to a backend with ``features.verifies_reads`` (None
         otherwise); the backend claims the files it checks itself and must ``close`` the

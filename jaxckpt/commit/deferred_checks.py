@@ -1,6 +1,6 @@
 """Deferred checksums of one restore, shared between a checking thread and the backend.
 
-Owns: ``ReadClaims``, the hand-over by which a backend that reads a file whole checks that
+Owns: ``DeferredChecks``, the hand-over by which a backend that reads a file whole checks that
 file's deferred checksum (``manifest.DEFER_CHECKSUMS_OVER``) from the bytes it read, so that
 the file is not read twice, while the manager's checking thread checks the rest; the
 hand-over of those files' bytes where the manager fetched them ahead (``prefetch``); and,
@@ -19,10 +19,10 @@ from typing import Any
 from jaxckpt.commit.prefetch import Fetched, ReadAhead
 from jaxckpt.core.manifest import algorithm_of, checksum_problem
 
-__all__ = ["ReadClaims"]
+__all__ = ["DeferredChecks"]
 
 
-class ReadClaims:
+class DeferredChecks:
     """The deferred checksums of one restore, shared between the thread that checks them
     and a backend that checks some of them itself while it reads the same bytes.
 

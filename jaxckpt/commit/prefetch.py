@@ -49,7 +49,7 @@ def _fresh(nbytes: int) -> memoryview:
 
 
 def key(path: str) -> str:
-    """The name a fetch is filed under: its path normalised as ``ReadClaims`` does."""
+    """The name a fetch is filed under: its path normalised as ``DeferredChecks`` does."""
     return os.path.realpath(path)
 
 

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from jaxckpt.commit import object_steps as store_objects
-from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.commit.ownership import foreign_entries
 from jaxckpt.core.checksum import default_algorithm
 from jaxckpt.core.layout import (
@@ -61,8 +61,8 @@ from jaxckpt.core.manifest import (
     unreadable_problem,
 )
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
-from jaxckpt.storage.base import RootLease, Storage
-from jaxckpt.storage.posix import PosixStorage, RootLock
+from jaxckpt.storage.base import RootLock, Storage
+from jaxckpt.storage.posix import FlockLock, PosixStorage
 
 __all__ = ["CheckpointStore", "Entry", "OnManifest", "Status", "write_file_soon"]
 
@@ -72,7 +72,7 @@ the rest of it is verified (a restore starts fetching its bulk files there)."""
 
 # Names tests (and code outside the package) imported from here before the store was split
 # into layout / manifest / storage / roots; new code imports them from where they live.
-_COMPATIBILITY = (COMMIT_MARKER, DEFER_CHECKSUMS_OVER, ReadClaims, RootLock, foreign_entries)
+_COMPATIBILITY = (COMMIT_MARKER, DEFER_CHECKSUMS_OVER, DeferredChecks, FlockLock, foreign_entries)
 
 Status = Literal["committed", "partial", "corrupt"]
 
@@ -218,7 +218,7 @@ class CheckpointStore:
         for path in (self.root, self.recover_dir, self.export_dir):
             self.storage.make_prefix(path)
 
-    def lock(self) -> RootLease:
+    def lock(self) -> RootLock:
         """Take the root lock for this job's lifetime (``Storage.lock_root``); raises
         ``RootLockedError`` naming the holder when another live job has it."""
         return self.storage.lock_root(self.root)

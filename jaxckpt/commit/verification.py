@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.commit.store import CheckpointStore, OnManifest
 from jaxckpt.config import RecoverConfig
 from jaxckpt.core.layout import DRIVER_FILE
@@ -94,7 +94,7 @@ def plan(config: RecoverConfig, backend: Any, items: Mapping[str, Any] | None, *
 
     ``partial`` (a restore of a subtree): every data file's checksum waits for the read,
     whatever its size, so that the backend can withdraw those of the files it does not
-    read (``ReadClaims.limit``): a partial restore checksums what it restores, and only
+    read (``DeferredChecks.limit``): a partial restore checksums what it restores, and only
     sizes and metadata of the rest."""
     checksums = config.verify == "checksums"
     features = backend.features
@@ -118,7 +118,7 @@ class Verifier:
         self._primary = primary
 
     def start_deferred_checks(self, path: str, checks: Verification,
-                              claims: ReadClaims | None = None, *,
+                              claims: DeferredChecks | None = None, *,
                               manifest: Manifest | None = None,
                               ) -> concurrent.futures.Future[tuple[list[str], list[str]]] | None:
         """Primary: start checking, in a thread, the checksums that ``choose`` left out,
@@ -127,7 +127,7 @@ class Verifier:
 
         With ``claims`` the entries are offered first (here, before the read starts), the
         backend claims the files it checks while reading them, and the thread checks the
-        rest once the backend closed its claims (``store.ReadClaims``). ``manifest``: the
+        rest once the backend closed its claims (``store.DeferredChecks``). ``manifest``: the
         checkpoint's, as its choice verified it (on an object store, a GET not repeated on
         the way to the first chunk)."""
         if checks.defer_over is None or not self._primary:

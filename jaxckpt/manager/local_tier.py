@@ -40,10 +40,10 @@ from jaxckpt.errors import (
 from jaxckpt.manager.background import SavePipeline
 from jaxckpt.manager.context import ManagerContext
 from jaxckpt.manager.reports import Recovered, SaveReport
-from jaxckpt.manager.restore import Recovery
+from jaxckpt.manager.restore import Restorer
 from jaxckpt.manager.root import prepare_root
-from jaxckpt.manager.save import RecoverySaver
-from jaxckpt.storage.base import RootLease
+from jaxckpt.manager.save import Saver
+from jaxckpt.storage.base import RootLock
 from jaxckpt.storage.url import is_url
 
 __all__ = ["LocalTierSet", "check_local", "local_rules"]
@@ -68,7 +68,7 @@ class LocalTierSet:
                  item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None):
         self._owns_backend = owns_backend  # ``backend`` is this tier's alone: close it
         self._backend = backend
-        self._lock: RootLease | None = None
+        self._lock: RootLock | None = None
         try:
             if durable.process_count > 1:
                 raise ConfigError(
@@ -95,11 +95,11 @@ class LocalTierSet:
         # Failures of local saves are warnings: the durable tier and training go on.
         self._pipeline = SavePipeline(on_report=on_report, on_write_error="warn", clock=clock,
                                       commit_timeout_s=commit_timeout_s)
-        self._saver = RecoverySaver(self.ctx, self._pipeline, mode=mode,
+        self._saver = Saver(self.ctx, self._pipeline, mode=mode,
                                     item_cadences=item_cadences, export_record=export_record,
                                     tier=LOCAL)
         self._saver.scope_checked = True  # the durable saver warns about left-out objects
-        self._recovery = Recovery(self.ctx)
+        self._restorer = Restorer(self.ctx)
 
     @property
     def store(self) -> CheckpointStore:
@@ -149,13 +149,13 @@ class LocalTierSet:
             self._lock = None
 
     # --- recovery -------------------------------------------------------------------------
-    def restore(self, durable: Recovery, like: Any, *, stateful: Mapping[str, Any] | None,
+    def restore(self, durable: Restorer, like: Any, *, stateful: Mapping[str, Any] | None,
                 step: int | None, required: bool, items: Mapping[str, Any] | None,
                 **options: Any) -> Recovered | None:
         """The newest checkpoint that verifies in either tier (``step``: that step, from the
         local tier when it holds a valid copy, else from the durable root), restored like
-        ``Recovery.restore`` does, with ``Recovered.tier`` saying where it came from.
-        ``options``: further arguments of ``Recovery.restore``, passed to each tier's."""
+        ``Restorer.restore`` does, with ``Recovered.tier`` saying where it came from.
+        ``options``: further arguments of ``Restorer.restore``, passed to each tier's."""
         self.wait()
         if step is not None:
             return self._restore_step(durable, like, stateful=stateful, step=step, items=items,
@@ -166,7 +166,7 @@ class LocalTierSet:
                             reverse=True)  # newest first; local first at an equal step
         failed: list[tuple[str, int, str, str]] = []  # (tier, step, path, why)
         for candidate, _, tier in candidates:
-            recovery = self._recovery if tier == LOCAL else durable
+            recovery = self._restorer if tier == LOCAL else durable
             try:
                 result = recovery.restore(like, stateful=stateful, step=candidate,
                                           required=True, items=items, **options)
@@ -188,13 +188,13 @@ class LocalTierSet:
                 f"manager at the root that holds the checkpoints.")
         return None
 
-    def _restore_step(self, durable: Recovery, like: Any, *,
+    def _restore_step(self, durable: Restorer, like: Any, *,
                       stateful: Mapping[str, Any] | None, step: int,
                       items: Mapping[str, Any] | None, **options: Any) -> Recovered:
         failed: list[tuple[str, int, str, str]] = []
         if step in self.store.committed_steps():
             try:
-                result = self._recovery.restore(like, stateful=stateful, step=step,
+                result = self._restorer.restore(like, stateful=stateful, step=step,
                                                 required=True, items=items, **options)
                 return self._resumed(LOCAL, result, failed)
             except CheckpointFormatError:

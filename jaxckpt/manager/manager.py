@@ -47,10 +47,10 @@ from jaxckpt.manager.export import Exporter, export_record
 from jaxckpt.manager.local_tier import LocalTierSet, check_local
 from jaxckpt.manager.preemption import Preemption
 from jaxckpt.manager.reports import Recovered, SaveReport
-from jaxckpt.manager.restore import Recovery, start_fresh
+from jaxckpt.manager.restore import Restorer, start_fresh
 from jaxckpt.manager.root import attach_backend, open_store, prepare_root
-from jaxckpt.manager.save import RecoverySaver, resolve_state
-from jaxckpt.storage.base import RootLease
+from jaxckpt.manager.save import Saver, resolve_state
+from jaxckpt.storage.base import RootLock
 
 __all__ = ["CheckpointManager", "SaveReport", "Recovered"]
 
@@ -126,7 +126,7 @@ class CheckpointManager:
         export_mode = None if export is None else resolve_mode(
             export.mode, supports_async=True, field="ExportConfig.mode")
         index, count = backend.process_index, backend.process_count
-        self._lock: RootLease | None = prepare_root(store) if index == 0 else None
+        self._lock: RootLock | None = prepare_root(store) if index == 0 else None
         try:
             backend.barrier("jaxckpt.init", 120.0)
         except BaseException:
@@ -142,11 +142,11 @@ class CheckpointManager:
             export_trigger=SaveTrigger(export.every, clock=clock) if export else None)
         self._pipeline = SavePipeline(on_report=on_report, on_write_error=on_write_error,
                                       clock=clock, commit_timeout_s=commit_timeout_s)
-        self._saver = RecoverySaver(ctx, self._pipeline, mode=save_mode,
+        self._saver = Saver(ctx, self._pipeline, mode=save_mode,
                                     item_cadences=items or {}, export_record=record)
         self._exporter = (None if export_mode is None
                           else Exporter(ctx, self._pipeline, mode=export_mode))
-        self._recovery = Recovery(ctx)
+        self._restorer = Restorer(ctx)
         self._local: LocalTierSet | None = None
         self._closed = False
         # The last step the loop reported as completed (maybe_save) or resumed from (recover):
@@ -442,10 +442,10 @@ class CheckpointManager:
             log.error("jaxckpt: error while closing after %s: %s", exc_type.__name__, close_exc)
 
     def _restore(self, like: Any, **kwargs: Any) -> Recovered | None:
-        """``Recovery.restore``, across both tiers when there is a local one."""
+        """``Restorer.restore``, across both tiers when there is a local one."""
         if self._local is None:
-            return self._recovery.restore(like, **kwargs)
-        return self._local.restore(self._recovery, like, **kwargs)
+            return self._restorer.restore(like, **kwargs)
+        return self._local.restore(self._restorer, like, **kwargs)
 
     def _check_usable(self) -> None:
         if self._closed:

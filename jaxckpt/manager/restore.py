@@ -1,7 +1,7 @@
-"""Recovery: find the checkpoint to resume from, verify it, fall back past damaged ones, and
+"""Restorer: find the checkpoint to resume from, verify it, fall back past damaged ones, and
 read it.
 
-Owns: ``Recovery``: choosing the step (the primary walks committed checkpoints newest first,
+Owns: ``Restorer``: choosing the step (the primary walks committed checkpoints newest first,
 checks each and its item versions, starts fetching bulk files early on an object store,
 and shares its choice), failing closed (``RecoverConfig.on_corrupt``), reading driver,
 arrays and items under a reader lock, judging the read once the deferred checksums are in,
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxckpt.commit import verification
-from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.commit.prefetch import ReadAhead
 from jaxckpt.commit.store import Entry
 from jaxckpt.commit.verification import DeferredChecksumsFailed, Verification, Verifier
@@ -46,7 +46,7 @@ from jaxckpt.manager.context import ManagerContext
 from jaxckpt.manager.reports import Recovered
 from jaxckpt.storage.posix import PosixStorage
 
-__all__ = ["Recovery", "start_fresh"]
+__all__ = ["Restorer", "start_fresh"]
 
 _FAIL_CLOSED = -2
 """What ``_choose`` shares when committed checkpoints exist and none verifies (-1: none)."""
@@ -89,7 +89,7 @@ def start_fresh(*contexts: ManagerContext) -> list[str]:
     return all_moved
 
 
-class Recovery:
+class Restorer:
     """Restores the recovery checkpoints of one manager."""
 
     def __init__(self, ctx: ManagerContext):
@@ -300,7 +300,7 @@ class Recovery:
             self._ctx.reading.add(step)
         try:
             with self._ctx.store.reading(path):
-                claims = (ReadClaims(ahead) if checks.defer_over is not None
+                claims = (DeferredChecks(ahead) if checks.defer_over is not None
                           and self._ctx.primary and self._ctx.backend.features.verifies_reads
                           else None)
                 checking = self._verifier.start_deferred_checks(path, checks, claims,

@@ -24,7 +24,7 @@ from jaxckpt.backends.base import Backend, ObjectStorageBackend
 from jaxckpt.commit.ownership import check_root
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.errors import CheckpointError, CheckpointRootError
-from jaxckpt.storage.base import RootLease
+from jaxckpt.storage.base import RootLock
 from jaxckpt.storage.posix import PosixStorage
 from jaxckpt.storage.url import parse_root
 from jaxckpt.storage.write_probe import check_conditional_writes
@@ -71,7 +71,7 @@ def attach_backend(store: CheckpointStore, backend: Backend) -> None:
     cast(ObjectStorageBackend, backend).attach_storage(store.storage)
 
 
-def prepare_root(store: CheckpointStore) -> RootLease:
+def prepare_root(store: CheckpointStore) -> RootLock:
     """Primary: check an object store's conditional writes (``ConditionalWritesError``),
     create the layout, take the root lock, clean what a crash left behind.
     Returns the held lock (the caller releases it); the lock is released again if

@@ -1,7 +1,7 @@
 """One recovery save, from the snapshot on the training thread to the committed marker and
 retention on the background thread.
 
-Owns: ``RecoverySaver``: snapshotting the driver state, making room for a step already on
+Owns: ``Saver``: snapshotting the driver state, making room for a step already on
 disk, starting the driver file's and the backend's writes (``save``: its time is
 ``report.blocking_s``), committing each new item version and then the checkpoint (the
 ``done.p{i}`` handshake across processes), retention of checkpoints and items, and the
@@ -39,12 +39,12 @@ from jaxckpt.manager.background import SavePipeline
 from jaxckpt.manager.context import ManagerContext
 from jaxckpt.manager.reports import SaveReport, mark_done
 
-__all__ = ["RecoverySaver", "resolve_state", "known_checksums"]
+__all__ = ["Saver", "resolve_state", "known_checksums"]
 
 log = logging.getLogger("jaxckpt")
 
 
-class RecoverySaver:
+class Saver:
     """Writes, commits and retains the recovery checkpoints of one manager."""
 
     def __init__(self, ctx: ManagerContext, pipeline: SavePipeline, *, mode: str,

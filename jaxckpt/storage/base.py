@@ -3,7 +3,7 @@
 Owns: ``Storage``, the small interface the store (jaxckpt/commit/store.py) does its I/O through
 (its POSIX implementation is ``jaxckpt.storage.posix``), and the pieces the object stores
 share: ``object_name`` (a location to an object name inside a bucket and prefix),
-``ReadHolds`` (per-process read holds), ``RootLease`` (a held root lock) and ``ObjectWriter``.
+``ReadHolds`` (per-process read holds), ``RootLock`` (a held root lock) and ``ObjectWriter``.
 
 Locations are strings: a filesystem path for ``PosixStorage``, and for an object store a URL
 (``s3://bucket/prefix/...``). Names below a location are joined with "/". The interface has
@@ -28,12 +28,12 @@ from typing import Protocol
 
 from jaxckpt.core.checksum import extend
 
-__all__ = ["Storage", "ReadHolds", "object_name", "ObjectWriter", "RootLease"]
+__all__ = ["Storage", "ReadHolds", "object_name", "ObjectWriter", "RootLock"]
 
 _READ_PIECE = 8 * 1024 * 1024
 
 
-class RootLease(Protocol):
+class RootLock(Protocol):
     """A held root lock (``Storage.lock_root``); ``release`` gives it up, idempotently."""
 
     def release(self) -> None: ...
@@ -231,7 +231,7 @@ class Storage(abc.ABC):
 
     # --- concurrency ---------------------------------------------------------------------
     @abc.abstractmethod
-    def lock_root(self, root: str) -> RootLease:
+    def lock_root(self, root: str) -> RootLock:
         """Take the lock that keeps a second job out of ``root`` for this job's lifetime;
         ``RootLockedError`` (naming the holder) when another live job holds it. A holder that
         dies loses it (at once, or when its lease expires)."""

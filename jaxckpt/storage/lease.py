@@ -1,7 +1,7 @@
 """The root lock on an object store: a lease object, created only if absent, renewed by a
 heartbeat, taken over by one job once its holder is gone. The part every object store shares.
 
-Owns: ``Lease`` (take, renew, give up; ``RootLockedError`` for a second job) over
+Owns: ``ObjectLease`` (take, renew, give up; ``RootLockedError`` for a second job) over
 ``LeaseObject``, the four conditional requests a store offers (``storage.s3.lease``,
 ``storage.gcs.lease``); ``LeaseConflict`` (a condition failed) and
 ``LeaseRequestUnsupported`` (HTTP 501). The protocol (a held lease is free once released, this
@@ -11,7 +11,7 @@ condition).
 
 Must not import: jax, orbax, torch, boto3, google (the stores' clients stay in their modules).
 
-Concurrency: one ``Lease`` per holder, renewed by its heartbeat thread; ``release`` from any
+Concurrency: one ``ObjectLease`` per holder, renewed by its heartbeat thread; ``release`` from any
 thread, any number of times. Across jobs and hosts the server's conditional requests decide.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from jaxckpt.errors import RootLockedError
 from jaxckpt.storage.lease_holder import holder_status, this_process
 
-__all__ = ["Lease", "LeaseConflict", "LeaseObject", "LeaseRequestUnsupported", "LeaseState"]
+__all__ = ["ObjectLease", "LeaseConflict", "LeaseObject", "LeaseRequestUnsupported", "LeaseState"]
 
 log = logging.getLogger("jaxckpt")
 
@@ -65,7 +65,7 @@ class LeaseState:
 
 
 class LeaseObject(Protocol):
-    """The conditional requests on one lease object that ``Lease`` is built from. Each
+    """The conditional requests on one lease object that ``ObjectLease`` is built from. Each
     raises ``LeaseConflict`` when its condition does not hold, and the store's own error
     for anything else (after the store's retries)."""
 
@@ -94,7 +94,7 @@ class _Watch:
     since: float
 
 
-class Lease:
+class ObjectLease:
     """A root lease (held after ``acquire``); see the module docstring."""
 
     def __init__(self, lease_object: LeaseObject, *, lease_s: float, heartbeat_s: float):

@@ -2,7 +2,7 @@
 
 Owns: ``PosixStorage``, the only implementation that fsyncs, renames and ``flock``s; the
 POSIX helpers it is made of (``fsync_file``, ``fsync_dir``, ``atomic_write``); and
-``RootLock``, the ``flock`` on ``{root}/.lock`` that is its root lock.
+``FlockLock``, the ``flock`` on ``{root}/.lock`` that is its root lock.
 
 Concurrency: any thread; ``reading`` / ``delete_unless_reading`` exclude each other through
 ``flock`` on the marker across processes of a host.
@@ -29,7 +29,7 @@ from jaxckpt.core.layout import LOCK_FILE, tmp_name
 from jaxckpt.errors import RootLockedError
 from jaxckpt.storage.base import Storage
 
-__all__ = ["PosixStorage", "RootLock", "fsync_file", "fsync_dir", "atomic_write"]
+__all__ = ["PosixStorage", "FlockLock", "fsync_file", "fsync_dir", "atomic_write"]
 
 #: fsyncs ``PosixStorage.sync`` keeps in flight at once.
 _SYNC_THREADS = 8
@@ -41,7 +41,7 @@ class PosixStorage(Storage):
     Guarantees as ``Storage`` states them, with these means: atomic writes are a temp file
     in the same directory, fsync, ``rename``, fsync of the directory; durability of files
     written by others is ``fsync`` of each file and each directory, several at once; the
-    root lock is ``flock`` on ``{root}/.lock`` (``RootLock``); ``reading`` and
+    root lock is ``flock`` on ``{root}/.lock`` (``FlockLock``); ``reading`` and
     ``delete_unless_reading`` are shared and exclusive non-blocking ``flock`` on the marker,
     which exclude readers in any process of the same host (and across hosts where the
     filesystem supports flock). ``create`` checks for an existing entry, then renames:
@@ -149,8 +149,8 @@ class PosixStorage(Storage):
             list(pool.map(fsync_file, files))
             list(pool.map(fsync_dir, directories))
 
-    def lock_root(self, root: str) -> RootLock:
-        lock = RootLock(root)
+    def lock_root(self, root: str) -> FlockLock:
+        lock = FlockLock(root)
         lock.acquire()
         return lock
 
@@ -267,7 +267,7 @@ def _rmtree_tolerant(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)  # a writer raced us; one more sweep
 
 
-class RootLock:
+class FlockLock:
     """An exclusive ``flock`` on ``{root}/.lock`` held for a job's lifetime.
 
     The kernel releases it when the holder dies (SIGKILL included), so a crashed job never

@@ -7,7 +7,7 @@ import pytest
 
 from jaxckpt.core.layout import TMP_PREFIX
 from jaxckpt.storage.base import Storage
-from jaxckpt.storage.posix import PosixStorage, RootLock
+from jaxckpt.storage.posix import FlockLock, PosixStorage
 
 from support import storage_contract
 
@@ -38,7 +38,7 @@ def test_posix_storage_is_a_storage_and_its_lock_is_the_root_lock(storage, base)
     os.makedirs(base)
     lease = storage.lock_root(base)
     try:
-        assert isinstance(lease, RootLock) and lease.path == os.path.join(base, ".lock")
+        assert isinstance(lease, FlockLock) and lease.path == os.path.join(base, ".lock")
     finally:
         lease.release()
 

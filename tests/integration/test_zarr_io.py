@@ -27,7 +27,7 @@ from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInf
 from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.files import LocalArrayFiles
-from jaxckpt.commit.store import CheckpointStore, ReadClaims
+from jaxckpt.commit.store import CheckpointStore, DeferredChecks
 from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from jaxckpt.storage.buffers import ALIGN, aligned_empty
@@ -77,15 +77,15 @@ def chunk_files(directory: Path) -> dict[str, Path]:
     return found
 
 
-def offer_chunks(directory: Path, entries=None) -> tuple[ReadClaims, list]:
-    """A ReadClaims offering every chunk file of ``directory`` (with the files' current
+def offer_chunks(directory: Path, entries=None) -> tuple[DeferredChecks, list]:
+    """A DeferredChecks offering every chunk file of ``directory`` (with the files' current
     checksums unless ``entries`` are given), as a restore with deferred checks does."""
     if entries is None:
         entries = []
         for rel, path in sorted(chunk_files(directory).items()):
             size, crc = file_checksum(str(path), ALGORITHM)
             entries.append((rel, {"size": size, ALGORITHM: crc}))
-    claims = ReadClaims()
+    claims = DeferredChecks()
     claims.offer(str(directory), entries)
     return claims, sorted(entries)
 
@@ -724,7 +724,7 @@ def test_damaged_chunk_makes_recovery_fall_back_to_the_previous_step(tmp_path, w
     assert any(str(ckpt) in m and f"{rel}: {ALGORITHM}" in m for m in messages), messages
 
 
-# ------------------------------------------------------------------------- ReadClaims
+# ------------------------------------------------------------------------- DeferredChecks
 
 
 def test_each_offered_file_is_claimed_once_and_none_after_close(tmp_path):

@@ -351,7 +351,7 @@ def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
     import orbax.checkpoint as ocp
 
     from jaxckpt.backends.orbax.backend import OrbaxBackend
-    from jaxckpt.commit.store import ReadClaims
+    from jaxckpt.commit.store import DeferredChecks
     from jaxckpt.core.checksum import default_algorithm
 
     root, _ = two_process_root
@@ -372,7 +372,7 @@ def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
     expected = np.arange(32, dtype=np.float32).reshape(8, 4) + 3000
     np.testing.assert_array_equal(np.asarray(restored[name]), expected)
 
-    claims = ReadClaims()
+    claims = DeferredChecks()
     state_dir = os.path.join(step_dir, "state")
     offered = [(rel[len("state/"):], info) for rel, info in manifest.items()
                if rel.startswith(f"state/arrays/{name}/c/")]
@@ -392,7 +392,7 @@ NATIVE_READER = jax_worker('''
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jaxckpt.backends.orbax.backend import OrbaxBackend
-        from jaxckpt.commit.store import ReadClaims
+        from jaxckpt.commit.store import DeferredChecks
 
         state_dir = root
         manifest = json.load(open(os.path.join(os.path.dirname(root), "COMMITTED")))["files"]
@@ -400,7 +400,7 @@ NATIVE_READER = jax_worker('''
         name = next(leaf["name"] for leaf in tree["leaves"] if leaf["path"] == "['w']")
         offered = [(rel[len("state/"):], info) for rel, info in manifest.items()
                    if rel.startswith(f"state/arrays/{name}/c/")]
-        claims = ReadClaims()
+        claims = DeferredChecks()
         claims.offer(state_dir, offered)
         sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
         like = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=sharding), "n": 0}

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jaxckpt.backends.base import BackendFeatures
-from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.core import codec
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.core.layout import OBJECTS_FILE
@@ -651,7 +651,7 @@ class DcpBackend:
 
     # --------------------------------------------------------------------------- read
 
-    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+    def read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
              partial: bool = False) -> Any:
         """Load ``directory`` into the live objects of ``like`` and return ``like``.
 

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.core.checksum import RunningChecksum, extend, file_checksum
 from jaxckpt.core.layout import OBJECTS_FILE, TMP_PREFIX
 from jaxckpt.errors import (
@@ -150,7 +150,7 @@ class LocalDcpFiles:
             return stream.read()
 
     @staticmethod
-    def reader(directory: str, claims: ReadClaims | None = None, partial: bool = False) -> Any:
+    def reader(directory: str, claims: DeferredChecks | None = None, partial: bool = False) -> Any:
         """The safe reader of ``directory``. With ``claims``, first claims every offered file
         of the directory and checks it (its checksum from the disk, before DCP loads
         anything), then closes them; the reader's ``damaged`` names the files that do not
@@ -221,7 +221,7 @@ class StorageDcpFiles:
             raise _without_metadata(directory) from None
         return document
 
-    def reader(self, directory: str, claims: ReadClaims | None = None,
+    def reader(self, directory: str, claims: DeferredChecks | None = None,
                partial: bool = False) -> Any:
         """The reader of ``directory``: it fetches each data file's needed ranges once; with
         ``claims``, it fetches every claimed file whole and checks it against its checksum
@@ -411,7 +411,7 @@ def _fetch_whole(storage: Storage, pool: concurrent.futures.Executor, path: str,
     return data
 
 
-def _checksum_problem(claims: ReadClaims, path: str, claimed: tuple[str, str],
+def _checksum_problem(claims: DeferredChecks, path: str, claimed: tuple[str, str],
                       data: Any) -> bool:
     """Settle the claim of ``path`` with the checksum of ``data`` (its bytes, or a
     ``(size, checksum)`` computed elsewhere); whether it does not match."""
@@ -424,7 +424,7 @@ def _checksum_problem(claims: ReadClaims, path: str, claimed: tuple[str, str],
     return actual != expected
 
 
-def _check_local_claims(directory: str, claims: ReadClaims) -> list[str]:
+def _check_local_claims(directory: str, claims: DeferredChecks) -> list[str]:
     """Claim every offered file of the local ``directory``, check each one (a few at a
     time), close the claims; the names of the files that do not match."""
     paths = sorted(os.path.join(directory, name) for name in os.listdir(directory))
@@ -442,7 +442,7 @@ def _check_local_claims(directory: str, claims: ReadClaims) -> list[str]:
 
 def _fetch_files(storage: Storage, paths: dict[str, str],
                  spans: dict[str, list[tuple[int, int]]], sizes: dict[str, int],
-                 claimed: dict[str, tuple[str, str]], claims: ReadClaims | None,
+                 claimed: dict[str, tuple[str, str]], claims: DeferredChecks | None,
                  ) -> tuple[dict[str, list[tuple[int, Any]]], dict[str, tuple[int, str]]]:
     """The needed bytes of each file (path -> [(offset, bytes)]; ``paths``: relative path
     -> URL): a claimed file whole, as the manager fetched it ahead (its checksum, computed
@@ -489,7 +489,7 @@ def _storage_reader_class() -> type:
     class _StorageReader(SafeReader):  # type: ignore[misc, valid-type]
         """The safe reader over a Storage, fetching each file's needed ranges ahead."""
 
-        def __init__(self, path: str, storage: Storage, claims: ReadClaims | None = None,
+        def __init__(self, path: str, storage: Storage, claims: DeferredChecks | None = None,
                      partial: bool = False):
             super().__init__(path)
             self.fs = _storage_fs_class()(storage)

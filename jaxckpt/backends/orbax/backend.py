@@ -61,7 +61,7 @@ from jaxckpt.backends.orbax.write import (
 )
 
 if TYPE_CHECKING:
-    from jaxckpt.commit.deferred_checks import ReadClaims
+    from jaxckpt.commit.deferred_checks import DeferredChecks
     from jaxckpt.storage.base import Storage
 
 __all__ = ["OrbaxBackend", "OrbaxWriteHandle", "OrbaxOptions", "TREE_FORMAT",
@@ -400,7 +400,7 @@ class OrbaxBackend:
 
     # -------------------------------------------------------------------------- read
 
-    def read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+    def read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
              partial: bool = False) -> Any:
         """Read ``directory`` into the structure, shapes, dtypes and shardings of ``like``.
 
@@ -418,7 +418,7 @@ class OrbaxBackend:
         in place. The manager calls it once the checkpoint is judged valid, so a read it
         throws away never changes the caller's objects.
 
-        ``claims`` (a restore's deferred checksums, ``store.ReadClaims``): the array files
+        ``claims`` (a restore's deferred checksums, ``store.DeferredChecks``): the array files
         read with ``native_io`` are claimed and checksummed as they are read, so nobody
         reads them a second time to verify them; claims are closed before the bulk read.
 
@@ -444,7 +444,7 @@ class OrbaxBackend:
         that called save) that ``saved`` leaves out, or None (``nnx_live.left_out``)."""
         return nnx_live.left_out(saved, scope)
 
-    def _read(self, directory: str, like: Any, *, claims: ReadClaims | None = None,
+    def _read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
               partial: bool = False) -> Any:
         """:meth:`read` of a ``like`` without live NNX objects."""
         root = self._path(directory)
@@ -473,7 +473,7 @@ class OrbaxBackend:
             return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
-                 claims: ReadClaims | None, *, partial: bool = False,
+                 claims: DeferredChecks | None, *, partial: bool = False,
                  on_host: Callable[[str, Any], None] | None = None,
                  meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where

@@ -4,7 +4,7 @@ Owns: where each jax leaf goes (:class:`Shardings`; a typed key's data placed wi
 sharding), the restore arguments handed to Orbax, the scope of a partial read's deferred
 checks (``limit_claims``), the native reader (``read_native``: ``chunk_io`` reads the
 arrays in ``zarr_format``'s layout, checking the deferred checksums of the files as it
-reads them: ``store.ReadClaims``), and turning what was read into ``like``'s leaves
+reads them: ``store.DeferredChecks``), and turning what was read into ``like``'s leaves
 (``Unpacker``: packed leaves cut out of their packs as each pack arrives, arrays stored as
 bytes viewed as their dtype; ``to_like_leaves``: keys wrapped, numpy and Python scalars
 converted).
@@ -42,7 +42,7 @@ from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage.buffers import aligned_empty
 
 if TYPE_CHECKING:
-    from jaxckpt.commit.deferred_checks import ReadClaims
+    from jaxckpt.commit.deferred_checks import DeferredChecks
 
 __all__ = ["Shardings", "arrays_dir", "restore_args_for", "limit_claims", "restore_request",
            "read_native", "Unpacker", "to_like_leaves"]
@@ -131,7 +131,7 @@ def arrays_dir(root: epath.Path, directory: str) -> epath.Path:
     return found
 
 
-def limit_claims(claims: ReadClaims | None, directory: str, arrays: epath.Path | None,
+def limit_claims(claims: DeferredChecks | None, directory: str, arrays: epath.Path | None,
                  restore_args: dict[str, Any], *, partial: bool) -> None:
     """A partial read's scope: the deferred checks of ``directory`` are limited to the
     array directories it reads (``arrays`` / each name of ``restore_args``; none when
@@ -225,7 +225,7 @@ def _overlaps(chunk: tuple[slice, ...], part: tuple[slice, ...], shape: tuple[in
     return True
 
 
-def read_native(base: str, restore_args: dict[str, Any], claims: ReadClaims | None, *,
+def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks | None, *,
                 pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
                 on_host: Callable[[str, np.ndarray], None] | None = None,
                 meanwhile: Callable[[], None] | None = None,

@@ -8,7 +8,7 @@ read through the client's authorised HTTP session (``Client._http``), which expo
 
 Must not import: jax, orbax, torch. google-cloud-storage comes through ``GCSStorage``.
 
-Concurrency: as ``jaxckpt.storage.lease.Lease``; the GCS server decides between jobs.
+Concurrency: as ``jaxckpt.storage.lease.ObjectLease``; the GCS server decides between jobs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import email.utils
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
-from jaxckpt.storage.lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
+from jaxckpt.storage.lease import LeaseConflict, LeaseRequestUnsupported, LeaseState, ObjectLease
 
 if TYPE_CHECKING:
     from jaxckpt.storage.gcs.storage import GCSStorage
@@ -105,7 +105,7 @@ class _GCSLeaseObject:
             raise LeaseRequestUnsupported(self.url) from exc
 
 
-class GCSLease(Lease):
+class GCSLease(ObjectLease):
     """A root lease on GCS (held after ``acquire``); see ``jaxckpt.storage.lease``."""
 
     def __init__(self, storage: GCSStorage, name: str, *, lease_s: float, heartbeat_s: float):

@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxckpt.core.checksum import extend
 from jaxckpt.core.extras import requires_extra
-from jaxckpt.storage.base import ReadHolds, RootLease, Storage, object_name
+from jaxckpt.storage.base import ReadHolds, RootLock, Storage, object_name
 
 __all__ = ["GCSStorage", "Tries", "gcs_client", "is_transient", "split_gs_url"]
 
@@ -389,7 +389,7 @@ class GCSStorage(Storage):
         """Nothing to do: a GCS upload is durable when it returns."""
 
     # --- concurrency ---------------------------------------------------------------------
-    def lock_root(self, root: str) -> RootLease:
+    def lock_root(self, root: str) -> RootLock:
         from jaxckpt.storage.gcs.lease import GCSLease
 
         lease = GCSLease(self, self.name(root.rstrip("/") + "/.lock"),

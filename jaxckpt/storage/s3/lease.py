@@ -1,6 +1,6 @@
 """The root lock on S3: the lease protocol of ``storage.lease`` over S3's conditional requests.
 
-Owns: ``S3Lease``, a ``storage.lease.Lease`` whose object is ``{root}/.lock`` in the storage's
+Owns: ``S3Lease``, a ``storage.lease.ObjectLease`` whose object is ``{root}/.lock`` in the storage's
 bucket. Taking it is a PUT with ``If-None-Match: *``; a takeover, a renewal and the release
 are a PUT or DELETE with ``If-Match`` on the ETag last seen (a server that answers the
 conditional DELETE 501, as LocalStack does, gets the release as a conditional PUT instead:
@@ -10,7 +10,7 @@ server's clock (the GET's ``Date``) minus its ``Last-Modified``. A 412 (conditio
 
 Must not import: jax, orbax, torch.
 
-Concurrency contract: as ``jaxckpt.storage.lease.Lease``; the S3 server decides between jobs.
+Concurrency contract: as ``jaxckpt.storage.lease.ObjectLease``; the S3 server decides between jobs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import email.utils
 from typing import TYPE_CHECKING
 
-from jaxckpt.storage.lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
+from jaxckpt.storage.lease import LeaseConflict, LeaseRequestUnsupported, LeaseState, ObjectLease
 from jaxckpt.storage.s3.storage import is_not_found, is_precondition_failed
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _not_implemented(exc: Exception) -> bool:
         response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501
 
 
-class S3Lease(Lease):
+class S3Lease(ObjectLease):
     """A root lease on S3 (held after ``acquire``); see ``jaxckpt.storage.lease``."""
 
     def __init__(self, storage: S3Storage, key: str, *, lease_s: float, heartbeat_s: float):

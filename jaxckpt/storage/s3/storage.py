@@ -31,7 +31,7 @@ from typing import Any
 
 from jaxckpt.core.checksum import extend
 from jaxckpt.errors import CheckpointWarning, ObjectStoreError
-from jaxckpt.storage.base import ObjectWriter, ReadHolds, RootLease, Storage, object_name
+from jaxckpt.storage.base import ObjectWriter, ReadHolds, RootLock, Storage, object_name
 from jaxckpt.storage.readers import JoinedReader
 
 __all__ = ["S3Storage", "s3_client", "split_s3_url"]
@@ -598,7 +598,7 @@ class S3Storage(Storage):
         """Nothing to do: an S3 PUT is durable when it returns."""
 
     # --- concurrency ---------------------------------------------------------------------
-    def lock_root(self, root: str) -> RootLease:
+    def lock_root(self, root: str) -> RootLock:
         from jaxckpt.storage.s3.lease import S3Lease
 
         lease = S3Lease(self, self.key(root.rstrip("/") + "/.lock"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.commit.prefetch import ReadAhead
 from jaxckpt.core.checksum import default_algorithm, extend
 
@@ -94,9 +94,9 @@ def test_claims_hand_over_what_was_fetched_ahead_under_the_claimed_name():
     storage = _PiecesStorage({"s3://b/run/step/state/d": data})
     ahead = ReadAhead(storage)
     ahead.start([("s3://b/run/step/state/d", _entry(data))])
-    claims = ReadClaims(ahead)
+    claims = DeferredChecks(ahead)
     claims.offer("s3://b/run/step", [("state/d", _entry(data))])
     assert claims.claim("s3://b/run/step/state/d") == (ALGORITHM, _entry(data)[ALGORITHM])
     view, crc = claims.fetched("s3://b/run/step/state/d")
     assert bytes(view) == data and crc == _entry(data)[ALGORITHM]
-    assert ReadClaims().fetched("s3://b/run/step/state/d") is None
+    assert DeferredChecks().fetched("s3://b/run/step/state/d") is None

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from jaxckpt import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
-from jaxckpt.commit.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER, CheckpointStore, RootLock
+from jaxckpt.commit.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER, CheckpointStore, FlockLock
 
 
 def make_step(store, step, *, commit=True, payload=b"x" * 1000):
@@ -397,9 +397,9 @@ def test_quarantine_moves_aside_instead_of_deleting(store):
 
 
 def test_root_lock_excludes_a_second_job_and_names_the_holder(tmp_path):
-    first = RootLock(str(tmp_path))
+    first = FlockLock(str(tmp_path))
     first.acquire()
-    second = RootLock(str(tmp_path))
+    second = FlockLock(str(tmp_path))
     with pytest.raises(RootLockedError, match=f"in use by another running job.*{os.getpid()}"):
         second.acquire()
     first.release()
@@ -408,17 +408,17 @@ def test_root_lock_excludes_a_second_job_and_names_the_holder(tmp_path):
 
 
 def test_root_lock_is_released_when_the_holder_is_killed(tmp_path):
-    code = (f"from jaxckpt.storage.posix import RootLock; l = RootLock({str(tmp_path)!r}); "
+    code = (f"from jaxckpt.storage.posix import FlockLock; l = FlockLock({str(tmp_path)!r}); "
             "l.acquire(); print('locked', flush=True); import time; time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(RootLockedError):
-            RootLock(str(tmp_path)).acquire()
+            FlockLock(str(tmp_path)).acquire()
     finally:
         proc.kill()
         proc.wait(timeout=30)
-    lock = RootLock(str(tmp_path))
+    lock = FlockLock(str(tmp_path))
     lock.acquire()  # SIGKILL released it: no stale lock
     lock.release()
 

@@ -32,7 +32,7 @@ from jaxckpt.manager.export import Exporter
 from jaxckpt.manager.preemption import Preemption
 from jaxckpt.manager.reports import SaveReport
 from jaxckpt.manager.root import prepare_root
-from jaxckpt.manager.save import RecoverySaver
+from jaxckpt.manager.save import Saver
 
 
 def pipeline(**kwargs):
@@ -295,7 +295,7 @@ def test_recovery_retention_keeps_the_newest_and_any_checkpoint_being_read(tmp_p
         commit_step(ctx.store, step)
     ctx.reading.add(1)  # being restored right now
     jobs = pipeline()
-    saver = RecoverySaver(ctx, jobs, mode="sync", item_cadences={}, export_record=None)
+    saver = Saver(ctx, jobs, mode="sync", item_cadences={}, export_record=None)
     saver.apply_retention()
     jobs.shutdown()
     assert ctx.store.committed_steps() == [1, 3]

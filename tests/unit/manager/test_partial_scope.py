@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from jaxckpt.backends.base import BackendFeatures, SingleProcess
-from jaxckpt.commit.deferred_checks import ReadClaims
+from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.commit.verification import plan
 from jaxckpt.config import RecoverConfig
 from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
@@ -46,7 +46,7 @@ def entry(size=10):
 def test_limit_withdraws_only_the_files_outside_the_scope_of_the_directory_read(tmp_path):
     step = os.path.join(tmp_path, "step_1")
     item = os.path.join(tmp_path, "items", "ref", "v1")
-    claims = ReadClaims()
+    claims = DeferredChecks()
     claims.offer(step, [("state/arrays/model_w/c/0", entry()),
                         ("state/arrays/opt_mu/c/0", entry()),
                         ("state/arrays/opt_nu/c/0", entry())])
@@ -60,7 +60,7 @@ def test_limit_withdraws_only_the_files_outside_the_scope_of_the_directory_read(
 
 def test_limit_to_nothing_leaves_nothing_of_that_directory_to_check(tmp_path):
     step = os.path.join(tmp_path, "step_1")
-    claims = ReadClaims()
+    claims = DeferredChecks()
     claims.offer(step, [("state/arrays/a/c/0", entry()), ("state/arrays/ab/c/0", entry())])
     claims.limit(os.path.join(step, "state"), [os.path.join(step, "state", "arrays", "a")])
     claims.close()

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from jaxckpt import RootLockedError
-from jaxckpt.storage.lease import Lease, LeaseConflict, LeaseRequestUnsupported, LeaseState
+from jaxckpt.storage.lease import LeaseConflict, LeaseRequestUnsupported, LeaseState, ObjectLease
 from jaxckpt.storage.lease_holder import holder_status, this_process
 
 LEASE_S, HEARTBEAT_S = 0.8, 0.2
@@ -72,8 +72,8 @@ class MemoryLeaseObject:
         return json.loads(self.body)
 
 
-def lease(lease_object) -> Lease:
-    return Lease(lease_object, lease_s=LEASE_S, heartbeat_s=HEARTBEAT_S)
+def lease(lease_object) -> ObjectLease:
+    return ObjectLease(lease_object, lease_s=LEASE_S, heartbeat_s=HEARTBEAT_S)
 
 
 def plant(lease_object, **record) -> None:
@@ -264,7 +264,7 @@ def test_a_lease_renewed_by_its_heartbeat_keeps_a_taker_elsewhere_out(monkeypatc
     # The holder's records (its renewals too) name another host; the taker judges them with
     # lease_holder's view of this process, which the patch leaves alone.
     monkeypatch.setattr("jaxckpt.storage.lease.this_process", lambda: elsewhere)
-    holder = Lease(lease_object, lease_s=30.0, heartbeat_s=HEARTBEAT_S)
+    holder = ObjectLease(lease_object, lease_s=30.0, heartbeat_s=HEARTBEAT_S)
     holder.acquire()
     try:
         with pytest.raises(RootLockedError, match="pid 4242.*renewed while this job waited"):
