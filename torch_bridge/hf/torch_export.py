@@ -100,6 +100,22 @@ def _config_object(config: Any) -> Any:
                       f"{type(config).__name__}.")
 
 
+def _meta_model(config: Any) -> Any:
+    """The transformers model ``config.architectures`` names, built on the meta device (no
+    memory): what save_pretrained would consult for tied weights and generation config."""
+    import torch
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, names[0], None) if names else None
+    if model_class is None:
+        raise ConfigError(
+            f"config= names architectures={names!r}; set it to the transformers class of "
+            f"the model (e.g. ['LlamaForCausalLM']) so the export knows its tied weights.")
+    with torch.device("meta"):
+        return model_class(copy.deepcopy(config))
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -124,19 +140,10 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     cast = _torch_dtype(dtype)
     model = _unwrap(value) if isinstance(value, torch.nn.Module) else None
     if model is not None and callable(getattr(model, "save_pretrained", None)):
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
+        reference = model
         state = model.state_dict()
-        for ignore in getattr(model, "_keys_to_ignore_on_save", None) or ():
-            state.pop(ignore, None)
-        state = remove_tied_weights_from_state_dict(state, model)
-        state = revert_weight_conversion(model, state)
         hf_config = copy.deepcopy(model.config) if config is None else _config_object(config)
-        hf_config.dtype = _dtype_name(cast if cast is not None else model.dtype)
-        hf_config.architectures = [type(model).__name__.removeprefix("FSDP")]
-        generation = (model.generation_config if model.can_generate() else None)
-        total_parameters = int(model.num_parameters())
+        model_dtype = model.dtype
     else:
         if model is not None:
             state = model.state_dict()
@@ -152,23 +159,22 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
                 "a torch state dict (or a module that is not a transformers PreTrainedModel) "
                 "needs config=: pass the model's transformers PretrainedConfig or its dict.")
         hf_config = _config_object(config)
+        reference = _meta_model(hf_config)
         floating = [t for t in state.values() if t.is_floating_point()]
-        hf_config.dtype = _dtype_name(cast if cast is not None else
-                                      (floating[0].dtype if floating else torch.float32))
-        if not getattr(hf_config, "architectures", None):
-            raise ConfigError("config= has no 'architectures' (e.g. ['LlamaForCausalLM']); set "
-                              "it so transformers knows the model class.")
-        seen: set[int] = set()
-        total_parameters = 0
-        for tensor in state.values():
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                total_parameters += tensor.numel()
-        from transformers import GenerationConfig
+        model_dtype = floating[0].dtype if floating else torch.float32
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-        generation = GenerationConfig.from_model_config(hf_config)
-        if not generation.to_diff_dict():
-            generation = None
+    # As save_pretrained: ignored keys out, tied aliases dropped (the kept name is the one
+    # transformers expects), weight conversions reverted to the checkpoint layout.
+    for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
+        state.pop(ignore, None)
+    state = remove_tied_weights_from_state_dict(state, reference)
+    state = revert_weight_conversion(reference, state)
+    hf_config.dtype = _dtype_name(cast if cast is not None else model_dtype)
+    hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
+    generation = reference.generation_config if reference.can_generate() else None
+    total_parameters = int(reference.num_parameters())
     if any(hasattr(t, "full_tensor") for t in state.values()):
         raise ConfigError("FSDP2 (DTensor) parameters are not exported yet; export from a "
                           "model whose parameters are plain tensors.")
