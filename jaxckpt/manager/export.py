@@ -1,8 +1,9 @@
 """Exports: model-only copies of the state written by the user's exporter, and their retention.
 
-Owns: ``Exporter``: one export (a host copy where needed, ``exporter(state, tmp_dir)``, then
-the move to ``export/epoch{E}epochstep{S}globalstep{G}``), their retention (``keep_last_n``
-of ``ExportConfig``), and ``export_record``, what ``driver.json`` says of the exporter.
+Owns: ``Exporter``: one export (a host copy where needed, by ``exporter.stage`` when the
+exporter has one, ``exporter(state, tmp_dir)``, then the move to
+``export/epoch{E}epochstep{S}globalstep{G}``), their retention (``keep_last_n`` of
+``ExportConfig``), and ``export_record``, what ``driver.json`` says of the exporter.
 
 Must not import: jax, orbax, torch, or the restore and save parts; the thread and the error
 propagation are the ``SavePipeline``'s.
@@ -60,12 +61,18 @@ class Exporter:
         # joins), since only the primary writes the export.
         needs_copy = (report.mode == "async" or ctx.process_count > 1
                       or ctx.backend.features.export_needs_copy)
-        source = ctx.backend.host_copy(state) if needs_copy else state
-        report.blocking_s = time.perf_counter() - start
-        ctx.last["export"] = report
-
         exporter = config.exporter
         assert exporter is not None  # ExportConfig refuses None
+        # An exporter with its own ``stage(state, copy=...)`` (torch_bridge's HF exporter of
+        # torch models) makes the copy itself: it keeps what the write needs besides the
+        # tensors (the model's config) and drops what it does not (optimizers).
+        stage = getattr(exporter, "stage", None)
+        if callable(stage):
+            source = stage(state, copy=needs_copy)
+        else:
+            source = ctx.backend.host_copy(state) if needs_copy else state
+        report.blocking_s = time.perf_counter() - start
+        ctx.last["export"] = report
 
         def finish() -> None:
             if not ctx.primary:

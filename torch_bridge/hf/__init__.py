@@ -1,8 +1,10 @@
-"""The Hugging Face bridge: Flax param trees <-> torch-layout safetensors that transformers loads.
+"""The Hugging Face bridge: Flax param trees <-> torch-layout safetensors that transformers loads,
+and torch models written as their ``save_pretrained`` writes them.
 
 Owns, one module each: the architecture tables (``architectures``), the engine that reads them
 (``mapping``), safetensors files (``safetensors_io``), writing a model directory (``export``:
-``export_hf``, ``hf_exporter``), reading one (``load``: ``load_hf``), the text of config.json
+``export_hf``, ``hf_exporter``; ``torch_export`` for torch models, with no table), reading
+one (``load``: ``load_hf``), the text of config.json
 (``config_files``) and picking the params out of a training state (``params``). The Flax
 layout the tables map is that of the reference models in ``jaxckpt.llm``.
 
@@ -46,6 +48,7 @@ from .safetensors_io import (
     SINGLE_FILE as SINGLE_FILE,
     Progress as Progress,
 )
+from .torch_export import TorchHFExporter as TorchHFExporter
 
 __all__ = [
     "HFTensor",

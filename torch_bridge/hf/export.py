@@ -49,6 +49,7 @@ from .safetensors_io import (
     resolve_dtype,
     write_safetensors,
 )
+from .torch_export import TorchHFExporter, is_torch_value, stage_torch, write_staged
 
 __all__ = ["ExportExistsError", "export_hf", "HFExporter", "hf_exporter", "ParamsOf",
            "EXPORTER_RECORD_FORMAT", "PROVENANCE_FILE", "DEFAULT_MAX_SHARD_BYTES"]
@@ -297,26 +298,34 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
     return written
 
 
-def export_hf(params: Any, out_dir: str | os.PathLike[str], *, arch: str | Architecture,
-              config: Any, dtype: Any = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+def export_hf(params: Any, out_dir: str | os.PathLike[str], *,
+              arch: str | Architecture | None = None, config: Any = None, dtype: Any = None,
+              max_shard_bytes: int | None = None,
               tokenizer_dir: Any = None, generation_config: Any = None,
               provenance: Mapping[str, Any] | None = None, overwrite: bool = False,
               progress: Progress | None = None) -> int:
-    """Write Flax params as a Hugging Face model directory that
+    """Write Flax params or a PyTorch model as a Hugging Face model directory that
     ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads; return bytes written.
 
     Args:
       params: the Flax param tree (nested dicts/lists with jax or numpy leaves, an
         ``nnx.State`` or an ``nnx.Module``), laid out as ``jaxckpt.llm``'s models; decoder
-        layers one per index or stacked on a leading axis.
+        layers one per index or stacked on a leading axis. Or a torch value: a
+        ``transformers.PreTrainedModel`` of any architecture (bare, DDP- or
+        ``torch.compile``-wrapped; ``arch`` not needed, ``config`` read from the model) or
+        a torch state dict with ``config``; written as ``save_pretrained`` writes it
+        (tokenizer_dir is the Flax path's only).
       out_dir: the model directory; written under a temporary sibling name and renamed into
         place at the end, so it appears complete or not at all.
-      arch: a name in ``ARCHITECTURES`` ("llama", "qwen2", "gpt2") or an ``Architecture``.
+      arch: a name in ``ARCHITECTURES`` ("llama", "qwen2", "gpt2") or an ``Architecture``
+        (Flax params only; required there).
       config: the transformers config (object or dict) of the model; written as config.json
-        with ``architectures``, ``model_type``, ``dtype`` set.
+        with ``architectures``, ``model_type``, ``dtype`` set. Required for Flax params and
+        torch state dicts; a torch model's own config is used when None.
       dtype: cast every tensor (e.g. "bfloat16"); None keeps the params' dtypes.
       max_shard_bytes: above this, tensors go to ``model-0000k-of-0000N.safetensors`` files
-        with ``model.safetensors.index.json``.
+        with ``model.safetensors.index.json``; None: 5 GiB for Flax params, and for a torch
+        model ``save_pretrained``'s default (50 GB), split by its rule.
       tokenizer_dir: a directory with tokenizer files (copied) or a tokenizer object.
       generation_config: a ``GenerationConfig``, its dict, or a path to its json.
       provenance: facts to record in ``jaxckpt_provenance.json`` under "source" (e.g.
@@ -328,7 +337,43 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *, arch: str | Archi
     and mis-shaped param before anything is written; ``ExportExistsError`` when ``out_dir``
     exists and is not empty (and ``overwrite`` is False).
     """
-    out_dir = os.path.abspath(os.fspath(out_dir))
+    if is_torch_value(params):
+        if arch is not None:
+            raise ConfigError("export_hf of a torch model takes no arch= (the tensor names are "
+                              "the model's own); drop it.")
+        if tokenizer_dir is not None:
+            raise ConfigError("export_hf of a torch model takes no tokenizer_dir=; save the "
+                              "tokenizer with tokenizer.save_pretrained(out_dir) afterwards.")
+        staged = stage_torch(params, config=config, dtype=dtype,
+                             generation_config=generation_config)
+        limit = TorchHFExporter(max_shard_bytes=max_shard_bytes).max_shard_bytes  # checked
+        assert limit is not None
+
+        def write(directory: str) -> int:
+            return write_staged(staged, directory, max_shard_bytes=limit,
+                                provenance=provenance, progress=progress)
+    else:
+        if arch is None or config is None:
+            raise ConfigError(
+                "export_hf of Flax params needs arch= (one of "
+                f"{sorted(ARCHITECTURES)}) and config= (the model's transformers config). "
+                "A torch model (a transformers PreTrainedModel) needs neither.")
+
+        def write(directory: str) -> int:
+            assert arch is not None
+            return _write_export(params, directory, arch=arch, config=config, dtype=dtype,
+                                 max_shard_bytes=(DEFAULT_MAX_SHARD_BYTES if max_shard_bytes
+                                                  is None else max_shard_bytes),
+                                 tokenizer_dir=tokenizer_dir,
+                                 generation_config=generation_config, provenance=provenance,
+                                 progress=progress)
+    return _publish(os.fspath(out_dir), overwrite, write)
+
+
+def _publish(out_dir: str, overwrite: bool, write: Callable[[str], int]) -> int:
+    """Run ``write(tmp)`` in a temporary sibling of ``out_dir``, fsync it and rename it into
+    place, so ``out_dir`` appears complete or not at all."""
+    out_dir = os.path.abspath(out_dir)
     if os.path.lexists(out_dir) and not overwrite:
         if not os.path.isdir(out_dir) or os.listdir(out_dir):
             raise ExportExistsError(
@@ -340,10 +385,8 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *, arch: str | Archi
     tmp = os.path.join(parent, f".{base}.tmp-{tag}")
     os.mkdir(tmp)
     try:
-        written = _write_export(params, tmp, arch=arch, config=config, dtype=dtype,
-                                max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
-                                generation_config=generation_config, provenance=provenance,
-                                progress=progress)
+        written = write(tmp)
+        fsync_dir(tmp)
         old = None
         if os.path.lexists(out_dir):
             old = os.path.join(parent, f".{base}.old-{tag}")
@@ -431,6 +474,12 @@ class HFExporter:
                               "callable" if self.params_of is not None else "state")}
 
     def __call__(self, state: Any, out_dir: str) -> int:
+        if is_torch_value(pick_params(state, self.params_of)):
+            raise ConfigError(
+                f"hf_exporter(arch={resolve_architecture(self.arch).name!r}, ...) maps Flax "
+                f"params; the state holds a torch model (or its state dict). Fix: drop arch= "
+                f"(and config=, which a transformers model carries): "
+                f"hf_exporter(params_of={self.params_of!r}).")
         if self.params_of is None:
             table = resolve_architecture(self.arch)
             anchor = next(row.parts[0] for row in table.tensors if not row.per_layer)
@@ -445,27 +494,43 @@ class HFExporter:
                              provenance=self.provenance, progress=None)
 
 
-def hf_exporter(*, arch: str | Architecture, config: Any, dtype: Any = None,
-                params_of: ParamsOf | None = None,
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_dir: Any = None,
+def hf_exporter(*, arch: str | Architecture | None = None, config: Any = None,
+                dtype: Any = None, params_of: ParamsOf | None = None,
+                max_shard_bytes: int | None = None, tokenizer_dir: Any = None,
                 generation_config: Any = None,
-                provenance: Mapping[str, Any] | None = None) -> HFExporter:
+                provenance: Mapping[str, Any] | None = None) -> HFExporter | TorchHFExporter:
     """An exporter for ``jaxckpt.ExportConfig(exporter=...)`` writing HF directories; see
-    :class:`HFExporter`. Configuration errors raise now, not at the first export.
+    :class:`HFExporter` (Flax params, ``arch`` given) and ``TorchHFExporter`` (no ``arch``:
+    the value at ``params_of`` is a transformers PreTrainedModel, bare, DDP- or
+    ``torch.compile``-wrapped, or a torch state dict with ``config``; written as
+    ``save_pretrained`` writes it, from a host copy staged on the training thread).
+    Configuration errors raise now, not at the first export.
 
     Args:
-      arch: a name in ``ARCHITECTURES`` ("llama", "qwen2", "gpt2") or an ``Architecture``.
-      config: the transformers config (object or dict) of the exported model.
+      arch: a name in ``ARCHITECTURES`` ("llama", "qwen2", "gpt2") or an ``Architecture``;
+        None for a torch model.
+      config: the transformers config (object or dict) of the exported model; for a torch
+        PreTrainedModel None reads the model's own.
       dtype: cast every tensor (e.g. "bfloat16"); None keeps the params' dtypes.
       params_of: where the model params are in the training state: a '/'-separated tree
         path (``"model/params"``) or ``lambda state: ...``; None: the state is the params.
-      max_shard_bytes: shard size limit.
+      max_shard_bytes: shard size limit; None: 5 GiB for Flax params, and for a torch model
+        ``save_pretrained``'s default (50 GB).
       tokenizer_dir: tokenizer files (or a tokenizer object) copied into every export.
       generation_config: generation_config.json of every export; None writes the one
         transformers derives from ``config``.
       provenance: extra facts for ``jaxckpt_provenance.json``; the epoch and steps are read
         from the export's name.
     """
+    if arch is None:
+        if tokenizer_dir is not None:
+            raise ConfigError("hf_exporter for a torch model (no arch=) takes no "
+                              "tokenizer_dir=; it is the Flax path's only.")
+        return TorchHFExporter(params_of=params_of, config=config, dtype=dtype,
+                               max_shard_bytes=max_shard_bytes,
+                               generation_config=generation_config, provenance=provenance)
     return HFExporter(arch=arch, config=config, dtype=dtype, params_of=params_of,
-                      max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
+                      max_shard_bytes=(DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None
+                                       else max_shard_bytes),
+                      tokenizer_dir=tokenizer_dir,
                       generation_config=generation_config, provenance=provenance)

@@ -1,0 +1,328 @@
+"""Writing a Hugging Face model directory from a PyTorch model, as ``save_pretrained`` does.
+
+Owns: recognising a torch value (a ``transformers.PreTrainedModel``, bare or wrapped by DDP or
+``torch.compile``, or a state dict with ``config=``); staging it (``stage_torch``: tied
+weights dropped by transformers' own rule, tensors detached and copied to the CPU, config.json
+and generation_config.json text fixed at that moment) on the caller's thread; and writing the
+staged copy (``write_staged``): shards split by huggingface_hub's rule, the index, the
+config files. ``TorchHFExporter`` is the manager's exporter; its ``stage`` runs on the
+training thread and its call (the write) may run on the background thread.
+
+Must not import jax; torch, transformers and huggingface_hub are imported only when a torch
+value is staged or written, never at import time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxckpt import __version__
+from jaxckpt.errors import ConfigError
+
+from .config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, _given_generation_config
+from .params import resolve_params_path
+from .safetensors_io import INDEX_FILE, Planned, Progress, resolve_dtype, write_safetensors
+
+#: ``save_pretrained``'s default ``max_shard_size`` ("50GB").
+SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
+
+__all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "is_torch_value", "StagedModel", "stage_torch",
+           "write_staged", "TorchHFExporter"]
+
+
+def _is_torch_object(value: Any) -> bool:
+    return any(cls.__module__.split(".")[0] == "torch" for cls in type(value).__mro__)
+
+
+def is_torch_value(value: Any) -> bool:
+    """Whether ``value`` is a torch module or a state dict of torch tensors (no torch import:
+    a torch value exists only where the caller imported torch)."""
+    if _is_torch_object(value):
+        return True
+    return (isinstance(value, Mapping) and bool(value)
+            and all(_is_torch_object(v) for v in value.values()))
+
+
+def _unwrap(module: Any) -> Any:
+    """The model inside DDP / DataParallel / ``torch.compile`` wrappers (any nesting)."""
+    import torch
+
+    while True:
+        if isinstance(module, (torch.nn.parallel.DistributedDataParallel,
+                               torch.nn.DataParallel)):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+            module = module._orig_mod  # torch.compile's OptimizedModule
+        else:
+            return module
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StagedModel:
+    """A host copy of one model, ready to write: nothing in it changes when training goes on."""
+
+    tensors: dict[str, Any]
+    """HF tensor name -> CPU torch tensor (tied aliases already dropped), in the model's order."""
+    config_text: str
+    """config.json, as ``config.save_pretrained`` writes it (``dtype`` and ``architectures``
+    set)."""
+    generation_text: str | None
+    """generation_config.json, or None when the model does not generate."""
+    dtype: Any
+    """The torch dtype every floating tensor is cast to when written; None keeps each."""
+    total_parameters: int
+    """The model's parameter count (the index's ``total_parameters``)."""
+    architectures: tuple[str, ...]
+    """config.json's ``architectures`` (the model's class), for the provenance record."""
+
+
+def _config_object(config: Any) -> Any:
+    """A transformers config from a PretrainedConfig or its dict (deep-copied)."""
+    if isinstance(config, Mapping):
+        from transformers import AutoConfig
+
+        body = dict(config)
+        model_type = body.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("config= dict has no 'model_type'; pass the model's "
+                              "PretrainedConfig or its to_dict().")
+        return AutoConfig.for_model(model_type, **body)
+    if callable(getattr(config, "to_json_string", None)):
+        return copy.deepcopy(config)
+    raise ConfigError(f"config must be a transformers PretrainedConfig or its dict, got "
+                      f"{type(config).__name__}.")
+
+
+def _meta_model(config: Any) -> Any:
+    """The transformers model ``config.architectures`` names, built on the meta device (no
+    memory): what save_pretrained would consult for tied weights and generation config."""
+    import torch
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, names[0], None) if names else None
+    if model_class is None:
+        raise ConfigError(
+            f"config= names architectures={names!r}; set it to the transformers class of "
+            f"the model (e.g. ['LlamaForCausalLM']) so the export knows its tied weights.")
+    with torch.device("meta"):
+        return model_class(copy.deepcopy(config))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    resolved = resolve_dtype(dtype)
+    return None if resolved is None else getattr(torch, resolved.name)
+
+
+def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
+                generation_config: Any = None, copy_tensors: bool = True) -> StagedModel:
+    """Stage a torch model (or a state dict with ``config``) for writing.
+
+    On the caller's thread: tied weights are dropped as ``save_pretrained`` drops them, and
+    with ``copy_tensors`` every tensor is detached and copied to the CPU (a fresh copy, so
+    the model may change right after). Raises ``ConfigError`` for a value that is not a torch
+    model or state dict, a state dict without ``config``, and FSDP2-sharded tensors."""
+    import torch
+
+    cast = _torch_dtype(dtype)
+    model = _unwrap(value) if isinstance(value, torch.nn.Module) else None
+    if model is not None and callable(getattr(model, "save_pretrained", None)):
+        reference = model
+        state = model.state_dict()
+        hf_config = copy.deepcopy(model.config) if config is None else _config_object(config)
+        model_dtype = model.dtype
+    else:
+        if model is not None:
+            state = model.state_dict()
+        elif isinstance(value, Mapping) and is_torch_value(value):
+            state = dict(value)
+        else:
+            raise ConfigError(
+                f"export of a {type(value).__module__}.{type(value).__qualname__}: expected a "
+                f"transformers PreTrainedModel (bare, DDP- or torch.compile-wrapped) or a torch "
+                f"state dict with config=. For Flax params pass arch= and config=.")
+        if config is None:
+            raise ConfigError(
+                "a torch state dict (or a module that is not a transformers PreTrainedModel) "
+                "needs config=: pass the model's transformers PretrainedConfig or its dict.")
+        hf_config = _config_object(config)
+        reference = _meta_model(hf_config)
+        floating = [t for t in state.values() if t.is_floating_point()]
+        model_dtype = floating[0].dtype if floating else torch.float32
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    # As save_pretrained: ignored keys out, tied aliases dropped (the kept name is the one
+    # transformers expects), weight conversions reverted to the checkpoint layout.
+    for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
+        state.pop(ignore, None)
+    state = remove_tied_weights_from_state_dict(state, reference)
+    state = revert_weight_conversion(reference, state)
+    hf_config.dtype = _dtype_name(cast if cast is not None else model_dtype)
+    hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
+    generation = reference.generation_config if reference.can_generate() else None
+    total_parameters = int(reference.num_parameters())
+    if any(hasattr(t, "full_tensor") for t in state.values()):
+        raise ConfigError("FSDP2 (DTensor) parameters are not exported yet; export from a "
+                          "model whose parameters are plain tensors.")
+    if copy_tensors:
+        state = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
+    else:
+        state = {name: t.detach() for name, t in state.items()}
+    if hasattr(hf_config, "validate"):
+        hf_config.validate()
+    generation_text = (None if generation is None and generation_config is None else
+                       _given_generation_config(generation_config if generation_config is not None
+                                                else generation))
+    return StagedModel(tensors=state, config_text=hf_config.to_json_string(use_diff=True),
+                       generation_text=generation_text, dtype=cast,
+                       total_parameters=total_parameters,
+                       architectures=tuple(hf_config.architectures))
+
+
+def _as_numpy(tensor: Any) -> np.ndarray:
+    """A zero-copy numpy view of a contiguous CPU tensor (bfloat16 and float8 through
+    ml_dtypes, which numpy lacks)."""
+    import ml_dtypes
+    import torch
+
+    tensor = tensor.contiguous()
+    special = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+               torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+               torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2)}
+    if tensor.dtype in special:
+        raw, np_dtype = special[tensor.dtype]
+        return tensor.view(raw).numpy().view(np_dtype)
+    return tensor.numpy()
+
+
+def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
+                 provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
+    """Write ``staged`` into the existing, empty ``directory``; return the bytes written."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    from .export import PROVENANCE_FILE, PROVENANCE_FORMAT, _step_of, _write_json, _write_text
+
+    def out_dtype(tensor: Any) -> Any:
+        return staged.dtype if staged.dtype is not None and tensor.is_floating_point() \
+            else tensor.dtype
+
+    def nbytes(tensor: Any) -> int:
+        return int(tensor.numel()) * out_dtype(tensor).itemsize
+
+    split = split_state_dict_into_shards_factory(
+        staged.tensors, get_storage_size=nbytes, get_storage_id=lambda _: None,
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes)
+    total = sum(nbytes(t) for t in staged.tensors.values())
+    done = 0
+    written = 0
+    for name, tensor_names in split.filename_to_tensors.items():
+        planned = []
+        for key in tensor_names:
+            tensor = staged.tensors[key]
+            array = _as_numpy(tensor)
+            target = _as_numpy(tensor.new_empty(0, dtype=out_dtype(tensor))).dtype
+            planned.append(Planned(hf=key, shape=tuple(array.shape), dtype=target,
+                                   sources=((array, None),), transpose=False, fuse_axis=0))
+
+        def on_tensor(item: Planned) -> None:
+            nonlocal done
+            done += item.nbytes
+            if progress is not None:
+                progress(done, total)
+
+        written += write_safetensors(os.path.join(directory, name), planned, on_tensor)
+    files = list(split.filename_to_tensors)
+    if split.is_sharded:
+        written += _write_json(os.path.join(directory, INDEX_FILE), {
+            "metadata": {"total_parameters": staged.total_parameters, **split.metadata},
+            "weight_map": split.tensor_to_filename})
+        files.append(INDEX_FILE)
+    written += _write_text(os.path.join(directory, CONFIG_FILE), staged.config_text)
+    files.append(CONFIG_FILE)
+    if staged.generation_text is not None:
+        written += _write_text(os.path.join(directory, GENERATION_CONFIG_FILE),
+                               staged.generation_text)
+        files.append(GENERATION_CONFIG_FILE)
+    dtypes = sorted({_dtype_name(out_dtype(t)) for t in staged.tensors.values()})
+    written += _write_json(os.path.join(directory, PROVENANCE_FILE), {
+        "format": PROVENANCE_FORMAT,
+        "jaxckpt_version": __version__,
+        "framework": "torch",
+        "arch": None,
+        "architectures": list(staged.architectures),
+        "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "tensors": len(staged.tensors),
+        "tensor_bytes": total,
+        "files": files,
+        "created_unix": time.time(),
+        "source": {**_step_of(directory), **dict(provenance or {})},
+    })
+    return written
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TorchHFExporter:
+    """``ExportConfig(exporter=...)`` for PyTorch models: ``stage(state)`` on the training
+    thread (the host copy), then ``exporter(staged, out_dir) -> bytes`` (the write; on the
+    manager's background thread in async mode). Stateless: safe across threads. Made by
+    ``hf_exporter`` when it is given no ``arch``."""
+
+    params_of: str | Any = None
+    """Where the model is in the state: a '/'-separated tree path ("model") or a callable
+    ``state -> model``; None: the state is the model (or its state dict)."""
+    config: Any = None
+    """The transformers config, required for a plain state dict; None reads the model's."""
+    dtype: Any = None
+    """Cast floating tensors (e.g. "bfloat16"); None keeps the model's dtypes."""
+    max_shard_bytes: int | None = None
+    """Shard size limit, applied as ``save_pretrained(max_shard_size=...)`` applies it; None
+    is its default, 50 GB."""
+    generation_config: Any = None
+    """generation_config.json of every export; None writes the model's own."""
+    provenance: Mapping[str, Any] | None = None
+    """Extra provenance facts; the epoch and steps are read from the export's name."""
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        if self.max_shard_bytes is None:
+            object.__setattr__(self, "max_shard_bytes", SAVE_PRETRAINED_MAX_SHARD_BYTES)
+        if (isinstance(self.max_shard_bytes, bool) or not isinstance(self.max_shard_bytes, int)
+                or self.max_shard_bytes <= 0):
+            raise ConfigError(f"max_shard_bytes must be a positive int, got "
+                              f"{self.max_shard_bytes!r}.")
+        if not (self.params_of is None or isinstance(self.params_of, str)
+                or callable(self.params_of)):
+            raise ConfigError(f"params_of must be a tree path such as 'model' or a "
+                              f"callable(state) -> model, got {self.params_of!r}.")
+
+    def _pick(self, state: Any) -> Any:
+        if self.params_of is None:
+            return state
+        if isinstance(self.params_of, str):
+            return resolve_params_path(state, self.params_of)
+        return self.params_of(state)
+
+    def stage(self, state: Any, *, copy: bool = True) -> StagedModel:
+        """The host copy of the model in ``state`` (the training thread's only work)."""
+        return stage_torch(self._pick(state), config=self.config, dtype=self.dtype,
+                           generation_config=self.generation_config, copy_tensors=copy)
+
+    def __call__(self, state: Any, out_dir: str) -> int:
+        staged = state if isinstance(state, StagedModel) else self.stage(state)
+        assert self.max_shard_bytes is not None  # set in __post_init__
+        return write_staged(staged, os.fspath(out_dir), max_shard_bytes=self.max_shard_bytes,
+                            provenance=self.provenance, progress=None)
