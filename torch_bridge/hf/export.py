@@ -47,9 +47,16 @@ from .safetensors_io import (
     Planned,
     Progress,
     resolve_dtype,
+    shard_limit,
     write_safetensors,
 )
-from .torch_export import TorchHFExporter, is_torch_value, stage_torch, write_staged
+from .torch_export import (
+    SAVE_PRETRAINED_MAX_SHARD_BYTES,
+    TorchHFExporter,
+    is_torch_value,
+    stage_torch,
+    write_staged,
+)
 
 __all__ = ["ExportExistsError", "export_hf", "HFExporter", "hf_exporter", "ParamsOf",
            "EXPORTER_RECORD_FORMAT", "PROVENANCE_FILE", "DEFAULT_MAX_SHARD_BYTES"]
@@ -232,9 +239,7 @@ def _write_export(params: Any, directory: str, *, arch: str | Architecture, conf
                   provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
     """Write an HF model into the existing, empty ``directory``; return the bytes written."""
     table = resolve_architecture(arch)
-    if (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
-            or max_shard_bytes <= 0):
-        raise ConfigError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}.")
+    max_shard_bytes = shard_limit(max_shard_bytes, DEFAULT_MAX_SHARD_BYTES)
     cast = resolve_dtype(dtype)
     config_body = _config_dict(config)
     _check_model_type(config_body, table)
@@ -344,10 +349,9 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *,
         if tokenizer_dir is not None:
             raise ConfigError("export_hf of a torch model takes no tokenizer_dir=; save the "
                               "tokenizer with tokenizer.save_pretrained(out_dir) afterwards.")
+        limit = shard_limit(max_shard_bytes, SAVE_PRETRAINED_MAX_SHARD_BYTES)
         staged = stage_torch(params, config=config, dtype=dtype,
                              generation_config=generation_config)
-        limit = TorchHFExporter(max_shard_bytes=max_shard_bytes).max_shard_bytes  # checked
-        assert limit is not None
 
         def write(directory: str) -> int:
             return write_staged(staged, directory, max_shard_bytes=limit,

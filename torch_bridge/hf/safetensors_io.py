@@ -27,7 +27,7 @@ from jaxckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 with requires_extra("hf", "torch_bridge's Hugging Face bridge (export_hf, load_hf, hf_exporter)"):
     from safetensors import safe_open
 
-__all__ = ["SINGLE_FILE", "INDEX_FILE", "Progress", "resolve_dtype", "Planned",
+__all__ = ["SINGLE_FILE", "INDEX_FILE", "Progress", "resolve_dtype", "shard_limit", "Planned",
            "write_safetensors", "Stored", "scan_directory", "open_safetensors", "read_tensor"]
 
 SINGLE_FILE = "model.safetensors"
@@ -62,6 +62,14 @@ def resolve_dtype(dtype: Any) -> np.dtype | None:
     if resolved.kind != "f" and resolved != np.dtype(ml_dtypes.bfloat16):
         raise ConfigError(f"dtype must be a floating dtype, got {resolved}.")
     return resolved
+
+
+def shard_limit(max_shard_bytes: Any, default: int) -> int:
+    """A ``max_shard_bytes=`` argument checked (a positive int), or ``default`` for None."""
+    value = default if max_shard_bytes is None else max_shard_bytes
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"max_shard_bytes must be a positive int, got {value!r}.")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,8 +27,15 @@ from jaxckpt import __version__
 from jaxckpt.errors import ConfigError
 
 from .config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, _given_generation_config
-from .params import resolve_params_path
-from .safetensors_io import INDEX_FILE, Planned, Progress, resolve_dtype, write_safetensors
+from .params import pick_params
+from .safetensors_io import (
+    INDEX_FILE,
+    Planned,
+    Progress,
+    resolve_dtype,
+    shard_limit,
+    write_safetensors,
+)
 
 #: ``save_pretrained``'s default ``max_shard_size`` ("50GB").
 SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
@@ -162,6 +169,9 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
         reference = _meta_model(hf_config)
         floating = [t for t in state.values() if t.is_floating_point()]
         model_dtype = floating[0].dtype if floating else torch.float32
+    if any(hasattr(t, "full_tensor") for t in state.values()):
+        raise ConfigError("FSDP2 (DTensor) parameters are not exported yet; export from a "
+                          "model whose parameters are plain tensors.")
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -175,9 +185,6 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
     generation = reference.generation_config if reference.can_generate() else None
     total_parameters = int(reference.num_parameters())
-    if any(hasattr(t, "full_tensor") for t in state.values()):
-        raise ConfigError("FSDP2 (DTensor) parameters are not exported yet; export from a "
-                          "model whose parameters are plain tensors.")
     if copy_tensors:
         state = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
     else:
@@ -298,27 +305,16 @@ class TorchHFExporter:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
-        if self.max_shard_bytes is None:
-            object.__setattr__(self, "max_shard_bytes", SAVE_PRETRAINED_MAX_SHARD_BYTES)
-        if (isinstance(self.max_shard_bytes, bool) or not isinstance(self.max_shard_bytes, int)
-                or self.max_shard_bytes <= 0):
-            raise ConfigError(f"max_shard_bytes must be a positive int, got "
-                              f"{self.max_shard_bytes!r}.")
+        object.__setattr__(self, "max_shard_bytes",
+                           shard_limit(self.max_shard_bytes, SAVE_PRETRAINED_MAX_SHARD_BYTES))
         if not (self.params_of is None or isinstance(self.params_of, str)
                 or callable(self.params_of)):
             raise ConfigError(f"params_of must be a tree path such as 'model' or a "
                               f"callable(state) -> model, got {self.params_of!r}.")
 
-    def _pick(self, state: Any) -> Any:
-        if self.params_of is None:
-            return state
-        if isinstance(self.params_of, str):
-            return resolve_params_path(state, self.params_of)
-        return self.params_of(state)
-
     def stage(self, state: Any, *, copy: bool = True) -> StagedModel:
         """The host copy of the model in ``state`` (the training thread's only work)."""
-        return stage_torch(self._pick(state), config=self.config, dtype=self.dtype,
+        return stage_torch(pick_params(state, self.params_of), config=self.config, dtype=self.dtype,
                            generation_config=self.generation_config, copy_tensors=copy)
 
     def __call__(self, state: Any, out_dir: str) -> int:
