@@ -43,7 +43,7 @@ class BackendFeatures:
     cannot be thrown away: the manager verifies every checksum before reading instead of
     checking those of large data files while ``read`` runs (but see ``verifies_reads``)."""
     verifies_reads: bool = False
-    """``read`` uses its ``claims`` (a ``store.DeferredChecks``): it checks the deferred
+    """``read`` uses its ``claims`` (a ``deferred_checks.DeferredChecks``): it checks the deferred
     checksums of the files it reads whole as it reads them, so the manager's verifier skips
     those. False: the manager passes ``claims=None``. With ``reads_in_place`` as well, the
     backend promises more: it claims every offered file its read loads from, checks each

@@ -28,8 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from jaxckpt.commit import object_steps as store_objects
-from jaxckpt.commit.deferred_checks import DeferredChecks
-from jaxckpt.commit.ownership import foreign_entries
 from jaxckpt.core.checksum import default_algorithm
 from jaxckpt.core.layout import (
     COMMIT_MARKER,
@@ -62,7 +60,7 @@ from jaxckpt.core.manifest import (
 )
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 from jaxckpt.storage.base import RootLock, Storage
-from jaxckpt.storage.posix import FlockLock, PosixStorage
+from jaxckpt.storage.posix import PosixStorage
 
 __all__ = ["CheckpointStore", "Entry", "OnManifest", "Status", "write_file_soon"]
 
@@ -70,9 +68,6 @@ OnManifest = Callable[[str, Manifest], None]
 """Told (directory, manifest) as soon as a committed checkpoint's manifest is read, before
 the rest of it is verified (a restore starts fetching its bulk files there)."""
 
-# Names tests (and code outside the package) imported from here before the store was split
-# into layout / manifest / storage / roots; new code imports them from where they live.
-_COMPATIBILITY = (COMMIT_MARKER, DEFER_CHECKSUMS_OVER, DeferredChecks, FlockLock, foreign_entries)
 
 Status = Literal["committed", "partial", "corrupt"]
 

@@ -127,7 +127,7 @@ class Verifier:
 
         With ``claims`` the entries are offered first (here, before the read starts), the
         backend claims the files it checks while reading them, and the thread checks the
-        rest once the backend closed its claims (``store.DeferredChecks``). ``manifest``: the
+        rest once the backend closed its claims (a ``DeferredChecks``). ``manifest``: the
         checkpoint's, as its choice verified it (on an object store, a GET not repeated on
         the way to the first chunk)."""
         if checks.defer_over is None or not self._primary:

@@ -38,7 +38,8 @@ from jaxckpt import (
     TreeMismatchError,
 )
 from jaxckpt.backends.base import SingleProcess
-from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
+from jaxckpt.commit.store import CheckpointStore
+from jaxckpt.core.layout import COMMIT_MARKER
 
 from support.loaders import Loader
 from support.paths import REPO

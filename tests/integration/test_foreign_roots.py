@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.commit.store import CheckpointStore, foreign_entries
+from jaxckpt.commit.ownership import foreign_entries
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.tools import cli
 
 

@@ -36,7 +36,8 @@ from jaxckpt import (
     Versioned,
 )
 from jaxckpt.backends.orbax.backend import OrbaxBackend
-from jaxckpt.commit.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER
+from jaxckpt.core.layout import COMMIT_MARKER
+from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
 from jaxckpt.tools.cli import main as cli
 
 from support.loaders import Loader
@@ -338,7 +339,7 @@ def test_restoring_a_damaged_step_by_number_names_the_file_and_the_fix(root):
 # ------------------------------------------------- bulk checksums checked alongside the read
 #
 # With verify="checksums", the crc32 of large array data files is checked while the backend
-# reads them (store.DEFER_CHECKSUMS_OVER); everything else is checked before. A counting
+# reads them (manifest.DEFER_CHECKSUMS_OVER); everything else is checked before. A counting
 # subclass of the real Orbax backend shows which directories were read, i.e. whether a
 # damaged file was caught before the read or alongside it.
 

@@ -25,7 +25,7 @@ from jaxckpt import (
     RootLockedError,
     StepInfo,
 )
-from jaxckpt.commit.store import COMMIT_MARKER
+from jaxckpt.core.layout import COMMIT_MARKER
 
 from support.loaders import Loader
 

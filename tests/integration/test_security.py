@@ -166,7 +166,8 @@ PLANT = textwrap.dedent(r"""
     import jax, jax.numpy as jnp
     from jaxckpt import CheckpointError, CheckpointManager, RecoverConfig, StepInfo
     from jaxckpt.tools.cli import main as cli
-    from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.core.layout import COMMIT_MARKER
 
     base = sys.argv[1]
     variants = json.loads(sys.argv[2])
@@ -315,7 +316,8 @@ OUTSIDE = textwrap.dedent(r"""
     import json, os, shutil, sys, warnings, zlib
     import jax, jax.numpy as jnp
     from jaxckpt import CheckpointError, CheckpointManager, RecoverConfig, StepInfo
-    from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.core.layout import COMMIT_MARKER
 
     base, case = sys.argv[1], sys.argv[2]
     # Large enough (1.6 MB) to be an Orbax array of its own, never packed with small leaves.
@@ -464,7 +466,8 @@ DCP = textwrap.dedent(r"""
         from torch import nn
         import torch_bridge
         from jaxckpt import CheckpointError, RecoverConfig, StepInfo
-        from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
+        from jaxckpt.commit.store import CheckpointStore
+        from jaxckpt.core.layout import COMMIT_MARKER
         root = os.path.join(base, "root")
         with torch_bridge.DcpCheckpointManager(root, recover=RecoverConfig(keep_last_n=None),
                                                mode="sync") as mgr:

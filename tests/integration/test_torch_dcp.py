@@ -28,8 +28,8 @@ from jaxckpt import (
     TreeMismatchError,
 )
 from jaxckpt.backends.base import Backend, WriteHandle
-from jaxckpt.commit.store import DEFER_CHECKSUMS_OVER
 from jaxckpt.core import codec
+from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
 from torch_bridge import DcpBackend, DcpCheckpointManager
 from torch_bridge.dcp import backend as dcp_backend
 

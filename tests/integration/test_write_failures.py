@@ -32,7 +32,8 @@ from jaxckpt import (
     RecoverConfig,
     StepInfo,
 )
-from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
+from jaxckpt.commit.store import CheckpointStore
+from jaxckpt.core.layout import COMMIT_MARKER
 
 from support.loaders import Loader
 

@@ -27,7 +27,8 @@ from jaxckpt import CheckpointManager, CheckpointWarning, RecoverConfig, StepInf
 from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.files import LocalArrayFiles
-from jaxckpt.commit.store import CheckpointStore, DeferredChecks
+from jaxckpt.commit.deferred_checks import DeferredChecks
+from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.core.checksum import default_algorithm, file_checksum
 from jaxckpt.errors import CheckpointCorruptError, CheckpointWriteError
 from jaxckpt.storage.buffers import ALIGN, aligned_empty

@@ -50,7 +50,7 @@ def check_final_sync_save(manager_class: Any, backend: Any, root: Path, state: A
     still in flight (a SIGKILL after it lost the step): on return the step is committed and
     ``committed_steps()`` shows it and its retention (``keep_last_n=2``)."""
     from jaxckpt import Every, RecoverConfig, StepInfo
-    from jaxckpt.commit.store import COMMIT_MARKER
+    from jaxckpt.core.layout import COMMIT_MARKER
 
     config = RecoverConfig(every=Every(steps=2), keep_last_n=2)
     with manager_class(root, recover=config, mode="async",

@@ -44,7 +44,8 @@ import pytest
 
 from jaxckpt import CheckpointManager
 from jaxckpt.backends.base import SingleProcess
-from jaxckpt.commit.store import COMMIT_MARKER, CheckpointStore
+from jaxckpt.commit.store import CheckpointStore
+from jaxckpt.core.layout import COMMIT_MARKER
 
 from support.harness import Worker
 from support.paths import CRASH_WORKER as WORKER

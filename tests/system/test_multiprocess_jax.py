@@ -160,7 +160,7 @@ DAMAGE_WORKER = jax_worker('''
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jaxckpt import (CheckpointCorruptError, CheckpointManager, RecoverConfig,
                              StepInfo)
-        from jaxckpt.commit.store import DEFER_CHECKSUMS_OVER
+        from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
 
         mesh = jax.make_mesh((4,), ("x",))
         sharding = NamedSharding(mesh, P("x"))
@@ -351,7 +351,7 @@ def test_each_process_wrote_its_own_shards_in_orbaxs_layout(two_process_root):
     import orbax.checkpoint as ocp
 
     from jaxckpt.backends.orbax.backend import OrbaxBackend
-    from jaxckpt.commit.store import DeferredChecks
+    from jaxckpt.commit.deferred_checks import DeferredChecks
     from jaxckpt.core.checksum import default_algorithm
 
     root, _ = two_process_root
@@ -392,7 +392,7 @@ NATIVE_READER = jax_worker('''
         import numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jaxckpt.backends.orbax.backend import OrbaxBackend
-        from jaxckpt.commit.store import DeferredChecks
+        from jaxckpt.commit.deferred_checks import DeferredChecks
 
         state_dir = root
         manifest = json.load(open(os.path.join(os.path.dirname(root), "COMMITTED")))["files"]

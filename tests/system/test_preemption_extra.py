@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxckpt import CheckpointManager
-from jaxckpt.commit.store import COMMIT_MARKER
+from jaxckpt.core.layout import COMMIT_MARKER
 
 from support.harness import Worker, repo_env
 from support.paths import REPO

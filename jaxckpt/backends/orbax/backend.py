@@ -418,7 +418,7 @@ class OrbaxBackend:
         in place. The manager calls it once the checkpoint is judged valid, so a read it
         throws away never changes the caller's objects.
 
-        ``claims`` (a restore's deferred checksums, ``store.DeferredChecks``): the array files
+        ``claims`` (a restore's deferred checksums, a ``DeferredChecks``): the array files
         read with ``native_io`` are claimed and checksummed as they are read, so nobody
         reads them a second time to verify them; claims are closed before the bulk read.
 

@@ -4,7 +4,7 @@ Owns: where each jax leaf goes (:class:`Shardings`; a typed key's data placed wi
 sharding), the restore arguments handed to Orbax, the scope of a partial read's deferred
 checks (``limit_claims``), the native reader (``read_native``: ``chunk_io`` reads the
 arrays in ``zarr_format``'s layout, checking the deferred checksums of the files as it
-reads them: ``store.DeferredChecks``), and turning what was read into ``like``'s leaves
+reads them: ``deferred_checks.DeferredChecks``), and turning what was read into ``like``'s leaves
 (``Unpacker``: packed leaves cut out of their packs as each pack arrives, arrays stored as
 bytes viewed as their dtype; ``to_like_leaves``: keys wrapped, numpy and Python scalars
 converted).

@@ -9,7 +9,10 @@ import threading
 import pytest
 
 from jaxckpt import CheckpointCorruptError, CheckpointNotFoundError, RootLockedError
-from jaxckpt.commit.store import COMMIT_MARKER, DEFER_CHECKSUMS_OVER, CheckpointStore, FlockLock
+from jaxckpt.commit.store import CheckpointStore
+from jaxckpt.core.layout import COMMIT_MARKER
+from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
+from jaxckpt.storage.posix import FlockLock
 
 
 def make_step(store, step, *, commit=True, payload=b"x" * 1000):
