@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := jax,torch,hf,peft,grain,compat,notebooks,test,lint
+EXTRAS := jax,torch,hf,peft,transformers,trl,accelerate,lightning,keras,grain,compat,notebooks,test,lint
 # What `make lint` checks with ruff; mypy checks the packages named in pyproject.toml.
 LINT_PATHS := jaxckpt torch_bridge tests benchmarks
 
