@@ -54,6 +54,9 @@ class BenchConfig:
     """Batch size of the training loop."""
     save_every: int = 20
     """Steps between the training loop's async saves."""
+    train_fresh_process: bool = True
+    """Each training-loop run in a fresh process (False: a round's runs share one, which
+    saves the start-ups where only the rows' presence matters, as in ``--quick``)."""
     memory_saves: int = 50
     """Async saves over which host memory (RSS) is followed."""
     hf_shard_mb: int = 256
@@ -89,6 +92,7 @@ class BenchConfig:
         """The tiny size CI runs to keep the benchmark working (well under a minute)."""
         base: dict[str, Any] = dict(size_mb=8, leaves=8, many_leaves=256, repeats=1, train_steps=41,
                     train_sizes=(16, 64, 64, 16), train_batch=32, memory_saves=6,
-                    hf_shard_mb=2, leaves_mb=4, leaf_counts=(8, 64, 256))
+                    hf_shard_mb=2, leaves_mb=4, leaf_counts=(8, 64, 256),
+                    train_fresh_process=False)
         base.update(changes)
         return cls(**base)

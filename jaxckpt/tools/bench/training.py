@@ -3,7 +3,7 @@
 Owns: ``train_rows`` (each variant in a fresh Python process, the variants taking turns),
 ``_train_loop`` (jaxckpt.tools.demo's loop with no checkpoints, jaxckpt's async saves with
 either writer, or a raw write + fsync on a thread: the floor), and the child process's side
-(``_train_in_process``, ``_train_worker``: a job as JSON on stdin, the result on stdout).
+(``_train_in_process``, ``_train_worker``: the runs as JSON on stdin, the results on stdout).
 
 Must not import at module level: jax, flax, orbax. Concurrency contract: ``train_rows``
 waits for every process it starts.
@@ -32,7 +32,8 @@ def train_rows(bench: _Bench) -> None:
     """Each run in its own fresh process (``_train_in_process``), the variants taking
     turns: a user's training process does not hold this benchmark's other states, and
     in one long-lived process the runs inherited its memory churn (on this VM, freed
-    memory goes back to the host and costs faults again when reused)."""
+    memory goes back to the host and costs faults again when reused). With
+    ``train_fresh_process=False`` (``--quick``) a round's runs share one process."""
     config = bench.config
     facts: dict[str, Any] = {"sizes": list(config.train_sizes), "batch": config.train_batch,
                              "steps": config.train_steps, "save_every": config.save_every,
@@ -40,10 +41,17 @@ def train_rows(bench: _Bench) -> None:
     variants = [("train_plain", "none"), ("train_raw", "raw"), ("train_ckpt", "jaxckpt"),
                 ("train_ckpt_orbax_io", "jaxckpt-orbax-io")]
     blocking = []
+    if not config.train_fresh_process:
+        facts["process"] = "one process for all runs of a round"
     for round_index in range(config.repeats):
-        runs = {}
-        for key, saver in variants[::-1] if round_index % 2 else variants:
-            runs[key] = _train_in_process(config, saver, bench.fresh("train"))
+        order = variants[::-1] if round_index % 2 else variants
+        jobs = [(saver, bench.fresh("train")) for _, saver in order]
+        if config.train_fresh_process:
+            results = [_train_in_process(config, [job])[0] for job in jobs]
+        else:
+            results = _train_in_process(config, jobs)
+        runs = {key: result for (key, _), result in zip(order, results, strict=True)}
+        for key, _ in order:
             bench.result.add(key, runs[key]["loop_s"])
         ckpt = runs["train_ckpt"]
         blocking.append(sum(ckpt["blocking_s"]) / runs["train_plain"]["loop_s"])
@@ -161,13 +169,15 @@ def _train_loop(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
 _TRAIN_FIELDS = ("train_steps", "train_sizes", "train_batch", "save_every")
 
 
-def _train_in_process(config: BenchConfig, saver: str, root: str) -> dict[str, Any]:
-    """``_train_loop`` run in a new Python process (same interpreter and environment);
-    its result comes back as JSON on the last line of its output."""
+def _train_in_process(config: BenchConfig, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """``_train_loop`` run for each (saver, root) of ``jobs`` in turn, in one new Python
+    process (same interpreter and environment); the results come back as JSON on the last
+    line of its output."""
     import subprocess
 
-    job = {"saver": saver, "root": root,
+    job = {"runs": [list(job) for job in jobs],
            "config": {name: getattr(config, name) for name in _TRAIN_FIELDS}}
+    savers = ", ".join(saver for saver, _ in jobs)
     # The child imports this very jaxckpt, installed or not: the folder that holds it.
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
@@ -180,7 +190,7 @@ def _train_in_process(config: BenchConfig, saver: str, root: str) -> dict[str, A
         input=json.dumps(job), capture_output=True, text=True, check=False, env=env)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the training-loop run ({saver}) failed with exit code "
+        raise RuntimeError(f"the training-loop runs ({savers}) failed with exit code "
                            f"{done.returncode}:\n{done.stderr[-4000:]}")
     return json.loads(lines[-1])
 
@@ -191,6 +201,7 @@ def _train_worker() -> None:
     job = json.load(sys.stdin)
     fields = job["config"]
     fields["train_sizes"] = tuple(fields["train_sizes"])
+    config = BenchConfig(**fields)
     with _quiet():
-        result = _train_loop(BenchConfig(**fields), job["saver"], job["root"])
-    print(json.dumps(result), flush=True)
+        results = [_train_loop(config, saver, root) for saver, root in job["runs"]]
+    print(json.dumps(results), flush=True)
