@@ -25,7 +25,6 @@ from torch_bridge.hf import INDEX_FILE, PROVENANCE_FILE  # noqa: E402
 from support.harness import Worker, repo_env, run_all  # noqa: E402
 from support.hf_fsdp_worker import build, small_shard  # noqa: E402
 from support.paths import HF_FSDP_WORKER  # noqa: E402
-from support.two_processes import free_port  # noqa: E402
 
 
 def tensors_of(directory):
@@ -55,9 +54,9 @@ def assert_same_directory(ours, reference):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The 2-rank run: its output directory and each rank's RESULT records."""
-    out = tmp_path_factory.mktemp("fsdp") / "out"
-    port = free_port()
-    workers = [Worker([sys.executable, str(HF_FSDP_WORKER), str(rank), str(port), str(out)],
+    base = tmp_path_factory.mktemp("fsdp")
+    out, store = base / "out", base / "process_group"
+    workers = [Worker([sys.executable, str(HF_FSDP_WORKER), str(rank), str(store), str(out)],
                       env=repo_env(), timeout_s=120) for rank in range(2)]
     codes, outputs = run_all(workers)
     for code, output in zip(codes, outputs, strict=True):

@@ -1,6 +1,7 @@
 """One rank of a 2-rank FSDP2 (gloo, CPU) job exporting tiny transformers models to Hugging
 Face format (launched by tests/integration/test_hf_torch_export_fsdp.py through
-``support.two_processes.run_two_workers``: arguments ``INDEX PORT OUT_DIR``).
+``support.harness``: arguments ``INDEX STORE_FILE OUT_DIR``, the process group meeting
+through a file, so no port can be taken by another process in between).
 
 Each rank builds the models of ``build`` (the test builds the same, unsharded, for its
 references), shards each decoder layer and the root with ``fully_shard``, then: exports
@@ -52,7 +53,7 @@ def _sharded(name: str, mesh: Any) -> Any:
     return fully_shard(model, mesh=mesh)
 
 
-def main(index: int, port: int, out: str) -> None:
+def main(index: int, store_file: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -60,7 +61,7 @@ def main(index: int, port: int, out: str) -> None:
     from jaxckpt import Every, ExportConfig, StepInfo
     from jaxckpt.errors import ConfigError
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=index,
                             world_size=2, timeout=datetime.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (2,))
     models = {name: _sharded(name, mesh) for name in NAMES}
@@ -98,7 +99,7 @@ if __name__ == "__main__":
 
     claim_stdout()  # gloo's chatter goes to stderr
     try:
-        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+        main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
         print("worker ok", flush=True)
     except BaseException:
         traceback.print_exc()
