@@ -12,7 +12,9 @@ from every test folder (pyproject's ``[tool.pytest.ini_options] pythonpath``).
 - ``storage_contract``: the checks every Storage implementation must pass.
 - ``held_writes``: a real backend whose asynchronous writes stay in flight a while.
 - ``crash_worker.py``, ``nnx_worker.py``, ``torch_worker.py``: training scripts the system
-  tests run by path (``paths.WORKERS``) with the repository on PYTHONPATH.
+  tests run by path (``paths.WORKERS``) with the repository on PYTHONPATH;
+  ``hf_fsdp_worker.py``: one rank of a 2-rank FSDP2 Hugging Face export (its ``build`` makes
+  the same tiny models for the test's references).
 
 Nothing here imports jaxckpt at import time except the modules that test it directly
 (``storage_contract``); ``models`` needs flax.

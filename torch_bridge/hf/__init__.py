@@ -3,7 +3,8 @@ and torch models written as their ``save_pretrained`` writes them.
 
 Owns, one module each: the architecture tables (``architectures``), the engine that reads them
 (``mapping``), safetensors files (``safetensors_io``), writing a model directory (``export``:
-``export_hf``, ``hf_exporter``; ``torch_export`` for torch models, with no table), reading
+``export_hf``, ``hf_exporter``; ``torch_export`` for torch models, with no table, and
+``torch_sharded`` gathering FSDP2 ones), reading
 one (``load``: ``load_hf``), the text of config.json
 (``config_files``) and picking the params out of a training state (``params``). The Flax
 layout the tables map is that of the reference models in ``jaxckpt.llm``.

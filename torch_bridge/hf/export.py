@@ -57,6 +57,7 @@ from .torch_export import (
     stage_torch,
     write_staged,
 )
+from .torch_sharded import finish_together
 
 __all__ = ["ExportExistsError", "export_hf", "HFExporter", "hf_exporter", "ParamsOf",
            "EXPORTER_RECORD_FORMAT", "PROVENANCE_FILE", "DEFAULT_MAX_SHARD_BYTES"]
@@ -316,10 +317,12 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *,
       params: the Flax param tree (nested dicts/lists with jax or numpy leaves, an
         ``nnx.State`` or an ``nnx.Module``), laid out as ``jaxckpt.llm``'s models; decoder
         layers one per index or stacked on a leading axis. Or a torch value: a
-        ``transformers.PreTrainedModel`` of any architecture (bare, DDP- or
+        ``transformers.PreTrainedModel`` of any architecture (bare, DDP-, FSDP2- or
         ``torch.compile``-wrapped; ``arch`` not needed, ``config`` read from the model) or
         a torch state dict with ``config``; written as ``save_pretrained`` writes it
-        (tokenizer_dir is the Flax path's only).
+        (tokenizer_dir is the Flax path's only). An FSDP2 (DTensor) model: call this on
+        every rank; tensors are gathered one at a time, rank 0 writes, and every rank
+        returns once the directory is in place (0 bytes on the others).
       out_dir: the model directory; written under a temporary sibling name and renamed into
         place at the end, so it appears complete or not at all.
       arch: a name in ``ARCHITECTURES`` ("llama", "qwen2", "gpt2") or an ``Architecture``
@@ -356,6 +359,10 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *,
         def write(directory: str) -> int:
             return write_staged(staged, directory, max_shard_bytes=limit,
                                 provenance=provenance, progress=progress)
+        if staged.collective_device is not None:  # FSDP2: every rank is here, rank 0 writes
+            out = os.fspath(out_dir)
+            return finish_together(staged.primary, staged.collective_device,
+                                   lambda: _publish(out, overwrite, write))
     else:
         if arch is None or config is None:
             raise ConfigError(
@@ -505,9 +512,10 @@ def hf_exporter(*, arch: str | Architecture | None = None, config: Any = None,
                 provenance: Mapping[str, Any] | None = None) -> HFExporter | TorchHFExporter:
     """An exporter for ``jaxckpt.ExportConfig(exporter=...)`` writing HF directories; see
     :class:`HFExporter` (Flax params, ``arch`` given) and ``TorchHFExporter`` (no ``arch``:
-    the value at ``params_of`` is a transformers PreTrainedModel, bare, DDP- or
+    the value at ``params_of`` is a transformers PreTrainedModel, bare, DDP-, FSDP2- or
     ``torch.compile``-wrapped, or a torch state dict with ``config``; written as
-    ``save_pretrained`` writes it, from a host copy staged on the training thread).
+    ``save_pretrained`` writes it, from a host copy staged on the training thread; FSDP2:
+    every rank stages, one tensor gathered at a time, and rank 0 writes).
     Configuration errors raise now, not at the first export.
 
     Args:

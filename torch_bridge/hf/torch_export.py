@@ -1,7 +1,7 @@
 """Writing a Hugging Face model directory from a PyTorch model, as ``save_pretrained`` does.
 
-Owns: recognising a torch value (a ``transformers.PreTrainedModel``, bare or wrapped by DDP or
-``torch.compile``, or a state dict with ``config=``); staging it (``stage_torch``: tied
+Owns: recognising a torch value (a ``transformers.PreTrainedModel``, bare or wrapped by DDP,
+FSDP2 or ``torch.compile``, or a state dict with ``config=``); staging it (``stage_torch``: tied
 weights dropped by transformers' own rule, tensors detached and copied to the CPU, config.json
 and generation_config.json text fixed at that moment) on the caller's thread; and writing the
 staged copy (``write_staged``): shards split by huggingface_hub's rule, the index, the
@@ -36,6 +36,7 @@ from .safetensors_io import (
     shard_limit,
     write_safetensors,
 )
+from .torch_sharded import gather_to_primary, has_dtensors
 
 #: ``save_pretrained``'s default ``max_shard_size`` ("50GB").
 SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
@@ -88,6 +89,11 @@ class StagedModel:
     """The model's parameter count (the index's ``total_parameters``)."""
     architectures: tuple[str, ...]
     """config.json's ``architectures`` (the model's class), for the provenance record."""
+    primary: bool = True
+    """False on the ranks other than 0 of a sharded (FSDP2) model: they took part in the
+    gathers but hold no tensors, and write nothing."""
+    collective_device: Any = None
+    """The device of the ranks' collectives when the model was sharded; None otherwise."""
 
 
 def _config_object(config: Any) -> Any:
@@ -134,6 +140,37 @@ def _torch_dtype(dtype: Any) -> Any:
     return None if resolved is None else getattr(torch, resolved.name)
 
 
+def _source_of(value: Any, config: Any) -> tuple[Any, dict[str, Any], Any, Any]:
+    """``(reference model, state dict, config copy, model dtype)`` of a torch value; a
+    module's own parameters stay themselves (``keep_vars``) only when some are DTensors."""
+    import torch
+
+    model = _unwrap(value) if isinstance(value, torch.nn.Module) else None
+    if model is not None and callable(getattr(model, "save_pretrained", None)):
+        state = model.state_dict(keep_vars=True)
+        if not has_dtensors(state):
+            state = {name: t.detach() for name, t in state.items()}
+        hf_config = copy.deepcopy(model.config) if config is None else _config_object(config)
+        return model, state, hf_config, model.dtype
+    if model is not None:
+        state = model.state_dict()
+    elif isinstance(value, Mapping) and is_torch_value(value):
+        state = dict(value)
+    else:
+        raise ConfigError(
+            f"export of a {type(value).__module__}.{type(value).__qualname__}: expected a "
+            f"transformers PreTrainedModel (bare, DDP-, FSDP2- or torch.compile-wrapped) or a "
+            f"torch state dict with config=. For Flax params pass arch= and config=.")
+    if config is None:
+        raise ConfigError(
+            "a torch state dict (or a module that is not a transformers PreTrainedModel) "
+            "needs config=: pass the model's transformers PretrainedConfig or its dict.")
+    hf_config = _config_object(config)
+    floating = [t for t in state.values() if t.is_floating_point()]
+    return (_meta_model(hf_config), state, hf_config,
+            floating[0].dtype if floating else torch.float32)
+
+
 def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
                 generation_config: Any = None, copy_tensors: bool = True) -> StagedModel:
     """Stage a torch model (or a state dict with ``config``) for writing.
@@ -141,44 +178,27 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     On the caller's thread: tied weights are dropped as ``save_pretrained`` drops them, and
     with ``copy_tensors`` every tensor is detached and copied to the CPU (a fresh copy, so
     the model may change right after). Raises ``ConfigError`` for a value that is not a torch
-    model or state dict, a state dict without ``config``, and FSDP2-sharded tensors."""
-    import torch
+    model or state dict, and a state dict without ``config``.
 
+    FSDP2 (DTensor) parameters: every rank must call this, with the same model, in the same
+    order (it runs collectives; ranks that disagree get a ``ConfigError``, all of them). Each
+    tensor is gathered in turn with ``full_tensor()``, so a rank holds at most one full tensor
+    beyond its shards at a time; rank 0 keeps a CPU copy of each, so its staged copy costs
+    host memory equal to the whole model, once; the other ranks keep nothing and get a
+    ``StagedModel`` with ``primary`` False, which writes nothing."""
     cast = _torch_dtype(dtype)
-    model = _unwrap(value) if isinstance(value, torch.nn.Module) else None
-    if model is not None and callable(getattr(model, "save_pretrained", None)):
-        reference = model
-        state = model.state_dict()
-        hf_config = copy.deepcopy(model.config) if config is None else _config_object(config)
-        model_dtype = model.dtype
-    else:
-        if model is not None:
-            state = model.state_dict()
-        elif isinstance(value, Mapping) and is_torch_value(value):
-            state = dict(value)
-        else:
-            raise ConfigError(
-                f"export of a {type(value).__module__}.{type(value).__qualname__}: expected a "
-                f"transformers PreTrainedModel (bare, DDP- or torch.compile-wrapped) or a torch "
-                f"state dict with config=. For Flax params pass arch= and config=.")
-        if config is None:
-            raise ConfigError(
-                "a torch state dict (or a module that is not a transformers PreTrainedModel) "
-                "needs config=: pass the model's transformers PretrainedConfig or its dict.")
-        hf_config = _config_object(config)
-        reference = _meta_model(hf_config)
-        floating = [t for t in state.values() if t.is_floating_point()]
-        model_dtype = floating[0].dtype if floating else torch.float32
-    if any(hasattr(t, "full_tensor") for t in state.values()):
-        raise ConfigError("FSDP2 (DTensor) parameters are not exported yet; export from a "
-                          "model whose parameters are plain tensors.")
+    reference, state, hf_config, model_dtype = _source_of(value, config)
+    for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
+        state.pop(ignore, None)
+    primary, device = True, None
+    if has_dtensors(state):
+        state, primary, device = gather_to_primary(state, copy_plain=copy_tensors)
+        copy_tensors = False  # the gathered tensors are already host copies
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    # As save_pretrained: ignored keys out, tied aliases dropped (the kept name is the one
-    # transformers expects), weight conversions reverted to the checkpoint layout.
-    for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
-        state.pop(ignore, None)
+    # As save_pretrained: tied aliases dropped (the kept name is the one transformers
+    # expects), weight conversions reverted to the checkpoint layout.
     state = remove_tied_weights_from_state_dict(state, reference)
     state = revert_weight_conversion(reference, state)
     hf_config.dtype = _dtype_name(cast if cast is not None else model_dtype)
@@ -197,7 +217,8 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     return StagedModel(tensors=state, config_text=hf_config.to_json_string(use_diff=True),
                        generation_text=generation_text, dtype=cast,
                        total_parameters=total_parameters,
-                       architectures=tuple(hf_config.architectures))
+                       architectures=tuple(hf_config.architectures), primary=primary,
+                       collective_device=device)
 
 
 def _as_numpy(tensor: Any) -> np.ndarray:
@@ -218,7 +239,11 @@ def _as_numpy(tensor: Any) -> np.ndarray:
 
 def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
                  provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
-    """Write ``staged`` into the existing, empty ``directory``; return the bytes written."""
+    """Write ``staged`` into the existing, empty ``directory``; return the bytes written.
+    Only rank 0 writes a sharded model's export (the other ranks' copies hold no tensors)."""
+    if not staged.primary:
+        raise ConfigError("this rank's staged copy of a sharded (FSDP2) model holds no "
+                          "tensors: only rank 0 writes the export.")
     from huggingface_hub import split_state_dict_into_shards_factory
 
     from .export import PROVENANCE_FILE, PROVENANCE_FORMAT, _step_of, _write_json, _write_text
@@ -286,7 +311,8 @@ class TorchHFExporter:
     """``ExportConfig(exporter=...)`` for PyTorch models: ``stage(state)`` on the training
     thread (the host copy), then ``exporter(staged, out_dir) -> bytes`` (the write; on the
     manager's background thread in async mode). Stateless: safe across threads. Made by
-    ``hf_exporter`` when it is given no ``arch``."""
+    ``hf_exporter`` when it is given no ``arch``. For an FSDP2 model every rank stages (the
+    manager calls ``stage`` on every process) and rank 0 writes."""
 
     params_of: str | Any = None
     """Where the model is in the state: a '/'-separated tree path ("model") or a callable
@@ -319,6 +345,8 @@ class TorchHFExporter:
 
     def __call__(self, state: Any, out_dir: str) -> int:
         staged = state if isinstance(state, StagedModel) else self.stage(state)
+        if not staged.primary:
+            return 0  # a sharded model: rank 0 writes
         assert self.max_shard_bytes is not None  # set in __post_init__
         return write_staged(staged, os.fspath(out_dir), max_shard_bytes=self.max_shard_bytes,
                             provenance=self.provenance, progress=None)
