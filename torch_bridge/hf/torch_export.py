@@ -1,12 +1,13 @@
 """Writing a Hugging Face model directory from a PyTorch model, as ``save_pretrained`` does.
 
 Owns: recognising a torch value (a ``transformers.PreTrainedModel``, bare or wrapped by DDP or
-``torch.compile``, or a state dict with ``config=``); staging it (``stage_torch``: tied
-weights dropped by transformers' own rule, tensors detached and copied to the CPU, config.json
-and generation_config.json text fixed at that moment) on the caller's thread; and writing the
-staged copy (``write_staged``): shards split by huggingface_hub's rule, the index, the
-config files. ``TorchHFExporter`` is the manager's exporter; its ``stage`` runs on the
-training thread and its call (the write) may run on the background thread.
+``torch.compile``, or a state dict with ``config=``; peft models go on to ``peft_export``);
+staging it (``stage_torch``: tied weights dropped by transformers' own rule, tensors detached
+and copied to the CPU, config.json and generation_config.json text fixed at that moment) on
+the caller's thread; and writing the staged copy (``write_staged``): shards split by
+huggingface_hub's rule, the index, the config files. ``TorchHFExporter`` is the manager's
+exporter; its ``stage`` runs on the training thread and its call (the write) may run on the
+background thread.
 
 Must not import jax; torch, transformers and huggingface_hub are imported only when a torch
 value is staged or written, never at import time.
@@ -28,6 +29,15 @@ from jaxckpt.errors import ConfigError
 
 from .config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, _given_generation_config
 from .params import pick_params
+from .peft_export import (
+    LoraMerge,
+    StagedAdapter,
+    apply_merges,
+    is_peft_model,
+    merge_plan,
+    stage_adapter,
+    write_adapter,
+)
 from .safetensors_io import (
     INDEX_FILE,
     Planned,
@@ -41,7 +51,7 @@ from .safetensors_io import (
 SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
 
 __all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "is_torch_value", "StagedModel", "stage_torch",
-           "write_staged", "TorchHFExporter"]
+           "write_staged", "write_torch", "write_tensor_file", "TorchHFExporter"]
 
 
 def _is_torch_object(value: Any) -> bool:
@@ -88,6 +98,11 @@ class StagedModel:
     """The model's parameter count (the index's ``total_parameters``)."""
     architectures: tuple[str, ...]
     """config.json's ``architectures`` (the model's class), for the provenance record."""
+    merges: tuple[LoraMerge, ...] = ()
+    """LoRA adapters the write folds into ``tensors`` (``merge_adapters=True``)."""
+    owned: bool = True
+    """Whether ``tensors`` are this export's own copies (a merge may then change them in
+    place: a staged model is written once)."""
 
 
 def _config_object(config: Any) -> Any:
@@ -135,17 +150,38 @@ def _torch_dtype(dtype: Any) -> Any:
 
 
 def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
-                generation_config: Any = None, copy_tensors: bool = True) -> StagedModel:
+                generation_config: Any = None, copy_tensors: bool = True,
+                merge_adapters: bool = False) -> StagedModel | StagedAdapter:
     """Stage a torch model (or a state dict with ``config``) for writing.
 
     On the caller's thread: tied weights are dropped as ``save_pretrained`` drops them, and
     with ``copy_tensors`` every tensor is detached and copied to the CPU (a fresh copy, so
-    the model may change right after). Raises ``ConfigError`` for a value that is not a torch
-    model or state dict, a state dict without ``config``, and FSDP2-sharded tensors."""
+    the model may change right after). A peft ``PeftModel`` stages its adapters
+    (``StagedAdapter``), or with ``merge_adapters`` its base model with the LoRA merges the
+    write folds in. Raises ``ConfigError`` for a value that is not a torch model or state
+    dict, a state dict without ``config``, ``merge_adapters`` without adapters, and
+    FSDP2-sharded tensors."""
     import torch
 
     cast = _torch_dtype(dtype)
     model = _unwrap(value) if isinstance(value, torch.nn.Module) else None
+    if model is not None and is_peft_model(model):
+        if not merge_adapters:
+            if cast is not None:
+                raise ConfigError("dtype= does not apply to a peft adapter export (peft writes "
+                                  "each adapter tensor in its own dtype); drop dtype=, or pass "
+                                  "merge_adapters=True to export the merged model.")
+            return stage_adapter(model, copy_tensors=copy_tensors)
+        base, state, merges, total = merge_plan(model)
+        hf_config = copy.deepcopy(base.config) if config is None else _config_object(config)
+        return _stage_state(state, base, hf_config, base.dtype, cast=cast,
+                            generation_config=generation_config, copy_tensors=copy_tensors,
+                            total_parameters=total, merges=merges)
+    if merge_adapters:
+        raise ConfigError(
+            f"merge_adapters=True, but the exported {type(value).__name__} has no peft "
+            f"adapters (it is not a peft PeftModel); drop merge_adapters, or export the model "
+            f"returned by peft.get_peft_model.")
     if model is not None and callable(getattr(model, "save_pretrained", None)):
         reference = model
         state = model.state_dict()
@@ -159,8 +195,9 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
         else:
             raise ConfigError(
                 f"export of a {type(value).__module__}.{type(value).__qualname__}: expected a "
-                f"transformers PreTrainedModel (bare, DDP- or torch.compile-wrapped) or a torch "
-                f"state dict with config=. For Flax params pass arch= and config=.")
+                f"transformers PreTrainedModel (bare, DDP- or torch.compile-wrapped, or a peft "
+                f"PeftModel) or a torch state dict with config=. For Flax params pass arch= "
+                f"and config=.")
         if config is None:
             raise ConfigError(
                 "a torch state dict (or a module that is not a transformers PreTrainedModel) "
@@ -169,6 +206,15 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
         reference = _meta_model(hf_config)
         floating = [t for t in state.values() if t.is_floating_point()]
         model_dtype = floating[0].dtype if floating else torch.float32
+    return _stage_state(state, reference, hf_config, model_dtype, cast=cast,
+                        generation_config=generation_config, copy_tensors=copy_tensors)
+
+
+def _stage_state(state: dict[str, Any], reference: Any, hf_config: Any, model_dtype: Any, *,
+                 cast: Any, generation_config: Any, copy_tensors: bool,
+                 total_parameters: int | None = None,
+                 merges: list[LoraMerge] | None = None) -> StagedModel:
+    """The common part of staging: what save_pretrained drops and reverts, then the copy."""
     if any(hasattr(t, "full_tensor") for t in state.values()):
         raise ConfigError("FSDP2 (DTensor) parameters are not exported yet; export from a "
                           "model whose parameters are plain tensors.")
@@ -184,7 +230,8 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     hf_config.dtype = _dtype_name(cast if cast is not None else model_dtype)
     hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
     generation = reference.generation_config if reference.can_generate() else None
-    total_parameters = int(reference.num_parameters())
+    if total_parameters is None:
+        total_parameters = int(reference.num_parameters())
     if copy_tensors:
         state = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
     else:
@@ -197,7 +244,9 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     return StagedModel(tensors=state, config_text=hf_config.to_json_string(use_diff=True),
                        generation_text=generation_text, dtype=cast,
                        total_parameters=total_parameters,
-                       architectures=tuple(hf_config.architectures))
+                       architectures=tuple(hf_config.architectures),
+                       merges=tuple(m.copied() if copy_tensors else m for m in merges or ()),
+                       owned=copy_tensors)
 
 
 def _as_numpy(tensor: Any) -> np.ndarray:
@@ -216,12 +265,38 @@ def _as_numpy(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+def write_tensor_file(path: str, tensors: Mapping[str, Any], *, cast: Any = None,
+                      on_tensor: Any = None) -> int:
+    """Write CPU torch ``tensors`` (in their order) as one safetensors file, floating ones
+    cast to ``cast`` when given; return the bytes written."""
+    planned = []
+    for key, tensor in tensors.items():
+        array = _as_numpy(tensor)
+        out = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+        target = _as_numpy(tensor.new_empty(0, dtype=out)).dtype
+        planned.append(Planned(hf=key, shape=tuple(array.shape), dtype=target,
+                               sources=((array, None),), transpose=False, fuse_axis=0))
+    return write_safetensors(path, planned, on_tensor or (lambda _: None))
+
+
+def write_torch(staged: StagedModel | StagedAdapter, directory: str, *, max_shard_bytes: int,
+                provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
+    """Write a staged model or adapter into the existing, empty ``directory``."""
+    if isinstance(staged, StagedAdapter):
+        return write_adapter(staged, directory, provenance=provenance)
+    return write_staged(staged, directory, max_shard_bytes=max_shard_bytes,
+                        provenance=provenance, progress=progress)
+
+
 def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
                  provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
     """Write ``staged`` into the existing, empty ``directory``; return the bytes written."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     from .export import PROVENANCE_FILE, PROVENANCE_FORMAT, _step_of, _write_json, _write_text
+
+    tensors = (apply_merges(staged.tensors, staged.merges, owned=staged.owned)
+               if staged.merges else staged.tensors)
 
     def out_dtype(tensor: Any) -> Any:
         return staged.dtype if staged.dtype is not None and tensor.is_floating_point() \
@@ -231,27 +306,22 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
         return int(tensor.numel()) * out_dtype(tensor).itemsize
 
     split = split_state_dict_into_shards_factory(
-        staged.tensors, get_storage_size=nbytes, get_storage_id=lambda _: None,
+        tensors, get_storage_size=nbytes, get_storage_id=lambda _: None,
         filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes)
-    total = sum(nbytes(t) for t in staged.tensors.values())
+    total = sum(nbytes(t) for t in tensors.values())
     done = 0
     written = 0
+
+    def on_tensor(item: Planned) -> None:
+        nonlocal done
+        done += item.nbytes
+        if progress is not None:
+            progress(done, total)
+
     for name, tensor_names in split.filename_to_tensors.items():
-        planned = []
-        for key in tensor_names:
-            tensor = staged.tensors[key]
-            array = _as_numpy(tensor)
-            target = _as_numpy(tensor.new_empty(0, dtype=out_dtype(tensor))).dtype
-            planned.append(Planned(hf=key, shape=tuple(array.shape), dtype=target,
-                                   sources=((array, None),), transpose=False, fuse_axis=0))
-
-        def on_tensor(item: Planned) -> None:
-            nonlocal done
-            done += item.nbytes
-            if progress is not None:
-                progress(done, total)
-
-        written += write_safetensors(os.path.join(directory, name), planned, on_tensor)
+        written += write_tensor_file(os.path.join(directory, name),
+                                     {key: tensors[key] for key in tensor_names},
+                                     cast=staged.dtype, on_tensor=on_tensor)
     files = list(split.filename_to_tensors)
     if split.is_sharded:
         written += _write_json(os.path.join(directory, INDEX_FILE), {
@@ -264,7 +334,7 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
         written += _write_text(os.path.join(directory, GENERATION_CONFIG_FILE),
                                staged.generation_text)
         files.append(GENERATION_CONFIG_FILE)
-    dtypes = sorted({_dtype_name(out_dtype(t)) for t in staged.tensors.values()})
+    dtypes = sorted({_dtype_name(out_dtype(t)) for t in tensors.values()})
     written += _write_json(os.path.join(directory, PROVENANCE_FILE), {
         "format": PROVENANCE_FORMAT,
         "jaxckpt_version": __version__,
@@ -272,7 +342,7 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
         "arch": None,
         "architectures": list(staged.architectures),
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "tensors": len(staged.tensors),
+        "tensors": len(tensors),
         "tensor_bytes": total,
         "files": files,
         "created_unix": time.time(),
@@ -302,6 +372,9 @@ class TorchHFExporter:
     """generation_config.json of every export; None writes the model's own."""
     provenance: Mapping[str, Any] | None = None
     """Extra provenance facts; the epoch and steps are read from the export's name."""
+    merge_adapters: bool = False
+    """For a peft ``PeftModel``: False writes its adapters as ``save_pretrained`` does;
+    True writes the model with its LoRA adapters merged (the training model untouched)."""
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -312,13 +385,15 @@ class TorchHFExporter:
             raise ConfigError(f"params_of must be a tree path such as 'model' or a "
                               f"callable(state) -> model, got {self.params_of!r}.")
 
-    def stage(self, state: Any, *, copy: bool = True) -> StagedModel:
+    def stage(self, state: Any, *, copy: bool = True) -> StagedModel | StagedAdapter:
         """The host copy of the model in ``state`` (the training thread's only work)."""
         return stage_torch(pick_params(state, self.params_of), config=self.config, dtype=self.dtype,
-                           generation_config=self.generation_config, copy_tensors=copy)
+                           generation_config=self.generation_config, copy_tensors=copy,
+                           merge_adapters=self.merge_adapters)
 
     def __call__(self, state: Any, out_dir: str) -> int:
-        staged = state if isinstance(state, StagedModel) else self.stage(state)
+        staged = (state if isinstance(state, (StagedModel, StagedAdapter))
+                  else self.stage(state))
         assert self.max_shard_bytes is not None  # set in __post_init__
-        return write_staged(staged, os.fspath(out_dir), max_shard_bytes=self.max_shard_bytes,
-                            provenance=self.provenance, progress=None)
+        return write_torch(staged, os.fspath(out_dir), max_shard_bytes=self.max_shard_bytes,
+                           provenance=self.provenance, progress=None)
