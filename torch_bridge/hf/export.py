@@ -52,10 +52,11 @@ from .safetensors_io import (
 )
 from .torch_export import (
     SAVE_PRETRAINED_MAX_SHARD_BYTES,
+    StagedModel,
     TorchHFExporter,
     is_torch_value,
     stage_torch,
-    write_staged,
+    write_torch,
 )
 from .torch_sharded import finish_together
 
@@ -309,7 +310,7 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *,
               max_shard_bytes: int | None = None,
               tokenizer_dir: Any = None, generation_config: Any = None,
               provenance: Mapping[str, Any] | None = None, overwrite: bool = False,
-              progress: Progress | None = None) -> int:
+              progress: Progress | None = None, merge_adapters: bool = False) -> int:
     """Write Flax params or a PyTorch model as a Hugging Face model directory that
     ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads; return bytes written.
 
@@ -322,7 +323,9 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *,
         a torch state dict with ``config``; written as ``save_pretrained`` writes it
         (tokenizer_dir is the Flax path's only). An FSDP2 (DTensor) model: call this on
         every rank; tensors are gathered one at a time, rank 0 writes, and every rank
-        returns once the directory is in place (0 bytes on the others).
+        returns once the directory is in place (0 bytes on the others). A peft
+        ``PeftModel`` writes its adapters as its ``save_pretrained`` does
+        (adapter_config.json, adapter_model.safetensors).
       out_dir: the model directory; written under a temporary sibling name and renamed into
         place at the end, so it appears complete or not at all.
       arch: a name in ``ARCHITECTURES`` ("llama", "qwen2", "gpt2") or an ``Architecture``
@@ -340,45 +343,64 @@ def export_hf(params: Any, out_dir: str | os.PathLike[str], *,
         ``{"checkpoint": path, "step": 1200}``).
       overwrite: replace an existing ``out_dir`` (swapped in by rename, then deleted).
       progress: ``progress(bytes_done, bytes_total)`` after each tensor.
+      merge_adapters: for a peft ``PeftModel``, write the model with its LoRA adapters
+        merged, as ``save_pretrained`` writes the result of ``merge_and_unload()``; the
+        model itself is not changed.
 
     Raises ``HFMismatchError`` (a ``TreeMismatchError``) listing every missing, unexpected
     and mis-shaped param before anything is written; ``ExportExistsError`` when ``out_dir``
     exists and is not empty (and ``overwrite`` is False).
     """
     if is_torch_value(params):
-        if arch is not None:
-            raise ConfigError("export_hf of a torch model takes no arch= (the tensor names are "
-                              "the model's own); drop it.")
-        if tokenizer_dir is not None:
-            raise ConfigError("export_hf of a torch model takes no tokenizer_dir=; save the "
-                              "tokenizer with tokenizer.save_pretrained(out_dir) afterwards.")
-        limit = shard_limit(max_shard_bytes, SAVE_PRETRAINED_MAX_SHARD_BYTES)
-        staged = stage_torch(params, config=config, dtype=dtype,
-                             generation_config=generation_config)
+        return _export_torch(params, os.fspath(out_dir), arch=arch, config=config, dtype=dtype,
+                             max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
+                             generation_config=generation_config, provenance=provenance,
+                             overwrite=overwrite, progress=progress,
+                             merge_adapters=merge_adapters)
+    if merge_adapters:
+        raise ConfigError("merge_adapters=True applies to a peft PeftModel (torch); Flax "
+                          "params have no adapters to merge: drop merge_adapters.")
+    if arch is None or config is None:
+        raise ConfigError(
+            "export_hf of Flax params needs arch= (one of "
+            f"{sorted(ARCHITECTURES)}) and config= (the model's transformers config). "
+            "A torch model (a transformers PreTrainedModel) needs neither.")
 
-        def write(directory: str) -> int:
-            return write_staged(staged, directory, max_shard_bytes=limit,
-                                provenance=provenance, progress=progress)
-        if staged.collective_device is not None:  # FSDP2: every rank is here, rank 0 writes
-            out = os.fspath(out_dir)
-            return finish_together(staged.primary, staged.collective_device,
-                                   lambda: _publish(out, overwrite, write))
-    else:
-        if arch is None or config is None:
-            raise ConfigError(
-                "export_hf of Flax params needs arch= (one of "
-                f"{sorted(ARCHITECTURES)}) and config= (the model's transformers config). "
-                "A torch model (a transformers PreTrainedModel) needs neither.")
-
-        def write(directory: str) -> int:
-            assert arch is not None
-            return _write_export(params, directory, arch=arch, config=config, dtype=dtype,
-                                 max_shard_bytes=(DEFAULT_MAX_SHARD_BYTES if max_shard_bytes
-                                                  is None else max_shard_bytes),
-                                 tokenizer_dir=tokenizer_dir,
-                                 generation_config=generation_config, provenance=provenance,
-                                 progress=progress)
+    def write(directory: str) -> int:
+        assert arch is not None
+        return _write_export(params, directory, arch=arch, config=config, dtype=dtype,
+                             max_shard_bytes=(DEFAULT_MAX_SHARD_BYTES if max_shard_bytes
+                                              is None else max_shard_bytes),
+                             tokenizer_dir=tokenizer_dir,
+                             generation_config=generation_config, provenance=provenance,
+                             progress=progress)
     return _publish(os.fspath(out_dir), overwrite, write)
+
+
+def _export_torch(value: Any, out_dir: str, *, arch: Any, config: Any, dtype: Any,
+                  max_shard_bytes: int | None, tokenizer_dir: Any, generation_config: Any,
+                  provenance: Mapping[str, Any] | None, overwrite: bool,
+                  progress: Progress | None, merge_adapters: bool) -> int:
+    """``export_hf`` of a torch model, peft model or state dict (see there)."""
+    if arch is not None:
+        raise ConfigError("export_hf of a torch model takes no arch= (the tensor names are "
+                          "the model's own); drop it.")
+    if tokenizer_dir is not None:
+        raise ConfigError("export_hf of a torch model takes no tokenizer_dir=; save the "
+                          "tokenizer with tokenizer.save_pretrained(out_dir) afterwards.")
+    limit = shard_limit(max_shard_bytes, SAVE_PRETRAINED_MAX_SHARD_BYTES)
+    staged = stage_torch(value, config=config, dtype=dtype,
+                         generation_config=generation_config, merge_adapters=merge_adapters)
+
+    def write(directory: str) -> int:
+        return write_torch(staged, directory, max_shard_bytes=limit,
+                           provenance=provenance, progress=progress)
+
+    if isinstance(staged, StagedModel) and staged.collective_device is not None:
+        # FSDP2: every rank is here, rank 0 writes, all return once it is in place.
+        return finish_together(staged.primary, staged.collective_device,
+                               lambda: _publish(out_dir, overwrite, write))
+    return _publish(out_dir, overwrite, write)
 
 
 def _publish(out_dir: str, overwrite: bool, write: Callable[[str], int]) -> int:
@@ -509,13 +531,14 @@ def hf_exporter(*, arch: str | Architecture | None = None, config: Any = None,
                 dtype: Any = None, params_of: ParamsOf | None = None,
                 max_shard_bytes: int | None = None, tokenizer_dir: Any = None,
                 generation_config: Any = None,
-                provenance: Mapping[str, Any] | None = None) -> HFExporter | TorchHFExporter:
+                provenance: Mapping[str, Any] | None = None,
+                merge_adapters: bool = False) -> HFExporter | TorchHFExporter:
     """An exporter for ``jaxckpt.ExportConfig(exporter=...)`` writing HF directories; see
     :class:`HFExporter` (Flax params, ``arch`` given) and ``TorchHFExporter`` (no ``arch``:
     the value at ``params_of`` is a transformers PreTrainedModel, bare, DDP-, FSDP2- or
-    ``torch.compile``-wrapped, or a torch state dict with ``config``; written as
-    ``save_pretrained`` writes it, from a host copy staged on the training thread; FSDP2:
-    every rank stages, one tensor gathered at a time, and rank 0 writes).
+    ``torch.compile``-wrapped, a peft PeftModel, or a torch state dict with ``config``;
+    written as ``save_pretrained`` writes it, from a host copy staged on the training thread;
+    FSDP2: every rank stages, one tensor gathered at a time, and rank 0 writes).
     Configuration errors raise now, not at the first export.
 
     Args:
@@ -533,6 +556,9 @@ def hf_exporter(*, arch: str | Architecture | None = None, config: Any = None,
         transformers derives from ``config``.
       provenance: extra facts for ``jaxckpt_provenance.json``; the epoch and steps are read
         from the export's name.
+      merge_adapters: the picked value is a peft ``PeftModel``: False (the default) writes
+        its adapters as peft's ``save_pretrained`` does; True writes the model with its LoRA
+        adapters merged (computed from the staged copy; the training model is untouched).
     """
     if arch is None:
         if tokenizer_dir is not None:
@@ -540,7 +566,11 @@ def hf_exporter(*, arch: str | Architecture | None = None, config: Any = None,
                               "tokenizer_dir=; it is the Flax path's only.")
         return TorchHFExporter(params_of=params_of, config=config, dtype=dtype,
                                max_shard_bytes=max_shard_bytes,
-                               generation_config=generation_config, provenance=provenance)
+                               generation_config=generation_config, provenance=provenance,
+                               merge_adapters=merge_adapters)
+    if merge_adapters:
+        raise ConfigError("merge_adapters=True applies to torch peft models, exported with no "
+                          "arch=: use hf_exporter(params_of=..., merge_adapters=True).")
     return HFExporter(arch=arch, config=config, dtype=dtype, params_of=params_of,
                       max_shard_bytes=(DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None
                                        else max_shard_bytes),

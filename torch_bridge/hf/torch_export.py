@@ -1,12 +1,13 @@
 """Writing a Hugging Face model directory from a PyTorch model, as ``save_pretrained`` does.
 
 Owns: recognising a torch value (a ``transformers.PreTrainedModel``, bare or wrapped by DDP,
-FSDP2 or ``torch.compile``, or a state dict with ``config=``); staging it (``stage_torch``: tied
+FSDP2 or ``torch.compile``, or a state dict with ``config=``; peft models go on to
+``peft_export``, FSDP2 gathers to ``torch_sharded``); staging it (``stage_torch``: tied
 weights dropped by transformers' own rule, tensors detached and copied to the CPU, config.json
 and generation_config.json text fixed at that moment) on the caller's thread; and writing the
-staged copy (``write_staged``): shards split by huggingface_hub's rule, the index, the
-config files. ``TorchHFExporter`` is the manager's exporter; its ``stage`` runs on the
-training thread and its call (the write) may run on the background thread.
+staged copy (``write_staged``): shards split by huggingface_hub's rule, the index, the config
+files. ``TorchHFExporter`` is the manager's exporter; its ``stage`` runs on the training
+thread and its call (the write) may run on the background thread.
 
 Must not import jax; torch, transformers and huggingface_hub are imported only when a torch
 value is staged or written, never at import time.
@@ -28,6 +29,15 @@ from jaxckpt.errors import ConfigError
 
 from .config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, _given_generation_config
 from .params import pick_params
+from .peft_export import (
+    LoraMerge,
+    StagedAdapter,
+    apply_merges,
+    is_peft_model,
+    merge_plan,
+    stage_adapter,
+    write_adapter,
+)
 from .safetensors_io import (
     INDEX_FILE,
     Planned,
@@ -42,7 +52,7 @@ from .torch_sharded import gather_to_primary, has_dtensors
 SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
 
 __all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "is_torch_value", "StagedModel", "stage_torch",
-           "write_staged", "TorchHFExporter"]
+           "write_staged", "write_torch", "write_tensor_file", "TorchHFExporter"]
 
 
 def _is_torch_object(value: Any) -> bool:
@@ -94,6 +104,11 @@ class StagedModel:
     gathers but hold no tensors, and write nothing."""
     collective_device: Any = None
     """The device of the ranks' collectives when the model was sharded; None otherwise."""
+    merges: tuple[LoraMerge, ...] = ()
+    """LoRA adapters the write folds into ``tensors`` (``merge_adapters=True``)."""
+    owned: bool = True
+    """Whether ``tensors`` are this export's own copies (a merge may then change them in
+    place: a staged model is written once)."""
 
 
 def _config_object(config: Any) -> Any:
@@ -172,13 +187,16 @@ def _source_of(value: Any, config: Any) -> tuple[Any, dict[str, Any], Any, Any]:
 
 
 def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
-                generation_config: Any = None, copy_tensors: bool = True) -> StagedModel:
+                generation_config: Any = None, copy_tensors: bool = True,
+                merge_adapters: bool = False) -> StagedModel | StagedAdapter:
     """Stage a torch model (or a state dict with ``config``) for writing.
 
     On the caller's thread: tied weights are dropped as ``save_pretrained`` drops them, and
     with ``copy_tensors`` every tensor is detached and copied to the CPU (a fresh copy, so
-    the model may change right after). Raises ``ConfigError`` for a value that is not a torch
-    model or state dict, and a state dict without ``config``.
+    the model may change right after). A peft ``PeftModel`` stages its adapters
+    (``StagedAdapter``), or with ``merge_adapters`` its base model with the LoRA merges the
+    write folds in. Raises ``ConfigError`` for a value that is not a torch model or state
+    dict, a state dict without ``config``, and ``merge_adapters`` without adapters.
 
     FSDP2 (DTensor) parameters: every rank must call this, with the same model, in the same
     order (it runs collectives; ranks that disagree get a ``ConfigError``, all of them). Each
@@ -186,14 +204,48 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     beyond its shards at a time; rank 0 keeps a CPU copy of each, so its staged copy costs
     host memory equal to the whole model, once; the other ranks keep nothing and get a
     ``StagedModel`` with ``primary`` False, which writes nothing."""
+    import torch
+
     cast = _torch_dtype(dtype)
+    model = _unwrap(value) if isinstance(value, torch.nn.Module) else None
+    if model is not None and is_peft_model(model):
+        if not merge_adapters:
+            if cast is not None:
+                raise ConfigError("dtype= does not apply to a peft adapter export (peft writes "
+                                  "each adapter tensor in its own dtype); drop dtype=, or pass "
+                                  "merge_adapters=True to export the merged model.")
+            return stage_adapter(model, copy_tensors=copy_tensors)
+        base, state, merges, total = merge_plan(model)
+        hf_config = copy.deepcopy(base.config) if config is None else _config_object(config)
+        return _stage_state(state, base, hf_config, base.dtype, cast=cast,
+                            generation_config=generation_config, copy_tensors=copy_tensors,
+                            total_parameters=total, merges=merges)
+    if merge_adapters:
+        raise ConfigError(
+            f"merge_adapters=True, but the exported {type(value).__name__} has no peft "
+            f"adapters (it is not a peft PeftModel); drop merge_adapters, or export the model "
+            f"returned by peft.get_peft_model.")
     reference, state, hf_config, model_dtype = _source_of(value, config)
+    return _stage_state(state, reference, hf_config, model_dtype, cast=cast,
+                        generation_config=generation_config, copy_tensors=copy_tensors)
+
+
+def _stage_state(state: dict[str, Any], reference: Any, hf_config: Any, model_dtype: Any, *,
+                 cast: Any, generation_config: Any, copy_tensors: bool,
+                 total_parameters: int | None = None,
+                 merges: list[LoraMerge] | None = None) -> StagedModel:
+    """The common part of staging: what save_pretrained drops and reverts, the FSDP2 gathers,
+    then the copy."""
     for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
         state.pop(ignore, None)
-    primary, device = True, None
+    primary, device, owned = True, None, copy_tensors
     if has_dtensors(state):
+        if merges:
+            raise ConfigError("merge_adapters=True on an FSDP2-sharded peft model is not "
+                              "supported; export its adapters (merge_adapters=False), or merge "
+                              "from an unsharded copy.")
         state, primary, device = gather_to_primary(state, copy_plain=copy_tensors)
-        copy_tensors = False  # the gathered tensors are already host copies
+        copy_tensors, owned = False, True  # the gathered tensors are already host copies
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -204,7 +256,8 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     hf_config.dtype = _dtype_name(cast if cast is not None else model_dtype)
     hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
     generation = reference.generation_config if reference.can_generate() else None
-    total_parameters = int(reference.num_parameters())
+    if total_parameters is None:
+        total_parameters = int(reference.num_parameters())
     if copy_tensors:
         state = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
     else:
@@ -218,7 +271,9 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
                        generation_text=generation_text, dtype=cast,
                        total_parameters=total_parameters,
                        architectures=tuple(hf_config.architectures), primary=primary,
-                       collective_device=device)
+                       collective_device=device,
+                       merges=tuple(m.copied() if copy_tensors else m for m in merges or ()),
+                       owned=owned)
 
 
 def _as_numpy(tensor: Any) -> np.ndarray:
@@ -237,6 +292,29 @@ def _as_numpy(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+def write_tensor_file(path: str, tensors: Mapping[str, Any], *, cast: Any = None,
+                      on_tensor: Any = None) -> int:
+    """Write CPU torch ``tensors`` (in their order) as one safetensors file, floating ones
+    cast to ``cast`` when given; return the bytes written."""
+    planned = []
+    for key, tensor in tensors.items():
+        array = _as_numpy(tensor)
+        out = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
+        target = _as_numpy(tensor.new_empty(0, dtype=out)).dtype
+        planned.append(Planned(hf=key, shape=tuple(array.shape), dtype=target,
+                               sources=((array, None),), transpose=False, fuse_axis=0))
+    return write_safetensors(path, planned, on_tensor or (lambda _: None))
+
+
+def write_torch(staged: StagedModel | StagedAdapter, directory: str, *, max_shard_bytes: int,
+                provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
+    """Write a staged model or adapter into the existing, empty ``directory``."""
+    if isinstance(staged, StagedAdapter):
+        return write_adapter(staged, directory, provenance=provenance)
+    return write_staged(staged, directory, max_shard_bytes=max_shard_bytes,
+                        provenance=provenance, progress=progress)
+
+
 def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
                  provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
     """Write ``staged`` into the existing, empty ``directory``; return the bytes written.
@@ -248,6 +326,9 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
 
     from .export import PROVENANCE_FILE, PROVENANCE_FORMAT, _step_of, _write_json, _write_text
 
+    tensors = (apply_merges(staged.tensors, staged.merges, owned=staged.owned)
+               if staged.merges else staged.tensors)
+
     def out_dtype(tensor: Any) -> Any:
         return staged.dtype if staged.dtype is not None and tensor.is_floating_point() \
             else tensor.dtype
@@ -256,27 +337,22 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
         return int(tensor.numel()) * out_dtype(tensor).itemsize
 
     split = split_state_dict_into_shards_factory(
-        staged.tensors, get_storage_size=nbytes, get_storage_id=lambda _: None,
+        tensors, get_storage_size=nbytes, get_storage_id=lambda _: None,
         filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes)
-    total = sum(nbytes(t) for t in staged.tensors.values())
+    total = sum(nbytes(t) for t in tensors.values())
     done = 0
     written = 0
+
+    def on_tensor(item: Planned) -> None:
+        nonlocal done
+        done += item.nbytes
+        if progress is not None:
+            progress(done, total)
+
     for name, tensor_names in split.filename_to_tensors.items():
-        planned = []
-        for key in tensor_names:
-            tensor = staged.tensors[key]
-            array = _as_numpy(tensor)
-            target = _as_numpy(tensor.new_empty(0, dtype=out_dtype(tensor))).dtype
-            planned.append(Planned(hf=key, shape=tuple(array.shape), dtype=target,
-                                   sources=((array, None),), transpose=False, fuse_axis=0))
-
-        def on_tensor(item: Planned) -> None:
-            nonlocal done
-            done += item.nbytes
-            if progress is not None:
-                progress(done, total)
-
-        written += write_safetensors(os.path.join(directory, name), planned, on_tensor)
+        written += write_tensor_file(os.path.join(directory, name),
+                                     {key: tensors[key] for key in tensor_names},
+                                     cast=staged.dtype, on_tensor=on_tensor)
     files = list(split.filename_to_tensors)
     if split.is_sharded:
         written += _write_json(os.path.join(directory, INDEX_FILE), {
@@ -289,7 +365,7 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
         written += _write_text(os.path.join(directory, GENERATION_CONFIG_FILE),
                                staged.generation_text)
         files.append(GENERATION_CONFIG_FILE)
-    dtypes = sorted({_dtype_name(out_dtype(t)) for t in staged.tensors.values()})
+    dtypes = sorted({_dtype_name(out_dtype(t)) for t in tensors.values()})
     written += _write_json(os.path.join(directory, PROVENANCE_FILE), {
         "format": PROVENANCE_FORMAT,
         "jaxckpt_version": __version__,
@@ -297,7 +373,7 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
         "arch": None,
         "architectures": list(staged.architectures),
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "tensors": len(staged.tensors),
+        "tensors": len(tensors),
         "tensor_bytes": total,
         "files": files,
         "created_unix": time.time(),
@@ -328,6 +404,9 @@ class TorchHFExporter:
     """generation_config.json of every export; None writes the model's own."""
     provenance: Mapping[str, Any] | None = None
     """Extra provenance facts; the epoch and steps are read from the export's name."""
+    merge_adapters: bool = False
+    """For a peft ``PeftModel``: False writes its adapters as ``save_pretrained`` does;
+    True writes the model with its LoRA adapters merged (the training model untouched)."""
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -338,15 +417,17 @@ class TorchHFExporter:
             raise ConfigError(f"params_of must be a tree path such as 'model' or a "
                               f"callable(state) -> model, got {self.params_of!r}.")
 
-    def stage(self, state: Any, *, copy: bool = True) -> StagedModel:
+    def stage(self, state: Any, *, copy: bool = True) -> StagedModel | StagedAdapter:
         """The host copy of the model in ``state`` (the training thread's only work)."""
         return stage_torch(pick_params(state, self.params_of), config=self.config, dtype=self.dtype,
-                           generation_config=self.generation_config, copy_tensors=copy)
+                           generation_config=self.generation_config, copy_tensors=copy,
+                           merge_adapters=self.merge_adapters)
 
     def __call__(self, state: Any, out_dir: str) -> int:
-        staged = state if isinstance(state, StagedModel) else self.stage(state)
-        if not staged.primary:
+        staged = (state if isinstance(state, (StagedModel, StagedAdapter))
+                  else self.stage(state))
+        if isinstance(staged, StagedModel) and not staged.primary:
             return 0  # a sharded model: rank 0 writes
         assert self.max_shard_bytes is not None  # set in __post_init__
-        return write_staged(staged, os.fspath(out_dir), max_shard_bytes=self.max_shard_bytes,
-                            provenance=self.provenance, progress=None)
+        return write_torch(staged, os.fspath(out_dir), max_shard_bytes=self.max_shard_bytes,
+                           provenance=self.provenance, progress=None)
