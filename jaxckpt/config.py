@@ -418,7 +418,8 @@ class ExportConfig:
             raise ConfigError(
                 f"ExportConfig.exporter must be a callable(state, out_dir), got "
                 f"{self.exporter!r}. For Hugging Face exports use "
-                f"torch_bridge.hf_exporter(arch=..., config=...)."
+                f"torch_bridge.hf_exporter(params_of=...) for a torch model, or "
+                f"torch_bridge.hf_exporter(arch=..., config=..., params_of=...) for Flax params."
             )
         _check_mode("ExportConfig", "mode", self.mode, SAVE_MODES)
         _check_keep_last_n("ExportConfig", self.keep_last_n)

@@ -32,6 +32,8 @@ CONFIGS = {
                                             n_positions=64, bos_token_id=0, eos_token_id=1),
     "mistral": lambda: transformers.MistralConfig(**TINY),  # no Flax table in torch_bridge
     "phi3": lambda: transformers.Phi3Config(**TINY),  # no Flax table; fused qkv in torch
+    # q/k/v biases, and tied embeddings as small Qwen2 models have them
+    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
 }
 IDS = torch.arange(12).reshape(1, 12) % 64
 
