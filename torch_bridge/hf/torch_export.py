@@ -18,7 +18,7 @@ import copy
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,8 +40,14 @@ from .safetensors_io import (
 #: ``save_pretrained``'s default ``max_shard_size`` ("50GB").
 SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
 
-__all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "is_torch_value", "StagedModel", "stage_torch",
+__all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "TORCH_EXPORTER_RECORD_FORMAT", "is_torch_value",
+           "StagedModel", "stage_torch", "model_texts", "config_object", "meta_model",
            "write_staged", "TorchHFExporter"]
+
+#: ``TorchHFExporter.checkpoint_record(state)["format"]``: the model's config.json text and
+#: where the model is, recorded per save in driver.json (under "export"); export-hf reads
+#: it to export a DCP checkpoint without flags. Readers of the Flax record skip it.
+TORCH_EXPORTER_RECORD_FORMAT = "jaxckpt.torch_hf_exporter/1"
 
 
 def _is_torch_object(value: Any) -> bool:
@@ -90,7 +96,7 @@ class StagedModel:
     """config.json's ``architectures`` (the model's class), for the provenance record."""
 
 
-def _config_object(config: Any) -> Any:
+def config_object(config: Any) -> Any:
     """A transformers config from a PretrainedConfig or its dict (deep-copied)."""
     if isinstance(config, Mapping):
         from transformers import AutoConfig
@@ -107,7 +113,7 @@ def _config_object(config: Any) -> Any:
                       f"{type(config).__name__}.")
 
 
-def _meta_model(config: Any) -> Any:
+def meta_model(config: Any) -> Any:
     """The transformers model ``config.architectures`` names, built on the meta device (no
     memory): what save_pretrained would consult for tied weights and generation config."""
     import torch
@@ -149,7 +155,7 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
     if model is not None and callable(getattr(model, "save_pretrained", None)):
         reference = model
         state = model.state_dict()
-        hf_config = copy.deepcopy(model.config) if config is None else _config_object(config)
+        hf_config = copy.deepcopy(model.config) if config is None else config_object(config)
         model_dtype = model.dtype
     else:
         if model is not None:
@@ -165,8 +171,8 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
             raise ConfigError(
                 "a torch state dict (or a module that is not a transformers PreTrainedModel) "
                 "needs config=: pass the model's transformers PretrainedConfig or its dict.")
-        hf_config = _config_object(config)
-        reference = _meta_model(hf_config)
+        hf_config = config_object(config)
+        reference = meta_model(hf_config)
         floating = [t for t in state.values() if t.is_floating_point()]
         model_dtype = floating[0].dtype if floating else torch.float32
     if any(hasattr(t, "full_tensor") for t in state.values()):
@@ -181,23 +187,34 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
         state.pop(ignore, None)
     state = remove_tied_weights_from_state_dict(state, reference)
     state = revert_weight_conversion(reference, state)
-    hf_config.dtype = _dtype_name(cast if cast is not None else model_dtype)
-    hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
-    generation = reference.generation_config if reference.can_generate() else None
     total_parameters = int(reference.num_parameters())
     if copy_tensors:
         state = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
     else:
         state = {name: t.detach() for name, t in state.items()}
-    if hasattr(hf_config, "validate"):
-        hf_config.validate()
-    generation_text = (None if generation is None and generation_config is None else
-                       _given_generation_config(generation_config if generation_config is not None
-                                                else generation))
-    return StagedModel(tensors=state, config_text=hf_config.to_json_string(use_diff=True),
+    config_text, generation_text = model_texts(
+        reference, hf_config, _dtype_name(cast if cast is not None else model_dtype),
+        generation_config)
+    return StagedModel(tensors=state, config_text=config_text,
                        generation_text=generation_text, dtype=cast,
                        total_parameters=total_parameters,
                        architectures=tuple(hf_config.architectures))
+
+
+def model_texts(reference: Any, hf_config: Any, dtype_name: str,
+                generation_config: Any = None) -> tuple[str, str | None]:
+    """(config.json, generation_config.json or None) as ``save_pretrained`` of ``reference``
+    writes them; ``hf_config`` (the caller's copy) gets ``dtype`` and ``architectures`` set.
+    A given ``generation_config`` replaces the model's own."""
+    hf_config.dtype = dtype_name
+    hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
+    if hasattr(hf_config, "validate"):
+        hf_config.validate()
+    generation = reference.generation_config if reference.can_generate() else None
+    generation_text = (None if generation is None and generation_config is None else
+                       _given_generation_config(generation_config if generation_config is not None
+                                                else generation))
+    return hf_config.to_json_string(use_diff=True), generation_text
 
 
 def _as_numpy(tensor: Any) -> np.ndarray:
@@ -216,9 +233,34 @@ def _as_numpy(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+class _Deferred:
+    """A tensor read only when its shard's writer asks for its array (``np.asarray``)."""
+
+    __slots__ = ("read", "name")
+
+    def __init__(self, read: Callable[[str], Any], name: str):
+        self.read, self.name = read, name
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = _as_numpy(self.read(self.name))
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype:
+    import torch
+
+    return _as_numpy(torch.empty(0, dtype=dtype)).dtype
+
+
 def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
-                 provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
-    """Write ``staged`` into the existing, empty ``directory``; return the bytes written."""
+                 provenance: Mapping[str, Any] | None, progress: Progress | None,
+                 read: Callable[[str], Any] | None = None) -> int:
+    """Write ``staged`` into the existing, empty ``directory``; return the bytes written.
+
+    With ``read``, ``staged.tensors`` may be meta tensors (names, shapes and dtypes only):
+    ``read(name)`` gives each CPU tensor when the shard being written reaches it, so no more
+    than two tensors are held at once (``write_safetensors`` prepares the next while it writes
+    this one)."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     from .export import PROVENANCE_FILE, PROVENANCE_FORMAT, _step_of, _write_json, _write_text
@@ -240,10 +282,10 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
         planned = []
         for key in tensor_names:
             tensor = staged.tensors[key]
-            array = _as_numpy(tensor)
-            target = _as_numpy(tensor.new_empty(0, dtype=out_dtype(tensor))).dtype
-            planned.append(Planned(hf=key, shape=tuple(array.shape), dtype=target,
-                                   sources=((array, None),), transpose=False, fuse_axis=0))
+            source = _as_numpy(tensor) if read is None else _Deferred(read, key)
+            planned.append(Planned(hf=key, shape=tuple(tensor.shape),
+                                   dtype=_numpy_dtype(out_dtype(tensor)),
+                                   sources=((source, None),), transpose=False, fuse_axis=0))
 
         def on_tensor(item: Planned) -> None:
             nonlocal done
@@ -316,6 +358,32 @@ class TorchHFExporter:
         """The host copy of the model in ``state`` (the training thread's only work)."""
         return stage_torch(pick_params(state, self.params_of), config=self.config, dtype=self.dtype,
                            generation_config=self.generation_config, copy_tensors=copy)
+
+    def checkpoint_record(self, state: Any) -> dict[str, Any] | None:
+        """What ``jaxckpt export-hf`` needs to export a DCP checkpoint of ``state`` with no
+        flags, JSON-safe: config.json and generation_config.json as this exporter writes them
+        for the model now, and where the model is (``params_of``). The manager records it in
+        each recovery checkpoint's driver.json at save time. None where ``params_of`` is not
+        a tree path or the value is not a transformers PreTrainedModel."""
+        if not isinstance(self.params_of, str):
+            return None
+        model = pick_params(state, self.params_of)
+        if not _is_torch_object(model):
+            return None
+        model = _unwrap(model)
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel) or self.config is not None:
+            return None
+        cast = _torch_dtype(self.dtype)
+        config_text, generation_text = model_texts(
+            model, copy.deepcopy(model.config), _dtype_name(cast if cast is not None
+                                                            else model.dtype),
+            self.generation_config)
+        return {"format": TORCH_EXPORTER_RECORD_FORMAT, "params_of": self.params_of,
+                "config": config_text, "generation_config": generation_text,
+                "dtype": None if cast is None else _dtype_name(cast),
+                "max_shard_bytes": self.max_shard_bytes}
 
     def __call__(self, state: Any, out_dir: str) -> int:
         staged = state if isinstance(state, StagedModel) else self.stage(state)
