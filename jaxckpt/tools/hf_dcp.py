@@ -47,7 +47,8 @@ def export_dcp_step(store: Any, step_dir: str, driver: Mapping[str, Any], out_di
 
     from .hf_cli import _close, _publish
 
-    with requires_extra("torch", "jaxckpt export-hf of a DcpCheckpointManager root"):
+    feature = "jaxckpt export-hf of a DcpCheckpointManager root"
+    with requires_extra("torch", feature), requires_extra("hf", feature):
         from torch_bridge.hf.dcp_export import export_dcp, recorded_export
 
     step_info = driver.get("step_info") or {}

@@ -82,7 +82,8 @@ class StagedModel:
     """A host copy of one model, ready to write: nothing in it changes when training goes on."""
 
     tensors: dict[str, Any]
-    """HF tensor name -> CPU torch tensor (tied aliases already dropped), in the model's order."""
+    """HF tensor name -> CPU torch tensor (tied aliases already dropped), in the model's order;
+    meta tensors where ``write_staged`` is given ``read=`` (a DCP checkpoint's export)."""
     config_text: str
     """config.json, as ``config.save_pretrained`` writes it (``dtype`` and ``architectures``
     set)."""
