@@ -197,3 +197,28 @@ def test_root_written_before_this_change_exports_with_config(tmp_path):
     model.save_pretrained(reference, safe_serialization=True)
     assert_same_directory(out, reference)
     assert_loads_as(model, out, torch.arange(8).reshape(1, 8) % 32)
+
+
+def test_tensors_are_read_one_at_a_time_as_the_shards_are_written(run, tmp_path, monkeypatch):
+    """At each tensor written, at most one more has been read (the next one, prepared while
+    this one is written): the model is never in memory whole."""
+    from torch_bridge.dcp.saved_tensors import SavedTensors
+    from torch_bridge.hf.dcp_export import export_dcp, recorded_export
+
+    arch, model, root, refs = run
+    step_dir = Path(root, "recover", "step_00000002")
+    reads, ahead = [], []
+    original = SavedTensors.read
+
+    def counted(self, tensor):
+        reads.append(tensor.key)
+        return original(self, tensor)
+
+    monkeypatch.setattr(SavedTensors, "read", counted)
+    driver = json.loads((step_dir / "driver.json").read_text())
+    export_dcp(str(step_dir / "state"), str(tmp_path / "out"), record=recorded_export(driver),
+               max_shard_bytes=small_shard(model),
+               progress=lambda done, total: ahead.append(len(reads) - len(ahead) - 1))
+    assert len(reads) == len(tensors_of(refs[2])) == len(ahead)
+    assert max(ahead) <= 1
+    assert_same_directory(tmp_path / "out", refs[2])
