@@ -3,7 +3,8 @@
 Owns: ``Exporter``: one export (a host copy where needed, by ``exporter.stage`` when the
 exporter has one, ``exporter(state, tmp_dir)``, then the move to
 ``export/epoch{E}epochstep{S}globalstep{G}``), their retention (``keep_last_n`` of
-``ExportConfig``), and ``export_record``, what ``driver.json`` says of the exporter.
+``ExportConfig``), and ``export_record``, what ``driver.json`` says of the exporter (fixed, or
+made per save from the state).
 
 Must not import: jax, orbax, torch, or the restore and save parts; the thread and the error
 propagation are the ``SavePipeline``'s.
@@ -18,6 +19,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from jaxckpt.config import ExportConfig, StepInfo
@@ -28,7 +30,7 @@ from jaxckpt.manager.background import SavePipeline
 from jaxckpt.manager.context import ManagerContext
 from jaxckpt.manager.reports import SaveReport
 
-__all__ = ["Exporter", "export_record"]
+__all__ = ["Exporter", "ExportRecord", "export_record"]
 
 
 class Exporter:
@@ -104,16 +106,43 @@ class Exporter:
                                   CheckpointWarning, stacklevel=2)
 
 
-def export_record(export: ExportConfig | None) -> dict[str, Any] | None:
-    """What the exporter says about itself (``exporter.checkpoint_metadata``, e.g. the HF arch
-    and config), recorded in every recovery checkpoint's driver.json under "export" so a
-    checkpoint can be exported later without being told how (``jaxckpt export-hf``)."""
-    record = getattr(export.exporter, "checkpoint_metadata", None) if export else None
-    if record is None:
+ExportRecord = Callable[[Any], "dict[str, Any] | None"]
+"""``record(state)``: what driver.json says of the exporter at one save (see ``export_record``)."""
+
+
+def export_record(export: ExportConfig | None) -> ExportRecord | None:
+    """What the exporter says about itself, recorded in every recovery checkpoint's
+    driver.json under "export" so a checkpoint can be exported later without being told how
+    (``jaxckpt export-hf``): ``exporter.checkpoint_metadata`` (the same for every save, e.g.
+    the HF arch and config; checked now), else ``exporter.checkpoint_record(state)`` (made
+    at each save from the state saved, e.g. a torch model's own config). Returns
+    ``record(state)``, or None when the exporter records nothing."""
+    exporter = export.exporter if export else None
+    fixed = getattr(exporter, "checkpoint_metadata", None)
+    if fixed is not None:
+        document = _json_safe(fixed, "checkpoint_metadata")
+        return lambda state: document
+    per_save = getattr(exporter, "checkpoint_record", None)
+    if not callable(per_save):
         return None
+
+    def record(state: Any) -> dict[str, Any] | None:
+        # A diagnostic never fails a recovery save: the export reports its own errors.
+        try:
+            found = per_save(state)
+            return None if found is None else _json_safe(found, "checkpoint_record(state)")
+        except Exception as exc:
+            warnings.warn(f"the exporter's checkpoint_record failed ({exc}); this checkpoint "
+                          f"records no export settings (export-hf then needs --config).",
+                          CheckpointWarning, stacklevel=2)
+            return None
+
+    return record
+
+
+def _json_safe(record: Any, what: str) -> dict[str, Any]:
     try:
         return json.loads(json.dumps(dict(record)))
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"ExportConfig.exporter.checkpoint_metadata must be a JSON-safe "
-                          f"dict, got {type(record).__name__}: {exc}") from None
-
+        raise ConfigError(f"ExportConfig.exporter.{what} must be a JSON-safe dict, got "
+                          f"{type(record).__name__}: {exc}") from None

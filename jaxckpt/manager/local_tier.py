@@ -39,6 +39,7 @@ from jaxckpt.errors import (
 )
 from jaxckpt.manager.background import SavePipeline
 from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.export import ExportRecord
 from jaxckpt.manager.reports import Recovered, SaveReport
 from jaxckpt.manager.restore import Restorer
 from jaxckpt.manager.root import prepare_root
@@ -65,7 +66,7 @@ class LocalTierSet:
     def __init__(self, config: LocalTier, *, durable: ManagerContext, backend: Backend,
                  owns_backend: bool, mode: str, on_report: Callable[[SaveReport], Any] | None,
                  clock: Callable[[], float], commit_timeout_s: float,
-                 item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None):
+                 item_cadences: Mapping[str, Every], export_record: ExportRecord | None):
         self._owns_backend = owns_backend  # ``backend`` is this tier's alone: close it
         self._backend = backend
         self._lock: RootLock | None = None

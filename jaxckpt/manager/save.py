@@ -37,6 +37,7 @@ from jaxckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWa
 from jaxckpt.manager import driver_state as drv
 from jaxckpt.manager.background import SavePipeline
 from jaxckpt.manager.context import ManagerContext
+from jaxckpt.manager.export import ExportRecord
 from jaxckpt.manager.reports import SaveReport, mark_done
 
 __all__ = ["Saver", "resolve_state", "known_checksums"]
@@ -48,7 +49,7 @@ class Saver:
     """Writes, commits and retains the recovery checkpoints of one manager."""
 
     def __init__(self, ctx: ManagerContext, pipeline: SavePipeline, *, mode: str,
-                 item_cadences: Mapping[str, Every], export_record: dict[str, Any] | None,
+                 item_cadences: Mapping[str, Every], export_record: ExportRecord | None,
                  tier: str = "durable"):
         self._ctx = ctx
         self._tier = tier  # "durable" or "local" (manager.local_tier), named on every report
@@ -111,7 +112,7 @@ class Saver:
         item_versions = self._item_versions(items, step, epoch_end)
         stateful = ctx.default_stateful if stateful is None else stateful
         driver_file, driver_bytes = self._snapshot(step, stateful, metrics, reason,
-                                                   item_versions)
+                                                   item_versions, state)
         if ctx.primary:
             self._make_room(path)
         ctx.barrier(f"jaxckpt.save.{step.global_step}", 600.0)
@@ -150,7 +151,7 @@ class Saver:
 
     def _snapshot(self, step: StepInfo, stateful: Mapping[str, Any] | None,
                   metrics: Mapping[str, Any] | None, reason: str,
-                  item_versions: dict[str, tuple[int, Any]]) -> tuple[str, bytes]:
+                  item_versions: dict[str, tuple[int, Any]], state: Any) -> tuple[str, bytes]:
         """Training thread: everything mutable of the driver state, as the name and bytes of
         this process's driver file (the primary's driver.json, another's local file)."""
         ctx = self._ctx
@@ -168,8 +169,9 @@ class Saver:
             backend_versions=ctx.backend.versions(), process_count=ctx.process_count,
             metrics=metrics, local=local, saved_at=saved_at)
         body["items"] = {name: {"version": v} for name, (v, _) in item_versions.items()}
-        if self._export_record is not None:
-            body["export"] = self._export_record
+        record = None if self._export_record is None else self._export_record(state)
+        if record is not None:
+            body["export"] = record
         # The rules, so `jaxckpt ls` can say why each checkpoint is kept without the config.
         body["retention"] = RetentionRules.of(ctx.recover_config).to_json()
         # Compact separators keep json on its C encoder (indent= switches to the Python

@@ -514,12 +514,15 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="config.json or HF model directory (default: the one "
                                          "the checkpoint records)")
     parser.add_argument("--step", type=int, help="global step to export (default: latest valid)")
-    parser.add_argument("--params-path", help="tree path of the params in the saved state, "
-                                              "e.g. model/params or 0 (default: recorded, "
-                                              "else found)")
+    parser.add_argument("--params-path", "--params-of", dest="params_path",
+                        help="tree path of the params in the saved state, e.g. model/params "
+                             "or 0; for a DCP root the model's entry, e.g. model (default: "
+                             "recorded, else found)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="cast every tensor")
-    parser.add_argument("--max-shard-size", default="5GiB", help="e.g. 5GiB, 500MB (default 5GiB)")
+    parser.add_argument("--max-shard-size", help="e.g. 5GiB, 500MB (default 5GiB; on a DCP "
+                                                 "root the exporter's, else 50GB as "
+                                                 "save_pretrained)")
     parser.add_argument("--tokenizer-dir", help="directory whose tokenizer files are copied")
     parser.add_argument("--generation-config", help="generation_config.json (or its directory)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
@@ -545,7 +548,8 @@ def _export_hf(opts: argparse.Namespace) -> int:
             written = export_checkpoint_to_hf(
                 opts.checkpoint, opts.out_dir, arch=opts.arch, config=opts.config,
                 step=opts.step, params_path=opts.params_path, dtype=opts.dtype,
-                max_shard_bytes=parse_size(opts.max_shard_size),
+                max_shard_bytes=(None if opts.max_shard_size is None
+                                 else parse_size(opts.max_shard_size)),
                 tokenizer_dir=opts.tokenizer_dir, generation_config=opts.generation_config,
                 overwrite=opts.overwrite, verify="sizes" if opts.sizes_only else "checksums",
                 progress=not opts.no_progress, storage_options=options)

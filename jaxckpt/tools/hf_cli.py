@@ -35,6 +35,7 @@ from torch_bridge.hf import (
     resolve_architecture,
 )
 
+from .hf_dcp import DCP_BACKEND, export_dcp_step
 from .progress import make_progress
 
 __all__ = [
@@ -473,7 +474,7 @@ def _publish(storage: Any, local_dir: str, out_url: str) -> None:
 def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                             arch: str | Architecture | None = None, config: Any = None,
                             step: int | None = None, params_path: str | None = None,
-                            dtype: Any = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                            dtype: Any = None, max_shard_bytes: int | None = None,
                             tokenizer_dir: Any = None, generation_config: Any = None,
                             overwrite: bool = False,
                             verify: Literal["checksums", "sizes"] = "checksums",
@@ -483,7 +484,8 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
 
     Args:
       checkpoint: a checkpoint root (the latest valid step is used unless ``step``) or one
-        ``recover/step_N`` directory; a local path or an ``s3://`` / ``gs://`` URL.
+        ``recover/step_N`` directory; a local path or an ``s3://`` / ``gs://`` URL. A
+        DcpCheckpointManager's step is written as save_pretrained writes its model (hf_dcp).
       out_dir: the HF directory to write (atomically, see ``export_hf``). An ``s3://`` /
         ``gs://`` URL: written locally in a temporary directory, uploaded below it, then
         committed with a ``COMMITTED`` manifest written last, as exports on object roots.
@@ -492,12 +494,14 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
         ``model_type``.
       config: config.json path, HF directory, dict or transformers config; None uses the
         config the checkpoint records. With neither, ``ConfigError`` says which to pass.
-      params_path: tree path of the param subtree in the saved state, '/'-separated as
-        ``hf_exporter``'s ``params_of`` (e.g. "model/params"; "0" for
+      params_path: tree path of the param subtree in the saved state (a DCP step's: its
+        model entry, "model"), '/'-separated as ``hf_exporter``'s ``params_of`` ("0" for
         ``nnx.state((model, optimizer))``); None uses the one recorded by ``hf_exporter``,
         else finds it.
       verify: check the checkpoint against its manifest with checksums or sizes first.
-      dtype, max_shard_bytes, tokenizer_dir, generation_config, overwrite: as ``export_hf``.
+      max_shard_bytes: shard size limit; None: 5 GiB for Flax params; for a DCP checkpoint
+        the exporter's recorded limit, else save_pretrained's 50 GB.
+      dtype, tokenizer_dir, generation_config, overwrite: as ``export_hf``.
       progress: show a progress bar on stderr.
       storage_options: the client's settings for URLs (``jaxckpt.storage.url.parse_root``);
         None takes endpoint and credentials from the standard environment.
@@ -512,6 +516,11 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
     step_dir, store = _locate(os.fspath(checkpoint), step, verify, storage_options)
     with store.reading(step_dir):
         driver = read_driver(store, step_dir)
+        if driver.get("backend") == DCP_BACKEND:  # a DcpCheckpointManager's step
+            return export_dcp_step(store, step_dir, driver, out_dir, target=target, config=config,
+                                   params_of=params_path, dtype=dtype, progress=progress,
+                                   max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                                   generation_config=generation_config)
         table, config, params_path, hint = _export_spec(driver, step_dir, arch=arch,
                                                         config=config, params_path=params_path)
         leaves, entries = _read_checkpoint(step_dir, store)
@@ -522,7 +531,8 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
     try:
         written = export_hf(flat, out_dir if staging is None else os.path.join(staging, "model"),
                             arch=table, config=config, dtype=dtype,
-                         max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
+                         max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+                         tokenizer_dir=tokenizer_dir,
                          generation_config=generation_config, overwrite=overwrite,
                          provenance={"checkpoint": step_dir, "params_path": chosen,
                                      **{k: step_info[k] for k in ("epoch", "epoch_step",

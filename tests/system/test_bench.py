@@ -34,7 +34,7 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
         assert rows[key]["spread_s"][0] <= rows[key]["median_s"] <= rows[key]["spread_s"][1]
     # torch and HF rows are measured, or say why not (torch_bridge is written elsewhere).
     for key in ("torch_save", "dcp_save", "dcp_blocking", "dcpm_blocking", "dcpm_sync",
-                "st_save", "hf_export"):
+                "st_save", "hf_export", "hf_dcp_export", "hf_dcp_baseline"):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     assert rows["jx_sync"]["gb_per_s"] > 0
     # The 2-process rows (bench.multiprocess): the same bytes saved by 1 process, then by 2.

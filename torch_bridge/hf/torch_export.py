@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -51,8 +51,14 @@ from .torch_sharded import gather_to_primary, has_dtensors
 #: ``save_pretrained``'s default ``max_shard_size`` ("50GB").
 SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
 
-__all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "is_torch_value", "StagedModel", "stage_torch",
+__all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "TORCH_EXPORTER_RECORD_FORMAT", "is_torch_value",
+           "StagedModel", "stage_torch", "model_texts", "config_object", "meta_model",
            "write_staged", "write_torch", "write_tensor_file", "TorchHFExporter"]
+
+#: ``TorchHFExporter.checkpoint_record(state)["format"]``: the model's config.json text and
+#: where the model is, recorded per save in driver.json (under "export"); export-hf reads
+#: it to export a DCP checkpoint without flags. Readers of the Flax record skip it.
+TORCH_EXPORTER_RECORD_FORMAT = "jaxckpt.torch_hf_exporter/1"
 
 
 def _is_torch_object(value: Any) -> bool:
@@ -87,7 +93,8 @@ class StagedModel:
     """A host copy of one model, ready to write: nothing in it changes when training goes on."""
 
     tensors: dict[str, Any]
-    """HF tensor name -> CPU torch tensor (tied aliases already dropped), in the model's order."""
+    """HF tensor name -> CPU torch tensor (tied aliases already dropped), in the model's order;
+    meta tensors where ``write_staged`` is given ``read=`` (a DCP checkpoint's export)."""
     config_text: str
     """config.json, as ``config.save_pretrained`` writes it (``dtype`` and ``architectures``
     set)."""
@@ -111,7 +118,7 @@ class StagedModel:
     place: a staged model is written once)."""
 
 
-def _config_object(config: Any) -> Any:
+def config_object(config: Any) -> Any:
     """A transformers config from a PretrainedConfig or its dict (deep-copied)."""
     if isinstance(config, Mapping):
         from transformers import AutoConfig
@@ -128,7 +135,7 @@ def _config_object(config: Any) -> Any:
                       f"{type(config).__name__}.")
 
 
-def _meta_model(config: Any) -> Any:
+def meta_model(config: Any) -> Any:
     """The transformers model ``config.architectures`` names, built on the meta device (no
     memory): what save_pretrained would consult for tied weights and generation config."""
     import torch
@@ -165,7 +172,7 @@ def _source_of(value: Any, config: Any) -> tuple[Any, dict[str, Any], Any, Any]:
         state = model.state_dict(keep_vars=True)
         if not has_dtensors(state):
             state = {name: t.detach() for name, t in state.items()}
-        hf_config = copy.deepcopy(model.config) if config is None else _config_object(config)
+        hf_config = copy.deepcopy(model.config) if config is None else config_object(config)
         return model, state, hf_config, model.dtype
     if model is not None:
         state = model.state_dict()
@@ -180,9 +187,9 @@ def _source_of(value: Any, config: Any) -> tuple[Any, dict[str, Any], Any, Any]:
         raise ConfigError(
             "a torch state dict (or a module that is not a transformers PreTrainedModel) "
             "needs config=: pass the model's transformers PretrainedConfig or its dict.")
-    hf_config = _config_object(config)
+    hf_config = config_object(config)
     floating = [t for t in state.values() if t.is_floating_point()]
-    return (_meta_model(hf_config), state, hf_config,
+    return (meta_model(hf_config), state, hf_config,
             floating[0].dtype if floating else torch.float32)
 
 
@@ -216,7 +223,7 @@ def stage_torch(value: Any, *, config: Any = None, dtype: Any = None,
                                   "merge_adapters=True to export the merged model.")
             return stage_adapter(model, copy_tensors=copy_tensors)
         base, state, merges, total = merge_plan(model)
-        hf_config = copy.deepcopy(base.config) if config is None else _config_object(config)
+        hf_config = copy.deepcopy(base.config) if config is None else config_object(config)
         return _stage_state(state, base, hf_config, base.dtype, cast=cast,
                             generation_config=generation_config, copy_tensors=copy_tensors,
                             total_parameters=total, merges=merges)
@@ -253,27 +260,38 @@ def _stage_state(state: dict[str, Any], reference: Any, hf_config: Any, model_dt
     # expects), weight conversions reverted to the checkpoint layout.
     state = remove_tied_weights_from_state_dict(state, reference)
     state = revert_weight_conversion(reference, state)
-    hf_config.dtype = _dtype_name(cast if cast is not None else model_dtype)
-    hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
-    generation = reference.generation_config if reference.can_generate() else None
     if total_parameters is None:
         total_parameters = int(reference.num_parameters())
     if copy_tensors:
         state = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
     else:
         state = {name: t.detach() for name, t in state.items()}
-    if hasattr(hf_config, "validate"):
-        hf_config.validate()
-    generation_text = (None if generation is None and generation_config is None else
-                       _given_generation_config(generation_config if generation_config is not None
-                                                else generation))
-    return StagedModel(tensors=state, config_text=hf_config.to_json_string(use_diff=True),
+    config_text, generation_text = model_texts(
+        reference, hf_config, _dtype_name(cast if cast is not None else model_dtype),
+        generation_config)
+    return StagedModel(tensors=state, config_text=config_text,
                        generation_text=generation_text, dtype=cast,
                        total_parameters=total_parameters,
                        architectures=tuple(hf_config.architectures), primary=primary,
                        collective_device=device,
                        merges=tuple(m.copied() if copy_tensors else m for m in merges or ()),
                        owned=owned)
+
+
+def model_texts(reference: Any, hf_config: Any, dtype_name: str,
+                generation_config: Any = None) -> tuple[str, str | None]:
+    """(config.json, generation_config.json or None) as ``save_pretrained`` of ``reference``
+    writes them; ``hf_config`` (the caller's copy) gets ``dtype`` and ``architectures`` set.
+    A given ``generation_config`` replaces the model's own."""
+    hf_config.dtype = dtype_name
+    hf_config.architectures = [type(reference).__name__.removeprefix("FSDP")]
+    if hasattr(hf_config, "validate"):
+        hf_config.validate()
+    generation = reference.generation_config if reference.can_generate() else None
+    generation_text = (None if generation is None and generation_config is None else
+                       _given_generation_config(generation_config if generation_config is not None
+                                                else generation))
+    return hf_config.to_json_string(use_diff=True), generation_text
 
 
 def _as_numpy(tensor: Any) -> np.ndarray:
@@ -292,17 +310,37 @@ def _as_numpy(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+class _Deferred:
+    """A tensor read only when its shard's writer asks for its array (``np.asarray``)."""
+
+    __slots__ = ("read", "name")
+
+    def __init__(self, read: Callable[[str], Any], name: str):
+        self.read, self.name = read, name
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = _as_numpy(self.read(self.name))
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype:
+    import torch
+
+    return _as_numpy(torch.empty(0, dtype=dtype)).dtype
+
+
 def write_tensor_file(path: str, tensors: Mapping[str, Any], *, cast: Any = None,
-                      on_tensor: Any = None) -> int:
+                      on_tensor: Any = None, read: Callable[[str], Any] | None = None) -> int:
     """Write CPU torch ``tensors`` (in their order) as one safetensors file, floating ones
-    cast to ``cast`` when given; return the bytes written."""
+    cast to ``cast`` when given; return the bytes written. With ``read``, ``tensors`` may be
+    meta tensors (names, shapes and dtypes only): ``read(name)`` gives each CPU tensor when
+    the writer reaches it."""
     planned = []
     for key, tensor in tensors.items():
-        array = _as_numpy(tensor)
         out = cast if cast is not None and tensor.is_floating_point() else tensor.dtype
-        target = _as_numpy(tensor.new_empty(0, dtype=out)).dtype
-        planned.append(Planned(hf=key, shape=tuple(array.shape), dtype=target,
-                               sources=((array, None),), transpose=False, fuse_axis=0))
+        source = _as_numpy(tensor) if read is None else _Deferred(read, key)
+        planned.append(Planned(hf=key, shape=tuple(tensor.shape), dtype=_numpy_dtype(out),
+                               sources=((source, None),), transpose=False, fuse_axis=0))
     return write_safetensors(path, planned, on_tensor or (lambda _: None))
 
 
@@ -316,9 +354,15 @@ def write_torch(staged: StagedModel | StagedAdapter, directory: str, *, max_shar
 
 
 def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
-                 provenance: Mapping[str, Any] | None, progress: Progress | None) -> int:
+                 provenance: Mapping[str, Any] | None, progress: Progress | None,
+                 read: Callable[[str], Any] | None = None) -> int:
     """Write ``staged`` into the existing, empty ``directory``; return the bytes written.
-    Only rank 0 writes a sharded model's export (the other ranks' copies hold no tensors)."""
+    Only rank 0 writes a sharded model's export (the other ranks' copies hold no tensors).
+
+    With ``read``, ``staged.tensors`` may be meta tensors (names, shapes and dtypes only):
+    ``read(name)`` gives each CPU tensor when the shard being written reaches it, so no more
+    than two tensors are held at once (``write_safetensors`` prepares the next while it writes
+    this one)."""
     if not staged.primary:
         raise ConfigError("this rank's staged copy of a sharded (FSDP2) model holds no "
                           "tensors: only rank 0 writes the export.")
@@ -352,7 +396,7 @@ def write_staged(staged: StagedModel, directory: str, *, max_shard_bytes: int,
     for name, tensor_names in split.filename_to_tensors.items():
         written += write_tensor_file(os.path.join(directory, name),
                                      {key: tensors[key] for key in tensor_names},
-                                     cast=staged.dtype, on_tensor=on_tensor)
+                                     cast=staged.dtype, on_tensor=on_tensor, read=read)
     files = list(split.filename_to_tensors)
     if split.is_sharded:
         written += _write_json(os.path.join(directory, INDEX_FILE), {
@@ -422,6 +466,32 @@ class TorchHFExporter:
         return stage_torch(pick_params(state, self.params_of), config=self.config, dtype=self.dtype,
                            generation_config=self.generation_config, copy_tensors=copy,
                            merge_adapters=self.merge_adapters)
+
+    def checkpoint_record(self, state: Any) -> dict[str, Any] | None:
+        """What ``jaxckpt export-hf`` needs to export a DCP checkpoint of ``state`` with no
+        flags, JSON-safe: config.json and generation_config.json as this exporter writes them
+        for the model now, and where the model is (``params_of``). The manager records it in
+        each recovery checkpoint's driver.json at save time. None where ``params_of`` is not
+        a tree path or the value is not a transformers PreTrainedModel."""
+        if not isinstance(self.params_of, str):
+            return None
+        model = pick_params(state, self.params_of)
+        if not _is_torch_object(model):
+            return None
+        model = _unwrap(model)
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel) or self.config is not None:
+            return None
+        cast = _torch_dtype(self.dtype)
+        config_text, generation_text = model_texts(
+            model, copy.deepcopy(model.config), _dtype_name(cast if cast is not None
+                                                            else model.dtype),
+            self.generation_config)
+        return {"format": TORCH_EXPORTER_RECORD_FORMAT, "params_of": self.params_of,
+                "config": config_text, "generation_config": generation_text,
+                "dtype": None if cast is None else _dtype_name(cast),
+                "max_shard_bytes": self.max_shard_bytes}
 
     def __call__(self, state: Any, out_dir: str) -> int:
         staged = (state if isinstance(state, (StagedModel, StagedAdapter))

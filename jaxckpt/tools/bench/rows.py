@@ -46,6 +46,7 @@ from .floors import (
 )
 from .local import local_tier_rows
 from .results import BenchResult
+from .rows_hf_dcp import row_export_hf_dcp
 from .rows_torch import _TorchRows
 from .states import _abstract, _jax_state, _leaf_arrays, _random_bytes, _tree_bytes
 from .timing import _drop_page_cache, _host_copies, _quiet, _rss, _settle, _timed
@@ -393,6 +394,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                     torch_rows.torch_rows()
                 if "hf" in sections:
                     torch_rows.hf_rows()
+                    row_export_hf_dcp(config, bench)
                 if "local" in sections:
                     local_tier_rows(bench.state, workdir, result)
             if "train" in sections:
