@@ -87,6 +87,11 @@ class ManagerSpec:
         if root is None:
             raise ConfigError("the config names no checkpoint root (AReaL: cluster.fileroot + "
                               "experiment_name + trial_name; torchtune: output_dir); pass root=.")
+        if exporter is not None and self.export_every is None:
+            raise ConfigError("exporter= was given, but the config names no export cadence "
+                              "(torchtune configs have none; AReaL's is the saver section): "
+                              "drop exporter= and pass export=jaxckpt.ExportConfig(every=..., "
+                              "exporter=...) to the manager.")
         export = self.export(exporter) if exporter is not None else None
         return {"root": root, "recover": self.recover, "export": export, "mode": self.mode}
 

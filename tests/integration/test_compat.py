@@ -116,6 +116,8 @@ def test_spec_builds_a_working_manager(tmp_path):
         assert mgr.committed_steps() == [3]
     with pytest.raises(ConfigError, match="names no checkpoint root"):
         load_config({"recover": {"mode": "auto"}}).kwargs()
+    with pytest.raises(ConfigError, match="names no export cadence"):
+        spec.kwargs(exporter=lambda state, out_dir: 0)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
 
