@@ -4,7 +4,8 @@ A Dense-Dropout-Dense model on synthetic arrays, ``shuffle=True``, 3 epochs of 6
 with ``--root`` it runs under ``jaxckpt.integrations.keras.BackupAndRestore`` saving every 3
 steps (a rerun resumes), without it it is the uninterrupted reference. Every trained batch
 prints ``LOSS epoch batch loss.hex()``; the end of the run writes every variable fit trains
-(model, optimizer, metrics) to ``--out`` (.npz) and prints ``DONE``.
+(model, optimizer, metrics) to ``--out`` (.npz) and prints ``DONE``. The reference run also
+prints a ``REFUSED name message`` line for each bad use ``check_refusals`` tries.
 
 ``--kill-at epoch_end:E`` or ``batch:G`` (G: the global batch index): once the checkpoints
 started so far committed, print ``KILL_HERE`` and wait to be SIGKILLed by the parent. A save
@@ -64,12 +65,31 @@ class Probe(keras.callbacks.Callback):
         time.sleep(120)
 
 
+def check_refusals() -> None:
+    """Bad arguments, and a model without what resuming relies on, raise ConfigError."""
+    from jaxckpt.integrations.keras import fit_internals
+
+    refusals = {
+        "both": lambda: BackupAndRestore("r", every=jaxckpt.Every(steps=1),
+                                         recover=jaxckpt.RecoverConfig()),
+        "every": lambda: BackupAndRestore("r", every=3),
+        "internals": lambda: fit_internals.check_model(object()),
+    }
+    for name, call in refusals.items():
+        try:
+            call()
+        except jaxckpt.ConfigError as error:
+            print("REFUSED", name, str(error).replace("\n", " "), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default="")
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill-at", default="")
     args = parser.parse_args()
+    if not args.root:
+        check_refusals()  # the reference run has time to spare: it runs beside the chain
     keras.utils.set_random_seed(0)
     data = np.random.default_rng(0)
     x = data.normal(size=(SAMPLES, 8)).astype("float32")

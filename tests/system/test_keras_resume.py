@@ -78,6 +78,12 @@ def test_killed_fit_resumes_bit_exact(reference: Worker, env: dict[str, str],
         assert code == expected, (code, worker.lines[-5:], worker.stderr())
     assert reference.finish() == 0, reference.stderr()
 
+    refused = {line.split()[1]: line for line in reference.lines if line.startswith("REFUSED")}
+    assert set(refused) == {"both", "every", "internals"}, reference.lines[:5]
+    assert "recover=RecoverConfig(every=" in refused["both"]
+    assert "jaxckpt.Every" in refused["every"]
+    assert "_initial_epoch" in refused["internals"] and "Keras 3.15" in refused["internals"]
+
     wanted = dict(losses(reference.lines))
     assert len(wanted) == 18
     for worker in chain:
@@ -94,3 +100,14 @@ def test_killed_fit_resumes_bit_exact(reference: Worker, env: dict[str, str],
         for name in ref.files:
             assert ref[name].dtype == got[name].dtype
             assert ref[name].tobytes() == got[name].tobytes(), name
+
+
+def test_another_keras_backend_is_refused_naming_the_setting() -> None:
+    import subprocess
+
+    program = ("import jaxckpt.integrations.keras\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          cwd=REPO, env=repo_env(KERAS_BACKEND="torch"), timeout=120)
+    assert done.returncode == 1
+    assert "jaxckpt.errors.ConfigError" in done.stderr
+    assert "KERAS_BACKEND=jax" in done.stderr and "'torch'" in done.stderr

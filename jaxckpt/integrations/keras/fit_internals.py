@@ -14,6 +14,7 @@ Must not import: torch, torch_bridge.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,8 @@ _MODEL_ATTRIBUTES = ("_initial_epoch", "train_function", "jax_state_sync", "step
 def import_keras() -> Any:
     """Import Keras and check that it runs on the JAX backend."""
     backend = os.environ.get("KERAS_BACKEND")
+    if backend is not None and backend != "jax" and "keras" not in sys.modules:
+        raise ConfigError(_backend_message(backend))  # Keras would pick it: fail before
     try:
         with requires_extra("keras", "jaxckpt.integrations.keras"):
             import keras
