@@ -89,6 +89,7 @@ def _keras_worker() -> None:
         return []
 
     hooks_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    batch_hooks_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
 
     def fit(variant: str) -> float:
         chosen = [_timed_hooks(keras, callback) for callback in callbacks(variant)]
@@ -96,11 +97,13 @@ def _keras_worker() -> None:
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=True, verbose=0,
                   callbacks=chosen)
         hooks_s[variant].append(sum(callback.spent_s for callback in chosen))
+        batch_hooks_s[variant].append(sum(callback.batch_s for callback in chosen))
         return time.perf_counter() - started
 
     for variant in VARIANTS:  # compile, and the first save of each kind, before timing
         fit(variant)
         hooks_s[variant].clear()
+        batch_hooks_s[variant].clear()
     seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for round_index in range(job["rounds"]):
         order = VARIANTS[::-1] if round_index % 2 else VARIANTS
@@ -110,10 +113,14 @@ def _keras_worker() -> None:
     lost = {variant: median[variant] - median["plain"] for variant in ("keras", "jaxckpt")}
     state_bytes = sum(int(np.asarray(v.value).nbytes) for v in model.variables)
     state_bytes += sum(int(np.asarray(v.value).nbytes) for v in model.optimizer.variables)
+    saves = job["batches"] // job["every"]
     blocking = {variant: statistics.median(hooks_s[variant]) for variant in ("keras", "jaxckpt")}
+    per_save = {variant: statistics.median(batch_hooks_s[variant]) / saves
+                for variant in ("keras", "jaxckpt")}
     result = {"fit_s": median, "seconds": seconds, "lost_s": lost, "blocking_s": blocking,
+              "blocking_per_save_s": per_save,
               "ratio": lost["jaxckpt"] / lost["keras"] if lost["keras"] > 0 else None,
-              "state_bytes": state_bytes, "saves_per_fit": job["batches"] // job["every"],
+              "state_bytes": state_bytes, "saves_per_fit": saves,
               "keras": keras.__version__, **{k: job[k] for k in ("widths", "batches",
                                                                   "batch_size", "every")}}
     print(json.dumps(result), flush=True)
@@ -124,7 +131,8 @@ def _timed_hooks(keras: Any, inner: Any) -> Any:
     training thread waits for in the callback itself)."""
 
     class Timed(keras.callbacks.Callback):
-        spent_s = 0.0
+        spent_s = 0.0  # in every hook: begin and end of fit (open, final save) included
+        batch_s = 0.0  # in on_train_batch_end: the saves themselves
 
         def set_model(self, model: Any) -> None:
             super().set_model(model)
@@ -146,7 +154,9 @@ def _timed_hooks(keras: Any, inner: Any) -> Any:
             self._call("on_epoch_begin", epoch, logs)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            started = time.perf_counter()
             self._call("on_train_batch_end", batch, logs)
+            self.batch_s += time.perf_counter() - started
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self._call("on_epoch_end", epoch, logs)
