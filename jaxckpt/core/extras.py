@@ -32,6 +32,8 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "gcs": frozenset({"google"}),
     # jaxckpt.compat reads AReaL and torchtune configs as their tools do, with OmegaConf.
     "compat": frozenset({"omegaconf"}),
+    # jaxckpt.integrations.keras: the model.fit callback (Keras 3 on the JAX backend).
+    "keras": frozenset({"keras"}),
 }
 
 

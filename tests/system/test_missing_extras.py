@@ -77,6 +77,9 @@ else:
     pytest.param(("omegaconf",), "    from jaxckpt.compat import load_config\n"
                  "    load_config({'save_every_n_steps': 10})", "compat", "torchtune configs",
                  id="load_config-without-omegaconf"),
+    pytest.param(("keras",), "    os.environ['KERAS_BACKEND'] = 'jax'\n"
+                 "    import jaxckpt.integrations.keras", "keras", "jaxckpt.integrations.keras",
+                 id="keras-integration-without-keras"),
 ])
 def test_first_use_without_its_extra_names_the_extra(blocked, call, extra, feature, tmp_path):
     out = run_without(blocked, RAISES.format(call=call), tmp_path)

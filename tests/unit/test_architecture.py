@@ -95,6 +95,13 @@ FOLDERS = {
                                "ml_dtypes", "etils"}),
         public=frozenset({"backend", "chunk_io", "import_orbax", "tree"}),
     ),
+    "jaxckpt.integrations": Folder(
+        may_import=("jaxckpt.integrations", "jaxckpt.manager", "jaxckpt.core", "jaxckpt.config",
+                    "jaxckpt.errors"),
+        never=frozenset({"torch"}),
+        third_party=frozenset({"keras", "numpy"}),
+        public=frozenset({"keras"}),
+    ),
     "jaxckpt.commit": Folder(
         may_import=("jaxckpt.commit", "jaxckpt.core", "jaxckpt.storage", "jaxckpt.errors",
                     "jaxckpt.config"),
