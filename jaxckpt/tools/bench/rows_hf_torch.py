@@ -89,22 +89,24 @@ class _TorchHFRows:
                 every=jaxckpt.Every(steps=1), mode="async", keep_last_n=1,
                 exporter=torch_bridge.hf_exporter(params_of="model", max_shard_bytes=self.shard))
             self.manager = torch_bridge.DcpCheckpointManager(
-                os.path.join(self.bench.workdir, "hf-torch-manager"),
+                # Not "hf-...": the Flax rows delete those names after each round.
+                os.path.join(self.bench.workdir, "torch-hf-manager"),
                 recover=jaxckpt.RecoverConfig(mode="off"), export=export)
             self.bench.closers.append(self.manager.close)
-            self._export()  # warm-up: the first export imports and builds what it needs
+            self._export(settle=False)  # warm-up: the first export imports what it needs
         self.result.add("hf_export_blocking", self._export())
         state = self.model.state_dict()
         self.result.add("hf_host_copy", _timed(
             lambda: {k: t.detach().to("cpu", copy=True) for k, t in state.items()}))
 
-    def _export(self) -> float:
+    def _export(self, *, settle: bool = True) -> float:
         """Seconds one ``maybe_save`` with an export due blocks; the export then finishes."""
         import jaxckpt
 
         self.step += 1
         step = jaxckpt.StepInfo(0, self.step, self.step)
-        _settle()
+        if settle:
+            _settle()
         start = time.perf_counter()
         reports = self.manager.maybe_save(step, {"model": self.model})
         blocked = time.perf_counter() - start
