@@ -34,7 +34,8 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
         assert rows[key]["spread_s"][0] <= rows[key]["median_s"] <= rows[key]["spread_s"][1]
     # torch and HF rows are measured, or say why not (torch_bridge is written elsewhere).
     for key in ("torch_save", "dcp_save", "dcp_blocking", "dcpm_blocking", "dcpm_sync",
-                "st_save", "hf_export", "hf_dcp_export", "hf_dcp_baseline"):
+                "st_save", "hf_export", "hf_dcp_export", "hf_dcp_baseline", "hf_save_pretrained",
+                "hf_torch_export", "hf_host_copy", "hf_export_blocking"):
         assert rows[key]["median_s"] is not None or rows[key]["unavailable"], key
     assert rows["jx_sync"]["gb_per_s"] > 0
     # The 2-process rows (bench.multiprocess): the same bytes saved by 1 process, then by 2.
@@ -57,6 +58,13 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
                  "DcpCheckpointManager restore throughput / dcp.load"):
         assert name in targets
     assert any("RSS growth" in name for name in targets)
+    # The transformers model's export: each ratio of issue 30 is reported, measured here.
+    for name in ("torch HF export throughput / save_pretrained",
+                 "async HF export blocking / host copy of its tensors",
+                 "torch HF export peak extra memory / largest shard"):
+        assert targets[name]["value"] > 0, name
+    largest = report["facts"]["hf_torch_memory"]["largest_shard_mib"]
+    assert 0 < largest <= BenchConfig.quick().hf_shard_mb
     assert any("reference item" in name for name in targets)
     assert report["facts"]["aux"]["mib_written_when_unchanged"]
     assert report["facts"]["memory"]["saves"] == BenchConfig.quick().memory_saves

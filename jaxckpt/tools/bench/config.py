@@ -14,7 +14,8 @@ from typing import Any
 __all__ = ["SECTIONS", "BenchConfig"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset. "first" and "leaves" are
-#: in ``rows_leaves``, "torch" and "hf" in ``rows_torch``, "train" in ``training``;
+#: in ``rows_leaves``, "torch" and "hf" in ``rows_torch`` (the transformers model's "hf" rows
+#: in ``rows_hf_torch``), "train" in ``training``;
 #: ``jaxckpt bench --scale`` is ``scale``.
 SECTIONS = ("jax", "many", "leaves", "first", "torch", "hf", "train", "memory", "aux",
             "local", "multiprocess")

@@ -152,6 +152,15 @@ _ROWS: tuple[_Row, ...] = (
          section="hf", nbytes_of="hf_dcp"),
     _Row(key="hf_dcp_export", label="jaxckpt export-hf of a DcpCheckpointManager root",
          section="hf", nbytes_of="hf_dcp"),
+    _Row(key="hf_save_pretrained",
+         label="transformers Llama: save_pretrained (safetensors) + fsync, same shard size",
+         section="hf", nbytes_of="hf_torch"),
+    _Row(key="hf_torch_export", label="  torch_bridge.export_hf of the same model",
+         section="hf", nbytes_of="hf_torch"),
+    _Row(key="hf_host_copy", label="  host copy of its tensors (detach().to('cpu', copy=True))",
+         section="hf", nbytes_of="hf_torch"),
+    _Row(key="hf_export_blocking",
+         label="  DcpCheckpointManager async HF export: maybe_save blocks", section="hf"),
     _Row(key="train_plain", label="training loop, no checkpoints", section="train"),
     _Row(key="train_raw", label="training loop, raw write + fsync every N steps (floor)",
          section="train"),
@@ -219,6 +228,11 @@ _TARGETS: tuple[_Target, ...] = (
     _Target(label="export-hf from a DCP root throughput / dcp.load + save_pretrained",
             numerator="hf_dcp_export", denominator="hf_dcp_baseline", op=">=", limit=1.0,
             invert=True, note="export-hf also verifies the step's checksums first"),
+    _Target(label="torch HF export throughput / save_pretrained", numerator="hf_torch_export",
+            denominator="hf_save_pretrained", op=">=", limit=1.0, invert=True,
+            note="same model and shard size; both fsynced"),
+    _Target(label="async HF export blocking / host copy of its tensors",
+            numerator="hf_export_blocking", denominator="hf_host_copy", op="<=", limit=1.5),
     _Target(label="training loop wall time with saves / without, minus 1",
             numerator="train_ckpt", denominator="train_plain", op="<=", limit=0.03),
     _Target(label="  floor: with raw write + fsync / without, minus 1",
@@ -358,7 +372,8 @@ def format_table(result: BenchResult) -> str:
         table.append(row_line(label_of(row.label, config), result.samples.get(row.key),
                               result.nbytes.get(row.nbytes_of) if row.nbytes_of else None, why))
     footer = [f"{key}: {json.dumps(facts[key], default=str)}"
-              for key in ("train", "memory", "aux", "hf_memory", "multiprocess") if key in facts]
+              for key in ("train", "memory", "aux", "hf_memory", "hf_torch_memory",
+                            "multiprocess") if key in facts]
     return report(header, table, result.targets(), footer)
 
 

@@ -3,9 +3,9 @@
 Owns: ``run_bench`` (every selected section, ``repeats`` rounds) and ``_Bench`` (one run: the
 states, the long-lived managers, the floors, Orbax's defaults, jaxckpt's saves and restores,
 host memory over repeated saves), and the auxiliary-item rows (``_aux_rows``). The other
-sections' rows live in ``rows_leaves``, ``rows_torch``, ``training``, ``local``,
-``multiprocess``. Every row is measured once per round and the rounds repeat; reads are cold
-where the page cache may be dropped (root), else warm for every row alike.
+sections' rows live in ``rows_leaves``, ``rows_torch``, ``rows_hf_torch``, ``training``,
+``local``, ``multiprocess``. Every row is measured once per round and the rounds repeat;
+reads are cold where the page cache may be dropped (root), else warm for every row alike.
 
 Must not import at module level: jax, orbax, torch.
 
@@ -47,6 +47,7 @@ from .floors import (
 from .local import local_tier_rows
 from .results import BenchResult
 from .rows_hf_dcp import row_export_hf_dcp
+from .rows_hf_torch import _TorchHFRows
 from .rows_torch import _TorchRows
 from .states import _abstract, _jax_state, _leaf_arrays, _random_bytes, _tree_bytes
 from .timing import _drop_page_cache, _host_copies, _quiet, _rss, _settle, _timed
@@ -366,6 +367,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                         load_start=round(os.getloadavg()[0], 2))
     bench = _Bench(config, workdir, result, log)
     torch_rows = _TorchRows(bench)
+    torch_hf_rows = _TorchHFRows(bench)
     sections = config.sections
     try:
         with _quiet():
@@ -395,6 +397,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                 if "hf" in sections:
                     torch_rows.hf_rows()
                     row_export_hf_dcp(config, bench)
+                    torch_hf_rows.rows()
                 if "local" in sections:
                     local_tier_rows(bench.state, workdir, result)
             if "train" in sections:

@@ -1,8 +1,8 @@
 """The synthetic states of ``jaxckpt bench``: incompressible bytes as trees of arrays.
 
 Owns: the random bytes, their split into float32 and bfloat16 leaves, the jax state made of
-them (XLA's own buffers, as a training step's), its abstract form and size, and a Llama param
-tree of about a given size for the Hugging Face export rows.
+them (XLA's own buffers, as a training step's), its abstract form and size, and a Llama config
+and param tree of about a given size for the Hugging Face export rows.
 
 Must not import at module level: jax, flax (imported inside the functions).
 """
@@ -60,6 +60,21 @@ def _tree_bytes(state: Any) -> int:
     return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(state))
 
 
+def _llama_config(nbytes: int) -> dict[str, Any]:
+    """A Llama config (transformers' keys) whose float32 params total about ``nbytes``."""
+    # Per layer about 12 hidden^2 params (attention 4, gated MLP 3 x 8/3), plus 16 hidden^2
+    # for embedding and LM head with vocab = 8 hidden: four layers make 64 hidden^2.
+    layers = 4
+    hidden = 64 * max(1, round(math.sqrt(nbytes / 4 / 64) / 64))
+    vocab = 8 * hidden
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "hidden_size": hidden, "intermediate_size": max(64, hidden * 8 // 3 // 64 * 64),
+            "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 64),
+            "num_key_value_heads": max(1, hidden // 64), "vocab_size": vocab,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "rope_theta": 10000.0}
+
+
 def _llama_params(nbytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """A Llama config whose float32 params total about ``nbytes``, and random params in
     jaxckpt.llm's layout (numpy leaves: the export's cost, not a device transfer's)."""
@@ -68,22 +83,10 @@ def _llama_params(nbytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
     from jaxckpt.llm import from_config, params_of
 
-    # Per layer about 12 hidden^2 params (attention 4, gated MLP 3 x 8/3), plus 16 hidden^2
-    # for embedding and LM head with vocab = 8 hidden: four layers make 64 hidden^2.
-    layers = 4
-    hidden = 64 * max(1, round(math.sqrt(nbytes / 4 / 64) / 64))
-    vocab = 8 * hidden
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-              "hidden_size": hidden, "intermediate_size": max(64, hidden * 8 // 3 // 64 * 64),
-              "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 64),
-              "num_key_value_heads": max(1, hidden // 64), "vocab_size": vocab,
-              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": False, "rope_theta": 10000.0}
+    config = _llama_config(nbytes)
     abstract = nnx.eval_shape(lambda: from_config(config, rngs=nnx.Rngs(0)))
     shapes = params_of(abstract)
     rng = np.random.default_rng(1)
     params = jax.tree.map(
         lambda leaf: rng.standard_normal(leaf.shape, dtype=np.float32) * 0.02, shapes)
     return config, params
-
-

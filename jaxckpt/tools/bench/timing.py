@@ -89,6 +89,33 @@ def _traced_peak(action: Callable[[], Any]) -> int:
         tracemalloc.stop()
 
 
+def _status_bytes(field: str) -> int:
+    """A size line of /proc/self/status ("VmRSS", "VmHWM"), in bytes."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _rss_peak_growth(action: Callable[[], Any]) -> int | None:
+    """Peak growth of this process's resident memory during ``action``, in bytes: after a
+    settle (freed memory handed back, so a new buffer must fault in pages), the kernel's
+    high-water mark is reset (``clear_refs`` 5) and the peak read back (``VmHWM``) minus the
+    resident size before. Counts every allocator (torch's tensors, which tracemalloc does not
+    see) and every thread, and the exact peak rather than a sampled one. None where the
+    kernel lacks either file."""
+    _settle()
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5\n")
+        before = _status_bytes("VmRSS")
+    except OSError:
+        return None
+    action()
+    return max(0, _status_bytes("VmHWM") - before)
+
+
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
