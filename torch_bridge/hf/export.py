@@ -389,7 +389,9 @@ def _export_torch(value: Any, out_dir: str, *, arch: Any, config: Any, dtype: An
         raise ConfigError("export_hf of a torch model takes no tokenizer_dir=; save the "
                           "tokenizer with tokenizer.save_pretrained(out_dir) afterwards.")
     limit = shard_limit(max_shard_bytes, SAVE_PRETRAINED_MAX_SHARD_BYTES)
-    staged = stage_torch(value, config=config, dtype=dtype,
+    # Written right here, on this thread: no host copy of the whole model first (the writer
+    # reads one tensor at a time, copying only one that is not a contiguous CPU tensor).
+    staged = stage_torch(value, config=config, dtype=dtype, copy_tensors=False,
                          generation_config=generation_config, merge_adapters=merge_adapters)
 
     def write(directory: str) -> int:

@@ -295,12 +295,12 @@ def model_texts(reference: Any, hf_config: Any, dtype_name: str,
 
 
 def _as_numpy(tensor: Any) -> np.ndarray:
-    """A zero-copy numpy view of a contiguous CPU tensor (bfloat16 and float8 through
-    ml_dtypes, which numpy lacks)."""
+    """A numpy view of a tensor: zero-copy for a contiguous CPU tensor, else one copy of
+    this tensor alone (bfloat16 and float8 through ml_dtypes, which numpy lacks)."""
     import ml_dtypes
     import torch
 
-    tensor = tensor.contiguous()
+    tensor = tensor.detach().cpu().contiguous()
     special = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
                torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
                torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2)}
