@@ -78,6 +78,7 @@ class JaxckptCheckpointIO(CheckpointIO):
         self._pending: dict[int, list[tuple[str, Any]]] = {}
         self._committed: set[int] = set()
         self._saved: set[int] = set()  # steps this process saved (later paths are aliases)
+        self._exit_hook = False
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -87,6 +88,11 @@ class JaxckptCheckpointIO(CheckpointIO):
             raise ConfigError("JaxckptCheckpointIO.save_checkpoint(storage_options=...) is not "
                               "supported: pass storage_options to JaxckptCheckpointIO(...).")
         path = os.fspath(path)
+        if "://" in path:
+            raise ConfigError(f"JaxckptCheckpointIO writes a small pointer file at each path "
+                              f"Lightning names, which must be local; got {path!r}. Fix: a "
+                              "local ModelCheckpoint(dirpath=...) and the object store as "
+                              "JaxckptCheckpointIO(root='s3://...').")
         step = checkpoint.get("global_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"the checkpoint for {path} has global_step={step!r}; "
@@ -187,7 +193,9 @@ class JaxckptCheckpointIO(CheckpointIO):
                                                  on_report=self._on_report,
                                                  **{"mode": "async", **self._manager_kwargs})
             self._committed = set(self._manager.committed_steps())
-            atexit.register(self.close)
+            if not self._exit_hook:
+                atexit.register(self.close)
+                self._exit_hook = True
         return self._manager
 
     def _root_for_pointer(self, path: str) -> str:

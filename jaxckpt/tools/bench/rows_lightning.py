@@ -36,13 +36,47 @@ def lightning_rows(directory: str | None = None, *, hidden: int = 1024, layers: 
         save_every: ``ModelCheckpoint(every_n_train_steps=...)`` (``save_top_k=-1``).
         rounds: fits per way; the median is reported.
     """
+    blocked = {"save": 0.0, "teardown": 0.0}  # training-thread seconds inside the plugin
+    fit = _fitter(blocked, hidden=hidden, layers=layers, steps=steps, save_every=save_every)
+    ways = ["none", "torch_io", "jaxckpt"]
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    blocking: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
+    work = tempfile.mkdtemp(prefix="jaxckpt-bench-lightning-", dir=directory)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit("none", work)  # warm-up: first-call costs of torch and Lightning
+            for round_index in range(rounds):
+                for way in ways if round_index % 2 == 0 else ways[::-1]:
+                    blocked.update(save=0.0, teardown=0.0)
+                    seconds[way].append(fit(way, os.path.join(work, str(round_index))))
+                    blocking[way].append(dict(blocked))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    median = {way: statistics.median(values) for way, values in seconds.items()}
+    lost_torch = max(0.0, median["torch_io"] - median["none"])
+    lost_jaxckpt = max(0.0, median["jaxckpt"] - median["none"])
+    state_mb = layers * (hidden * hidden + hidden) * 4 * 3 / (1 << 20)  # params + Adam
+    return {"checkpoint_mb": round(state_mb, 1), "saves": steps // save_every,
+            "fit_s": {way: round(value, 3) for way, value in median.items()},
+            "lost_s": {"torch_io": round(lost_torch, 3), "jaxckpt": round(lost_jaxckpt, 3)},
+            "ratio": round(lost_jaxckpt / lost_torch, 3) if lost_torch else None,
+            "blocking_s": {way: {part: round(statistics.median(item[part] for item in
+                                                               blocking[way]), 3)
+                                 for part in ("save", "teardown")}
+                           for way in ("torch_io", "jaxckpt")},
+            "rounds": rounds}
+
+
+def _fitter(blocked: dict[str, float], *, hidden: int, layers: int, steps: int,
+            save_every: int) -> Any:
+    """``fit(way, work) -> seconds``: one seeded ``trainer.fit`` checkpointed ``way``
+    ("none", "torch_io", "jaxckpt"); adds the plugin's blocking seconds to ``blocked``."""
     import lightning as L
     import torch
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     from torch_bridge.integrations.lightning import JaxckptCheckpointIO
-
-    blocked = {"save": 0.0, "teardown": 0.0}  # training-thread seconds inside the plugin
 
     def timed(cls: Any) -> Any:
         class Timed(cls):
@@ -79,7 +113,6 @@ def lightning_rows(directory: str | None = None, *, hidden: int = 1024, layers: 
             callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
                 dirpath=os.path.join(work, way), every_n_train_steps=save_every,
                 save_top_k=-1))
-        if way != "none":
             plugins.append(timed(JaxckptCheckpointIO if way == "jaxckpt"
                                  else TorchCheckpointIO)())
         trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
@@ -90,31 +123,5 @@ def lightning_rows(directory: str | None = None, *, hidden: int = 1024, layers: 
         trainer.fit(Model(), loader)
         return time.perf_counter() - start
 
-    ways = ["none", "torch_io", "jaxckpt"]
-    seconds: dict[str, list[float]] = {way: [] for way in ways}
-    blocking: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
-    work = tempfile.mkdtemp(prefix="jaxckpt-bench-lightning-", dir=directory)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fit("none", work)  # warm-up: first-call costs of torch and Lightning
-            for round_index in range(rounds):
-                for way in ways if round_index % 2 == 0 else ways[::-1]:
-                    blocked.update(save=0.0, teardown=0.0)
-                    seconds[way].append(fit(way, os.path.join(work, str(round_index))))
-                    blocking[way].append(dict(blocked))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    median = {way: statistics.median(values) for way, values in seconds.items()}
-    lost_torch = max(0.0, median["torch_io"] - median["none"])
-    lost_jaxckpt = max(0.0, median["jaxckpt"] - median["none"])
-    state_mb = layers * (hidden * hidden + hidden) * 4 * 3 / (1 << 20)  # params + Adam
-    return {"checkpoint_mb": round(state_mb, 1), "saves": steps // save_every,
-            "fit_s": {way: round(value, 3) for way, value in median.items()},
-            "lost_s": {"torch_io": round(lost_torch, 3), "jaxckpt": round(lost_jaxckpt, 3)},
-            "ratio": round(lost_jaxckpt / lost_torch, 3) if lost_torch else None,
-            "blocking_s": {way: {part: round(statistics.median(item[part] for item in
-                                                               blocking[way]), 3)
-                                 for part in ("save", "teardown")}
-                           for way in ("torch_io", "jaxckpt")},
-            "rounds": rounds}
+    return fit
+
