@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.trainer.states import TrainerStatus
 
 from jaxckpt import CheckpointWarning, ConfigError, RecoverConfig, StepInfo
 from jaxckpt.core import codec
@@ -98,27 +99,41 @@ class JaxckptCheckpointIO(CheckpointIO):
             raise ConfigError(f"the checkpoint for {path} has global_step={step!r}; "
                               "JaxckptCheckpointIO needs Lightning's global step (an int >= 0).")
         skeleton, tensors = lightning_tree.split(checkpoint)
-        trainer = _calling_trainer()
-        rng = _capture_rng()
-        rng["loaders"] = [_generator_bytes(g) for g in _loader_generators(trainer)]
-        state = {"tensors": tensors, "lightning": {"checkpoint": skeleton, "rng": rng,
-                                                   "path": path}}
         manager = self._open(path)
-        epoch = checkpoint.get("epoch", 0)
-        info = StepInfo(epoch=epoch if isinstance(epoch, int) else 0, global_step=step)
         with self._lock:
             alias = step in self._saved
             self._saved.add(step)
-        # A second path at one step (last.ckpt after the top-k file) shares the first one's
-        # tensors (the same values: nothing trains between the two saves); its own plain
-        # values (ModelCheckpoint's last_model_path...) go into its pointer.
-        manager.save(info, state)
+        if not alias:
+            self._save_step(manager, checkpoint, step, skeleton, tensors, path)
+        # A second path at one step (last.ckpt after the top-k file, or save_checkpoint after
+        # fit) shares the first one's tensors (the same values: nothing trained between the
+        # two saves); its own plain values (ModelCheckpoint's last_model_path...) go into
+        # its pointer.
         own = skeleton if alias else None
         with self._lock:
             if step in self._committed:
                 write_pointer(path, self._root_for_pointer(path), step, own)
             else:
                 self._pending.setdefault(step, []).append((path, own))
+
+    def _save_step(self, manager: DcpCheckpointManager, checkpoint: dict[str, Any], step: int,
+                   skeleton: Any, tensors: dict[str, torch.Tensor], path: str) -> None:
+        """Write the jaxckpt checkpoint of ``step``: asynchronously while ``fit`` runs (its
+        teardown waits), synchronously otherwise (``trainer.save_checkpoint`` after ``fit``:
+        no teardown follows, and a write left to interpreter exit would be refused)."""
+        if step in self._committed:  # an earlier run's checkpoint of this step: replaced
+            manager.store.delete(manager.store.step_path(step))
+            with self._lock:
+                self._committed.discard(step)
+        trainer = _calling_trainer()
+        rng = _capture_rng()
+        rng["loaders"] = [_generator_bytes(g) for g in _loader_generators(trainer)]
+        state = {"tensors": tensors, "lightning": {"checkpoint": skeleton, "rng": rng,
+                                                   "path": path}}
+        epoch = checkpoint.get("epoch", 0)
+        info = StepInfo(epoch=epoch if isinstance(epoch, int) else 0, global_step=step)
+        running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        manager.save(info, state, mode=None if running else "sync")
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
