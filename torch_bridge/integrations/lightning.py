@@ -143,11 +143,7 @@ class JaxckptCheckpointIO(CheckpointIO):
         pointer = read_pointer(path)
         manager = self._open(path, pointer_root=pointer["root"])
         manager.wait()
-        step = self._valid_step(manager, int(pointer["step"]), path)
-        head = manager.restore({"lightning": None}, step=step, partial=True).state
-        saved = head["lightning"]
-        tensors = lightning_tree.empty_like_saved(saved["checkpoint"])
-        manager.restore({"tensors": tensors, "lightning": None}, step=step)
+        step, saved, tensors = self._read_newest_valid(manager, int(pointer["step"]), path)
         skeleton = saved["checkpoint"]
         if step == pointer["step"] and "checkpoint" in pointer:  # this path's own values
             skeleton = codec.decode(pointer["checkpoint"], f"{path}['checkpoint']")
@@ -230,18 +226,31 @@ class JaxckptCheckpointIO(CheckpointIO):
             self._user_on_report(report)
 
     @staticmethod
-    def _valid_step(manager: DcpCheckpointManager, step: int, path: str) -> int:
-        entry, skipped = manager.store.latest_valid(at_or_before=step)
-        if entry is None:
-            raise CheckpointNotFoundError(
-                f"{path} names jaxckpt step {step} under {manager.root}, but neither it nor "
-                "any older checkpoint there is valid: "
-                + ", ".join(f"{item.path} ({item.status})" for item in skipped))
-        if entry.step != step:
-            warnings.warn(f"{path}: the jaxckpt checkpoint of step {step} under {manager.root} "
-                          f"is not valid; loading the newest valid one before it, step "
-                          f"{entry.step}.", CheckpointWarning, stacklevel=3)
-        return int(entry.step)
+    def _read_newest_valid(manager: DcpCheckpointManager, step: int, path: str
+                           ) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+        """``(step, saved plain values, tensors)`` of ``step``, or of the newest older step
+        that passes verification (with a warning), read by the manager's restore (which
+        checks every file against the commit manifest before anything is used)."""
+        skipped: list[str] = []
+        for candidate in sorted((s for s in manager.committed_steps() if s <= step),
+                                reverse=True):
+            try:
+                head = manager.restore({"lightning": None}, step=candidate, partial=True)
+                saved = head.state["lightning"]
+                tensors = lightning_tree.empty_like_saved(saved["checkpoint"])
+                manager.restore({"tensors": tensors, "lightning": None}, step=candidate)
+            except CheckpointCorruptError as exc:
+                skipped.append(f"step {candidate}: {exc}")
+                continue
+            if candidate != step:
+                warnings.warn(f"{path}: the jaxckpt checkpoint of step {step} under "
+                              f"{manager.root} is not valid; loading the newest valid one "
+                              f"before it, step {candidate}.", CheckpointWarning, stacklevel=3)
+            return candidate, saved, tensors
+        raise CheckpointNotFoundError(
+            f"{path} names jaxckpt step {step} under {manager.root}, but neither it nor any "
+            "older committed checkpoint there is valid" + (": " if skipped else ".")
+            + "; ".join(skipped))
 
 
 def write_pointer(path: str, root: str, step: int, skeleton: Any = None) -> None:
