@@ -32,6 +32,7 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "gcs": frozenset({"google"}),
     # jaxckpt.compat reads AReaL and torchtune configs as their tools do, with OmegaConf.
     "compat": frozenset({"omegaconf"}),
+    "lightning": frozenset({"lightning", "lightning_utilities"}),
 }
 
 

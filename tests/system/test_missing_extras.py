@@ -77,6 +77,9 @@ else:
     pytest.param(("omegaconf",), "    from jaxckpt.compat import load_config\n"
                  "    load_config({'save_every_n_steps': 10})", "compat", "torchtune configs",
                  id="load_config-without-omegaconf"),
+    pytest.param(("lightning",), "    from torch_bridge.integrations.lightning import "
+                 "JaxckptCheckpointIO", "lightning", "torch_bridge.integrations.lightning",
+                 id="JaxckptCheckpointIO-without-lightning"),
 ])
 def test_first_use_without_its_extra_names_the_extra(blocked, call, extra, feature, tmp_path):
     out = run_without(blocked, RAISES.format(call=call), tmp_path)

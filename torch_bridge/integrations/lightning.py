@@ -23,15 +23,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.trainer.states import TrainerStatus
 
 from jaxckpt import CheckpointWarning, ConfigError, RecoverConfig, StepInfo
 from jaxckpt.core import codec
+from jaxckpt.core.extras import requires_extra
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from torch_bridge.integrations import lightning_tree
 from torch_bridge.manager import DcpCheckpointManager
+
+with requires_extra("lightning", "torch_bridge.integrations.lightning"):
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.trainer.states import TrainerStatus
 
 __all__ = ["JaxckptCheckpointIO", "POINTER_FORMAT"]
 
