@@ -34,6 +34,8 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "compat": frozenset({"omegaconf"}),
     # jaxckpt.integrations.keras: the model.fit callback (Keras 3 on the JAX backend).
     "keras": frozenset({"keras"}),
+    # torch_bridge.integrations.lightning: the CheckpointIO plugin.
+    "lightning": frozenset({"lightning", "lightning_utilities"}),
 }
 
 

@@ -80,6 +80,9 @@ else:
     pytest.param(("keras",), "    os.environ['KERAS_BACKEND'] = 'jax'\n"
                  "    import jaxckpt.integrations.keras", "keras", "jaxckpt.integrations.keras",
                  id="keras-integration-without-keras"),
+    pytest.param(("lightning",), "    from torch_bridge.integrations.lightning import "
+                 "JaxckptCheckpointIO", "lightning", "torch_bridge.integrations.lightning",
+                 id="JaxckptCheckpointIO-without-lightning"),
 ])
 def test_first_use_without_its_extra_names_the_extra(blocked, call, extra, feature, tmp_path):
     out = run_without(blocked, RAISES.format(call=call), tmp_path)
