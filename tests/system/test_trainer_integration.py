@@ -21,18 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from jaxckpt import ConfigError, Every, RecoverConfig
+
+from support import trainer_worker
+from support.harness import Worker, repo_env
+from support.paths import REPO, TRAINER_WORKER
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-
-from jaxckpt import ConfigError, Every, RecoverConfig  # noqa: E402
-from torch_bridge.integrations.transformers import (  # noqa: E402
-    recover_config_from_args,
-    use_jaxckpt,
-)
-
-from support import trainer_worker  # noqa: E402
-from support.harness import Worker, repo_env  # noqa: E402
-from support.paths import REPO, TRAINER_WORKER  # noqa: E402
 
 TIMEOUT_S = 180
 
@@ -108,6 +104,8 @@ def test_sft_trainer_killed_once_resumes_bit_exact(tmp_path):
                                                                       keep_last_n=None)),
 ])
 def test_cadence_and_retention_follow_the_training_arguments(tmp_path, settings, expected):
+    from torch_bridge.integrations.transformers import recover_config_from_args
+
     args = trainer_worker.training_args(tmp_path, **settings)
     assert recover_config_from_args(args) == expected
 
@@ -120,13 +118,17 @@ def test_cadence_and_retention_follow_the_training_arguments(tmp_path, settings,
     ({"save_only_model": True}, r"save_only_model=True.*hf_exporter"),
 ])
 def test_unsupported_settings_are_refused_naming_the_field_and_fix(tmp_path, settings, message):
+    from torch_bridge.integrations.transformers import use_jaxckpt
+
     trainer = trainer_worker.build_trainer(tmp_path, **settings)
     with pytest.raises(ConfigError, match=message):
         use_jaxckpt(trainer, tmp_path / "root")
     assert not (tmp_path / "root").exists()  # refused before anything was written
 
 
-def test_a_given_recover_config_wins_and_is_kept_with_the_trainer(tmp_path):
+def test_a_given_recover_config_replaces_the_save_strategy_and_hooks_once(tmp_path):
+    from torch_bridge.integrations.transformers import use_jaxckpt
+
     trainer = trainer_worker.build_trainer(tmp_path, save_strategy="no")
     config = RecoverConfig(every=Every(steps=5), keep_last_n=3)
     assert use_jaxckpt(trainer, tmp_path / "root", recover=config) is trainer
