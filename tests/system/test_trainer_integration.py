@@ -1,19 +1,19 @@
 """Hugging Face Trainer and TRL's SFTTrainer under ``use_jaxckpt``, in real processes.
 
 One chain of worker processes on one root is SIGKILLed three times (mid-epoch, just after
-an epoch boundary, while an async save is held in flight) and rerun with the same command
-each time; the finished run's weights, Adam state, learning rate and the loss, grad norm and
-learning rate Trainer logged at every step equal, bit for bit, those of one uninterrupted
-Trainer run without jaxckpt (Trainer's own resume is exact with ``data_seed`` and
-``dataloader_num_workers=0``: so is this). SFTTrainer: one kill point. The cadence and
-retention read from TrainingArguments, and the settings refused, are checked in-process.
+an epoch boundary, while an async save is held in flight) and rerun with the same program
+each time (the last rerun in the test process); the finished run's weights, Adam state,
+learning rate and the loss, grad norm and learning rate Trainer logged at every step equal,
+bit for bit, those of one uninterrupted Trainer run without jaxckpt (Trainer's own resume is
+exact with ``data_seed`` and ``dataloader_num_workers=0``: so is this). SFTTrainer: one kill
+point. The cadence and retention read from TrainingArguments, and the settings refused, are
+checked in-process.
 
 Workers: tests/support/trainer_worker.py, each in its own session, every wait bounded.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from collections.abc import Callable
@@ -53,6 +53,25 @@ def after_commit(committed: int, step: int) -> Callable[[str], bool]:
     return test
 
 
+def rerun_here(trainer, root: Path) -> tuple[int, dict]:
+    """The last run of a chain, in this process (the same code the worker runs, one process
+    start fewer): the step it resumed from, and its summary."""
+    from transformers import TrainerCallback
+
+    from torch_bridge.integrations.transformers import use_jaxckpt
+
+    begins: list[int] = []
+
+    class Begin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            begins.append(state.global_step)
+
+    trainer.add_callback(Begin())
+    use_jaxckpt(trainer, root, mode="async").train()
+    (begin,) = begins
+    return begin, trainer_worker.summary(trainer)
+
+
 def run_worker(root: Path, out: Path, *flags: str, kill_at=None) -> Worker:
     worker = Worker([sys.executable, str(TRAINER_WORKER), str(root), str(out / "output"),
                      str(out / "summary.json"), *flags], env=repo_env(), cwd=REPO,
@@ -69,12 +88,12 @@ def test_trainer_killed_three_times_resumes_bit_exact(tmp_path, reference):
         (after_commit(3, 4), (), 0),                  # mid-epoch (6 steps per epoch)
         (after_commit(6, 7), (), 3),                  # just after the epoch boundary
         ("SAVED 9", ("--hold-writes", "60"), 6),      # the async save of step 9 in flight
-        (None, (), 6),                                # the rerun that finishes
     ]
     for kill_at, flags, start in chain:
         worker = run_worker(root, tmp_path, *flags, kill_at=kill_at)
         assert worker.tagged("BEGIN") == [str(start)], worker.lines
-    resumed = json.loads((tmp_path / "summary.json").read_text())
+    begin, resumed = rerun_here(trainer_worker.build_trainer(tmp_path / "output"), root)
+    assert begin == 6
     for key in ("logs", "weights", "optimizer", "lr", "global_step"):
         assert resumed[key] == reference[key], f"{key} differs from the uninterrupted run"
     assert not list((tmp_path / "output").glob("checkpoint-*"))
@@ -88,9 +107,8 @@ def test_sft_trainer_killed_once_resumes_bit_exact(tmp_path):
     expected = trainer_worker.summary(trainer)
     root = tmp_path / "root"
     run_worker(root, tmp_path, "--sft", kill_at=after_commit(4, 5))
-    worker = run_worker(root, tmp_path, "--sft")
-    assert worker.tagged("BEGIN") == ["4"]
-    resumed = json.loads((tmp_path / "summary.json").read_text())
+    begin, resumed = rerun_here(trainer_worker.sft_trainer(tmp_path / "output"), root)
+    assert begin == 4
     for key in ("logs", "weights", "optimizer", "lr", "global_step"):
         assert resumed[key] == expected[key], f"{key} differs from the uninterrupted run"
 
