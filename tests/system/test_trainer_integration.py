@@ -152,3 +152,26 @@ def test_a_given_recover_config_replaces_the_save_strategy_and_hooks_once(tmp_pa
     assert use_jaxckpt(trainer, tmp_path / "root", recover=config) is trainer
     with pytest.raises(ConfigError, match="already saves through jaxckpt"):
         use_jaxckpt(trainer, tmp_path / "root")
+
+
+def test_a_trainer_checkpoint_folder_resumes_then_saves_through_jaxckpt(tmp_path, reference):
+    """A run moving to jaxckpt midway: ``train(resume_from_checkpoint=folder)`` loads
+    Trainer's own ``checkpoint-3`` exactly, and the saves after it are jaxckpt's."""
+    from transformers import TrainerCallback
+
+    from torch_bridge.integrations.transformers import use_jaxckpt
+
+    class StopAtThree(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    own = trainer_worker.build_trainer(tmp_path / "own", callbacks=[StopAtThree()])
+    own.train()
+    moved = use_jaxckpt(trainer_worker.build_trainer(tmp_path / "moved"), tmp_path / "root")
+    moved.train(resume_from_checkpoint=str(tmp_path / "own" / "checkpoint-3"))
+    resumed = trainer_worker.summary(moved)
+    for key in ("logs", "weights", "optimizer", "lr", "global_step"):
+        assert resumed[key] == reference[key], f"{key} differs from the uninterrupted run"
+    assert not list((tmp_path / "moved").glob("checkpoint-*"))
+    steps = sorted(p.name for p in (tmp_path / "root" / "recover").glob("step_*"))
+    assert steps == ["step_00000005", "step_00000008", "step_00000011"]
