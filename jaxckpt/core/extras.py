@@ -27,6 +27,8 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "jax": frozenset({"jax", "jaxlib", "orbax", "flax", "optax", "etils", "tensorstore"}),
     "torch": frozenset({"torch", "torchdata"}),
     "hf": frozenset({"safetensors", "transformers", "tokenizers"}),
+    # transformers' Trainer (torch_bridge.integrations.transformers) runs on accelerate.
+    "transformers": frozenset({"transformers", "accelerate"}),
     "grain": frozenset({"grain"}),
     # google-cloud-storage lives in the "google" namespace package (google.cloud.storage).
     "gcs": frozenset({"google"}),

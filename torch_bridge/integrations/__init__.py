@@ -1,8 +1,8 @@
-"""Drop-in checkpointing for the trainers people already use (issue 31).
+"""Drop-ins for the trainers people already use; each submodule is imported on its own.
 
-Submodules, imported by name (this package imports nothing):
-``torch_bridge.integrations.transformers`` (``use_jaxckpt`` for Hugging Face ``Trainer``) and
-``torch_bridge.integrations.lightning`` (``JaxckptCheckpointIO`` for ``lightning.Trainer``).
+``torch_bridge.integrations.transformers``: ``use_jaxckpt(trainer, root, ...)`` for a Hugging
+Face ``Trainer`` and TRL's trainers. ``torch_bridge.integrations.lightning``:
+``JaxckptCheckpointIO``, a Lightning checkpoint plugin.
 
 Must not import: jax, orbax.
 """

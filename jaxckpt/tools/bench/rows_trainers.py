@@ -1,0 +1,133 @@
+"""Time a Hugging Face Trainer run loses to checkpointing: Trainer's own vs jaxckpt's.
+
+Owns: ``trainer_rows`` (one process, the three variants taking turns each round: no
+checkpoints, Trainer's own ``checkpoint-N`` folders, ``use_jaxckpt`` at the same cadence) and
+its command line (``python -m jaxckpt.tools.bench.rows_trainers``). Not a section of
+``jaxckpt bench``: importing transformers alone takes longer than ``--quick`` may.
+
+Must not import at module level: jax, orbax, torch, transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["trainer_rows"]
+
+
+def _trainer(output_dir: str, *, steps: int, save_every: int | None, width: int,
+             layers: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.ids = torch.randint(0, 4096, (256, 64),
+                                     generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=4)
+    save = {"save_strategy": "no"} if save_every is None else {
+        "save_strategy": "steps", "save_steps": save_every}
+    args = TrainingArguments(output_dir=output_dir, max_steps=steps,
+                             per_device_train_batch_size=4, logging_steps=save_every or steps,
+                             data_seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
+                             log_level="error", **save)
+    return Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Tokens())
+
+
+def _timed(fn: Any, spent: list[float]) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+    return call
+
+
+def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[str, float]:
+    """One ``trainer.train()``: its seconds, and the seconds the training thread spent at
+    the save points (Trainer's logging plus its save, or jaxckpt's staging) and in
+    ``on_train_end`` (where jaxckpt waits for its last save to commit)."""
+    from torch_bridge.integrations.transformers import use_jaxckpt
+
+    output = tempfile.mkdtemp(dir=workdir)
+    trainer = _trainer(output, save_every=None if variant == "none" else save_every, **shape)
+    if variant == "jaxckpt":
+        trainer = use_jaxckpt(trainer, os.path.join(output, "root"), preemption_signals=())
+    spent: list[float] = []
+    trainer._maybe_log_save_evaluate = _timed(trainer._maybe_log_save_evaluate, spent)
+    handler = trainer.callback_handler
+    handler.on_train_end = _timed(handler.on_train_end, spent)
+    start = time.perf_counter()
+    trainer.train()
+    run_s = time.perf_counter() - start
+    shutil.rmtree(output, ignore_errors=True)
+    return {"run_s": run_s, "save_points_s": sum(spent)}
+
+
+def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, layers: int = 4,
+                 repeats: int = 3, directory: str | None = None) -> dict[str, Any]:
+    """Median seconds of each variant, and the time each loses to checkpointing: the
+    training thread's time at the save points and at the end of training minus the same
+    without checkpoints (per round, then the median; whole runs are reported too, but on a
+    shared machine their noise hides seconds).
+
+    Args:
+        steps: optimizer steps per run.
+        save_every: steps between checkpoints (Trainer's ``save_steps``; jaxckpt follows it).
+        width: the Llama's hidden size (4 heads, intermediate size 2 x width).
+        layers: its decoder layers.
+        repeats: rounds; the variants take turns within each, in alternating order.
+        directory: where runs write (a temporary directory under it); None: the system's.
+    """
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+    workdir = tempfile.mkdtemp(prefix="jaxckpt-bench-trainer-", dir=directory)
+    shape = dict(steps=steps, width=width, layers=layers)
+    variants = ["none", "trainer", "jaxckpt"]
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    # Trainer prints its logs: to stderr, so that stdout holds only the result.
+    with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, workdir, True)
+        _run("none", workdir, save_every=save_every, **shape)  # warm-up: imports, allocator
+        for round_index in range(repeats):
+            for name in variants[::-1] if round_index % 2 else variants:
+                samples[name].append(_run(name, workdir, save_every=save_every, **shape))
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(sample[key] for sample in samples[name])
+
+    lost = {name: [run["save_points_s"] - plain["save_points_s"]
+                   for run, plain in zip(samples[name], samples["none"], strict=True)]
+            for name in ("trainer", "jaxckpt")}
+    ratios = [j / t for j, t in zip(lost["jaxckpt"], lost["trainer"], strict=True) if t > 0]
+    return {"shape": {**shape, "save_every": save_every, "repeats": repeats},
+            "samples": samples,
+            "run_s": {name: median(name, "run_s") for name in variants},
+            "save_points_s": {name: median(name, "save_points_s") for name in variants},
+            "lost_s": {name: statistics.median(values) for name, values in lost.items()},
+            "lost_ratio_jaxckpt_to_trainer": statistics.median(ratios) if ratios else None}
+
+if __name__ == "__main__":
+    # key=value arguments: steps, save_every, width, layers, repeats (ints).
+    settings: dict[str, Any] = {key: int(value) for key, value in
+                                (arg.split("=", 1) for arg in sys.argv[1:])}
+    print(json.dumps(trainer_rows(**settings), indent=2))
