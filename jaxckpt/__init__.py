@@ -38,6 +38,7 @@ from .errors import (
     RootLockedError,
     TreeMismatchError,
 )
+from .loop import batches
 from .sampler import IndexSampler
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "CheckpointManager",
     "import_orbax",
     "IndexSampler",
+    "batches",
     "SaveReport",
     "Recovered",
     "CheckpointError",

@@ -37,9 +37,9 @@ TIMEOUT_S = 300  # a guard against hangs; a run takes seconds
 #: page, section, the program's globals that hold its state, and the kill points (a line of
 #: the wrapper, and the step whose save waits for its commit, or None).
 PROGRAMS = {
-    "readme-flax": (REPO / "README.md", "Use it in a Flax loop", ("live", "loader", "step")),
-    "readme-torch": (REPO / "README.md", "Use it in a PyTorch loop",
-                     ("state", "loader", "step")),
+    # The README loops run jaxckpt.batches: `step` is unset when a rerun has no step left.
+    "readme-flax": (REPO / "README.md", "Use it in a Flax loop", ("live", "loader")),
+    "readme-torch": (REPO / "README.md", "Use it in a PyTorch loop", ("state", "loader")),
     "torch-md": (REPO / "docs" / "torch.md", "A training loop",
                  ("state", "loader", "sampler.generator", "info")),
     "recipes-linen": (REPO / "docs" / "recipes.md", "Flax Linen `TrainState`",
@@ -51,7 +51,7 @@ KILLS = [
     pytest.param("readme-flax", "STEP 30", 24, id="readme-flax-mid-epoch"),
     pytest.param("readme-flax", "SAVING 74", None, id="readme-flax-save-in-flight"),
     pytest.param("readme-flax", "FINAL SAVED", 99, id="readme-flax-after-final-save"),
-    # README PyTorch: saves at 19, 39, 59; 8 steps per epoch (39 ends epoch 4).
+    # README PyTorch: saves at 19, 39, 59, final 63; 8 steps per epoch (39 ends epoch 4).
     pytest.param("readme-torch", "STEP 21", 19, id="readme-torch-mid-epoch"),
     pytest.param("readme-torch", "COMMITTED 39", 39, id="readme-torch-epoch-end"),
     pytest.param("readme-torch", "FINAL SAVED", 59, id="readme-torch-after-final-save"),
