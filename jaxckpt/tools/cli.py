@@ -738,6 +738,10 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: states from 128 MiB doubling up to --max-mb (or what "
                              "memory and disk allow): save/restore time per GiB, blocking "
                              "time, peak extra memory; then --saves consecutive saves")
+    parser.add_argument("--trainers", action="store_true",
+                        help="instead: the loop time transformers' Trainer, Lightning and "
+                             "Keras lose to their own checkpointing vs to jaxckpt's "
+                             "integration, side by side (those installed)")
     parser.add_argument("--max-mb", type=int, default=None,
                         help="--scale: the largest state, MiB (default 8192)")
     parser.add_argument("--saves", type=int, default=None,
@@ -757,6 +761,13 @@ def _bench(opts: argparse.Namespace) -> int:
 
     if opts.scale:
         return _bench_scale(opts)
+    if opts.trainers:
+        from .bench.trainers import format_trainers, run_trainers
+
+        report = run_trainers(directory=opts.dir, quick=opts.quick)
+        print(json.dumps(report, indent=1, default=str) if opts.json
+              else format_trainers(report))
+        return EXIT_OK
     changes: dict[str, Any] = {name: value for name, value in (
         ("directory", opts.dir), ("size_mb", opts.size_mb), ("leaves", opts.leaves),
         ("many_leaves", opts.many_leaves), ("repeats", opts.repeats),

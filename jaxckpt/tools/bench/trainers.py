@@ -1,0 +1,124 @@
+"""``jaxckpt bench --trainers``: the loop time each trainer loses to its own checkpointing and
+to jaxckpt's, side by side, one row per integration.
+
+Owns: ``run_trainers`` (calls ``rows_trainers.trainer_rows`` (transformers' Trainer),
+``rows_lightning.lightning_rows`` and ``rows_keras.keras_rows`` in turn, each measuring its
+variants alternately in one run; a framework that is not installed is reported as
+unavailable, not failed), ``trainer_targets`` (lost-time ratio jaxckpt / the framework's own,
+target <= 0.2) and ``format_trainers``. Each row module says what it times.
+
+Must not import at module level: jax, torch, keras, lightning, transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LOST_RATIO_TARGET", "TRAINER_SHAPES", "run_trainers", "trainer_targets",
+           "format_trainers"]
+
+#: The issue's target: the time jaxckpt costs the loop, over the framework's own saving.
+LOST_RATIO_TARGET = 0.2
+
+#: Arguments of each row function: full run, then ``quick`` (tiny, one round: the rows run).
+TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "transformers": (dict(steps=40, save_every=10, width=256, layers=4, repeats=3),
+                     dict(steps=4, save_every=2, width=32, layers=1, repeats=1)),
+    "lightning": (dict(hidden=1024, layers=4, steps=30, save_every=5, rounds=2),
+                  dict(hidden=32, layers=1, steps=4, save_every=2, rounds=1)),
+    "keras": (dict(batches=60, every=10, rounds=3),
+              dict(widths=(8, 16, 8), batches=4, batch_size=8, every=2, rounds=1)),
+}
+_NEEDS = {"transformers": ("transformers", "accelerate"), "lightning": ("lightning",),
+          "keras": ("keras", "jax")}
+
+
+def _lost(name: str, row: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(own lost seconds, jaxckpt lost seconds) from a row function's result."""
+    lost = row.get("lost_s") or {}
+    if name == "transformers":
+        return lost.get("trainer"), lost.get("jaxckpt")
+    if name == "lightning":
+        return lost.get("torch_io"), lost.get("jaxckpt")
+    return lost.get("keras"), lost.get("jaxckpt")
+
+
+def _row_function(name: str) -> Callable[..., dict[str, Any]]:
+    if name == "transformers":
+        from .rows_trainers import trainer_rows
+
+        return trainer_rows
+    if name == "lightning":
+        from .rows_lightning import lightning_rows
+
+        return lightning_rows
+    from .rows_keras import keras_rows
+
+    return keras_rows
+
+
+def run_trainers(*, directory: str | None = None, quick: bool = False,
+                 only: tuple[str, ...] = tuple(TRAINER_SHAPES)) -> dict[str, Any]:
+    """Each integration's row; a missing framework gives ``{"unavailable": reason}``.
+
+    Args:
+        directory: where the runs write (a temporary directory under it); None: the system's.
+        quick: tiny models and one round, to check the rows run (figures mean nothing).
+        only: which of "transformers", "lightning", "keras".
+    """
+    unknown = sorted(set(only) - set(TRAINER_SHAPES))
+    if unknown:
+        raise ValueError(f"bench --trainers: unknown {unknown}; pick from "
+                         f"{sorted(TRAINER_SHAPES)}.")
+    rows: dict[str, Any] = {}
+    for name in only:
+        missing = [m for m in _NEEDS[name] if importlib.util.find_spec(m) is None]
+        if missing:
+            rows[name] = {"unavailable": f"not installed: {', '.join(missing)} "
+                                         f"(pip install 'jaxckpt[{name}]')"}
+            continue
+        shape = dict(TRAINER_SHAPES[name][1 if quick else 0], directory=directory)
+        with contextlib.redirect_stdout(sys.stderr):  # the trainers' own prints
+            rows[name] = _row_function(name)(**shape)
+    return {"quick": quick, "rows": rows, "targets": trainer_targets(rows)}
+
+
+def trainer_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per measured integration: lost seconds both ways, their ratio and whether it holds."""
+    targets = []
+    for name, row in rows.items():
+        if "unavailable" in row:
+            continue
+        own, ours = _lost(name, row)
+        if ours is not None:
+            ours = max(0.0, ours)  # a loss under the noise floor measures as negative
+        ratio = ours / own if own and ours is not None and own > 0 else None
+        targets.append({"trainer": name, "own_lost_s": own, "jaxckpt_lost_s": ours,
+                        "ratio": ratio, "goal": f"<= {LOST_RATIO_TARGET}",
+                        "met": None if ratio is None else ratio <= LOST_RATIO_TARGET})
+    return targets
+
+
+def format_trainers(report: dict[str, Any]) -> str:
+    """The report as a table, one line per integration."""
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f} s"
+
+    lines = [f"{'TRAINER':<14}{'OWN LOST':>12}{'JAXCKPT LOST':>14}{'RATIO':>8}  GOAL     MET"]
+    measured = {t["trainer"]: t for t in report["targets"]}
+    for name, row in report["rows"].items():
+        if "unavailable" in row:
+            lines.append(f"{name:<14}{row['unavailable']}")
+            continue
+        t = measured[name]
+        ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
+        lines.append(f"{name:<14}{seconds(t['own_lost_s']):>12}{seconds(t['jaxckpt_lost_s']):>14}"
+                     f"{ratio:>8}  {t['goal']:<8} {met}")
+    if report["quick"]:
+        lines.append("(--quick: tiny models, one round; the figures mean nothing)")
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""``jaxckpt bench --trainers``: the lost-time targets and the table, from given rows (the rows
+themselves are measured by the integrations' own bench modules, minutes of trainer imports)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxckpt.tools.bench.trainers import format_trainers, run_trainers, trainer_targets
+
+
+def test_each_integration_row_gives_its_ratio_against_the_target():
+    rows = {"transformers": {"lost_s": {"trainer": 0.5, "jaxckpt": 0.05}},
+            "lightning": {"lost_s": {"torch_io": 0.4, "jaxckpt": 0.2}},
+            "keras": {"lost_s": {"keras": 1.0, "jaxckpt": -0.01}},
+            "missing": {"unavailable": "not installed: x"}}
+    targets = {t["trainer"]: t for t in trainer_targets(rows)}
+    assert sorted(targets) == ["keras", "lightning", "transformers"]
+    assert targets["transformers"]["ratio"] == pytest.approx(0.1)
+    assert targets["transformers"]["met"] is True
+    assert targets["lightning"]["ratio"] == pytest.approx(0.5)
+    assert targets["lightning"]["met"] is False
+    # A loss under the noise floor (negative) counts as none, not as a negative ratio.
+    assert targets["keras"]["ratio"] == 0.0 and targets["keras"]["met"] is True
+    table = format_trainers({"quick": False, "rows": rows, "targets": list(targets.values())})
+    lines = table.splitlines()
+    assert lines[1].split()[:5] == ["transformers", "0.500", "s", "0.050", "s"]
+    assert lines[2].endswith("NO") and "not installed: x" in lines[4]
+
+
+def test_a_trainer_that_lost_nothing_gives_no_ratio():
+    targets = trainer_targets({"keras": {"lost_s": {"keras": 0.0, "jaxckpt": 0.1}}})
+    assert targets[0]["ratio"] is None and targets[0]["met"] is None
+
+
+def test_unknown_trainer_names_are_refused():
+    with pytest.raises(ValueError, match="unknown"):
+        run_trainers(only=("deepspeed",))
