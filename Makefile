@@ -29,8 +29,11 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/mypy
 
+# Two workers, whole files each (--dist loadfile: a file's module fixtures, such as its S3
+# or GCS server, start once): most of the suite waits on child processes and disks, so two
+# workers on two cores take about two thirds of the serial time.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The wheel installed alone per extra set (base, jax, torch, hf) in fresh venvs, each running
 # a save/restore smoke program: minutes of installs, so CI runs it beside `make test`.
