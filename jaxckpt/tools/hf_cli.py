@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from jaxckpt.commit.object_steps import export_staging
@@ -526,11 +526,9 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
         leaves, entries = _read_checkpoint(step_dir, store)
     flat, chosen = _select_params(leaves, entries, table, params_path, hint)
     step_info = driver.get("step_info") or {}
-    staging = None if target is None else export_staging(os.path.basename(out_dir))
-    bar = make_progress(f"export {os.path.basename(out_dir)}", progress)
-    try:
-        written = export_hf(flat, out_dir if staging is None else os.path.join(staging, "model"),
-                            arch=table, config=config, dtype=dtype,
+
+    def write(local_dir: str, bar: Any) -> int:
+        return export_hf(flat, local_dir, arch=table, config=config, dtype=dtype,
                          max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
                          tokenizer_dir=tokenizer_dir,
                          generation_config=generation_config, overwrite=overwrite,
@@ -539,6 +537,18 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike[str], out_dir: str | o
                                                                   "global_step")
                                         if k in step_info}},
                          progress=bar)
+    return _write_out(out_dir, target, progress, write)
+
+
+def _write_out(out_dir: str, target: Any, progress: bool,
+               write: Callable[[str, Any], int]) -> int:
+    """Run ``write(local_dir, progress_bar)`` into ``out_dir``, or, for an object-store
+    ``target``, into a local staging directory then uploaded and committed; the staging is
+    removed either way. Returns the bytes written."""
+    staging = None if target is None else export_staging(os.path.basename(out_dir))
+    bar = make_progress(f"export {os.path.basename(out_dir)}", progress)
+    try:
+        written = write(out_dir if staging is None else os.path.join(staging, "model"), bar)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)

@@ -2,8 +2,9 @@
 
 Owns: the DCP branch of ``export_checkpoint_to_hf`` (``hf_cli``): the step's export record
 (written by ``torch_bridge.hf_exporter(params_of=...)`` at save time) or the caller's
-``config``, the progress bar, and an ``s3://`` / ``gs://`` out_dir staged locally then
-published as ``hf_cli`` publishes; the writing itself is ``torch_bridge.hf.dcp_export``'s.
+``config``; the writing itself is ``torch_bridge.hf.dcp_export``'s, through ``hf_cli``'s
+``_write_out`` (the progress bar, an ``s3://`` / ``gs://`` out_dir staged locally then
+published).
 
 Must not import torch at import time: the bridge is imported when a DCP step is exported.
 """
@@ -11,15 +12,11 @@ Must not import torch at import time: the bridge is imported when a DCP step is 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
-from jaxckpt.commit.object_steps import export_staging
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.core.layout import STATE_DIR
-
-from .progress import make_progress
 
 __all__ = ["DCP_BACKEND", "export_dcp_step"]
 
@@ -45,19 +42,17 @@ def export_dcp_step(store: Any, step_dir: str, driver: Mapping[str, Any], out_di
     """
     from jaxckpt.storage.posix import PosixStorage
 
-    from .hf_cli import _close, _publish
+    from .hf_cli import _write_out
 
     feature = "jaxckpt export-hf of a DcpCheckpointManager root"
     with requires_extra("torch", feature), requires_extra("hf", feature):
         from torch_bridge.hf.dcp_export import export_dcp, recorded_export
 
     step_info = driver.get("step_info") or {}
-    staging = None if target is None else export_staging(os.path.basename(out_dir))
-    bar = make_progress(f"export {os.path.basename(out_dir)}", progress)
-    try:
-        written = export_dcp(
-            os.path.join(step_dir, STATE_DIR),
-            out_dir if staging is None else os.path.join(staging, "model"),
+
+    def write(local_dir: str, bar: Any) -> int:
+        return export_dcp(
+            os.path.join(step_dir, STATE_DIR), local_dir,
             storage=None if isinstance(store.storage, PosixStorage) else store.storage,
             record=recorded_export(driver), config=config, params_of=params_of, dtype=dtype,
             max_shard_bytes=max_shard_bytes, generation_config=generation_config,
@@ -65,15 +60,4 @@ def export_dcp_step(store: Any, step_dir: str, driver: Mapping[str, Any], out_di
             provenance={"checkpoint": step_dir,
                         **{k: step_info[k] for k in ("epoch", "epoch_step", "global_step")
                            if k in step_info}})
-    except BaseException:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        _close(bar)
-    if staging is not None:
-        try:
-            _publish(target, os.path.join(staging, "model"), out_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return written
+    return _write_out(out_dir, target, progress, write)
