@@ -7,7 +7,6 @@ nonzero; each export is compared with peft's own ``save_pretrained`` and loaded 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 
@@ -17,13 +16,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import torch_bridge  # noqa: E402
 from jaxckpt import Every, ExportConfig, StepInfo  # noqa: E402
 from jaxckpt.errors import ConfigError  # noqa: E402
-from torch_bridge.hf import INDEX_FILE, PROVENANCE_FILE  # noqa: E402
+from torch_bridge.hf import INDEX_FILE  # noqa: E402
+
+from support.hf_dirs import assert_same_directory, tensors_of  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, bos_token_id=0,
@@ -51,37 +51,6 @@ def peft_model():
 
 def weights(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def tensors_of(directory):
-    found = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="pt") as handle:
-                found.update({key: (name, handle.get_tensor(key), handle.metadata())
-                              for key in handle.keys()})
-    return found
-
-
-def json_of(path):
-    with open(path) as handle:
-        body = json.load(handle)
-    # peft writes target_modules from a set: the order is the set's, not meaningful.
-    if isinstance(body.get("target_modules"), list):
-        body["target_modules"] = sorted(body["target_modules"])
-    return body
-
-
-def assert_same_directory(ours, reference, json_files):
-    assert sorted(os.listdir(ours)) == sorted(os.listdir(reference) + [PROVENANCE_FILE])
-    for name in json_files:
-        assert json_of(os.path.join(ours, name)) == json_of(os.path.join(reference, name)), name
-    mine, theirs = tensors_of(ours), tensors_of(reference)
-    assert sorted(mine) == sorted(theirs) and mine
-    for key, (file, tensor, metadata) in mine.items():
-        ref_file, ref_tensor, ref_metadata = theirs[key]
-        assert file == ref_file and metadata == ref_metadata == {"format": "pt"}, key
-        assert tensor.dtype == ref_tensor.dtype and torch.equal(tensor, ref_tensor), key
 
 
 def logits(model):

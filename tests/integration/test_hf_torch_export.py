@@ -15,13 +15,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import torch_bridge  # noqa: E402
 from jaxckpt import Every, ExportConfig, StepInfo  # noqa: E402
 from jaxckpt.errors import ConfigError  # noqa: E402
-from torch_bridge.hf import INDEX_FILE, PROVENANCE_FILE, SINGLE_FILE  # noqa: E402
+from torch_bridge.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
+
+from support.hf_dirs import assert_loads_as, assert_same_directory, tensors_of  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, bos_token_id=0,
@@ -52,43 +53,6 @@ def small_shard(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters()) // 3
 
 
-def tensors_of(directory):
-    found = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="pt") as handle:
-                found.update({key: (name, handle.get_tensor(key), handle.metadata())
-                              for key in handle.keys()})
-    return found
-
-
-def assert_same_directory(ours, reference):
-    """Same files (ours adds the provenance record), same tensors in the same files, same
-    index, config and generation config, same safetensors metadata."""
-    assert sorted(os.listdir(ours)) == sorted(os.listdir(reference) + [PROVENANCE_FILE])
-    for name in ("config.json", "generation_config.json", INDEX_FILE):
-        if os.path.exists(os.path.join(reference, name)):
-            with open(os.path.join(ours, name)) as a, open(os.path.join(reference, name)) as b:
-                assert json.load(a) == json.load(b), name
-    mine, theirs = tensors_of(ours), tensors_of(reference)
-    assert sorted(mine) == sorted(theirs)
-    for key, (file, tensor, metadata) in mine.items():
-        ref_file, ref_tensor, ref_metadata = theirs[key]
-        assert file == ref_file, key
-        assert metadata == ref_metadata == {"format": "pt"}
-        assert tensor.dtype == ref_tensor.dtype and torch.equal(tensor, ref_tensor), key
-
-
-def assert_loads_as(model, directory):
-    loaded = AutoModelForCausalLM.from_pretrained(directory).eval()
-    assert type(loaded) is type(model)
-    expected = model.state_dict()
-    for name, tensor in loaded.state_dict().items():
-        assert torch.equal(tensor, expected[name]), name
-    with torch.no_grad():
-        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
-
-
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_export_writes_what_save_pretrained_writes_in_shards(models, arch, tmp_path):
     model = models[arch]
@@ -98,7 +62,7 @@ def test_export_writes_what_save_pretrained_writes_in_shards(models, arch, tmp_p
     assert written > 0
     assert os.path.exists(tmp_path / "ours" / INDEX_FILE)
     assert_same_directory(tmp_path / "ours", tmp_path / "ref")
-    assert_loads_as(model, tmp_path / "ours")
+    assert_loads_as(model, tmp_path / "ours", IDS)
 
 
 def test_tied_embeddings_are_written_once_as_transformers_writes_them(models, tmp_path):
@@ -109,7 +73,7 @@ def test_tied_embeddings_are_written_once_as_transformers_writes_them(models, tm
     assert os.listdir(tmp_path / "ours").count(SINGLE_FILE) == 1
     assert "lm_head.weight" not in tensors_of(tmp_path / "ours")
     assert_same_directory(tmp_path / "ours", tmp_path / "ref")
-    assert_loads_as(model, tmp_path / "ours")
+    assert_loads_as(model, tmp_path / "ours", IDS)
 
 
 def test_compiled_model_exports_without_the_compile_prefix(models, tmp_path):
@@ -143,7 +107,7 @@ def test_state_dict_with_config_exports_and_without_config_is_refused(models, tm
     torch_bridge.export_hf(model.state_dict(), tmp_path / "ours", config=config)
     model.save_pretrained(tmp_path / "ref", safe_serialization=True)
     assert_same_directory(tmp_path / "ours", tmp_path / "ref")
-    assert_loads_as(model, tmp_path / "ours")
+    assert_loads_as(model, tmp_path / "ours", IDS)
 
 
 def test_dtype_casts_tensors_and_config(models, tmp_path):

@@ -18,37 +18,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from safetensors import safe_open  # noqa: E402
 
-from torch_bridge.hf import INDEX_FILE, PROVENANCE_FILE  # noqa: E402
+from torch_bridge.hf import INDEX_FILE  # noqa: E402
 
 from support.harness import Worker, repo_env, run_all  # noqa: E402
+from support.hf_dirs import assert_same_directory, tensors_of  # noqa: E402
 from support.hf_fsdp_worker import build, small_shard  # noqa: E402
 from support.paths import HF_FSDP_WORKER  # noqa: E402
-
-
-def tensors_of(directory):
-    found = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="pt") as handle:
-                found.update({key: (name, handle.get_tensor(key)) for key in handle.keys()})
-    return found
-
-
-def assert_same_directory(ours, reference):
-    """The files save_pretrained writes (plus the provenance record), the same JSON files,
-    each tensor in the same file and bitwise equal."""
-    assert sorted(os.listdir(ours)) == sorted(os.listdir(reference) + [PROVENANCE_FILE])
-    for name in ("config.json", "generation_config.json", INDEX_FILE):
-        if os.path.exists(os.path.join(reference, name)):
-            with open(os.path.join(ours, name)) as a, open(os.path.join(reference, name)) as b:
-                assert json.load(a) == json.load(b), name
-    mine, theirs = tensors_of(ours), tensors_of(reference)
-    assert sorted(mine) == sorted(theirs)
-    for key, (file, tensor) in mine.items():
-        assert file == theirs[key][0], key
-        assert tensor.dtype == theirs[key][1].dtype and torch.equal(tensor, theirs[key][1]), key
 
 
 @pytest.fixture(scope="module")
