@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from .timing import _in_child
 
 __all__ = ["keras_rows"]
 
@@ -41,20 +42,8 @@ def keras_rows(*, widths: tuple[int, ...] = (256, 1024, 1024, 256), batches: int
     """
     job = {"widths": list(widths), "batches": batches, "batch_size": batch_size,
            "every": every, "rounds": rounds, "directory": directory}
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
-    inherited = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, KERAS_BACKEND="jax",
-               PYTHONPATH=package_parent + (os.pathsep + inherited if inherited else ""))
-    done = subprocess.run(
-        [sys.executable, "-c",
-         "from jaxckpt.tools.bench.rows_keras import _keras_worker; _keras_worker()"],
-        input=json.dumps(job), capture_output=True, text=True, check=False, env=env)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the Keras fit benchmark failed with exit code "
-                           f"{done.returncode}:\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return _in_child("jaxckpt.tools.bench.rows_keras:_keras_worker", job,
+                     what="the Keras fit benchmark", env={"KERAS_BACKEND": "jax"})
 
 
 def _keras_worker() -> None:

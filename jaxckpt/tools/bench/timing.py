@@ -2,7 +2,8 @@
 
 Owns: ``_settle`` (collect garbage, hand freed memory back, sync: the previous row's leftovers
 are not this row's cost), ``_timed``, ``_drop_page_cache`` (cold reads, root only), host
-memory probes (``_rss``, ``_traced_peak``) and ``_quiet`` (library warnings are not results).
+memory probes (``_rss``, ``_traced_peak``), ``_quiet`` (library warnings are not results) and
+``_in_child`` (a row measured in a fresh process: a job as JSON in, the result as JSON out).
 
 Must not import: jax, orbax, torch.
 """
@@ -12,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import json
 import os
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -130,3 +134,25 @@ def _quiet() -> Iterator[None]:
             yield
         finally:
             logging.getLogger("absl").setLevel(previous)
+
+
+def _in_child(entry: str, job: Any, *, what: str,
+              env: dict[str, str] | None = None) -> Any:
+    """Run ``entry`` ("module:function", a worker reading ``job`` as JSON on stdin and
+    printing its result as the last line of stdout) in a fresh Python process of this
+    interpreter that imports this very jaxckpt, installed or not; ``env`` adds variables.
+    Raises RuntimeError naming ``what`` with the child's stderr when it fails."""
+    module, function = entry.split(":")
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    inherited = os.environ.get("PYTHONPATH")
+    child_env = dict(os.environ, **(env or {}),
+                     PYTHONPATH=package_parent + (os.pathsep + inherited if inherited else ""))
+    done = subprocess.run([sys.executable, "-c", f"from {module} import {function}; {function}()"],
+                          input=json.dumps(job), capture_output=True, text=True, check=False,
+                          env=child_env)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed with exit code {done.returncode}:\n"
+                           f"{done.stderr[-4000:]}")
+    return json.loads(lines[-1])

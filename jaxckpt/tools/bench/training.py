@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import BenchConfig
 from .floors import _raw_write
-from .timing import _quiet
+from .timing import _in_child, _quiet
 
 if TYPE_CHECKING:
     from .rows import _Bench
@@ -173,26 +173,11 @@ def _train_in_process(config: BenchConfig, jobs: list[tuple[str, str]]) -> list[
     """``_train_loop`` run for each (saver, root) of ``jobs`` in turn, in one new Python
     process (same interpreter and environment); the results come back as JSON on the last
     line of its output."""
-    import subprocess
-
     job = {"runs": [list(job) for job in jobs],
            "config": {name: getattr(config, name) for name in _TRAIN_FIELDS}}
     savers = ", ".join(saver for saver, _ in jobs)
-    # The child imports this very jaxckpt, installed or not: the folder that holds it.
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
-    inherited = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + inherited
-                                                         if inherited else ""))
-    done = subprocess.run(
-        [sys.executable, "-c",
-         "from jaxckpt.tools.bench.training import _train_worker; _train_worker()"],
-        input=json.dumps(job), capture_output=True, text=True, check=False, env=env)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the training-loop runs ({savers}) failed with exit code "
-                           f"{done.returncode}:\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return _in_child("jaxckpt.tools.bench.training:_train_worker", job,
+                     what=f"the training-loop runs ({savers})")
 
 
 def _train_worker() -> None:
