@@ -60,9 +60,12 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
     assert any("RSS growth" in name for name in targets)
     # The transformers model's export: each ratio of issue 30 is reported, measured here.
     for name in ("torch HF export throughput / save_pretrained",
-                 "async HF export blocking / host copy of its tensors",
-                 "torch HF export peak extra memory / largest shard"):
+                 "async HF export blocking / host copy of its tensors"):
         assert targets[name]["value"] > 0, name
+    # The export writes a tensor at a time from the model's own memory: its peak growth can
+    # be nothing at all (0.0), never negative, and is measured (not None).
+    peak = targets["torch HF export peak extra memory / largest shard"]["value"]
+    assert peak is not None and peak >= 0
     largest = report["facts"]["hf_torch_memory"]["largest_shard_mib"]
     assert 0 < largest <= BenchConfig.quick().hf_shard_mb
     assert any("reference item" in name for name in targets)
