@@ -32,6 +32,7 @@ from .torch_export import (
     SAVE_PRETRAINED_MAX_SHARD_BYTES,
     TORCH_EXPORTER_RECORD_FORMAT,
     StagedModel,
+    as_saved,
     config_object,
     meta_model,
     model_texts,
@@ -112,16 +113,10 @@ def _check_against(reference: Any, tensors: Mapping[str, SavedTensor], where: st
 def _kept_names(reference: Any, tensors: Mapping[str, SavedTensor]) -> dict[str, str]:
     """Saved name -> name in the export, as save_pretrained keeps them: ignored keys and
     tied aliases dropped; a model whose weights transformers converts on save is refused."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
     meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
             for name, t in tensors.items()}
-    for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
-        meta.pop(ignore, None)
-    meta = remove_tied_weights_from_state_dict(meta, reference)
-    reverted = revert_weight_conversion(reference, dict(meta))
     by_id = {id(t): name for name, t in meta.items()}
+    reverted = as_saved(reference, dict(meta))
     if any(id(t) not in by_id for t in reverted.values()):
         raise ConfigError(
             f"{type(reference).__name__} is saved by transformers with its weights converted "

@@ -52,7 +52,7 @@ from .torch_sharded import gather_to_primary, has_dtensors
 SAVE_PRETRAINED_MAX_SHARD_BYTES = 50 * 10**9
 
 __all__ = ["SAVE_PRETRAINED_MAX_SHARD_BYTES", "TORCH_EXPORTER_RECORD_FORMAT", "is_torch_value",
-           "StagedModel", "stage_torch", "model_texts", "config_object", "meta_model",
+           "StagedModel", "stage_torch", "as_saved", "model_texts", "config_object", "meta_model",
            "write_staged", "write_torch", "write_tensor_file", "TorchHFExporter"]
 
 #: ``TorchHFExporter.checkpoint_record(state)["format"]``: the model's config.json text and
@@ -244,7 +244,7 @@ def _stage_state(state: dict[str, Any], reference: Any, hf_config: Any, model_dt
     """The common part of staging: what save_pretrained drops and reverts, the FSDP2 gathers,
     then the copy."""
     for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
-        state.pop(ignore, None)
+        state.pop(ignore, None)  # before the gathers: an ignored tensor is not gathered
     primary, device, owned = True, None, copy_tensors
     if has_dtensors(state):
         if merges:
@@ -253,13 +253,7 @@ def _stage_state(state: dict[str, Any], reference: Any, hf_config: Any, model_dt
                               "from an unsharded copy.")
         state, primary, device = gather_to_primary(state, copy_plain=copy_tensors)
         copy_tensors, owned = False, True  # the gathered tensors are already host copies
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    # As save_pretrained: tied aliases dropped (the kept name is the one transformers
-    # expects), weight conversions reverted to the checkpoint layout.
-    state = remove_tied_weights_from_state_dict(state, reference)
-    state = revert_weight_conversion(reference, state)
+    state = as_saved(reference, state)
     if total_parameters is None:
         total_parameters = int(reference.num_parameters())
     if copy_tensors:
@@ -276,6 +270,19 @@ def _stage_state(state: dict[str, Any], reference: Any, hf_config: Any, model_dt
                        collective_device=device,
                        merges=tuple(m.copied() if copy_tensors else m for m in merges or ()),
                        owned=owned)
+
+
+def as_saved(reference: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (name -> tensor of ``reference``, a transformers model) as ``save_pretrained``
+    keeps it: ignored keys out (``state`` loses them), tied aliases dropped (the kept name is
+    the one transformers expects), weight conversions reverted to the checkpoint layout."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    for ignore in getattr(reference, "_keys_to_ignore_on_save", None) or ():
+        state.pop(ignore, None)
+    state = remove_tied_weights_from_state_dict(state, reference)
+    return revert_weight_conversion(reference, state)
 
 
 def model_texts(reference: Any, hf_config: Any, dtype_name: str,
