@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import DeferredChecks
     from jaxckpt.storage.base import Storage
 
-__all__ = ["Backend", "BackendFeatures", "ObjectStorageBackend", "WriteHandle", "SingleProcess",
-           "check_backend"]
+__all__ = ["Backend", "BackendFeatures", "IncrementalBase", "ObjectStorageBackend", "WriteHandle",
+           "SingleProcess", "check_backend"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,11 +59,42 @@ class BackendFeatures:
     export_needs_copy: bool = False
     """Exporters always receive ``host_copy(state)`` (e.g. torch state dicts rather than live
     modules), whatever the export mode. False: a sync single-process export gets ``state``."""
+    incremental: bool = False
+    """``write`` takes ``base=`` (an :class:`IncrementalBase`) and may leave out files whose
+    bytes the base already holds, naming them in ``WriteHandle.references``; ``read`` follows
+    the ``references`` it is given. False: the manager never passes a base
+    (``RecoverConfig(incremental=True)`` is refused for this backend)."""
     object_storage: bool = False
     """The backend writes and reads locations of a ``jaxckpt.storage.base.Storage`` (an object
     store's URLs) once handed that storage by ``attach_storage`` (it is an
     :class:`ObjectStorageBackend`). False: the manager refuses an object-store root for this
     backend, before anything is written."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IncrementalBase:
+    """What an incremental write may refer to instead of writing: the newest committed
+    checkpoint of the root (retention never deletes it while a save is in flight).
+
+    Keys are ``core.layout.ref_key`` strings: a file's path relative to the root's
+    ``recover/`` directory, ``step_{S:08d}/<path inside checkpoint S>``, always naming the
+    checkpoint that physically holds the bytes (never a reference to a reference).
+    """
+
+    step: int
+    """The base checkpoint's global step."""
+    directory: str
+    """The base checkpoint's backend directory (``.../recover/step_{B:08d}/state``), where the
+    backend finds its own metadata of the base (tree.json, DCP's .metadata)."""
+    recover_dir: str
+    """The root's ``recover/`` directory: every key below is relative to it."""
+    files: Mapping[str, Mapping[str, Any]]
+    """Every file the base uses (its own and those it refers to) that is still present with
+    its recorded size, by key: its manifest entry (``size``, ``crc32c``, and ``xxh128``, the
+    content hash of ``core.content_hash``, where its writer computed one). A backend refers
+    only to keys listed here, and only where the entry's ``xxh128`` equals the hash of the
+    bytes it would write (plus the same shape, dtype and sharding, which it checks in its
+    own metadata)."""
 
 
 @runtime_checkable
@@ -88,7 +119,17 @@ class WriteHandle(Protocol):
         files the backend computed from the bytes it wrote and made durable itself, by path
         relative to the directory it wrote; the commit takes those instead of reading the
         files back (it still checks their sizes). None: not computed, the commit checksums
-        every file. Read after ``wait`` returned; never blocks."""
+        every file. Read after ``wait`` returned; never blocks.
+
+        An incremental backend adds ``"xxh128"`` (``core.content_hash``) to the entries of
+        the data files it may later refer to."""
+
+    @property
+    def references(self) -> Mapping[str, Mapping[str, Any]] | None:
+        """Files of the write's ``IncrementalBase`` this checkpoint uses instead of writing
+        them again: ``{key: the base's entry}`` (keys of ``IncrementalBase.files``). None or
+        empty: the write refers to nothing (always so without a base). Read after ``wait``
+        returned; never blocks."""
 
 
 @runtime_checkable
@@ -132,17 +173,22 @@ class Backend(Protocol):
         """Return the primary process's ``value`` on every process. A collective: blocks
         until every process called it; returns ``value`` at once in a single process."""
 
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> WriteHandle:
+    def write(self, directory: str, state: Any, *, asynchronous: bool,
+              base: IncrementalBase | None = None) -> WriteHandle:
         """Start writing ``state`` into ``directory``.
 
         Blocks until the state is staged: from then on the caller may mutate, donate or free
         the arrays it passed. With ``asynchronous=False`` the write is finished on return.
         Called on every process with the same directory. Raises, before any I/O, naming the
         tree path of a value that cannot be written.
+
+        ``base``: given only to a backend with ``features.incremental`` when the run saves
+        incrementally and a committed checkpoint exists; see :class:`IncrementalBase`.
         """
 
     def read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
-             partial: bool = False) -> Any:
+             partial: bool = False,
+             references: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
         """Read the state in ``directory`` into the structure, shapes, dtypes and placement of
         ``like`` (concrete or abstract leaves). Raises ``TreeMismatchError`` listing every
         mismatching tree path. Blocks until the data is read.
@@ -155,6 +201,12 @@ class Backend(Protocol):
         otherwise); the backend claims the files it checks itself and must ``close`` the
         claims before its bulk read (a backend that claims nothing closes them at once).
         The value returned goes through :meth:`finish_read` before the caller sees it.
+
+        ``references``: the checkpoint's references (its manifest's ``refs``: ``{key:
+        entry}``, keys relative to ``recover/``, the parent of the checkpoint directory that
+        holds ``directory``), given only to a backend with ``features.incremental``, already
+        verified by the manager. The backend reads data from these files and from
+        ``directory``, never from any other file.
         """
 
     def finish_read(self, value: Any) -> Any:

@@ -19,7 +19,8 @@ __all__ = [
     "RECOVER", "EXPORT", "ITEMS", "SUPERSEDED", "STATE_DIR", "TMP_PREFIX", "LOCK_FILE",
     "PINS_FILE", "TIER_FILE", "COMMIT_MARKER", "DRIVER_FILE", "TREE_FILE", "OBJECTS_FILE",
     "ROOT_NAMES", "SYSTEM_NAMES",
-    "step_dirname", "parse_step_dirname", "version_dirname", "parse_version_dirname",
+    "step_dirname", "parse_step_dirname", "ref_key", "parse_ref_key", "version_dirname",
+    "parse_version_dirname",
     "is_item_dirname", "export_dirname", "parse_export_dirname", "local_driver_filename",
     "parse_local_driver_filename", "done_marker_name", "parse_done_marker_name",
     "superseded_name", "tmp_name", "is_tmp_name", "allowed_in_recover", "allowed_in_export",
@@ -69,6 +70,22 @@ def step_dirname(step: int) -> str:
 def parse_step_dirname(name: str) -> int | None:
     match = _STEP_RE.match(name)
     return int(match.group(1)) if match else None
+
+
+def ref_key(step: int, rel: str) -> str:
+    """How an incremental checkpoint names a file of an earlier checkpoint it uses: the path
+    of that file relative to ``recover/`` (``step_00000005/state/arrays/leaf_000001/c/0``)."""
+    return f"{step_dirname(step)}/{rel}"
+
+
+def parse_ref_key(key: str) -> tuple[int, str] | None:
+    """``(step, path inside that checkpoint)`` of a ``ref_key``; None when ``key`` is not one
+    (the caller also checks the path with ``manifest.safe_relpath``)."""
+    head, sep, rel = key.partition("/")
+    step = parse_step_dirname(head)
+    if step is None or not sep or not rel:
+        return None
+    return step, rel
 
 
 def version_dirname(version: int) -> str:

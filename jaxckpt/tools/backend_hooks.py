@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from jaxckpt.backends.base import IncrementalBase
 from jaxckpt.backends.orbax.backend import OrbaxBackend, OrbaxWriteHandle
 
 __all__ = ["HeldBackend", "TimedBackend"]
@@ -27,6 +28,10 @@ class _HeldWrite:
     def __init__(self, handle: OrbaxWriteHandle, hold_s: float):
         self._handle = handle
         self._hold_s = hold_s
+
+    @property
+    def references(self) -> dict[str, dict[str, Any]] | None:
+        return self._handle.references
 
     @property
     def checksums(self) -> dict[str, dict[str, Any]] | None:
@@ -54,8 +59,9 @@ class HeldBackend(OrbaxBackend):
         #: the step being saved; set by the training loop before each save call.
         self.current_step = -1
 
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
-        handle = super().write(directory, state, asynchronous=asynchronous)
+    def write(self, directory: str, state: Any, *, asynchronous: bool,
+              base: IncrementalBase | None = None) -> Any:
+        handle = super().write(directory, state, asynchronous=asynchronous, base=base)
         if self.current_step != self.at_step:
             return handle
         return _HeldWrite(handle, self.hold_s)
@@ -73,8 +79,9 @@ class TimedBackend(OrbaxBackend):
         #: seconds each ``write`` call took, in call order.
         self.write_s: list[float] = []
 
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> OrbaxWriteHandle:
+    def write(self, directory: str, state: Any, *, asynchronous: bool,
+              base: IncrementalBase | None = None) -> OrbaxWriteHandle:
         start = time.perf_counter()
-        handle = super().write(directory, state, asynchronous=asynchronous)
+        handle = super().write(directory, state, asynchronous=asynchronous, base=base)
         self.write_s.append(time.perf_counter() - start)
         return handle

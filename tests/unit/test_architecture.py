@@ -62,8 +62,8 @@ FOLDERS = {
     "jaxckpt.core": Folder(
         may_import=("jaxckpt.core", "jaxckpt.errors", "jaxckpt.config"),
         never=FRAMEWORKS,
-        third_party=frozenset({"numpy", "ml_dtypes", "google_crc32c"}),
-        public=frozenset({"checksum", "codec", "extras", "layout", "retention", "tree_record"}),
+        third_party=frozenset({"numpy", "ml_dtypes", "google_crc32c", "xxhash"}),
+        public=frozenset({"checksum", "codec", "content_hash", "extras", "layout", "retention", "tree_record"}),
     ),
     "jaxckpt.storage": Folder(
         may_import=("jaxckpt.storage", "jaxckpt.core", "jaxckpt.errors"),

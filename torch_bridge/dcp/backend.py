@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from jaxckpt.backends.base import BackendFeatures
+from jaxckpt.backends.base import BackendFeatures, IncrementalBase
 from jaxckpt.commit.deferred_checks import DeferredChecks
 from jaxckpt.core import codec
 from jaxckpt.core.extras import requires_extra
@@ -361,6 +361,11 @@ class DcpWriteHandle:
         self._writer = writer
 
     @property
+    def references(self) -> dict[str, dict[str, Any]] | None:
+        """Nothing referred to (not incremental yet)."""
+        return None
+
+    @property
     def checksums(self) -> dict[str, dict[str, Any]] | None:
         """The manifest entries of the files this process wrote, computed from the bytes
         written (uploaded, or written and fsynced on a local disk); None where the files
@@ -537,7 +542,8 @@ class DcpBackend:
 
     # -------------------------------------------------------------------------- write
 
-    def write(self, directory: str, state: Any, *, asynchronous: bool) -> DcpWriteHandle:
+    def write(self, directory: str, state: Any, *, asynchronous: bool,
+              base: IncrementalBase | None = None) -> DcpWriteHandle:
         """Write ``state`` into the new directory ``directory``.
 
         Returns once DCP has staged (copied) every tensor into host memory: from then on the
@@ -652,7 +658,8 @@ class DcpBackend:
     # --------------------------------------------------------------------------- read
 
     def read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
-             partial: bool = False) -> Any:
+             partial: bool = False,
+             references: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
         """Load ``directory`` into the live objects of ``like`` and return ``like``.
 
         Modules, optimizers, schedulers/Stateful objects and tensor entries are loaded in

@@ -26,7 +26,7 @@ import gc
 import importlib.metadata
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from jaxckpt.core.extras import requires_extra
 
@@ -35,7 +35,7 @@ with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without
     import orbax.checkpoint as ocp
     from etils import epath
 
-from jaxckpt.backends.base import BackendFeatures
+from jaxckpt.backends.base import BackendFeatures, IncrementalBase
 from jaxckpt.backends.orbax import (
     locations as orbax_remote,
     match as orbax_match,
@@ -208,8 +208,8 @@ class OrbaxBackend:
 
     # ------------------------------------------------------------------------- write
 
-    def write(self, directory: str, state: Any, *,
-              asynchronous: bool) -> OrbaxWriteHandle:
+    def write(self, directory: str, state: Any, *, asynchronous: bool,
+              base: IncrementalBase | None = None) -> OrbaxWriteHandle:
         """Write ``state`` into the new directory ``directory``; see the module docstring.
 
         Returns once the arrays are staged (the caller may then mutate numpy leaves, donate
@@ -401,7 +401,8 @@ class OrbaxBackend:
     # -------------------------------------------------------------------------- read
 
     def read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
-             partial: bool = False) -> Any:
+             partial: bool = False,
+             references: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
         """Read ``directory`` into the structure, shapes, dtypes and shardings of ``like``.
 
         Leaves are matched by tree path. Every mismatch (missing, extra, shape, dtype, key

@@ -71,6 +71,11 @@ class OrbaxWriteHandle:
         self._checksums = checksums
 
     @property
+    def references(self) -> dict[str, dict[str, Any]] | None:
+        """Nothing referred to (not incremental yet)."""
+        return None
+
+    @property
     def checksums(self) -> dict[str, dict[str, Any]] | None:
         """Manifest entries (``{"size": n, algorithm: hex}``) of the files this write made
         durable and checksummed itself, by path relative to ``directory``; None when Orbax
