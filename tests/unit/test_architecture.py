@@ -63,7 +63,8 @@ FOLDERS = {
         may_import=("jaxckpt.core", "jaxckpt.errors", "jaxckpt.config"),
         never=FRAMEWORKS,
         third_party=frozenset({"numpy", "ml_dtypes", "google_crc32c", "xxhash"}),
-        public=frozenset({"checksum", "codec", "content_hash", "extras", "layout", "retention", "tree_record"}),
+        public=frozenset({"checksum", "codec", "content_hash", "extras", "layout", "retention",
+                          "tree_record"}),
     ),
     "jaxckpt.storage": Folder(
         may_import=("jaxckpt.storage", "jaxckpt.core", "jaxckpt.errors"),
