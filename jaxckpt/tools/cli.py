@@ -400,6 +400,8 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     except (OSError, ValueError, AttributeError, CheckpointError) as exc:
         info["driver_error"] = f"{DRIVER_FILE}: {exc}"
     _add_leaves(info, path, store.storage)
+    _add_data_owners(info.get("leaves") or [],
+                     manifest if info.get("backend") != "dcp" else None)
     if opts.json:
         print(json.dumps(info, indent=1, default=str))
     else:
@@ -437,10 +439,34 @@ def _add_leaves(info: dict, path: str, storage: Any) -> None:
             text = storage.read(os.path.join(state_dir, TREE_FILE))
             leaves = parse_tree_record(text, state_dir)["leaves"]
             info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
-                               "dtype": leaf.get("dtype"), "bytes": leaf_nbytes(leaf)}
-                              for leaf in leaves]
+                               "dtype": leaf.get("dtype"), "bytes": leaf_nbytes(leaf),
+                               "name": leaf.get("name")} for leaf in leaves]
         except (OSError, CheckpointError, AttributeError) as exc:
             info["tree_error"] = f"{STATE_DIR}/{TREE_FILE}: {exc}"
+
+
+def _add_data_owners(leaves: list[dict], manifest: Any) -> None:
+    """Where each Orbax leaf's data lives (``"data"``), for a checkpoint that refers to
+    files of earlier ones (its manifest's refs, whose keys keep each file's path inside its
+    checkpoint): "stored" in this checkpoint, or "referenced from step N". Drops the
+    storage names ``_add_leaves`` kept for this."""
+    from jaxckpt.core.layout import STATE_DIR, parse_ref_key
+
+    names = [leaf.pop("name", None) for leaf in leaves]
+    if manifest is None or not getattr(manifest, "refs", None):
+        return
+    prefix = f"{STATE_DIR}/arrays/"
+    owners: dict[str, set[int]] = {}
+    for key in manifest.refs:
+        parsed = parse_ref_key(key)
+        if parsed is not None and parsed[1].startswith(prefix):
+            owners.setdefault(parsed[1][len(prefix):].split("/", 1)[0], set()).add(parsed[0])
+    own = {rel[len(prefix):].split("/", 1)[0] for rel in manifest.files
+           if rel.startswith(prefix) and "/c" in rel[len(prefix):]}
+    for leaf, name in zip(leaves, names, strict=True):
+        steps = sorted(owners.get(name, ()))
+        where = "referenced from step " + ", ".join(map(str, steps)) if steps else "stored"
+        leaf["data"] = f"{where} (partly stored)" if steps and name in own else where
 
 
 def _add_dcp_tensors(info: dict, state_dir: str, storage: Any) -> None:
@@ -488,9 +514,12 @@ def _print_info(info: dict, max_leaves: int, *, with_bytes: bool = False) -> Non
     if leaves:
         shown = leaves if max_leaves == 0 else leaves[:max_leaves]
         print(f"arrays ({len(leaves)} leaves):")
+        owners = with_bytes and any("data" in leaf for leaf in shown)
         rows = [[leaf["path"], str(tuple(leaf["shape"] or ())), str(leaf["dtype"])]
-                + ([_bytes_cell(leaf["bytes"])] if with_bytes else []) for leaf in shown]
-        _print_table(rows, ["PATH", "SHAPE", "DTYPE"] + (["BYTES"] if with_bytes else []), print)
+                + ([_bytes_cell(leaf["bytes"])] if with_bytes else [])
+                + ([leaf.get("data", "")] if owners else []) for leaf in shown]
+        _print_table(rows, ["PATH", "SHAPE", "DTYPE"] + (["BYTES"] if with_bytes else [])
+                     + (["DATA"] if owners else []), print)
         if len(shown) < len(leaves):
             print(f"  ... {len(leaves) - len(shown)} more (--leaves 0 lists all)")
 
