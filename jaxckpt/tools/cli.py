@@ -108,6 +108,19 @@ def _locate(command: str, path: str) -> tuple[str, str] | int:
     return EXIT_USAGE if kind == "unreadable" else EXIT_NOT_JAXCKPT  # permissions: environment
 
 
+def _store_of(path: str) -> Any:
+    """The store of the root that holds the checkpoint directory ``path`` (``ROOT/recover/
+    step_N``): an incremental checkpoint's references are files of its siblings. A directory
+    elsewhere gets a store of its parent."""
+    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.core.layout import RECOVER
+
+    parent = os.path.dirname(path)
+    if os.path.basename(parent) == RECOVER:
+        return CheckpointStore(os.path.dirname(parent))
+    return CheckpointStore(parent)
+
+
 def _ls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="checkpoint root (the directory holding recover/), or one "
                                      "checkpoint directory")
@@ -140,7 +153,7 @@ def _ls(opts: argparse.Namespace) -> int:
         return located
     path, kind = located
     if kind == "checkpoint":
-        entries = [CheckpointStore(os.path.dirname(path)).entry(path, checksums=opts.checksums)]
+        entries = [_store_of(path).entry(path, checksums=opts.checksums)]
     else:
         store = CheckpointStore(path)
         bar = make_progress("ls: checkpoints checked", wanted(opts.progress), unit="count")
@@ -367,12 +380,11 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     ``store``: the one holding ``path`` (object stores)."""
     import json
 
-    from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import DRIVER_FILE
     from jaxckpt.errors import CheckpointCorruptError, CheckpointError
     from jaxckpt.manager.driver_state import read_driver
 
-    store = CheckpointStore(os.path.dirname(path)) if store is None else store
+    store = _store_of(path) if store is None else store
     info: dict = {"path": path}
     try:
         manifest = store.read_manifest(path)
@@ -453,7 +465,7 @@ def _add_data_owners(leaves: list[dict], manifest: Any) -> None:
     from jaxckpt.core.layout import STATE_DIR, parse_ref_key
 
     names = [leaf.pop("name", None) for leaf in leaves]
-    if manifest is None or not getattr(manifest, "refs", None):
+    if manifest is None or not manifest.refs:
         return
     prefix = f"{STATE_DIR}/arrays/"
     owners: dict[str, set[int]] = {}
