@@ -283,21 +283,25 @@ class Saver:
             self._ctx.store.delete(path)
 
     def _commit(self, path: str, step: int, report: SaveReport,
-                known: dict[str, dict[str, Any]] | None = None) -> None:
+                known: dict[str, dict[str, Any]] | None = None,
+                refs: dict[str, dict[str, Any]] | None = None) -> None:
         """Background: every process's writes are done -> marker (sizes on the report)."""
-        written = self._commit_dir(path, step, known)
+        written = self._commit_dir(path, step, known, refs)
         report.bytes = written if self._ctx.primary else None
 
     def _commit_dir(self, path: str, step: int,
-                    known: dict[str, dict[str, Any]] | None = None) -> int:
+                    known: dict[str, dict[str, Any]] | None = None,
+                    refs: dict[str, dict[str, Any]] | None = None) -> int:
         """Once every process finished writing ``path``, the primary commits it. Returns the
         bytes committed (0 on other processes, which wait until the marker exists).
-        ``known``: checksums the backend computed while writing (``known_checksums``)."""
+        ``known``: checksums the backend computed while writing (``known_checksums``);
+        ``refs``: files of earlier checkpoints it referred to (``WriteHandle.references``)."""
         ctx = self._ctx
         if ctx.process_count > 1:
             # The primary checksums what the others wrote without reading it back: their
-            # writers' checksums travel in their done markers.
-            ctx.store.mark_done(path, ctx.process_index, None if ctx.primary else known)
+            # writers' checksums (and refs) travel in their done markers.
+            ctx.store.mark_done(path, ctx.process_index, None if ctx.primary else known,
+                                refs=None if ctx.primary else refs)
         if not ctx.primary:
             self._pipeline.wait_for(lambda: ctx.store.is_committed(path),
                                     f"the primary process to commit {path}")
@@ -307,7 +311,8 @@ class Saver:
                 lambda: ctx.store.all_done(path, ctx.process_count),
                 f"all {ctx.process_count} processes to finish writing {path}")
             known = {**ctx.store.done_checksums(path, ctx.process_count), **(known or {})}
-        return ctx.store.commit(path, step, known=known).total_bytes
+            refs = ctx.store.done_refs(path, ctx.process_count, refs)
+        return ctx.store.commit(path, step, known=known, refs=refs).total_bytes
 
     def apply_retention(self) -> None:
         """Primary, background: delete the checkpoints no retention rule keeps (see
