@@ -84,3 +84,36 @@ def test_cpu_mode_runs_every_part(tmp_path):
     assert parts == {part.label for part in runner.PARTS}
     assert [status for (part, _), status in statuses.items()
             if part in ("3 jax kill/resume", "5 DCP with NCCL")] == ["pass", "pass"]
+
+
+def test_the_jax_comparison_sees_changed_bytes_and_a_changed_sharding():
+    import jax
+
+    from jaxckpt.tools.gpu_check import jax_parts
+
+    devices = jax.devices("cpu")[:2]
+    state = jax_parts._train_state(devices, 4096)
+    assert jax_parts._differences(state, state) == []
+    changed = dict(state, params=dict(state["params"], w=state["params"]["w"] + 1))
+    moved = dict(state, ema=jax.device_put(state["ema"], devices[0]))
+    assert jax_parts._differences(state, changed) == ["['params']['w']: bytes differ"]
+    assert [problem.split(":")[0] for problem in jax_parts._differences(state, moved)] == \
+        ["['ema']"]
+
+
+def test_the_torch_comparison_sees_changed_bytes_and_a_drawn_generator():
+    import torch
+
+    from jaxckpt.tools.gpu_check import torch_parts
+
+    model, optimizer = torch_parts._model(8, 2, torch.device("cpu"))
+    state = {"model": model, "optimizer": optimizer}
+    before, rng = torch_parts._snapshot(state), torch.get_rng_state()
+    assert torch_parts._compare(before, torch_parts._snapshot(state)) == []
+    with torch.no_grad():
+        model[1].bias[0] += 1
+    assert torch_parts._compare(before, torch_parts._snapshot(state)) == \
+        ["model/1.bias: bytes differ"]
+    assert torch_parts._rng_problems(rng, []) == []
+    torch_parts._advance_rngs(0)
+    assert torch_parts._rng_problems(rng, []) == ["CPU RNG state differs"]

@@ -17,7 +17,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["Row", "Status", "format_table", "write_rows", "read_rows", "ratio_row", "median"]
+__all__ = ["Row", "Status", "format_table", "write_rows", "read_rows", "ratio_row", "median",
+           "error_row", "short_error"]
 
 #: pass: the check held. FAIL: it did not, or the part raised (fails the run). skipped: the
 #: part could not run here (the reason is the result). missed: a measured target not
@@ -65,6 +66,19 @@ def ratio_row(part: str, what: str, ratio: float, *, at_most: float | None = Non
     target = f"<= {at_most}" if at_most is not None else f">= {at_least}"
     return Row(part=part, what=f"{what}, target {target}", result=detail,
                figure=f"{ratio:.2f}", status="pass" if met else "missed")
+
+
+def short_error(error: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line, cut at ``limit`` characters."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:limit]
+
+
+def error_row(part: str, what: str, error: BaseException) -> Row:
+    """A check that raised: FAIL with the error; its traceback goes to the part's log."""
+    import traceback
+
+    traceback.print_exception(error)
+    return Row(part=part, what=what, result=short_error(error), status="FAIL")
 
 
 def _cell(text: str) -> str:

@@ -24,11 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .rows import Row, format_table, read_rows, write_rows
+from .rows import Row, error_row, format_table, read_rows, short_error, write_rows
 
 __all__ = ["PARTS", "Part", "PartContext", "main", "child_env"]
 
@@ -179,7 +178,7 @@ def _probe_child(path: str) -> int:
 
         found["jax"] = {"gpus": len(jax.devices("gpu")), "why": ""}
     except Exception as error:  # noqa: BLE001 - no gpu backend installed is an answer
-        found["jax"] = {"gpus": 0, "why": f"jax has no usable gpu backend ({_short(error)})"}
+        found["jax"] = {"gpus": 0, "why": f"jax has no usable gpu backend ({short_error(error)})"}
     try:
         import torch
 
@@ -188,14 +187,10 @@ def _probe_child(path: str) -> int:
                           f"torch {torch.__version__} sees no CUDA device "
                           f"(built for CUDA: {torch.version.cuda or 'no'})"}
     except Exception as error:  # noqa: BLE001
-        found["torch"] = {"gpus": 0, "why": f"torch unusable ({_short(error)})"}
+        found["torch"] = {"gpus": 0, "why": f"torch unusable ({short_error(error)})"}
     with open(path, "w") as handle:
         json.dump(found, handle)
     return 0
-
-
-def _short(error: BaseException, limit: int = 300) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:limit]
 
 
 def _part_child(opts: argparse.Namespace) -> int:
@@ -208,9 +203,7 @@ def _part_child(opts: argparse.Namespace) -> int:
         module = importlib.import_module(f"{__package__}.{module_name}")
         rows = list(getattr(module, function_name)(context))
     except Exception as error:  # noqa: BLE001 - recorded; the runner goes on
-        traceback.print_exc()
-        rows = [Row(part=part.label, what="the part raised", result=_short(error),
-                    status="FAIL")]
+        rows = [error_row(part.label, "the part raised", error)]
     write_rows(opts.result, rows)
     return 0
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .rows import Row, median, ratio_row
+from .rows import Row, error_row, median, ratio_row
 from .runner import PartContext, child_env
 
 __all__ = ["dcp_roundtrip", "two_ranks", "rank_worker"]
@@ -206,6 +206,8 @@ def dcp_roundtrip(context: PartContext) -> list[Row]:
     async saves 2-4 against a ``.cpu()`` copy of the same tensors."""
     import torch
 
+    from torch_bridge import DcpBackend
+
     cuda = not context.cpu
     cuda_count = torch.cuda.device_count() if cuda else 0
     if cuda:
@@ -219,16 +221,28 @@ def dcp_roundtrip(context: PartContext) -> list[Row]:
     where = f"{nbytes / _MiB:.0f} MiB (model + Adam) on {device}"
     rng = f"RNG of CPU and {cuda_count} CUDA device(s)" if cuda else "CPU RNG"
     rows = []
-    problems, _ = _roundtrip(context, state, "sync", 1, cuda_count)
-    rows.append(Row(part=context.label, status="FAIL" if problems else "pass",
-                    what=f"sync save + restore in place, bit-exact, {rng} restored",
-                    result="; ".join(problems[:4]) or f"{where}: identical"))
+    what = f"sync save + restore in place, bit-exact, {rng} restored"
+    try:
+        problems, _ = _roundtrip(context, state, "sync", 1, cuda_count)
+        rows.append(Row(part=context.label, what=what, status="FAIL" if problems else "pass",
+                        result="; ".join(problems[:4]) or f"{where}: identical"))
+    except Exception as error:  # noqa: BLE001 - recorded; the async check still runs
+        rows.append(error_row(context.label, what, error))
     pinned: list[tuple[int, int]] = []
-    problems, blocking = _roundtrip(context, state, "async", 4, cuda_count,
-                                    on_open=lambda manager: pinned.append(_pinned(manager)))
-    rows.append(Row(part=context.label, status="FAIL" if problems else "pass",
-                    what=f"async saves (DCP checkpointer of DcpBackend's choice) + restore, "
-                         f"bit-exact, {rng} restored",
+
+    def look(manager: Any) -> None:
+        pinned.append(_pinned(manager))
+
+    probe = DcpBackend()  # what the managers below get by default
+    choice = probe.async_checkpointer
+    probe.close()
+    what = (f"async saves (DcpBackend's choice of DCP checkpointer: {choice}) + restore, "
+            f"bit-exact, {rng} restored")
+    try:
+        problems, blocking = _roundtrip(context, state, "async", 4, cuda_count, on_open=look)
+    except Exception as error:  # noqa: BLE001 - recorded; the part ends here
+        return [*rows, error_row(context.label, what, error)]
+    rows.append(Row(part=context.label, what=what, status="FAIL" if problems else "pass",
                     result="; ".join(problems[:4]) or f"{where}: identical"))
     rows.append(_pinned_row(context.label, pinned[0], cuda))
     copy_s = _copy_seconds(state, cuda)
