@@ -140,7 +140,7 @@ def _ls(opts: argparse.Namespace) -> int:
         return located
     path, kind = located
     if kind == "checkpoint":
-        entries = [CheckpointStore(os.path.dirname(path)).entry(path, checksums=opts.checksums)]
+        entries = [_store_of(path).entry(path, checksums=opts.checksums)]
     else:
         store = CheckpointStore(path)
         bar = make_progress("ls: checkpoints checked", wanted(opts.progress), unit="count")
@@ -155,6 +155,7 @@ def _ls(opts: argparse.Namespace) -> int:
     why, note = ({}, None) if kind == "checkpoint" else _retention_column(store, entries)
     now = time.time()
     rows = []
+    referenced = _referenced_column(entries)
     for entry in entries:
         if entry.manifest is not None:
             size: int | None = entry.manifest.total_bytes
@@ -166,15 +167,39 @@ def _ls(opts: argparse.Namespace) -> int:
             except OSError:
                 created = None
         rows.append([str(entry.step), entry.status, _human_bytes(size),
+                     *referenced.get(entry.step, []),
                      _human_age(None if created is None else now - created),
                      os.path.basename(entry.path), why.get(entry.step, "-")])
-    _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY", "RETENTION"], print)
+    _print_table(rows, ["STEP", "STATUS", "SIZE", *(["REFERENCED"] if referenced else []),
+                        "AGE", "DIRECTORY", "RETENTION"], print)
     for entry in entries:
         for problem in entry.problems:
             print(f"  step {entry.step}: {problem}")
     if note:
         print(note)
     return _bad_if(entries)
+
+
+def _store_of(path: str) -> Any:
+    """The store of checkpoint directory ``path``: its root's when it is a step directory
+    under ``recover/`` (so that the files it refers to are found), else its parent's."""
+    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.core.layout import RECOVER
+
+    parent = os.path.dirname(os.path.abspath(path))
+    return CheckpointStore(os.path.dirname(parent) if os.path.basename(parent) == RECOVER
+                           else parent)
+
+
+def _referenced_column(entries: Sequence[Any]) -> dict[int, list[str]]:
+    """The REFERENCED cell of each checkpoint (bytes of earlier checkpoints' files it uses
+    without having written them; SIZE is what it wrote), or {} when no checkpoint listed
+    refers to any: the table then keeps its plain columns."""
+    if not any(entry.manifest is not None and entry.manifest.refs for entry in entries):
+        return {}
+    return {entry.step: [_human_bytes(entry.manifest.referenced_bytes
+                                      if entry.manifest is not None else None)]
+            for entry in entries}
 
 
 def _retention_column(store: Any, entries: Sequence[Any]) -> tuple[dict[int, str], str | None]:
@@ -236,7 +261,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(opts: argparse.Namespace) -> int:
-    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore, Memo
     from jaxckpt.core.layout import COMMIT_MARKER
     from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 
@@ -248,11 +273,13 @@ def _verify(opts: argparse.Namespace) -> int:
     if isinstance(located, int):
         return located
     path, kind = located
+    memo = None
     if kind == "checkpoint":
         targets = [path]
     else:
         store = CheckpointStore(path)
         targets = [entry.path for entry in store.entries()]
+        memo = Memo()  # a file several checkpoints use: read once, reported under each
         if not targets:
             print(f"no checkpoints under {store.recover_dir} (nothing to verify)")
             return EXIT_OK
@@ -267,8 +294,8 @@ def _verify(opts: argparse.Namespace) -> int:
             continue
         bar = make_progress(f"verify {number}/{len(targets)} {os.path.basename(target)}", show)
         try:
-            problems = CheckpointStore(os.path.dirname(target)).verify(
-                target, checksums=not opts.sizes_only, progress=bar)
+            problems = _store_of(target).verify(
+                target, checksums=not opts.sizes_only, progress=bar, memo=memo)
         except CheckpointNotFoundError:  # deleted meanwhile (retention of a running job)
             print(f"GONE    {target} (deleted while this command ran)")
             continue
@@ -367,12 +394,11 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     ``store``: the one holding ``path`` (object stores)."""
     import json
 
-    from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import DRIVER_FILE
     from jaxckpt.errors import CheckpointCorruptError, CheckpointError
     from jaxckpt.manager.driver_state import read_driver
 
-    store = CheckpointStore(os.path.dirname(path)) if store is None else store
+    store = _store_of(path) if store is None else store
     info: dict = {"path": path}
     try:
         manifest = store.read_manifest(path)
