@@ -29,7 +29,7 @@ from jaxckpt.core.layout import (
     parse_step_dirname,
 )
 from jaxckpt.core.manifest import Manifest
-from jaxckpt.core.references import plan_removal, retired_record
+from jaxckpt.core.references import plan_removal, referrers, retired_record
 from jaxckpt.errors import CheckpointCorruptError
 
 if TYPE_CHECKING:
@@ -147,17 +147,17 @@ def remove(store: CheckpointStore, path: str, step: int, *,
         own = store.manifests.get(store, path)
     except CheckpointCorruptError:
         own = None
-    present = store.storage.list_files(path)
-    removal = plan_removal(step, present, seen.manifests)
     marker = os.path.join(path, COMMIT_MARKER)
     store.manifests.forget(path)  # first: see ``markers``
-    if removal.whole:
+    if not referrers(step, seen.manifests):  # the usual case: no listing needed
         # Un-commit first: a crash from here on leaves a partial directory, never a
         # committed checkpoint with files missing.
         if not store.storage.delete_unless_reading(marker):
             return False
         store.storage.delete_prefix(path)
     else:
+        present = store.storage.list_files(path)
+        removal = plan_removal(step, present, seen.manifests)
         retired = os.path.join(path, RETIRED_MARKER)
         was_retired = RETIRED_MARKER in present and COMMIT_MARKER not in present
         store.storage.write(retired, retired_record(removal))
