@@ -272,3 +272,25 @@ def test_two_processes_refer_to_the_shards_each_wrote(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["frozen"]),
                                   np.arange(64 * 1024, dtype=np.float32).reshape(256, 256))
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((8, 4), 2, np.float32))
+
+
+def test_an_object_store_root_refers_instead_of_copying():
+    pytest.importorskip("moto")
+    from support.s3_server import moto_s3
+
+    run = Run(frozen_tree(1, 2), trained_kib=16)
+    config = jaxckpt.RecoverConfig(incremental=True, keep_last_n=2)
+    with moto_s3("incremental") as options, jaxckpt.CheckpointManager(
+            "s3://incremental/run", recover=config, storage_options=options,
+            preemption_signals=()) as mgr:
+        for step in range(3):
+            run.train()
+            before = WRITTEN.total()
+            mgr.save(jaxckpt.StepInfo(global_step=step), run.state(step), mode="sync")
+            written = WRITTEN.total() - before
+        assert written < nbytes(run.frozen) // 4  # no copy on the server either: a reference
+        assert mgr.committed_steps() == [1, 2]  # step 0 retired: its frozen file is still used
+        assert mgr.store.verify(mgr.store.step_path(2)) == []
+        assert_bitwise(mgr.restore(run.state(0)).state, host(run.state(2)))
+        partial = mgr.restore({"frozen": run.frozen}, step=1, partial=True)
+        assert_bitwise(partial.state, {"frozen": host(run.frozen)})
