@@ -108,19 +108,6 @@ def _locate(command: str, path: str) -> tuple[str, str] | int:
     return EXIT_USAGE if kind == "unreadable" else EXIT_NOT_JAXCKPT  # permissions: environment
 
 
-def _store_of(path: str) -> Any:
-    """The store of the root that holds the checkpoint directory ``path`` (``ROOT/recover/
-    step_N``): an incremental checkpoint's references are files of its siblings. A directory
-    elsewhere gets a store of its parent."""
-    from jaxckpt.commit.store import CheckpointStore
-    from jaxckpt.core.layout import RECOVER
-
-    parent = os.path.dirname(path)
-    if os.path.basename(parent) == RECOVER:
-        return CheckpointStore(os.path.dirname(parent))
-    return CheckpointStore(parent)
-
-
 def _ls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="checkpoint root (the directory holding recover/), or one "
                                      "checkpoint directory")
