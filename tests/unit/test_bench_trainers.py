@@ -12,9 +12,11 @@ def test_each_integration_row_gives_its_ratio_against_the_target():
     rows = {"transformers": {"lost_s": {"trainer": 0.5, "jaxckpt": 0.05}},
             "lightning": {"lost_s": {"torch_io": 0.4, "jaxckpt": 0.2}},
             "keras": {"lost_s": {"keras": 1.0, "jaxckpt": -0.01}},
-            "missing": {"unavailable": "not installed: x"}}
+            "missing": {"unavailable": "not installed: x"},
+            "transformers-large": {"lost_s": {"trainer": 2.0, "jaxckpt": 0.3}}}
     targets = {t["trainer"]: t for t in trainer_targets(rows)}
-    assert sorted(targets) == ["keras", "lightning", "transformers"]
+    assert sorted(targets) == ["keras", "lightning", "transformers", "transformers-large"]
+    assert targets["transformers-large"]["ratio"] == pytest.approx(0.15)
     assert targets["transformers"]["ratio"] == pytest.approx(0.1)
     assert targets["transformers"]["met"] is True
     assert targets["lightning"]["ratio"] == pytest.approx(0.5)
