@@ -80,7 +80,7 @@ def _timed(fn: Any, spent: list[float]) -> Any:
     return call
 
 
-def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[str, float]:
+def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[str, Any]:
     """One ``trainer.train()``: its seconds, and the seconds the training thread spent at
     the save points (Trainer's logging plus its save, or jaxckpt's staging) and in
     ``on_train_end`` (where jaxckpt waits for its last save to commit)."""
@@ -102,7 +102,21 @@ def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[s
     # train_end_s: jaxckpt waits there for its last save to commit (written, checksummed,
     # fsynced); Trainer's own files may still be in the page cache.
     return {"run_s": run_s, "save_points_s": sum(spent) + sum(ending),
-            "train_end_s": sum(ending)}
+            "train_end_s": sum(ending), "calls_s": spent}
+
+
+def _steady_per_save(runs: list[dict[str, Any]], plain: list[dict[str, Any]], steps: int,
+                     save_every: int) -> float | None:
+    """The training thread's seconds per save once the run is under way: at the save steps
+    after the first (whose staging buffers are new) and before the last (whose save point
+    comes at the epoch's end), over the same step without checkpoints; median per round,
+    then over rounds. None when the run has fewer than three saves."""
+    steps_at = [k * save_every - 1 for k in range(2, steps // save_every)]
+    if not steps_at:
+        return None
+    return statistics.median(
+        statistics.median(run["calls_s"][i] - base["calls_s"][i] for i in steps_at)
+        for run, base in zip(runs, plain, strict=True))
 
 
 def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, layers: int = 4,
@@ -131,7 +145,7 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
     workdir = tempfile.mkdtemp(prefix="jaxckpt-bench-trainer-", dir=directory)
     shape = dict(steps=steps, width=width, layers=layers, frozen_mb=frozen_mb, step_ms=step_ms)
     variants = ["none", "trainer", "jaxckpt"]
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     # Trainer prints its logs: to stderr, so that stdout holds only the result.
     with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, workdir, True)
@@ -150,6 +164,8 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
     run_lost = {name: [run["run_s"] - plain["run_s"]
                        for run, plain in zip(samples[name], samples["none"], strict=True)]
                 for name in ("trainer", "jaxckpt")}
+    steady = {name: _steady_per_save(samples[name], samples["none"], steps, save_every)
+              for name in ("trainer", "jaxckpt")}
     ratios = [j / t for j, t in zip(lost["jaxckpt"], lost["trainer"], strict=True) if t > 0]
     return {"shape": {**shape, "save_every": save_every, "repeats": repeats},
             "samples": samples,
@@ -158,6 +174,7 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
             "train_end_s": {name: median(name, "train_end_s") for name in variants},
             "lost_s": {name: statistics.median(values) for name, values in lost.items()},
             "run_lost_s": {name: statistics.median(v) for name, v in run_lost.items()},
+            "steady_save_s": steady,
             "lost_ratio_jaxckpt_to_trainer": statistics.median(ratios) if ratios else None}
 
 if __name__ == "__main__":
