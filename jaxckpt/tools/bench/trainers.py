@@ -33,7 +33,7 @@ TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # Its lost time is per save once under way (``steady_save_s``), as in a long run.
     "transformers-large": (dict(steps=30, save_every=5, width=256, layers=4, repeats=3,
                                 frozen_mb=256, step_ms=100),
-                           dict(steps=4, save_every=2, width=32, layers=1, repeats=1,
+                           dict(steps=6, save_every=2, width=32, layers=1, repeats=1,
                                 frozen_mb=1, step_ms=1)),
     "lightning": (dict(hidden=1024, layers=4, steps=30, save_every=5, rounds=2),
                   dict(hidden=32, layers=1, steps=4, save_every=2, rounds=1)),
