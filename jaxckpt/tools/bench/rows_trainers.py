@@ -125,7 +125,9 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
     """Median seconds of each variant, and the time each loses to checkpointing: the
     training thread's time at the save points and at the end of training minus the same
     without checkpoints (per round, then the median; whole runs are reported too, but on a
-    shared machine their noise hides seconds).
+    shared machine their noise hides seconds). ``train_end_s`` is the end of training's
+    share (jaxckpt waits there for its last commit); ``steady_save_s`` the seconds per save
+    once the run is under way (``_steady_per_save``).
 
     Args:
         steps: optimizer steps per run.
