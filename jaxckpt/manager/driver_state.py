@@ -46,6 +46,8 @@ __all__ = [
     "restore_stateful",
     "capture_global_rng",
     "restore_global_rng",
+    "global_rng_state",
+    "set_global_rng_state",
     "build_driver",
     "build_local",
     "parse_driver",
@@ -174,25 +176,45 @@ def restore_stateful(stateful: Mapping[str, Any] | None, saved: Mapping[str, Any
             CheckpointWarning, stacklevel=3)
 
 
+def global_rng_state() -> dict[str, Any]:
+    """Python ``random``'s and NumPy's legacy global RNG state, as values ``core.codec``
+    stores exactly (the one capture of these two; ``torch_bridge.rng`` adds torch's)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(legacy=False)}
+
+
+def set_global_rng_state(saved: Mapping[str, Any], where: str, *, stacklevel: int = 2) -> None:
+    """Restore what :func:`global_rng_state` returned (also its tuples as lists, and NumPy's
+    legacy tuple); a missing entry warns and keeps that generator's current state.
+
+    Args:
+        saved: the ``{"python": ..., "numpy": ...}`` values.
+        where: the checkpoint, named in a warning.
+        stacklevel: of those warnings, counted from the caller.
+    """
+    if "python" in saved:
+        random.setstate(_as_random_state(saved["python"]))
+    else:
+        warnings.warn(f"{where} has no Python RNG state; random keeps its current state.",
+                      CheckpointWarning, stacklevel=stacklevel + 1)
+    if "numpy" in saved:
+        state = saved["numpy"]
+        np.random.set_state(tuple(state) if isinstance(state, list) else state)
+    else:
+        warnings.warn(f"{where} has no NumPy RNG state; numpy.random keeps its current state.",
+                      CheckpointWarning, stacklevel=stacklevel + 1)
+
+
 def capture_global_rng() -> dict[str, Any]:
-    """Python ``random`` and NumPy's legacy global RNG state."""
-    return {
-        "python": codec.encode(random.getstate(), "rng['python']"),
-        "numpy": codec.encode(np.random.get_state(legacy=False), "rng['numpy']"),
-    }
+    """:func:`global_rng_state`, each entry JSON-encoded."""
+    return {name: codec.encode(value, f"rng[{name!r}]")
+            for name, value in global_rng_state().items()}
 
 
 def restore_global_rng(saved: Mapping[str, Any], where: str) -> None:
-    if "python" in saved:
-        random.setstate(_as_random_state(codec.decode(saved["python"], "rng['python']")))
-    else:
-        warnings.warn(f"{where} has no Python RNG state; random keeps its current state.",
-                      CheckpointWarning, stacklevel=3)
-    if "numpy" in saved:
-        np.random.set_state(codec.decode(saved["numpy"], "rng['numpy']"))
-    else:
-        warnings.warn(f"{where} has no NumPy RNG state; numpy.random keeps its current state.",
-                      CheckpointWarning, stacklevel=3)
+    """Restore what :func:`capture_global_rng` returned."""
+    set_global_rng_state({name: codec.decode(value, f"rng[{name!r}]")
+                          for name, value in saved.items() if name in ("python", "numpy")},
+                         where, stacklevel=3)
 
 
 def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | int]:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -30,8 +32,7 @@ from jaxckpt import (
 from jaxckpt.backends.base import Backend, WriteHandle
 from jaxckpt.core import codec
 from jaxckpt.core.manifest import DEFER_CHECKSUMS_OVER
-from torch_bridge import DcpBackend, DcpCheckpointManager
-from torch_bridge.dcp import backend as dcp_backend
+from torch_bridge import DcpBackend, DcpCheckpointManager, rng
 
 from support import paths
 
@@ -612,10 +613,37 @@ def test_cuda_rng_of_every_device_roundtrips_in_one_entry(monkeypatch):
     backend.set_rng_state(saved)
     assert [int(s[0]) for s in fake.get_rng_state_all()] == [0, 1]
     with pytest.warns(CheckpointWarning, match="for 2 device.*sees 1"):
-        dcp_backend._restore_cuda_rng(saved["cuda"], FakeCuda(1))
+        rng.restore_torch_rng(saved, cuda=FakeCuda(1))
     with pytest.warns(CheckpointWarning, match="no torch CPU RNG state"):
         backend.set_rng_state({"cuda": saved["cuda"]})
 
+
+
+def _draws():
+    return random.random(), float(np.random.rand()), torch.rand(2).tolist()
+
+
+def test_every_global_rng_roundtrips_through_json_and_reads_the_older_encodings():
+    """One capture for the manager, use_jaxckpt and JaxckptCheckpointIO, with no tensor in it
+    (the plugin keeps it in its JSON); the older checkpoints still restore: the plugin's
+    (torch state as bytes under "torch", NumPy's legacy tuple) and the manager's (tensors)."""
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    saved = codec.decode(json.loads(json.dumps(codec.encode(rng.capture_rng()))))
+    assert not any(isinstance(value, torch.Tensor) for value in saved.values())
+    plugin = {"python": random.getstate(), "numpy": np.random.get_state(),
+              "torch": torch.get_rng_state().numpy().tobytes()}
+    manager = {"python": random.getstate(), "numpy": np.random.get_state(legacy=False),
+               "cpu": torch.get_rng_state()}
+    expected = _draws()
+    for state in (saved, plugin, manager):
+        state = codec.decode(json.loads(json.dumps(codec.encode(state))))
+        torch.manual_seed(4), random.seed(4), np.random.seed(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every entry there (no CUDA here)
+            rng.restore_rng(state)
+        assert _draws() == expected
+    with pytest.warns(CheckpointWarning, match="no NumPy RNG state"):
+        rng.restore_rng({"python": saved["python"], "cpu": saved["cpu"]})
 
 # --------------------------------------------------------------------- data loaders
 

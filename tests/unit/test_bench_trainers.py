@@ -12,9 +12,11 @@ def test_each_integration_row_gives_its_ratio_against_the_target():
     rows = {"transformers": {"lost_s": {"trainer": 0.5, "jaxckpt": 0.05}},
             "lightning": {"lost_s": {"torch_io": 0.4, "jaxckpt": 0.2}},
             "keras": {"lost_s": {"keras": 1.0, "jaxckpt": -0.01}},
-            "missing": {"unavailable": "not installed: x"}}
+            "missing": {"unavailable": "not installed: x"},
+            "transformers-large": {"steady_save_s": {"trainer": 2.0, "jaxckpt": 0.3}}}
     targets = {t["trainer"]: t for t in trainer_targets(rows)}
-    assert sorted(targets) == ["keras", "lightning", "transformers"]
+    assert sorted(targets) == ["keras", "lightning", "transformers", "transformers-large"]
+    assert targets["transformers-large"]["ratio"] == pytest.approx(0.15)
     assert targets["transformers"]["ratio"] == pytest.approx(0.1)
     assert targets["transformers"]["met"] is True
     assert targets["lightning"]["ratio"] == pytest.approx(0.5)
@@ -35,3 +37,13 @@ def test_a_trainer_that_lost_nothing_gives_no_ratio():
 def test_unknown_trainer_names_are_refused():
     with pytest.raises(ValueError, match="unknown"):
         run_trainers(only=("deepspeed",))
+
+
+def test_the_steady_save_time_leaves_out_the_first_and_last_saves():
+    from jaxckpt.tools.bench.rows_trainers import _steady_per_save
+
+    # 4 saves (every 2 of 8 steps): the second and third count, over the plain run's steps.
+    run = {"calls_s": [0.0, 9.0, 0.1, 0.5, 0.1, 0.7, 0.1, 9.0]}
+    plain = {"calls_s": [0.1] * 8}
+    assert _steady_per_save([run], [plain], 8, 2) == pytest.approx(0.5)
+    assert _steady_per_save([run], [plain], 4, 2) is None

@@ -31,7 +31,6 @@ from jaxckpt.core.extras import requires_extra
 from jaxckpt.core.layout import OBJECTS_FILE
 from jaxckpt.errors import (
     CheckpointCorruptError,
-    CheckpointWarning,
     ConfigError,
     TreeMismatchError,
 )
@@ -43,6 +42,7 @@ with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, 
     from torch import nn
     from torch.utils.data import DataLoader
 
+    from torch_bridge import rng
     from torch_bridge.dcp import metadata as dcp_metadata
     from torch_bridge.dcp.files import LocalDcpFiles, StorageDcpFiles
 
@@ -69,38 +69,6 @@ def _state_dict_api() -> Any:
     import torch.distributed.checkpoint.state_dict as api
 
     return api
-
-
-# ------------------------------------------------------------------------------ RNG state
-
-
-def _capture_cuda_rng(cuda: Any) -> list[torch.Tensor] | None:
-    """Every CUDA device's generator state, or None without CUDA (one entry for all
-    devices: a restore on a machine with another device count can see the mismatch)."""
-    if not cuda.is_available():
-        return None
-    return [state.clone() for state in cuda.get_rng_state_all()]
-
-
-def _restore_cuda_rng(saved: Any, cuda: Any) -> None:
-    """Put back what :func:`_capture_cuda_rng` returned. ``cuda`` is ``torch.cuda`` (a
-    parameter so that the CUDA branch is testable without a GPU)."""
-    if not cuda.is_available():
-        return  # no CUDA here: nothing consumes CUDA random numbers, nothing to restore
-    if saved is None:
-        warnings.warn("the checkpoint has no CUDA RNG state (it was written on a machine "
-                      "without CUDA, or by an older version); the CUDA generators keep their "
-                      "current state, so random ops on the GPU will not repeat exactly.",
-                      CheckpointWarning, stacklevel=3)
-        return
-    count = cuda.device_count()
-    if len(saved) != count:
-        warnings.warn(f"the checkpoint holds CUDA RNG state for {len(saved)} device(s) and "
-                      f"this process sees {count}; restoring the first "
-                      f"{min(len(saved), count)}, the others keep their current state.",
-                      CheckpointWarning, stacklevel=3)
-    for index, state in enumerate(saved[:count]):
-        cuda.set_rng_state(state, index)
 
 
 # ------------------------------------------------------------------- flattening the state
@@ -329,7 +297,9 @@ def _objects_document(entries: list[_Entry]) -> bytes:
         if entry.kind == "optimizer":
             record.update(module=entry.module, fresh=entry.fresh)
         body["entries"][entry.name] = record
-    return json.dumps(body, indent=1, allow_nan=False).encode()
+    # Compact: with indent= json.dumps runs its pure-Python encoder, slower than the C one
+    # on the training thread (this document lists every tensor).
+    return json.dumps(body, allow_nan=False).encode()
 
 
 # -------------------------------------------------------------------------------- handle
@@ -769,26 +739,12 @@ class DcpBackend:
 
     def rng_state(self) -> dict[str, Any]:
         """This process's torch generators: CPU, and every CUDA device in one entry."""
-        state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        cuda = _capture_cuda_rng(torch.cuda)
-        if cuda is not None:
-            state["cuda"] = cuda
-        return state
+        return rng.capture_torch_rng()
 
     def set_rng_state(self, state: Any) -> None:
         """Restore :meth:`rng_state`'s result; a missing entry warns and keeps the current
         state (checkpoints written without CUDA restore on a CUDA machine)."""
-        if not isinstance(state, Mapping):
-            warnings.warn(f"the checkpoint's torch RNG state is a {type(state).__name__}, not "
-                          "a dict; torch generators keep their current state.",
-                          CheckpointWarning, stacklevel=2)
-            return
-        if "cpu" in state:
-            torch.set_rng_state(state["cpu"])
-        else:
-            warnings.warn("the checkpoint has no torch CPU RNG state; the CPU generator keeps "
-                          "its current state.", CheckpointWarning, stacklevel=2)
-        _restore_cuda_rng(state.get("cuda"), torch.cuda)
+        rng.restore_torch_rng(state, "the checkpoint")
 
 
 def _checkpointer_type(choice: str, remote: bool) -> Any:

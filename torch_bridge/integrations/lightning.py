@@ -15,19 +15,18 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import random
 import sys
 import threading
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from jaxckpt import CheckpointWarning, ConfigError, RecoverConfig, StepInfo
 from jaxckpt.core import codec
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+from torch_bridge import rng as torch_rng
 from torch_bridge.integrations import lightning_tree
 from torch_bridge.manager import DcpCheckpointManager
 
@@ -129,7 +128,7 @@ class JaxckptCheckpointIO(CheckpointIO):
             with self._lock:
                 self._committed.discard(step)
         trainer = _calling_trainer()
-        rng = _capture_rng()
+        rng = torch_rng.capture_rng()
         rng["loaders"] = [_generator_bytes(g) for g in _loader_generators(trainer)]
         state = {"tensors": tensors, "lightning": {"checkpoint": skeleton, "rng": rng,
                                                    "path": path}}
@@ -156,7 +155,7 @@ class JaxckptCheckpointIO(CheckpointIO):
                                              f"step {step} under {manager.root} does not hold.")
         trainer = _calling_trainer()
         if trainer is None:
-            _restore_rng(saved["rng"])
+            torch_rng.restore_rng(saved["rng"], path)
         else:  # after Lightning has made the restored loader iterator (see _RestoreRng)
             trainer.callbacks.append(_RestoreRng(saved["rng"]))
         return lightning_tree.join(skeleton, tensors)
@@ -304,7 +303,7 @@ class _RestoreRng(Callback):
         rng, self._rng = self._rng, None
         if rng is None:
             return
-        _restore_rng(rng)
+        torch_rng.restore_rng(rng)
         generators = _loader_generators(trainer)
         saved = rng.get("loaders", [])
         if len(saved) != len(generators):
@@ -358,22 +357,3 @@ def _loader_generators(trainer: Any) -> list[torch.Generator]:
 
 def _generator_bytes(generator: torch.Generator) -> bytes:
     return bytes(generator.get_state().numpy().tobytes())
-
-
-def _capture_rng() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and every initialised CUDA device) RNG states."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state().numpy().tobytes()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [item.numpy().tobytes() for item in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(tuple(state["numpy"]))
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(item), dtype=torch.uint8)
-                                      for item in state["cuda"]])

@@ -15,21 +15,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
 from typing import Any
 
-import numpy as np
-
 from jaxckpt import ConfigError, Every, ExportConfig, RecoverConfig, StepInfo
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.errors import CheckpointCorruptError
+from torch_bridge import rng
 from torch_bridge.manager import DcpCheckpointManager
 
 with requires_extra("transformers", "torch_bridge.integrations.transformers"):
-    import torch
     from transformers import Trainer, TrainerCallback, TrainerState
     from transformers.trainer_callback import ExportableState
 
@@ -161,23 +158,6 @@ class _TrainerStateRecord:
         self.loaded = dict(state)
 
 
-def _capture_rng() -> dict[str, Any]:
-    """This process's global RNGs, as Trainer saves them (Python, NumPy, torch CPU, CUDA)."""
-    rng: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                           "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
-def _set_rng(rng: dict[str, Any]) -> None:
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
 class _JaxckptHook(TrainerCallback):
     """The hooks of one Trainer: opens the manager at ``train()``, saves at the save points,
     feeds Trainer's resume, closes the manager at the end of training or on an error.
@@ -294,16 +274,16 @@ class _JaxckptHook(TrainerCallback):
         if not self._ours(checkpoint):
             self.originals["_load_rng_state"](checkpoint)
         elif self.rng is not None:
-            _set_rng(self.rng)
+            rng.restore_rng(self.rng)
 
     def _restore_tensors(self) -> None:
         """Model, optimizer, scheduler and scaler from the chosen step; the RNGs it holds are
         kept aside for ``_load_rng_state`` (Trainer restores them after skipping batches)."""
         assert self.manager is not None
-        before = _capture_rng()
+        before = rng.capture_rng()
         recovered = self.manager.recover(self._entries(), stateful={STATEFUL_NAME: self.record})
-        self.rng = _capture_rng()
-        _set_rng(before)
+        self.rng = rng.capture_rng()
+        rng.restore_rng(before)
         step = None if recovered is None else recovered.step_info.global_step
         if step != self.resume_step:
             raise CheckpointCorruptError(

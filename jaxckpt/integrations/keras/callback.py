@@ -111,6 +111,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     # ------------------------------------------------------------------ keras hooks
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
+        try:
+            self._begin()
+        except BaseException as error:  # fit has not entered its try yet: nothing else closes
+            self._close(error)
+            raise
+
+    def _begin(self) -> None:
         model = self._model
         internals.check_model(model)
         steps = self.params.get("steps")
@@ -123,6 +130,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._close()
         self._manager = CheckpointManager(self.root, recover=self.recover_config,
                                           **self._manager_kwargs)
+        internals.watch_fit_error(model, self._close)
         self._global_step, self._resume, self._skip, self._trained = -1, None, (-1, 0), False
         variables = internals.fit_variables(model)
         like = {group: [v.value for v in variables[group]] for group in internals.FIT_STATE}
@@ -189,11 +197,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         variables = internals.fit_variables(self._model)
         return {group: [v.value for v in variables[group]] for group in internals.FIT_STATE}
 
-    def _close(self) -> None:
-        """End this fit's use of the root (also after a fit that raised)."""
+    def _close(self, error: BaseException | None = None) -> None:
+        """End this fit's use of the root: at its end, or when ``fit`` raised ``error``
+        (then the saves in flight finish, no final one is written, the error is not masked)."""
         if self._model is not None:
+            internals.unwatch_fit_error(self._model)
             internals.stop_skipping(self._model)
             internals.set_initial_epoch(self._model, None)
         manager, self._manager = self._manager, None
-        if manager is not None:
+        if manager is None:
+            return
+        if error is None:
             manager.close()
+        else:
+            manager.__exit__(type(error), error, error.__traceback__)

@@ -4,9 +4,10 @@ Owns: importing Keras on the JAX backend (a clear error otherwise), the variable
 trainer carries through ``fit`` (its four lists), the starting epoch of ``fit``
 (``model._initial_epoch``, as Keras's own BackupAndRestore sets it), skipping the batches a
 resumed epoch already trained (``model.train_function`` wrapped: a skipped call consumes its
-batch from the epoch's iterator and leaves the state alone), and Keras's global
-SeedGenerator. ``check_model`` fails with a clear error when the pinned Keras (3.15) and the
-installed one disagree on any of these.
+batch from the epoch's iterator and leaves the state alone), noticing a ``fit`` that raised
+(``model.jax_state_sync`` wrapped), and Keras's global SeedGenerator. ``check_model``
+fails with a clear error when the pinned Keras (3.15) and the installed one disagree on any
+of these.
 
 Must not import: torch, torch_bridge.
 """
@@ -22,7 +23,8 @@ from jaxckpt.core.extras import requires_extra
 from jaxckpt.errors import ConfigError
 
 __all__ = ["FIT_STATE", "check_model", "fit_variables", "get_global_seed", "import_keras",
-           "set_global_seed", "set_initial_epoch", "skip_batches", "stop_skipping"]
+           "set_global_seed", "set_initial_epoch", "skip_batches", "stop_skipping",
+           "watch_fit_error", "unwatch_fit_error"]
 
 # The groups of variables the JAX trainer threads through each step of fit, in its order.
 FIT_STATE = ("trainable", "non_trainable", "optimizer", "metrics")
@@ -117,6 +119,34 @@ def stop_skipping(model: Any) -> None:
     original = getattr(model.train_function, "jaxckpt_original", None)
     if original is not None:
         model.train_function = original
+
+
+def watch_fit_error(model: Any, on_error: Callable[[BaseException], None]) -> None:
+    """Call ``on_error(error)`` once when the running ``fit`` ends with an error: Keras then
+    calls no callback (``on_train_end`` runs only when training finished), but fit's
+    ``finally`` always calls ``model.jax_state_sync()``. That method is wrapped on the
+    instance; an error propagating through it that is not the one already being handled when
+    fit began (fit called inside an ``except``) is fit's own."""
+    unwatch_fit_error(model)
+    handled_before = sys.exc_info()[1]
+    original: Callable[..., Any] = model.jax_state_sync
+
+    def syncing(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        error = sys.exc_info()[1]
+        if error is not None and error is not handled_before:
+            unwatch_fit_error(model)
+            on_error(error)
+        return result
+
+    syncing.jaxckpt_original = original  # type: ignore[attr-defined]
+    model.jax_state_sync = syncing
+
+
+def unwatch_fit_error(model: Any) -> None:
+    """Remove ``watch_fit_error``'s wrapper (the class's method is used again)."""
+    if hasattr(vars(model).get("jax_state_sync"), "jaxckpt_original"):
+        del vars(model)["jax_state_sync"]
 
 
 def _global_seed_generator() -> Any:

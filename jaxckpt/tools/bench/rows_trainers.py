@@ -24,9 +24,15 @@ __all__ = ["trainer_rows"]
 
 
 def _trainer(output_dir: str, *, steps: int, save_every: int | None, width: int,
-             layers: int) -> Any:
+             layers: int, frozen_mb: int = 0, step_ms: int = 0) -> Any:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     class Tokens(torch.utils.data.Dataset):
         def __init__(self) -> None:
@@ -48,7 +54,20 @@ def _trainer(output_dir: str, *, steps: int, save_every: int | None, width: int,
                              per_device_train_batch_size=4, logging_steps=save_every or steps,
                              data_seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
                              log_level="error", **save)
-    return Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Tokens())
+    model = LlamaForCausalLM(config)
+    if frozen_mb:  # a frozen base: saved with the model, untouched by the step
+        model.frozen_base = torch.nn.Parameter(
+            torch.randn(frozen_mb * 2**18, generator=torch.Generator().manual_seed(1)),
+            requires_grad=False)
+
+    class DeviceStep(TrainerCallback):
+        """Stands for the part of a step an accelerator runs: the host's cores are idle."""
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(step_ms / 1000)
+
+    return Trainer(model=model, args=args, train_dataset=Tokens(),
+                   callbacks=[DeviceStep()] if step_ms else None)
 
 
 def _timed(fn: Any, spent: list[float]) -> Any:
@@ -61,7 +80,7 @@ def _timed(fn: Any, spent: list[float]) -> Any:
     return call
 
 
-def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[str, float]:
+def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[str, Any]:
     """One ``trainer.train()``: its seconds, and the seconds the training thread spent at
     the save points (Trainer's logging plus its save, or jaxckpt's staging) and in
     ``on_train_end`` (where jaxckpt waits for its last save to commit)."""
@@ -72,22 +91,43 @@ def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[s
     if variant == "jaxckpt":
         trainer = use_jaxckpt(trainer, os.path.join(output, "root"), preemption_signals=())
     spent: list[float] = []
+    ending: list[float] = []
     trainer._maybe_log_save_evaluate = _timed(trainer._maybe_log_save_evaluate, spent)
     handler = trainer.callback_handler
-    handler.on_train_end = _timed(handler.on_train_end, spent)
+    handler.on_train_end = _timed(handler.on_train_end, ending)
     start = time.perf_counter()
     trainer.train()
     run_s = time.perf_counter() - start
     shutil.rmtree(output, ignore_errors=True)
-    return {"run_s": run_s, "save_points_s": sum(spent)}
+    # train_end_s: jaxckpt waits there for its last save to commit (written, checksummed,
+    # fsynced); Trainer's own files may still be in the page cache.
+    return {"run_s": run_s, "save_points_s": sum(spent) + sum(ending),
+            "train_end_s": sum(ending), "calls_s": spent}
+
+
+def _steady_per_save(runs: list[dict[str, Any]], plain: list[dict[str, Any]], steps: int,
+                     save_every: int) -> float | None:
+    """The training thread's seconds per save once the run is under way: at the save steps
+    after the first (whose staging buffers are new) and before the last (whose save point
+    comes at the epoch's end), over the same step without checkpoints; median per round,
+    then over rounds. None when the run has fewer than three saves."""
+    steps_at = [k * save_every - 1 for k in range(2, steps // save_every)]
+    if not steps_at:
+        return None
+    return statistics.median(
+        statistics.median(run["calls_s"][i] - base["calls_s"][i] for i in steps_at)
+        for run, base in zip(runs, plain, strict=True))
 
 
 def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, layers: int = 4,
-                 repeats: int = 3, directory: str | None = None) -> dict[str, Any]:
+                 repeats: int = 3, frozen_mb: int = 0, step_ms: int = 0,
+                 directory: str | None = None) -> dict[str, Any]:
     """Median seconds of each variant, and the time each loses to checkpointing: the
     training thread's time at the save points and at the end of training minus the same
     without checkpoints (per round, then the median; whole runs are reported too, but on a
-    shared machine their noise hides seconds).
+    shared machine their noise hides seconds). ``train_end_s`` is the end of training's
+    share (jaxckpt waits there for its last commit); ``steady_save_s`` the seconds per save
+    once the run is under way (``_steady_per_save``).
 
     Args:
         steps: optimizer steps per run.
@@ -95,15 +135,19 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
         width: the Llama's hidden size (4 heads, intermediate size 2 x width).
         layers: its decoder layers.
         repeats: rounds; the variants take turns within each, in alternating order.
+        frozen_mb: MB of frozen weights added to the model (a fine-tuned frozen base): saved
+            by both, untouched by the step, so the state grows and the step does not.
+        step_ms: milliseconds each step sleeps after the host's work, standing for an
+            accelerator's step during which the host's cores are free for a background write.
         directory: where runs write (a temporary directory under it); None: the system's.
     """
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     workdir = tempfile.mkdtemp(prefix="jaxckpt-bench-trainer-", dir=directory)
-    shape = dict(steps=steps, width=width, layers=layers)
+    shape = dict(steps=steps, width=width, layers=layers, frozen_mb=frozen_mb, step_ms=step_ms)
     variants = ["none", "trainer", "jaxckpt"]
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     # Trainer prints its logs: to stderr, so that stdout holds only the result.
     with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, workdir, True)
@@ -118,16 +162,25 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
     lost = {name: [run["save_points_s"] - plain["save_points_s"]
                    for run, plain in zip(samples[name], samples["none"], strict=True)]
             for name in ("trainer", "jaxckpt")}
+    # The whole run's extra seconds: what the background write costs the steps too.
+    run_lost = {name: [run["run_s"] - plain["run_s"]
+                       for run, plain in zip(samples[name], samples["none"], strict=True)]
+                for name in ("trainer", "jaxckpt")}
+    steady = {name: _steady_per_save(samples[name], samples["none"], steps, save_every)
+              for name in ("trainer", "jaxckpt")}
     ratios = [j / t for j, t in zip(lost["jaxckpt"], lost["trainer"], strict=True) if t > 0]
     return {"shape": {**shape, "save_every": save_every, "repeats": repeats},
             "samples": samples,
             "run_s": {name: median(name, "run_s") for name in variants},
             "save_points_s": {name: median(name, "save_points_s") for name in variants},
+            "train_end_s": {name: median(name, "train_end_s") for name in variants},
             "lost_s": {name: statistics.median(values) for name, values in lost.items()},
+            "run_lost_s": {name: statistics.median(v) for name, v in run_lost.items()},
+            "steady_save_s": steady,
             "lost_ratio_jaxckpt_to_trainer": statistics.median(ratios) if ratios else None}
 
 if __name__ == "__main__":
-    # key=value arguments: steps, save_every, width, layers, repeats (ints).
+    # key=value arguments: steps, save_every, width, layers, repeats, frozen_mb, step_ms (ints).
     settings: dict[str, Any] = {key: int(value) for key, value in
                                 (arg.split("=", 1) for arg in sys.argv[1:])}
     print(json.dumps(trainer_rows(**settings), indent=2))
