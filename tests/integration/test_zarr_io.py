@@ -443,14 +443,64 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
     assert huge
     start, end = bounce.ctypes.data, bounce.ctypes.data + bounce.nbytes
     assert len(sources) == 3  # one piece after another
-    if offset:  # each from the bounce buffer
-        assert all(start <= source < end for source in sources)
+    first = data.ctypes.data
+    if offset:  # from the bounce buffer; the array's memory only where the copy lagged
+        assert start <= sources[0] < end
+        assert all(start <= source < end or first <= source < first + nbytes
+                   for source in sources)
     else:  # each from the array itself
-        first = data.ctypes.data
         assert all(first <= source < first + nbytes for source in sources)
     assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes,
                                                                                      offset)
     assert (size, crc) == file_checksum(str(path), ALGORITHM)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+def test_a_copy_that_falls_behind_the_device_hands_the_rest_to_the_arrays_memory(
+        tmp_path, monkeypatch):
+    """The copy of the next piece into the bounce buffer runs on a checksum thread while
+    the piece before is written. Where that thread has not even started it when the
+    write is done (here: its one thread is held until the second write), the rest of the
+    file is written from the array's own memory, the thread's next file too, and the one
+    after that tries the copy again. The bytes and checksums are right throughout."""
+    bounce_of_kind(monkeypatch, True)
+    nbytes = 3 * PIECE + 100
+    data = placed(random_array("uint8", (nbytes,), np.random.default_rng(5)), 64)
+    held = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pool.submit(held.wait, 10)
+    monkeypatch.setattr(chunk_io, "_checksum_pool", pool)
+    pwrite = os.pwrite
+    sources: list[int] = []
+
+    def recording(fd, view, position):
+        if len(view) >= ALIGN:
+            sources.append(np.frombuffer(view, np.uint8).ctypes.data)
+            if len(sources) == 2:
+                held.set()
+        return pwrite(fd, view, position)
+
+    monkeypatch.setattr(chunk_io.os, "pwrite", recording)
+    try:
+        kinds = []
+        for index in range(3):
+            sources.clear()
+            path = tmp_path / f"chunk{index}"
+            size, crc = chunk_io.write_chunk(str(path), data, algorithm=ALGORITHM, offset=64)
+            if os.stat(tmp_path).st_dev in chunk_io._no_direct:
+                pytest.skip("this filesystem refuses O_DIRECT")
+            assert (size, crc) == file_checksum(str(path), ALGORITHM)
+            assert path.read_bytes() == (bytes(64) + data.tobytes()
+                                         + zarr_format.shard_index(nbytes, 64))
+            bounce = chunk_io._bounce()[0].ctypes.data
+            kinds.append(["bounce" if bounce <= source < bounce + 2 * PIECE else "array"
+                          for source in sources])
+    finally:
+        held.set()
+        pool.shutdown()
+    assert kinds[0] == ["bounce", "array", "array"]  # 3 pieces of whole blocks
+    assert kinds[1] == ["bounce"] + ["array"] * 3  # the first block (the zeros) is copied
+    assert kinds[2] == ["bounce"] * 3
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
@@ -464,7 +514,7 @@ def test_the_bounce_buffer_is_private_memory_that_asks_for_huge_pages(monkeypatc
         pytest.skip("no MADV_HUGEPAGE here")
     monkeypatch.setattr(chunk_io, "_local", threading.local())
     bounce, _ = chunk_io._bounce()
-    assert bounce.nbytes == PIECE
+    assert bounce.nbytes == 2 * PIECE  # one half filled while the other is written
     assert bounce.ctypes.data % (2 << 20) == 0
     flags = mapping_flags(bounce.ctypes.data)
     assert "hg" in flags and "sh" not in flags, flags

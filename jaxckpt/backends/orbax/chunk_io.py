@@ -51,8 +51,9 @@ _COPY_STEP = 1 << 20
 
 
 def _bounce() -> tuple[np.ndarray, bool]:
-    """This thread's bounce buffer of ``PIECE`` bytes, made once, and whether huge pages
-    back it (then arrays in jax's memory are written from it: ``_write_direct``).
+    """This thread's bounce buffer of two ``PIECE``-byte halves, made once, and whether
+    huge pages back it (then arrays in jax's memory are written from it: ``_write_direct``;
+    one half is filled while the other is written).
 
     Private anonymous memory, aligned to a huge page, with huge pages asked for
     (``MADV_HUGEPAGE``): ``O_DIRECT`` hands the device the buffer's pages, and a request
@@ -64,14 +65,14 @@ def _bounce() -> tuple[np.ndarray, bool]:
     found = getattr(_local, "bounce", None)
     if found is None:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        memory = mmap.mmap(-1, PIECE + _HUGE_PAGE, flags=flags)
+        memory = mmap.mmap(-1, 2 * PIECE + _HUGE_PAGE, flags=flags)
         raw = np.frombuffer(memory, np.uint8)
         start = (-raw.ctypes.data) % _HUGE_PAGE
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
             with contextlib.suppress(OSError):
-                memory.madvise(advice, start, PIECE)
-        buffer = raw[start:start + PIECE]
+                memory.madvise(advice, start, 2 * PIECE)
+        buffer = raw[start:start + 2 * PIECE]
         buffer[:] = 0  # faulted in now, so that the kernel's choice of pages can be seen
         found = _local.bounce = (buffer, _huge_pages_at(buffer.ctypes.data))
     return found
@@ -254,19 +255,13 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     index (under 4 KiB + 20 bytes).
 
     Where huge pages back this thread's bounce buffer (``_bounce``), every piece of an
-    array at a nonzero offset (jax's memory) is copied into it, a megabyte at a time,
-    checksummed there while in the CPU's cache, and written from it: the device then gets
-    a few large requests where the array's own 4 KiB pages made three times as many small
-    ones, which is slower by more than the copy costs. Otherwise the blocks come
-    straight from the array's memory when it lines up with the
-    file (``data_offset``), and each piece of an array that does not is copied into the
-    bounce buffer first. With a nonzero offset, the first block (the zeros and the
-    array's first bytes) is put together in the bounce buffer and written with O_DIRECT
-    too: through the page cache it cost a copy, a dirty page for the fsync to write back,
-    and 4 KiB of the array in the cache, per file. Checksums are taken in file order from
-    the memory that is written; a piece written from the array's own memory is
-    checksummed on another thread during its write, so that the checksum's CPU overlaps
-    the disk (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md, item 12).
+    array at a nonzero offset (jax's memory) is copied into it and written from it
+    (``_write_bounced``): the device then gets a few large requests where the array's own
+    4 KiB pages made three times as many small ones, which is slower by more than the copy
+    costs. Otherwise the blocks come straight from the array's memory when it lines up
+    with the file (``data_offset``; ``_write_own_memory``), and an array that does not is
+    copied through the bounce buffer too. Checksums are taken in file order from the
+    memory that is written, on another thread while the device writes the piece before.
 
     Padding the last block and truncating the file afterwards costs more: shrinking to
     a size inside a block makes the filesystem zero the rest of that block in the page
@@ -280,46 +275,108 @@ def _write_direct(fd: int, image: _FileImage, algorithm: str) -> str:
     # own memory, as a copy would gain no larger requests: copying packs through the huge
     # bounce made their save slower (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md).
     # jax's arrays sit at a nonzero offset (``data_offset``) in 4 KiB pages: those gain
-    # from the copy.
-    zero_copy = aligned and (not huge or offset == 0)
-    # With zero copy, the block holding the leading zeros cannot come from the array:
-    # it goes through the bounce buffer, the rest from the array's memory.
-    head = min(ALIGN, whole) if zero_copy and offset else 0
-    crc = 0
-    position = 0
-    source: np.ndarray | None  # None: written from the array's own memory
-    while position < whole:
-        if position < head:
-            count, source = head, bounce
-        else:
-            count = min(PIECE, whole - position)
-            source = None if zero_copy else bounce
-        pending = None
-        if source is None:
-            memory = flat[position - offset:position - offset + count]
-            # The array's own memory does not change under the write: its checksum runs
-            # on another thread while the device reads it.
-            pending = _checksummer().submit(extend, algorithm, crc, memory)
-        else:
-            memory = source[:count]
-            for step in range(0, count, _COPY_STEP):
-                part = memory[step:step + _COPY_STEP]
-                image.fill(part, position + step)
-                crc = extend(algorithm, crc, part)
-        try:
-            _pwrite_all(fd, memory.data, position)
-        except OSError as error:
-            if position == 0 and error.errno == errno.EINVAL:
-                raise _DirectRefused() from error
-            raise
-        if pending is not None:
-            crc = pending.result()
-        position += count
+    # from the copy, unless the copy fell behind the device in this thread's last file
+    # (``_write_bounced``): then this one goes without it, and the next tries again.
+    lagged = getattr(_local, "copy_lagged", False)
+    _local.copy_lagged = False
+    if aligned and (not huge or offset == 0 or lagged):
+        crc = _write_own_memory(fd, image, algorithm, whole, bounce)
+    else:
+        crc = _write_bounced(fd, image, algorithm, whole, bounce)
     rest = image.piece(whole, image.size)
     crc = extend(algorithm, crc, rest)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
     _pwrite_all(fd, rest.data, whole)
     return f"{crc:08x}"
+
+
+def _pwrite_direct(fd: int, memory: np.ndarray, position: int) -> None:
+    """One O_DIRECT write; EINVAL on a file's first one means the filesystem refuses it."""
+    try:
+        _pwrite_all(fd, memory.data, position)
+    except OSError as error:
+        if position == 0 and error.errno == errno.EINVAL:
+            raise _DirectRefused() from error
+        raise
+
+
+def _write_own_memory(fd: int, image: _FileImage, algorithm: str, whole: int,
+                      bounce: np.ndarray, position: int = 0, crc: int = 0) -> int:
+    """The whole blocks ``[position, whole)`` written from the array's own memory, each
+    piece checksummed on another thread during its write (the array does not change under
+    it; benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md, item 12), ``crc``
+    being the checksum of the bytes before ``position``. From 0 with a nonzero offset, the
+    first block (the zeros and the array's first bytes) is put together in ``bounce`` and
+    written with O_DIRECT too: through the page cache it cost a copy, a dirty page for the
+    fsync to write back, and 4 KiB of the array in the cache, per file. Returns the
+    checksum so far."""
+    flat, offset = image.flat, image.offset
+    if position == 0 and offset and whole:
+        head = bounce[:min(ALIGN, whole)]
+        image.fill(head, 0)
+        crc = extend(algorithm, crc, head)
+        _pwrite_direct(fd, head, 0)
+        position = head.size
+    while position < whole:
+        count = min(PIECE, whole - position)
+        memory = flat[position - offset:position - offset + count]
+        pending = _checksummer().submit(extend, algorithm, crc, memory)
+        try:
+            _pwrite_direct(fd, memory, position)
+        finally:
+            crc = pending.result()
+        position += count
+    return crc
+
+
+def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
+                   bounce: np.ndarray) -> int:
+    """The whole blocks ``[0, whole)`` copied through the two halves of ``bounce``: while
+    one half is written, the next piece is copied into the other, a megabyte at a time,
+    and checksummed there while in the CPU's cache, on a checksum thread; copy and
+    checksum overlap the device instead of following each write. Where the copy falls
+    behind the device (other processes have the CPUs) and the array's memory lines up
+    with the file, the rest of the file is written from that memory (``_write_own_memory``):
+    smaller requests, but no copy to wait for
+    (benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md). Returns the checksum
+    so far."""
+    halves = (bounce[:PIECE], bounce[PIECE:2 * PIECE])
+    own = (image.flat.ctypes.data - image.offset) % ALIGN == 0
+
+    def prepare(position: int, half: int, crc: int) -> int:
+        memory = halves[half][:min(PIECE, whole - position)]
+        for step in range(0, memory.size, _COPY_STEP):
+            part = memory[step:step + _COPY_STEP]
+            image.fill(part, position + step)
+            crc = extend(algorithm, crc, part)
+        return crc
+
+    crc = prepare(0, 0, 0) if whole else 0
+    position, half, copying = 0, 0, True
+    while position < whole:
+        count = min(PIECE, whole - position)
+        after = position + count
+        ahead = (_checksummer().submit(prepare, after, 1 - half, crc)
+                 if copying and after < whole else None)
+        try:
+            _pwrite_direct(fd, halves[half][:count], position)
+        except BaseException:
+            if ahead is not None and not ahead.cancel():  # never left filling this buffer
+                concurrent.futures.wait([ahead])
+            raise
+        if ahead is None:  # the end, or the rest goes from the array's memory
+            position = after
+            break
+        if own and not ahead.done():  # the copy fell behind the device
+            _local.copy_lagged = True
+            if ahead.cancel():  # not even started
+                return _write_own_memory(fd, image, algorithm, whole, bounce, after, crc)
+            copying = False  # the piece it copies is written next, then the array's memory
+        crc = ahead.result()
+        position, half = after, 1 - half
+    if position < whole:
+        crc = _write_own_memory(fd, image, algorithm, whole, bounce, position, crc)
+    return crc
 
 
 def _write_buffered(fd: int, image: _FileImage, algorithm: str) -> str:

@@ -1,0 +1,243 @@
+"""Where a durable sync save's time goes beyond the O_DIRECT write floor of the same bytes.
+
+Each round, interleaved: the bench's O_DIRECT floor (a file per leaf, 4 threads, from
+aligned buffers, each file fsynced), then a jaxckpt sync save of the same state with
+timestamps around its parts, then an async save (total to commit). The timestamps come
+from wrapping the functions of the write path here, in this process only (a profile, no
+library change): the pieces' O_DIRECT writes, copies into the bounce buffer, checksums,
+fsyncs, the commit's listing, summaries and marker.
+
+    python benchmarks/experiments/profile_save_floor.py --mib 512 --leaves 16 --rounds 5
+
+Prints one line per round and the medians; results:
+benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import functools
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+# The checkout this script sits in, not an installed jaxckpt.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+_events: list[tuple[str, str, float, float]] = []
+_lock = threading.Lock()
+
+
+def _wrap(owner: Any, name: str, label: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            with _lock:
+                _events.append((label, threading.current_thread().name, start, end))
+
+    setattr(owner, name, timed)
+
+
+def _instrument() -> None:
+    from jaxckpt.backends.orbax import chunk_io, write
+    from jaxckpt.commit import store
+    from jaxckpt.storage import posix
+
+    _wrap(chunk_io, "_pwrite_all", "pwrite")
+    _wrap(chunk_io, "extend", "crc")
+    _wrap(chunk_io._FileImage, "fill", "copy")
+    _wrap(chunk_io, "write_chunk", "write_chunk")
+    _wrap(chunk_io, "_write_own_memory", "own_memory")
+    _wrap(chunk_io.os, "fsync", "fsync")
+    _wrap(write, "write_native", "write_native")
+    _wrap(store.CheckpointStore, "commit", "commit")
+    _wrap(store, "_summarise_and_name", "commit.summaries+names")
+    _wrap(posix.PosixStorage, "list_files", "commit.list")
+    _wrap(posix.PosixStorage, "create", "commit.marker")
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _breakdown(start: float, stop: float) -> dict[str, float]:
+    with _lock:
+        events = [e for e in _events if e[2] >= start and e[3] <= stop + 0.002]
+    out: dict[str, float] = {}
+    by = collections.defaultdict(list)
+    for label, thread, a, b in events:
+        by[label].append((a, b, thread))
+    chunks = by["write_chunk"]
+    out["before first chunk"] = min(a for a, _, _ in chunks) - start
+    out["chunks (first start..last end)"] = max(b for _, b, _ in chunks) - min(
+        a for a, _, _ in chunks)
+    native = by["write_native"]
+    out["write_native end..commit start"] = min(a for a, _, _ in by["commit"]) - max(
+        b for _, b, _ in native)
+    out["after last chunk..write_native end"] = max(b for _, b, _ in native) - max(
+        b for _, b, _ in chunks)
+    out["commit"] = sum(b - a for a, b, _ in by["commit"])
+    for key in ("commit.list", "commit.summaries+names", "commit.marker"):
+        out[key] = sum(b - a for a, b, _ in by[key])
+    out["after commit"] = stop - max(b for _, b, _ in by["commit"])
+    io = [(a, b) for a, b, t in by["pwrite"] if t.startswith("jaxckpt") or "io" in t or True]
+    out["pwrite busy (union)"] = _union(io)
+    out["pwrite sum (thread-s)"] = sum(b - a for a, b in io)
+    out["copy sum (thread-s)"] = sum(b - a for a, b, _ in by["copy"])
+    out["crc sum (thread-s)"] = sum(b - a for a, b, _ in by["crc"])
+    chunk_fsync = [(a, b) for a, b, t in by["fsync"]
+                   if any(ca <= a and b <= cb and ct == t for ca, cb, ct in chunks)]
+    out["chunk fsync sum (thread-s)"] = sum(b - a for a, b in chunk_fsync)
+    out["chunk fsync union"] = _union(chunk_fsync)
+    out["files finished from jax's memory (count)"] = len(by["own_memory"])
+    return out
+
+
+def _old_writer(commit: str) -> Any:
+    """``_write_direct`` of chunk_io as of ``commit``, in a module of its own (its own
+    bounce buffers and checksum threads)."""
+    import subprocess
+    import types
+
+    source = subprocess.run(["git", "show", f"{commit}:jaxckpt/backends/orbax/chunk_io.py"],
+                            check=True, capture_output=True, text=True).stdout
+    module = types.ModuleType("chunk_io_before")
+    exec(compile(source, "chunk_io_before.py", "exec"), module.__dict__)
+    return module._write_direct
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--leaves", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--no-instrument", action="store_true")
+    parser.add_argument("--ab", default=None, metavar="COMMIT",
+                        help="also save with chunk_io's writer as of COMMIT, taking turns "
+                             "with the working tree's (timings only; no breakdown)")
+    parser.add_argument("--zero-copy-too", action="store_true",
+                        help="also save writing jax's memory without the bounce copy")
+    args = parser.parse_args()
+
+    import jaxckpt
+    from jaxckpt.storage.buffers import aligned_blocks
+    from jaxckpt.tools.bench.floors import _raw_write_direct
+    from jaxckpt.tools.bench.states import _jax_state, _leaf_arrays, _random_bytes
+    from jaxckpt.tools.bench.timing import _settle
+
+    if not args.no_instrument:
+        _instrument()
+    if os.environ.get("PROFILE_ZERO_COPY"):  # write jax's memory as it is, no bounce copy
+        from jaxckpt.backends.orbax import chunk_io
+
+        bounce = chunk_io._bounce
+        chunk_io._bounce = lambda: (bounce()[0], False)
+    work = tempfile.mkdtemp(prefix="floor-prof-", dir=args.dir)
+    data = _random_bytes(args.mib << 20, seed=0)
+    state = _jax_state(_leaf_arrays(data, args.leaves))
+    arrays = [np.asarray(leaf["w"]) for leaf in state.values()]
+    blocks = [aligned_blocks(a.nbytes) for a in arrays]
+    for a, b in zip(arrays, blocks, strict=True):
+        b[:a.nbytes] = a.reshape(-1).view(np.uint8)
+    nbytes = sum(a.nbytes for a in arrays)
+    manager = jaxckpt.CheckpointManager(
+        os.path.join(work, "root"), recover=jaxckpt.RecoverConfig(keep_last_n=1),
+        mode="async", preemption_signals=())
+    step = 0
+
+    def save(mode: str) -> Any:
+        nonlocal step
+        step += 1
+        _settle()
+        begun = time.perf_counter()
+        report = manager.save(jaxckpt.StepInfo(0, step, step), state, mode=mode)
+        report.wait()
+        manager.wait()
+        return report, begun
+
+    save("async")  # first save: buffers, plan, directories
+    rows: dict[str, list[float]] = collections.defaultdict(list)
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    from jaxckpt.backends.orbax import chunk_io
+
+    # Each variant: the chunk_io attributes it replaces while its saves run.
+    current = {"_write_direct": chunk_io._write_direct, "_bounce": chunk_io._bounce}
+    variants: dict[str, dict[str, Any]] = {"": {}}
+    if args.ab:
+        variants["_before"] = {"_write_direct": _old_writer(args.ab)}
+        args.no_instrument = True
+    if args.zero_copy_too:  # told the bounce buffer has no huge pages: no copy of jax's memory
+        bounce = chunk_io._bounce
+        variants["_zero"] = {"_bounce": lambda: (bounce()[0], False)}
+        args.no_instrument = True
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        for round_ in range(args.rounds):
+            directory = os.path.join(work, f"floor-{round_}")
+            os.makedirs(directory)
+            paths = [os.path.join(directory, str(i)) for i in range(len(blocks))]
+            _settle()
+            start = time.perf_counter()
+            list(pool.map(_raw_write_direct, paths, blocks))
+            floor = time.perf_counter() - start
+            shutil.rmtree(directory)
+            rows["floor"].append(floor)
+            order = list(variants.items())
+            for suffix, replaced in order[::-1] if round_ % 2 else order:
+                for name, value in {**current, **replaced}.items():
+                    setattr(chunk_io, name, value)
+                report, start = save("sync")
+                sync = report.total_s
+                if not args.no_instrument:
+                    for key, value in _breakdown(start, start + sync).items():
+                        parts[key].append(value)
+                report, _ = save("async")
+                rows["sync" + suffix].append(sync)
+                rows["async" + suffix].append(report.total_s)
+                print(f"round {round_}{suffix}: floor {floor:.3f}s  sync {sync:.3f}s "
+                      f"({floor / sync:.2f}x)  async total {report.total_s:.3f}s "
+                      f"({floor / report.total_s:.2f}x) blocking {report.blocking_s:.3f}s",
+                      flush=True)
+            for name, value in current.items():
+                setattr(chunk_io, name, value)
+    manager.close()
+    shutil.rmtree(work, ignore_errors=True)
+    gb = nbytes / 1e9
+    print(f"\n{args.mib} MiB in {args.leaves} leaves, {args.rounds} rounds, medians:")
+    for key, values in rows.items():
+        median = statistics.median(values)
+        print(f"  {key:6s} {median:.3f}s  {gb / median:.2f} GB/s  "
+              f"(range {min(values):.3f}-{max(values):.3f})")
+    for suffix in variants:
+        for kind in ("sync", "async"):
+            ratios = [f / s for f, s in zip(rows["floor"], rows[kind + suffix], strict=True)]
+            print(f"  {kind}{suffix}/floor {statistics.median(ratios):.2f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f})")
+    if parts:
+        print("\nsync save breakdown (medians, s):")
+        for key, values in parts.items():
+            print(f"  {key:38s} {statistics.median(values):.4f}")
+
+
+if __name__ == "__main__":
+    main()
