@@ -144,7 +144,7 @@ class Saver:
                     ctx.written_items.setdefault(name, set()).add(version)
             handle.wait()
             self._commit(path, step.global_step, report, known_checksums(handle),
-                         known_references(handle))
+                         known_references(handle) if ctx.recover_config.incremental else None)
             if report.bytes is not None:
                 report.bytes += item_bytes
 
@@ -223,10 +223,13 @@ class Saver:
             ctx.store.storage.make_prefix(item_dir)
             item_writes.append((name, version, item_dir, ctx.backend.write(
                 os.path.join(item_dir, STATE_DIR), tree, asynchronous=mode == "async")))
-        base = (incremental_base(ctx.store, path)
-                if ctx.recover_config.incremental else None)
-        handle = ctx.backend.write(os.path.join(path, STATE_DIR), state,
-                                   asynchronous=mode == "async", base=base)
+        directory = os.path.join(path, STATE_DIR)
+        if not ctx.recover_config.incremental:
+            # Only an incremental backend is ever given ``base`` (a backend written before
+            # the keyword existed keeps working).
+            return ctx.backend.write(directory, state, asynchronous=mode == "async"), item_writes
+        handle = ctx.backend.write(directory, state, asynchronous=mode == "async",
+                                   base=incremental_base(ctx.store, path))
         return handle, item_writes
 
     def _discard_partial(self, path: str) -> None:
@@ -425,8 +428,9 @@ def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
 
 
 def known_references(handle: Any) -> dict[str, dict[str, Any]] | None:
-    """The files of earlier checkpoints a write used instead of writing them (its handle's
-    ``references``: ``{key relative to recover/: entry}``), or None."""
+    """The files of earlier checkpoints a write given a base used instead of writing them
+    (its handle's ``references``: ``{key relative to recover/: entry}``), or None. Asked only
+    of writes given a base: handles of other writes need not have the member."""
     refs = handle.references
     return dict(refs) if refs else None
 
