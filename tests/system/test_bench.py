@@ -78,6 +78,17 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
         assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
     assert report["facts"]["local_tier"]["saves_tiered"]["local"] >= 1
     assert targets["durable save blocking with a local tier / without"]["value"] > 0
+    # incremental=True against plain saves: the times, and the bytes through the writer.
+    for key in ("inc_plain", "inc_incr", "inc_all_plain", "inc_all_incr", "inc_incr_blocking"):
+        assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
+    for name in ("incremental save time / plain save, frozen + trained",
+                 "incremental save time / plain save, every leaf changed"):
+        assert targets[name]["value"] > 0, name
+    written = report["facts"]["incremental"]
+    trained = written["trained_mib"] / (written["trained_mib"] + written["frozen_mib"])
+    # Only the trained part and the metadata are written again.
+    bytes_ratio = targets["incremental save bytes written / plain save, frozen + trained"]
+    assert trained < bytes_ratio["value"] < trained + 0.02
     assert not list(tmp_path.iterdir()), "the bench leaves no files behind"
 
 

@@ -44,7 +44,7 @@ from jaxckpt.backends.orbax import (
     read as orbax_read,
     shards as orbax_shards,
 )
-from jaxckpt.backends.orbax.files import ArrayFiles, StorageArrayFiles
+from jaxckpt.backends.orbax.files import WRITTEN, ArrayFiles, StorageArrayFiles
 from jaxckpt.backends.orbax.incremental import Redirected, Reuse, redirects
 from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
 from jaxckpt.backends.orbax.plan import (
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import DeferredChecks
     from jaxckpt.storage.base import Storage
 
-__all__ = ["OrbaxBackend", "OrbaxWriteHandle", "OrbaxOptions", "TREE_FORMAT",
+__all__ = ["WRITTEN", "OrbaxBackend", "OrbaxWriteHandle", "OrbaxOptions", "TREE_FORMAT",
            "TREE_FORMAT_VERSION", "DEFAULT_PACK_LEAF_BYTES", "DEFAULT_PACK_BYTES"]
 
 #: Write plans a backend keeps (see OrbaxBackend._plan_for): enough for a run that saves a

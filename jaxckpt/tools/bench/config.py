@@ -15,10 +15,11 @@ __all__ = ["SECTIONS", "BenchConfig"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset. "first" and "leaves" are
 #: in ``rows_leaves``, "torch" and "hf" in ``rows_torch`` (the transformers model's "hf" rows
-#: in ``rows_hf_torch``), "train" in ``training``;
+#: in ``rows_hf_torch``), "train" in ``training``,
+#: "incremental" in ``rows_incremental``;
 #: ``jaxckpt bench --scale`` is ``scale``.
 SECTIONS = ("jax", "many", "leaves", "first", "torch", "hf", "train", "memory", "aux",
-            "local", "multiprocess")
+            "local", "multiprocess", "incremental")
 
 _MiB = 1 << 20
 #: Threads of the O_DIRECT read floor and the bare read beside the restore: as many as a
@@ -62,12 +63,17 @@ class BenchConfig:
     """Async saves over which host memory (RSS) is followed."""
     hf_shard_mb: int = 256
     """``max_shard_bytes`` of the Hugging Face export, MiB."""
+    incremental_frozen_mb: int = 1024
+    """Frozen part of the "incremental" section's state (a few large leaves), MiB."""
+    incremental_trained_mb: int = 16
+    """Trained part of that state (changed at every save), MiB."""
     sections: tuple[str, ...] = SECTIONS
     """Which groups of rows to run (see ``SECTIONS``)."""
 
     def __post_init__(self) -> None:
         for name in ("size_mb", "leaves", "repeats", "train_steps", "save_every",
-                     "memory_saves", "hf_shard_mb", "train_batch", "leaves_mb"):
+                     "memory_saves", "hf_shard_mb", "train_batch", "leaves_mb",
+                     "incremental_frozen_mb", "incremental_trained_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BenchConfig.{name} must be an int >= 1, got {value!r}.")
@@ -94,6 +100,7 @@ class BenchConfig:
         base: dict[str, Any] = dict(size_mb=8, leaves=8, many_leaves=256, repeats=1, train_steps=41,
                     train_sizes=(16, 64, 64, 16), train_batch=32, memory_saves=6,
                     hf_shard_mb=2, leaves_mb=4, leaf_counts=(8, 64, 256),
-                    train_fresh_process=False)
+                    train_fresh_process=False, incremental_frozen_mb=16,
+                    incremental_trained_mb=1)
         base.update(changes)
         return cls(**base)

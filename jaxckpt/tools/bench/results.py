@@ -21,6 +21,7 @@ from typing import Any
 
 from .config import BenchConfig, _MiB
 from .local import LOCAL_ROWS, LOCAL_TARGETS
+from .rows_incremental import INCREMENTAL_ROWS, INCREMENTAL_TARGETS
 
 __all__ = ["MARGIN", "BenchResult", "format_table", "held", "label_of", "report", "row_line",
            "target_row"]
@@ -176,7 +177,11 @@ _ROWS: tuple[_Row, ...] = (
          section="multiprocess", nbytes_of="multiprocess"),
     _Row(key="mp_save_2", label="jaxckpt sync save, 2 processes, same bytes",
          section="multiprocess", nbytes_of="multiprocess"),
-) + tuple(_Row(key=key, label=label, section="local") for key, label in LOCAL_ROWS)
+) + tuple(_Row(key=key, label=label, section="local") for key, label in LOCAL_ROWS) + tuple(
+    _Row(key=key, label=label, section="incremental",
+         nbytes_of=None if key.endswith("blocking") else
+         "incremental_all" if key.startswith("inc_all") else "incremental")
+    for key, label in INCREMENTAL_ROWS)
 
 _TARGETS: tuple[_Target, ...] = (
     _Target(label="async blocking / host copy", numerator="jx_blocking", denominator="copy",
@@ -249,7 +254,7 @@ _TARGETS: tuple[_Target, ...] = (
     _Target(label="  the same, 1 process also through Orbax's writer", numerator="mp_save_2",
             denominator="mp_save_1_orbax", op="<=", limit=1.5,
             note="2 processes write through Orbax; this part is the second process alone"),
-) + tuple(_Target(**target) for target in LOCAL_TARGETS)
+) + tuple(_Target(**target) for target in LOCAL_TARGETS + INCREMENTAL_TARGETS)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -383,7 +388,7 @@ def format_table(result: BenchResult) -> str:
                               result.nbytes.get(row.nbytes_of) if row.nbytes_of else None, why))
     footer = [f"{key}: {json.dumps(facts[key], default=str)}"
               for key in ("train", "memory", "aux", "hf_memory", "hf_torch_memory",
-                            "multiprocess") if key in facts]
+                            "multiprocess", "incremental") if key in facts]
     return report(header, table, result.targets(), footer)
 
 

@@ -4,8 +4,9 @@ Owns: ``run_bench`` (every selected section, ``repeats`` rounds) and ``_Bench`` 
 states, the long-lived managers, the floors, Orbax's defaults, jaxckpt's saves and restores,
 host memory over repeated saves), and the auxiliary-item rows (``_aux_rows``). The other
 sections' rows live in ``rows_leaves``, ``rows_torch``, ``rows_hf_torch``, ``training``,
-``local``, ``multiprocess``. Every row is measured once per round and the rounds repeat;
-reads are cold where the page cache may be dropped (root), else warm for every row alike.
+``local``, ``multiprocess``, ``rows_incremental``. Every row is measured once per round and
+the rounds repeat; reads are cold where the page cache may be dropped (root), else warm for
+every row alike.
 
 Must not import at module level: jax, orbax, torch.
 
@@ -48,6 +49,7 @@ from .local import local_tier_rows
 from .results import BenchResult
 from .rows_hf_dcp import row_export_hf_dcp
 from .rows_hf_torch import _TorchHFRows
+from .rows_incremental import incremental_checks, incremental_rows
 from .rows_torch import _TorchRows
 from .states import _abstract, _jax_state, _leaf_arrays, _random_bytes, _tree_bytes
 from .timing import _drop_page_cache, _host_copies, _quiet, _rss, _settle, _timed
@@ -400,6 +402,8 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                     torch_hf_rows.rows()
                 if "local" in sections:
                     local_tier_rows(bench.state, workdir, result)
+                if "incremental" in sections:
+                    incremental_rows(bench, round_index)
             if "train" in sections:
                 log("jaxckpt bench: training loop")
                 train_rows(bench)
@@ -415,6 +419,7 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
     finally:
         bench.close()
         shutil.rmtree(workdir, ignore_errors=True)
+    incremental_checks(bench)
     result.derive_floors()
     result.facts["load_end"] = round(os.getloadavg()[0], 2)
     return result
