@@ -140,15 +140,21 @@ def remember(memo: Memo | None, step: int, rel: str, problem: str | None) -> str
 
 
 def done_body(known: Mapping[str, Any] | None, refs: Mapping[str, Any] | None) -> bytes:
-    """A done marker's content: the process's checksum entries and refs (empty: none)."""
+    """A done marker's content: the process's checksum entries (``{rel: entry}``, as before
+    incremental saves existed), or ``{"files": ..., "refs": ...}`` when it refers to files
+    of earlier checkpoints; empty: neither."""
     if not known and not refs:
         return b""
-    return json.dumps({"files": dict(known or {}), "refs": dict(refs or {})},
+    if not refs:
+        return json.dumps(dict(known or {}), sort_keys=True).encode()
+    return json.dumps({"files": dict(known or {}), "refs": dict(refs)},
                       sort_keys=True).encode()
 
 
 def parse_done(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     """(checksum entries, refs) of a done marker's content (``done_body``)."""
     body = json.loads(data or b"{}")
-    return dict(body.get("files") or {}), dict(body.get("refs") or {})
+    if "refs" not in body:  # the plain form: entries by path (never "refs": under state/)
+        return dict(body), {}
+    return dict(body.get("files") or {}), dict(body["refs"])
 
