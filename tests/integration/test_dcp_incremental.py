@@ -1,0 +1,191 @@
+"""DcpBackend's incremental writes: a tensor whose bytes equal the base's record of it is not
+written again; the new checkpoint's DCP records point into the base's data file, which the
+handle names in ``references``; reads follow exactly those references (anything else is
+refused, naming the record), locally and on an object store, and the tensors come back
+bit-exact. The base is a real checkpoint committed by DcpCheckpointManager."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from jaxckpt import CheckpointCorruptError, Every, RecoverConfig, StepInfo  # noqa: E402
+from jaxckpt.backends.base import IncrementalBase  # noqa: E402
+from jaxckpt.commit.store import CheckpointStore  # noqa: E402
+from jaxckpt.core.layout import STATE_DIR, ref_key, step_dirname  # noqa: E402
+from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
+from torch_bridge.dcp.incremental import CONTENT_FILE  # noqa: E402
+from torch_bridge.dcp.saved_tensors import SavedTensors  # noqa: E402
+
+
+def frozen_model(seed: int = 0):
+    """A model whose first (large) layer is frozen, with AdamW over the rest."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 3))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    return model, optimizer
+
+
+def train(model, optimizer, step: int) -> None:
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(4, 256, generator=generator)
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def bitwise(model, optimizer) -> dict[str, bytes]:
+    out = {f"model/{k}": v.contiguous().view(torch.uint8).numpy().tobytes()
+           for k, v in model.state_dict().items()}
+    for index, moments in optimizer.state_dict()["state"].items():
+        for name, value in moments.items():
+            out[f"opt/{index}/{name}"] = value.contiguous().reshape(-1).view(
+                torch.uint8).numpy().tobytes()
+    return out
+
+
+def committed_base(root: str | CheckpointStore, step: int) -> IncrementalBase:
+    store = CheckpointStore(root) if isinstance(root, str) else root
+    path = os.path.join(store.recover_dir, step_dirname(step))
+    manifest = store.read_manifest(path)
+    assert manifest is not None
+    files = {ref_key(step, rel): entry for rel, entry in manifest.files.items()}
+    return IncrementalBase(step=step, directory=os.path.join(path, STATE_DIR),
+                           recover_dir=store.recover_dir, files=files)
+
+
+@pytest.fixture
+def first(tmp_path):
+    """(root, model, optimizer, base): one committed checkpoint at step 1."""
+    root = str(tmp_path / "run")
+    model, optimizer = frozen_model()
+    train(model, optimizer, 0)
+    with DcpCheckpointManager(root, recover=RecoverConfig(every=Every(steps=1))) as mgr:
+        mgr.save(StepInfo(0, 1, 1, None), {"model": model, "optimizer": optimizer})
+        mgr.wait()
+    return root, model, optimizer, committed_base(root, 1)
+
+
+def written_bytes(handle) -> int:
+    return sum(entry["size"] for rel, entry in handle.checksums.items()
+               if rel.endswith(".distcp"))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_unchanged_tensor_is_referred_to_and_reads_back_bitwise(first, asynchronous):
+    root, model, optimizer, base = first
+    train(model, optimizer, 1)
+    expected = bitwise(model, optimizer)
+    directory = os.path.join(base.recover_dir, step_dirname(2), STATE_DIR)
+    backend = DcpBackend(async_checkpointer="thread")
+    try:
+        handle = backend.write(directory, {"model": model, "optimizer": optimizer},
+                               asynchronous=asynchronous, base=base)
+        handle.wait()
+        (key,) = handle.references
+        assert key == ref_key(1, "state/__0_0.distcp")
+        assert handle.references[key] == base.files[key]
+        frozen = sum(t.numel() * t.element_size() for t in model[0].parameters())
+        assert written_bytes(handle) < frozen / 8  # only the trained layer and its moments
+        content = json.loads(open(os.path.join(directory, CONTENT_FILE), "rb").read())
+        paths = {r["fqn"]: r["path"] for r in content["records"]}
+        assert paths["model/0.weight"] == "../../" + key
+        assert paths["model/2.weight"] == "__0_0.distcp"
+
+        fresh, fresh_optimizer = frozen_model(seed=5)
+        train(fresh, fresh_optimizer, 0)
+        backend.read(directory, {"model": fresh, "optimizer": fresh_optimizer},
+                     references=handle.references)
+        assert bitwise(fresh, fresh_optimizer) == expected
+        saved = SavedTensors(directory, references=handle.references)  # export-hf's reader
+        (weight,) = [t for t in saved.tensors("model") if t.key == "model/0.weight"]
+        assert torch.equal(saved.read(weight), model[0].weight)
+        with pytest.raises(CheckpointCorruptError, match="model/0.weight"):
+            SavedTensors(directory).read(weight)
+
+        # A third save against the second: the frozen layer still names its physical owner.
+        third = committed_like(handle, base, directory, step=2)
+        train(model, optimizer, 2)
+        handle3 = backend.write(os.path.join(base.recover_dir, step_dirname(3), STATE_DIR),
+                                {"model": model, "optimizer": optimizer},
+                                asynchronous=asynchronous, base=third)
+        handle3.wait()
+        assert set(handle3.references) == {key}
+
+        with pytest.raises(CheckpointCorruptError, match="model/0.weight"):
+            backend.read(directory, {"model": fresh, "optimizer": fresh_optimizer},
+                         references={})
+    finally:
+        backend.close()
+
+
+def committed_like(handle, base, directory, *, step: int) -> IncrementalBase:
+    """The IncrementalBase the manager would build from the checkpoint ``handle`` wrote."""
+    files = {ref_key(step, f"{STATE_DIR}/{rel}"): entry for rel, entry in handle.checksums.items()}
+    files.update(handle.references)
+    return IncrementalBase(step=step, directory=directory, recover_dir=base.recover_dir,
+                           files=files)
+
+
+def test_a_changed_tensor_and_a_missing_base_file_are_written_again(first):
+    root, model, optimizer, base = first
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1.0  # the frozen layer changes after all
+    directory = os.path.join(base.recover_dir, step_dirname(2), STATE_DIR)
+    gone = IncrementalBase(step=1, directory=base.directory, recover_dir=base.recover_dir,
+                           files={})  # the base's files were deleted by hand
+    backend = DcpBackend()
+    try:
+        handle = backend.write(directory, {"model": model, "optimizer": optimizer},
+                               asynchronous=False, base=base)
+        assert handle.references is not None  # the bias did not change
+        assert "model/0.weight" not in open(os.path.join(directory, CONTENT_FILE)).read().split(
+            "../../")[-1]
+        handle2 = backend.write(os.path.join(base.recover_dir, step_dirname(3), STATE_DIR),
+                                {"model": model, "optimizer": optimizer},
+                                asynchronous=False, base=gone)
+        assert handle2.references is None
+    finally:
+        backend.close()
+
+
+def test_on_an_object_store_records_point_into_the_earlier_object():
+    pytest.importorskip("moto")
+    from support.s3_server import moto_s3
+
+    with moto_s3("jaxckpt-inc") as options:
+        root = "s3://jaxckpt-inc/runs/incremental"
+        model, optimizer = frozen_model()
+        train(model, optimizer, 0)
+        state = {"model": model, "optimizer": optimizer}
+        with DcpCheckpointManager(root, recover=RecoverConfig(every=Every(steps=1)),
+                                  storage_options={**options, "lease_s": 3.0,
+                                                   "heartbeat_s": 0.5}) as mgr:
+            mgr.save(StepInfo(0, 1, 1, None), state)
+            mgr.wait()
+            base = committed_base(mgr.store, 1)
+            train(model, optimizer, 1)
+            expected = bitwise(model, optimizer)
+            directory = f"{base.recover_dir}/{step_dirname(2)}/{STATE_DIR}"
+            backend = DcpBackend()
+            backend.attach_storage(mgr.store.storage)
+            try:
+                handle = backend.write(directory, state, asynchronous=True, base=base)
+                handle.wait()
+                assert set(handle.references) == {ref_key(1, "state/__0_0.distcp")}
+                fresh, fresh_optimizer = frozen_model(seed=5)
+                train(fresh, fresh_optimizer, 0)
+                backend.read(directory, {"model": fresh, "optimizer": fresh_optimizer},
+                             references=handle.references)
+                assert bitwise(fresh, fresh_optimizer) == expected
+                saved = SavedTensors(directory, mgr.store.storage, references=handle.references)
+                (weight,) = [t for t in saved.tensors("model") if t.key == "model/0.weight"]
+                assert torch.equal(saved.read(weight), model[0].weight)
+            finally:
+                backend.close()
