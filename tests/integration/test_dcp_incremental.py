@@ -50,6 +50,19 @@ def bitwise(model, optimizer) -> dict[str, bytes]:
     return out
 
 
+class FirstSaveHashes(DcpBackend):
+    """DcpBackend given an empty base where none is passed, as the manager of an incremental
+    run passes one to its first save: the checkpoint records its tensors' hashes."""
+
+    def write(self, directory, state, *, asynchronous, base=None):
+        if base is None:
+            recover_dir = os.path.dirname(os.path.dirname(directory.rstrip("/")))
+            if "://" in directory:
+                recover_dir = directory.rstrip("/").rsplit("/", 2)[0]
+            base = IncrementalBase(step=-1, directory="", recover_dir=recover_dir, files={})
+        return super().write(directory, state, asynchronous=asynchronous, base=base)
+
+
 def committed_base(root: str | CheckpointStore, step: int) -> IncrementalBase:
     store = CheckpointStore(root) if isinstance(root, str) else root
     path = os.path.join(store.recover_dir, step_dirname(step))
@@ -66,9 +79,12 @@ def first(tmp_path):
     root = str(tmp_path / "run")
     model, optimizer = frozen_model()
     train(model, optimizer, 0)
-    with DcpCheckpointManager(root, recover=RecoverConfig(every=Every(steps=1))) as mgr:
+    backend = FirstSaveHashes()
+    with DcpCheckpointManager(root, backend=backend,
+                              recover=RecoverConfig(every=Every(steps=1))) as mgr:
         mgr.save(StepInfo(0, 1, 1, None), {"model": model, "optimizer": optimizer})
         mgr.wait()
+    backend.close()
     return root, model, optimizer, committed_base(root, 1)
 
 
@@ -133,6 +149,25 @@ def committed_like(handle, base, directory, *, step: int) -> IncrementalBase:
                            files=files)
 
 
+def test_a_base_without_hashes_is_written_again_and_records_them(tmp_path):
+    model, optimizer = frozen_model()
+    root = str(tmp_path / "run")
+    with DcpCheckpointManager(root, recover=RecoverConfig(every=Every(steps=1))) as mgr:
+        mgr.save(StepInfo(0, 1, 1, None), {"model": model, "optimizer": optimizer})
+        mgr.wait()  # a plain save: no content.json
+    base = committed_base(root, 1)
+    assert not os.path.exists(os.path.join(base.directory, CONTENT_FILE))
+    directory = os.path.join(base.recover_dir, step_dirname(2), STATE_DIR)
+    backend = DcpBackend()
+    try:
+        handle = backend.write(directory, {"model": model, "optimizer": optimizer},
+                               asynchronous=False, base=base)
+        assert handle.references is None
+        assert os.path.exists(os.path.join(directory, CONTENT_FILE))
+    finally:
+        backend.close()
+
+
 def test_a_changed_tensor_and_a_missing_base_file_are_written_again(first):
     root, model, optimizer, base = first
     with torch.no_grad():
@@ -164,9 +199,10 @@ def test_on_an_object_store_records_point_into_the_earlier_object():
         model, optimizer = frozen_model()
         train(model, optimizer, 0)
         state = {"model": model, "optimizer": optimizer}
+        first = FirstSaveHashes()
         with DcpCheckpointManager(root, recover=RecoverConfig(every=Every(steps=1)),
-                                  storage_options={**options, "lease_s": 3.0,
-                                                   "heartbeat_s": 0.5}) as mgr:
+                                  backend=first, storage_options={
+                                      **options, "lease_s": 3.0, "heartbeat_s": 0.5}) as mgr:
             mgr.save(StepInfo(0, 1, 1, None), state)
             mgr.wait()
             base = committed_base(mgr.store, 1)
@@ -189,3 +225,63 @@ def test_on_an_object_store_records_point_into_the_earlier_object():
                 assert torch.equal(saved.read(weight), model[0].weight)
             finally:
                 backend.close()
+                first.close()
+
+
+_TWO_RANKS = '''
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, os.path.join(os.environ["JAXCKPT_REPO"], "tests", "integration"))
+from test_dcp_incremental import (FirstSaveHashes, bitwise, committed_base, frozen_model,
+                                  train, written_bytes)
+from jaxckpt import Every, RecoverConfig, StepInfo
+from jaxckpt.core.layout import STATE_DIR, step_dirname
+from torch_bridge import DcpBackend, DcpCheckpointManager
+
+index, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
+                        world_size=2)
+model, optimizer = frozen_model()
+train(model, optimizer, 0)
+state = {"model": model, "optimizer": optimizer}
+backend = FirstSaveHashes(async_checkpointer="thread")
+with DcpCheckpointManager(root, backend=backend,
+                          recover=RecoverConfig(every=Every(steps=1))) as mgr:
+    mgr.save(StepInfo(0, 1, 1, None), state)
+    mgr.wait()
+base = committed_base(root, 1)
+train(model, optimizer, 1)
+expected = bitwise(model, optimizer)
+directory = os.path.join(base.recover_dir, step_dirname(2), STATE_DIR)
+handle = backend.write(directory, state, asynchronous=True, base=base)
+handle.wait()
+mine = dict(handle.references or {})
+everyone = [None, None]
+dist.all_gather_object(everyone, mine)
+references = {key: entry for found in everyone for key, entry in found.items()}
+fresh, fresh_optimizer = frozen_model(seed=5)
+train(fresh, fresh_optimizer, 0)
+backend.read(directory, {"model": fresh, "optimizer": fresh_optimizer},
+             references=references)
+assert bitwise(fresh, fresh_optimizer) == expected
+print("RESULT " + json.dumps({"refs": sorted(mine), "wrote": written_bytes(handle)}))
+backend.close()
+dist.destroy_process_group()
+print("worker ok", flush=True)
+'''
+
+
+def test_two_ranks_each_keep_their_own_unchanged_tensors(tmp_path):
+    from support import paths
+    from support.two_processes import run_two_workers
+
+    os.environ.setdefault("JAXCKPT_REPO", str(paths.REPO))
+    _, outputs = run_two_workers(_TWO_RANKS, tmp_path, timeout=120)
+    results = [json.loads(line.removeprefix("RESULT ")) for output in outputs
+               for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 2
+    # DCP writes a replicated tensor once, on one rank; the rank that wrote the frozen
+    # weight at step 1 refers to its own file now, and together they write little.
+    refs = {key for result in results for key in result["refs"]}
+    assert refs and all(key.startswith("step_00000001/state/__") for key in refs)
+    assert sum(result["wrote"] for result in results) < 256 * 256 * 4 / 8

@@ -129,7 +129,7 @@ def test_round_trip_on_s3_is_bit_exact_in_the_local_layout(options, root, mode, 
     _, storage = parse_root(root, options)
     step = f"{root}/recover/step_00000003"
     assert keys_under(storage, f"{step}/state") == {"objects.json", ".metadata",
-                                                    "__0_0.distcp", "content.json"}
+                                                    "__0_0.distcp"}
     assert {COMMIT_MARKER, "driver.json"} <= keys_under(storage, step)
     assert not any(".tmp" in key for key in keys_under(storage, root))
     assert copies == []  # .metadata is put once at its name: no copy+delete "rename"
@@ -253,10 +253,8 @@ def test_a_save_to_s3_sends_one_put_per_file_and_nothing_else(options, root):
     try:
         handle = backend.write(f"{root}/state", state, asynchronous=False)
         handle.wait()
-        # objects.json, the data, content.json (tensor hashes), .metadata
-        assert sorted(calls) == ["PutObject"] * 4, calls
-        assert set(handle.checksums) == {"objects.json", ".metadata", "__0_0.distcp",
-                                         "content.json"}
+        assert sorted(calls) == ["PutObject"] * 3, calls  # objects.json, the data, .metadata
+        assert set(handle.checksums) == {"objects.json", ".metadata", "__0_0.distcp"}
         # A filled prefix is still refused (an identical objects.json would pass as a
         # retry of the same put; the manager never writes into a filled prefix).
         with pytest.raises(CheckpointWriteError, match="already exists"):

@@ -279,9 +279,8 @@ def test_the_commit_reads_no_dcp_file_back_and_every_one_is_fsynced(tmp_path, mo
         assert mgr.store.verify(mgr.store.step_path(3), checksums=True) == []
     state_dir = tmp_path / "recover" / "step_00000003" / "state"
     assert sorted(p.name for p in state_dir.iterdir()) == [".metadata", "__0_0.distcp",
-                                                            "content.json", "objects.json"]
-    assert not [p for p in by_commit if p.endswith((".distcp", ".metadata", "content.json"))], \
-        by_commit
+                                                            "objects.json"]
+    assert not [p for p in by_commit if p.endswith((".distcp", ".metadata"))], by_commit
     assert any(p.endswith("objects.json") for p in by_commit)  # the seam is the right one
     # Durable before the marker: each data file was fsynced (under its staging name).
     for name in ("__0_0.distcp", ".metadata"):
@@ -295,7 +294,7 @@ def test_layout_keeps_non_tensor_values_out_of_dcp(tmp_path):
         report = mgr.save(INFO, {"model": model, "optimizer": optimizer, "scheduler": scheduler},
                           mode="sync")
     files = sorted(os.listdir(os.path.join(report.path, "state")))
-    assert files == [".metadata", "__0_0.distcp", "content.json", "objects.json"]
+    assert files == [".metadata", "__0_0.distcp", "objects.json"]
     with open(os.path.join(report.path, "state", "objects.json")) as stream:
         objects = json.load(stream)
     entries = objects["entries"]

@@ -577,7 +577,7 @@ class DcpBackend:
                           or self._checkpointer == "thread" or base is not None)
             writer = files.writer(staging_dir, sync_files=self._sync_files,
                                   in_process=in_process)
-            if in_process:  # hashes every tensor; with a base, leaves out unchanged ones
+            if in_process and base is not None:  # hash every tensor, keep unchanged ones
                 writer.incremental = Incremental(_base_content(files, directory, base))
             if self._rank == 0:
                 files.prepare(directory, staging_dir, document, writer)
@@ -827,10 +827,10 @@ def _corrupt_unwrapped() -> Any:
 
 def _base_content(files: LocalDcpFiles | StorageDcpFiles, directory: str,
                   base: IncrementalBase | None) -> BaseContent | None:
-    """The tensor records of ``base`` a write into ``directory`` may point at: None without
-    a base, or where the base is not in the same ``recover/`` directory (then everything is
-    written, which is always correct)."""
-    if base is None:
+    """The tensor records of ``base`` a write into ``directory`` may point at: None for a
+    base without files (the first incremental save) or one outside ``directory``'s
+    ``recover/`` (then everything is written, which is always correct)."""
+    if base is None or not base.files or not base.directory:
         return None
 
     def norm(path: str) -> str:

@@ -146,8 +146,9 @@ def _tensor_bytes(tensor: Any) -> Any:
 
 
 class Incremental:
-    """What one incremental-capable write knows and found: the base's records (empty
-    without a base), and after ``write_data`` the references it made."""
+    """What one incremental write knows and found: the base's records (None: nothing to
+    compare with; the hashes are still recorded for the next save), and after
+    ``write_data`` the references it made."""
 
     def __init__(self, base: BaseContent | None = None):
         self.base = base
@@ -222,17 +223,18 @@ def _content_document(results: list[list[Any]]) -> tuple[bytes, list[list[Any]]]
 
 @functools.cache
 def incremental_writer_class(writer_class: type) -> type:
-    """``writer_class`` (a DCP ``FileSystemWriter``) whose ``write_data`` hashes every tensor
-    item and leaves out those its ``incremental`` finds unchanged in the base, and whose
-    ``finish`` (the coordinator) writes ``content.json`` beside DCP's metadata."""
+    """``writer_class`` (a DCP ``FileSystemWriter``) whose ``write_data``, once given an
+    ``incremental`` (an incremental save, even on an empty base), hashes every tensor item
+    and leaves out those found unchanged in the base, and whose ``finish`` (the
+    coordinator) then writes ``content.json`` beside DCP's metadata."""
     from torch.futures import Future
 
     class IncrementalWriter(writer_class):
         incremental: Incremental
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            if not hasattr(self, "incremental"):
-                self.incremental = Incremental()
+            if getattr(self, "incremental", None) is None:  # not an incremental save
+                return super().write_data(plan, planner)
             write, kept, facts = self.incremental.decide(list(plan.items), planner)
             written = super().write_data(dataclasses.replace(plan, items=write),
                                          planner).wait()
@@ -248,6 +250,8 @@ def incremental_writer_class(writer_class: type) -> type:
             return done
 
         def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            if not any(isinstance(r.storage_data, _Hashed) for batch in results for r in batch):
+                return super().finish(metadata, results)  # nothing hashed: no content.json
             document, plain = _content_document(results)
             with self.fs.create_stream(self.fs.concat_path(self.path, CONTENT_FILE),
                                        "wb") as stream:
