@@ -325,6 +325,7 @@ class RecoverConfig:
         restore_global_rng: save and restore Python's and NumPy's global RNGs.
         on_corrupt: "raise" (fail closed) or "start_fresh" when nothing verifies.
         resume: False: still write checkpoints, but never resume from them.
+        incremental: write only the data that changed since the newest checkpoint.
     """
 
     mode: RecoverMode = "auto"
@@ -363,6 +364,13 @@ class RecoverConfig:
     the root's committed checkpoints to ``recover/superseded/`` (kept for inspection), warns
     naming them, and returns None, so the run starts over with a clean root (torchtune's
     ``resume_from_checkpoint: False``)."""
+    incremental: bool = False
+    """True: a save writes only the array data files whose bytes differ from those of the
+    newest committed checkpoint of the root (equal by a 128-bit content hash, shape, dtype
+    and sharding); the others are referred to, and retention keeps a file while any kept
+    checkpoint refers to it. Pays when much of the state is frozen (adapters, a frozen
+    encoder, an RL reference model). Needs a backend that supports it (the Orbax backend;
+    ``BackendFeatures.incremental``)."""
 
     def __post_init__(self) -> None:
         _check_mode("RecoverConfig", "mode", self.mode, RECOVER_MODES)
@@ -377,6 +385,9 @@ class RecoverConfig:
         if not isinstance(self.resume, bool):
             raise ConfigError(f"RecoverConfig.resume must be True or False, got "
                               f"{self.resume!r}.")
+        if not isinstance(self.incremental, bool):
+            raise ConfigError(f"RecoverConfig.incremental must be True or False, got "
+                              f"{self.incremental!r}.")
         if self.keep_last_n == 0 and not self.every.never:
             raise ConfigError(
                 f"RecoverConfig.keep_last_n=0 writes no periodic checkpoints, but "

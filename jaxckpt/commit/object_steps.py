@@ -36,7 +36,7 @@ def copy_then_delete(store: CheckpointStore, path: str, target: str) -> None:
         raise FileNotFoundError(2, "nothing to move", path)
     for rel in sorted(files):
         store.storage.copy(f"{path}/{rel}", f"{target}/{rel}")
-    store.delete(path)
+    store.delete_whole(path)
 
 
 def export_staging(name: str) -> str:
@@ -50,7 +50,7 @@ def publish_export(store: CheckpointStore, tmp: str, final: str) -> None:
     the local files; ``tmp`` is removed whatever happens."""
     try:
         if store.storage.is_prefix(final):
-            store.delete(final)
+            store.delete_whole(final)
         known: dict[str, dict[str, Any]] = {}
         for dirpath, _, filenames in os.walk(tmp):
             for filename in sorted(filenames):

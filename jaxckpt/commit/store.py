@@ -3,8 +3,9 @@
 Owns: ``CheckpointStore``: commit (a ``COMMITTED`` manifest of every file's size and
 checksum, created last and create-only after a durability barrier), listing, verification
 (whole, or split by ``defer_over`` so that bulk checksums run alongside the backend's
-read), latest valid, race-tolerant deletion (marker first), start-up cleanup, quarantine
-and export directories. Names come from ``core.layout``, the format from ``core.manifest``,
+read), latest valid, race-tolerant deletion (marker first; reference-counted, ``retire``),
+start-up cleanup, quarantine and export directories; incremental checkpoints' refs are
+checked in ``incremental``. Names come from ``core.layout``, the format from ``core.manifest``,
 and every I/O from a ``storage.base.Storage``: this module holds the protocol only.
 
 Must not import: jax, orbax, torch.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -27,23 +27,24 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
-from jaxckpt.commit import object_steps as store_objects
+from jaxckpt.commit import incremental, object_steps as store_objects, retire
+from jaxckpt.commit.done_markers import DoneMarkers
+from jaxckpt.commit.exports import ExportDirs
 from jaxckpt.core.checksum import default_algorithm
+from jaxckpt.core.content_hash import HASH_NAME, is_hash
 from jaxckpt.core.layout import (
     COMMIT_MARKER,
     EXPORT,
     ITEMS,
     RECOVER,
+    RETIRED_MARKER,
     SUPERSEDED,
-    done_marker_name,
     is_item_dirname,
     is_tmp_name,
-    parse_export_dirname,
     parse_step_dirname,
     parse_version_dirname,
     step_dirname,
     superseded_name,
-    tmp_name,
     version_dirname,
 )
 from jaxckpt.core.manifest import (
@@ -146,33 +147,35 @@ def _committable(rel: str) -> bool:
 
 
 def _check_file(storage: Storage, path: str, rel: str, info: dict[str, Any], *,
-                checksums: bool, listed: dict[str, int] | None = None) -> str | None:
+                checksums: bool, listed: dict[str, int] | None = None,
+                name: str | None = None) -> str | None:
     """What is wrong with one manifest entry in ``storage`` (None: nothing): a path that
     leaves the checkpoint, a missing or unreadable file, a size or (when asked) checksum
     mismatch. ``listed``: sizes from a listing of ``path`` just taken (saves asking the
-    storage for each file's size)."""
+    storage for each file's size). ``name``: the file's name in problems (``rel``)."""
     full = os.path.join(path, *rel.split("/"))
+    name = rel if name is None else name
     if not storage.resolves_inside(full, path):
-        return outside_problem(rel)
+        return outside_problem(name)
     size = None if listed is None else listed.get(rel)
     if size is None:
         try:
             size = storage.size(full)
         except FileNotFoundError:
-            return missing_problem(rel)
+            return missing_problem(name)
         except OSError as exc:
-            return unreadable_problem(rel, exc)
-    problem = size_problem(rel, info, size)
+            return unreadable_problem(name, exc)
+    problem = size_problem(name, info, size)
     if problem or not checksums:
         return problem
     try:
         _, crc = storage.checksum(full, algorithm_of(info))
     except OSError as exc:
-        return unreadable_problem(rel, exc)
-    return checksum_problem(rel, info, crc)
+        return unreadable_problem(name, exc)
+    return checksum_problem(name, info, crc)
 
 
-class CheckpointStore:
+class CheckpointStore(DoneMarkers, ExportDirs):
     """Checkpoint directories of one root: ``{root}/recover`` and ``{root}/export``.
 
     Concurrency contract: see the module docstring; the store keeps no state of its own
@@ -184,6 +187,12 @@ class CheckpointStore:
         self.storage: Storage = storage if storage is not None else PosixStorage()
         self.recover_dir = os.path.join(self.root, RECOVER)
         self.export_dir = os.path.join(self.root, EXPORT)
+        #: Committed manifests read so far, by directory (``retire.ManifestCache``).
+        self.manifests = retire.ManifestCache()
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The process-wide pool this store's requests run on (``_pool``)."""
+        return _pool(self.storage.concurrent_requests)
 
     # --- naming -------------------------------------------------------------------------
     def step_path(self, step: int) -> str:
@@ -232,26 +241,6 @@ class CheckpointStore:
         """The bytes of one file of a checkpoint; ``FileNotFoundError`` when it has none."""
         return self.storage.read(os.path.join(path, name))
 
-    def mark_done(self, path: str, process_index: int,
-                  known: dict[str, dict[str, Any]] | None = None) -> None:
-        """Say that process ``process_index``'s writes of the save in ``path`` are durable
-        (multi-process commit: the primary waits for every other process's marker), with
-        the manifest entries of the files it checksummed while writing (``known``)."""
-        self.storage.write(os.path.join(path, done_marker_name(process_index)),
-                           json.dumps(known, sort_keys=True).encode() if known else b"")
-
-    def all_done(self, path: str, process_count: int) -> bool:
-        """Whether every process but the primary (index 0) has marked ``path`` done."""
-        return all(self.storage.exists(os.path.join(path, done_marker_name(index)))
-                   for index in range(1, process_count))
-
-    def done_checksums(self, path: str, process_count: int) -> dict[str, dict[str, Any]]:
-        """The manifest entries the other processes' done markers carry (``mark_done``)."""
-        found: dict[str, dict[str, Any]] = {}
-        for index in range(1, process_count):
-            found.update(json.loads(self.read_file(path, done_marker_name(index)) or b"{}"))
-        return found
-
     def size_of(self, path: str) -> int:
         """Bytes of every file below ``path`` (an export, whose writer did not say)."""
         return sum(self.storage.list_files(path).values())
@@ -296,7 +285,8 @@ class CheckpointStore:
     def verify(self, path: str, *, checksums: bool = True, defer_over: int | None = None,
                progress: Callable[[int, int], None] | None = None,
                manifest: Manifest | None = None,
-               listed: Future[dict[str, int]] | None = None) -> list[str]:
+               listed: Future[dict[str, int]] | None = None,
+               memo: incremental.Memo | None = None) -> list[str]:
         """Problems found in a committed checkpoint (empty when it is valid).
 
         Every listed file must exist inside the directory with its listed size (and checksum
@@ -306,24 +296,35 @@ class CheckpointStore:
         :meth:`verify_deferred` checks later; None: every checksum here. ``progress(done,
         total)``: called (from worker threads) with the bytes of the listed files checked so
         far. ``manifest``, ``listed``: the manifest just read from ``path`` and its listing
-        under way (``_listing``), saving a request each.
+        under way (``_listing``), saving a request each. The files of earlier checkpoints
+        it refers to (``Manifest.refs``) are checked the same way, never deferred, at
+        ``recover/<key>``; ``memo``: verdicts shared by one pass over a root (each physical
+        file is read once, its problem reported under every checkpoint using it).
 
         Raises ``CheckpointNotFoundError`` when ``path`` is not a directory and
         ``CheckpointCorruptError`` when it has no or an unreadable commit marker.
         """
         manifest = self.committed_manifest(path) if manifest is None else manifest
         sizes = self.storage.list_files(path) if listed is None else listed.result()
-        counted = _Counter(manifest.total_bytes, progress)
+        counted = _Counter(manifest.total_bytes + manifest.referenced_bytes, progress)
 
         def check(item: tuple[str, dict[str, Any]]) -> str | None:
             rel, info = item
             crc = checksums and (defer_over is None or not deferrable(rel, info, defer_over))
             problem = _check_file(self.storage, path, rel, info, checksums=crc, listed=sizes)
             counted.add(info.get("size", 0))
-            return problem
+            return incremental.remember(memo, manifest.step, rel, problem) if crc else problem
+
+        def check_ref(owner: str, rel: str, info: dict[str, Any], listed: dict[str, int],
+                      name: str) -> str | None:
+            counted.add(info.get("size", 0))
+            return _check_file(self.storage, owner, rel, info, checksums=checksums,
+                               listed=listed, name=name)
 
         problems = _run_checks(check, sorted(manifest.files.items()),
                                self.storage.concurrent_requests)
+        if manifest.refs:
+            problems += incremental.ref_problems(self, manifest, check_ref, memo)
         present = {rel for rel in sizes if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
@@ -361,27 +362,38 @@ class CheckpointStore:
         step = parse_step_dirname(name)
         if step is None:
             step = parse_version_dirname(name)
-        entry = _classify(self, step or 0, path, checksums=checksums)
+        entry = _classify(self, step or 0, path, checksums=checksums) or Entry(
+            step=step or 0, path=path, status="corrupt", problems=(
+                f"{path}: retired ({RETIRED_MARKER}): not a checkpoint, it only keeps files "
+                f"later checkpoints refer to",))
         if entry.manifest is not None and entry.manifest.step != entry.step:
             entry = dataclasses.replace(entry, step=entry.manifest.step)
         return entry
 
     def entries(self, *, checksums: bool = False,
                 progress: Callable[[int, int], None] | None = None) -> list[Entry]:
-        """Every step directory, oldest first, with its status. ``progress(done, total)``:
-        called with the count of directories classified so far, after each."""
+        """Every step directory but retired ones, oldest first, with its status (a file
+        several checkpoints use is checked once, its problem reported under each).
+        ``progress(done, total)``: called with the count of directories classified so far,
+        after each."""
         found = self._step_dirs()
-        entries = []
-        for step, path in found:
-            entries.append(_classify(self, step, path, checksums=checksums))
+        entries: list[Entry] = []
+        memo = incremental.Memo()
+        for done, (step, path) in enumerate(found, 1):
+            entry = _classify(self, step, path, checksums=checksums, memo=memo)
+            if entry is not None:
+                entries.append(entry)
             if progress is not None:
-                progress(len(entries), len(found))
+                progress(done, len(found))
         return entries
 
     def committed_steps(self) -> list[int]:
-        """Steps with a commit marker (not re-verified; cheap), oldest first."""
-        return [step for step, path in self._step_dirs()
-                if self.storage.exists(os.path.join(path, COMMIT_MARKER))]
+        """Steps with a commit marker and not retired (not re-verified; cheap), oldest
+        first."""
+        found = self._step_dirs()
+        seen = self.pool().map(lambda item: retire.markers(self, item[1]), found)
+        return [step for (step, _), (committed, retired) in zip(found, seen, strict=True)
+                if committed and not retired]
 
     def latest_valid(self, *, checksums: bool = True, at_or_before: int | None = None,
                      defer_over: int | None = None, on_manifest: OnManifest | None = None,
@@ -396,7 +408,9 @@ class CheckpointStore:
             if at_or_before is not None and step > at_or_before:
                 continue
             entry = _classify(self, step, path, checksums=checksums, defer_over=defer_over,
-                                   on_manifest=on_manifest)
+                              on_manifest=on_manifest)
+            if entry is None:  # retired: not a checkpoint
+                continue
             if entry.status == "committed":
                 return entry, skipped
             skipped.append(entry)
@@ -404,7 +418,8 @@ class CheckpointStore:
 
     # --- commit ---------------------------------------------------------------------------
     def commit(self, path: str, step: int, *, exclude: tuple[str, ...] = (),
-               known: dict[str, dict[str, Any]] | None = None) -> Manifest:
+               known: dict[str, dict[str, Any]] | None = None,
+               refs: dict[str, dict[str, Any]] | None = None) -> Manifest:
         """Make ``path`` a valid checkpoint: checksum every file and make it and every
         directory durable, then create the marker. Call only after every process's writes
         ended.
@@ -412,18 +427,25 @@ class CheckpointStore:
         ``known``: manifest entries (``{"size": n, algorithm: hex}``, by path relative to
         ``path``) of files whose writer computed their checksum from the bytes it wrote and
         made them durable itself (``chunk_io``): those are not read back, only their size is
-        checked against the file's. Entries of another algorithm than this commit's, or of
-        files that are not there, are refused (a writer's bug, never a valid manifest).
+        checked against the file's; an entry may add its content hash (``HASH_NAME``).
+        Entries of another algorithm than this commit's, or of files that are not there, are
+        refused (a writer's bug, never a valid manifest).
+
+        ``refs``: files of earlier checkpoints this one uses instead of writing them, by ref
+        key (``incremental_files`` of its base), each checked to be present with its size
+        (else ``CheckpointWriteError``, nothing committed).
         """
         listed = self.storage.list_files(path)
         files = sorted(rel for rel in listed if _committable(rel) and rel not in exclude)
         algorithm = default_algorithm()
         known = dict(known or {})
         for rel, info in known.items():
-            if rel not in files or set(info) != {"size", algorithm}:
+            if (rel not in files or set(info) - {HASH_NAME} != {"size", algorithm}
+                    or not is_hash(info.get(HASH_NAME, "0" * 32))):
                 raise ValueError(f"commit of {path}: the writer's checksum entry for {rel!r} "
                                  f"({info!r}) names no file of the checkpoint or is not "
-                                 f"{{'size', {algorithm!r}}}")
+                                 f"{{'size', {algorithm!r}[, {HASH_NAME!r}]}}")
+        checked = incremental.checked_refs(self, path, step, refs)
         sums = _summarise_and_name(self.storage, path,
                                    [rel for rel in files if rel not in known], algorithm)
         for rel, info in known.items():
@@ -434,11 +456,24 @@ class CheckpointStore:
                     f"{info['size']}: the file changed after it was written. This save is "
                     "not committed.")
             sums[rel] = (size, info[algorithm])
-        manifest = Manifest(step=step, created=time.time(),
-                            files={rel: {"size": sums[rel][0], algorithm: sums[rel][1]}
-                                   for rel in files})
+        entries = {rel: {"size": sums[rel][0], algorithm: sums[rel][1]} for rel in files}
+        for rel, info in known.items():
+            if HASH_NAME in info:
+                entries[rel][HASH_NAME] = info[HASH_NAME]
+        manifest = Manifest(step=step, created=time.time(), files=entries, refs=checked)
         self.storage.create(os.path.join(path, COMMIT_MARKER), manifest.to_bytes())
+        self.manifests.put(path, manifest)
         return manifest
+
+    def incremental_files(self, path: str) -> dict[str, dict[str, Any]]:
+        """What a save may refer to with committed checkpoint ``path`` as its base
+        (``backends.base.IncrementalBase.files``): every file it uses, its own and those it
+        refers to, by ref key with its manifest entry, if still present with its recorded
+        size ({} for a retired directory). Raises like :meth:`verify` without a manifest."""
+        manifest = self.manifests.get(self, path)
+        if manifest is None:
+            manifest = self.committed_manifest(path)
+        return incremental.incremental_files(self, path, manifest.step, manifest)
 
     # --- reading and deletion ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -450,8 +485,21 @@ class CheckpointStore:
     def delete(self, path: str) -> bool:
         """Delete one checkpoint directory; False when it is being read (try again later).
 
-        Files already gone (another deleter, a user) count as deleted.
+        Files already gone (another deleter, a user) count as deleted. A step directory is
+        deleted as far as other checkpoints' refs allow (``retire.remove``): one whose files
+        are still referred to is retired instead; one that was retired already is moved to
+        ``superseded/`` (its name is about to be written again).
         """
+        step = retire.step_of(self, path)
+        if step is not None:
+            return retire.delete_step(self, path, step)
+        self.manifests.forget(path)
+        return self.delete_whole(path)
+
+    def delete_whole(self, path: str) -> bool:
+        """``delete`` of the whole directory, whoever refers to it (a quarantine's last step
+        on an object store, items, exports)."""
+        self.manifests.forget(path)
         # Un-commit first: a crash from here on leaves a partial directory, never a
         # committed checkpoint with files missing.
         if not self.storage.delete_unless_reading(os.path.join(path, COMMIT_MARKER)):
@@ -460,13 +508,11 @@ class CheckpointStore:
         return True
 
     def cleanup_partial(self) -> list[str]:
-        """Remove recovery directories without a commit marker and stray temp entries, as a
-        job starts (under the root lock, so no other job can be writing them)."""
+        """Remove recovery directories without a commit marker (finishing retired ones:
+        ``retire.clean_steps``) and stray temp entries, as a job starts (under the root
+        lock, so no other job can be writing them)."""
         removed = self.storage.discard_incomplete_uploads(self.root)
-        for _, path in self._step_dirs():
-            if not self.storage.exists(os.path.join(path, COMMIT_MARKER)):
-                self.storage.delete_prefix(path)
-                removed.append(path)
+        removed += retire.clean_steps(self)
         for name in self.item_names():
             for version in self.item_versions(name, committed_only=False):
                 path = self.item_path(name, version)
@@ -486,75 +532,18 @@ class CheckpointStore:
                     removed.append(full)
         return removed
 
-    def _posix(self, what: str) -> PosixStorage:
-        """The storage, for an operation that needs a POSIX rename (see
-        ``PosixStorage.rename_posix``)."""
-        if not isinstance(self.storage, PosixStorage):
-            raise NotImplementedError(
-                f"{what} moves a directory, which only a POSIX filesystem does atomically; "
-                f"{type(self.storage).__name__} has no such operation yet")
-        return self.storage
-
     def quarantine(self, path: str, reason: str) -> str:
         """Move a checkpoint that must not stay at its name (corrupt, or from a discarded
         future) to ``recover/superseded/``, keeping it for inspection instead of deleting:
         a rename on POSIX, copy-then-delete on an object store (``store_objects``)."""
         target = os.path.join(self.recover_dir, SUPERSEDED, superseded_name(
             os.path.basename(path), reason, int(time.time()), uuid.uuid4().hex[:6]))
+        self.manifests.forget(path)
         if isinstance(self.storage, PosixStorage):
             self.storage.rename_posix(path, target)
         else:
             store_objects.copy_then_delete(self, path, target)
         return target
-
-    # --- exports ------------------------------------------------------------------------
-    def _export_dirs(self) -> list[tuple[int, str]]:
-        found = []
-        for name in self.storage.list_names(self.export_dir):
-            parsed = parse_export_dirname(name.rstrip("/"))
-            if parsed:
-                found.append((parsed[2], os.path.join(self.export_dir, name.rstrip("/"))))
-        return sorted(found)
-
-    def export_entries(self) -> list[tuple[int, str]]:
-        """(global_step, path) of every completed export, oldest first (on an object store:
-        those with a commit marker, ``store_objects``)."""
-        if isinstance(self.storage, PosixStorage):
-            return self._export_dirs()
-        return [(step, path) for step, path in self._export_dirs() if self.is_committed(path)]
-
-    def export_tmp_path(self, name: str) -> str:
-        """Where the exporter writes the export ``name``: a temporary directory beside the
-        exports, or a local one for an object store (``store_objects.export_staging``)."""
-        if not isinstance(self.storage, PosixStorage):
-            return store_objects.export_staging(name)
-        return os.path.join(self.export_dir, tmp_name(name, uuid.uuid4().hex[:8]))
-
-    def publish_export(self, tmp: str, final: str) -> None:
-        """Give the export written in ``tmp`` (``export_tmp_path``) its name ``final``,
-        replacing an export already there (from a discarded attempt at the step): a rename on
-        POSIX, an upload and a commit marker on an object store."""
-        if not isinstance(self.storage, PosixStorage):
-            store_objects.publish_export(self, tmp, final)
-            return
-        posix = self._posix("publish_export")
-        if os.path.lexists(final):  # POSIX only anyway: a link counts as an entry too
-            self.delete_export(final)
-        posix.rename_posix(tmp, final)
-
-    def delete_export(self, path: str) -> None:
-        """Delete an export: renamed to a temp name first (so a crash midway leaves debris
-        that start-up cleanup removes, never a half model under a valid name); on an object
-        store, its commit marker first."""
-        if not isinstance(self.storage, PosixStorage):
-            self.delete(path)
-            return
-        doomed = self.export_tmp_path(os.path.basename(path) + ".deleting")
-        try:
-            self._posix("delete_export").rename_posix(path, doomed)
-        except FileNotFoundError:
-            return
-        self.storage.delete_prefix(doomed)
 
 
 def _summarise(storage: Storage, path: str, rels: list[str],
@@ -598,21 +587,26 @@ def write_file_soon(store: CheckpointStore, path: str, name: str, data: bytes) -
 
 def _classify(store: CheckpointStore, step: int, path: str, *, checksums: bool,
               defer_over: int | None = None, on_manifest: OnManifest | None = None,
-              ) -> Entry:
+              memo: incremental.Memo | None = None) -> Entry | None:
     """One step directory of ``store`` with its status: partial (no marker), corrupt, or
-    committed (``defer_over``: as in ``CheckpointStore.verify``), listed while its marker is
-    read (two round trips at once on an object store); ``on_manifest`` is told the manifest
-    before the rest is verified."""
+    committed (``defer_over``, ``memo``: as in ``CheckpointStore.verify``), listed while its
+    marker is read (two round trips at once on an object store); ``on_manifest`` is told the
+    manifest before the rest is verified. None: a retired directory (no checkpoint)."""
     listed = _listing(store.storage, path)
     try:
         manifest = store.read_manifest(path)
     except CheckpointCorruptError as exc:
+        if RETIRED_MARKER in listed.result():
+            return None
         return Entry(step=step, path=path, status="corrupt", problems=(str(exc),))
+    if RETIRED_MARKER in listed.result():
+        return None
     if manifest is None:
         return Entry(step=step, path=path, status="partial")
+    store.manifests.put(path, manifest)
     if on_manifest is not None:
         on_manifest(path, manifest)
     problems = tuple(store.verify(path, checksums=checksums, defer_over=defer_over,
-                                  manifest=manifest, listed=listed))
+                                  manifest=manifest, listed=listed, memo=memo))
     return Entry(step=step, path=path, status="corrupt" if problems else "committed",
                  problems=problems, manifest=manifest)

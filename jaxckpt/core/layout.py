@@ -1,7 +1,7 @@
 """Names on disk: every file and directory name jaxckpt writes under a root, and their parsing.
 
 Owns the layout of a root, strings only: ``.lock``, ``pins.json``, ``tier.json``;
-``recover/step_{global_step:08d}/`` (``COMMITTED``, ``driver.json``,
+``recover/step_{global_step:08d}/`` (``COMMITTED`` or ``RETIRED``, ``driver.json``,
 ``driver.p{index:05d}.json``, ``done.p{index:05d}``, ``state/``);
 ``recover/items/{name}/v{version:06d}/``; ``recover/superseded/``; ``export/
 epoch{E}epochstep{S}globalstep{G}/``; ``.tmp-*`` entries. docs/design.md draws the tree.
@@ -17,7 +17,8 @@ import re
 
 __all__ = [
     "RECOVER", "EXPORT", "ITEMS", "SUPERSEDED", "STATE_DIR", "TMP_PREFIX", "LOCK_FILE",
-    "PINS_FILE", "TIER_FILE", "COMMIT_MARKER", "DRIVER_FILE", "TREE_FILE", "OBJECTS_FILE",
+    "PINS_FILE", "TIER_FILE", "COMMIT_MARKER", "RETIRED_MARKER", "DRIVER_FILE", "TREE_FILE",
+    "OBJECTS_FILE",
     "ROOT_NAMES", "SYSTEM_NAMES",
     "step_dirname", "parse_step_dirname", "ref_key", "parse_ref_key", "version_dirname",
     "parse_version_dirname",
@@ -40,6 +41,9 @@ PINS_FILE = "pins.json"
 #: In a local tier's root only: the durable root it belongs to (jaxckpt.manager.local_tier).
 TIER_FILE = "tier.json"
 COMMIT_MARKER = "COMMITTED"
+#: In a step directory that is no longer a checkpoint but still holds files later
+#: (incremental) checkpoints refer to: which files it keeps and for whom (jaxckpt.commit.retire).
+RETIRED_MARKER = "RETIRED"
 DRIVER_FILE = "driver.json"
 #: Written by the Orbax backend into its directory (jaxckpt/backends/orbax/backend.py).
 TREE_FILE = "tree.json"

@@ -1,9 +1,11 @@
 """The commit manifest: what a checkpoint's ``COMMITTED`` marker says, and checks against it.
 
-Owns: the manifest's format (``jaxckpt.commit/2``: every file's size and crc32c; format 1,
-crc32, is still read), parsing it with every sanity check a restore relies on (paths stay
-inside the checkpoint, one known checksum per entry, a step, a time, at least one file),
-serialising it (byte-identical across releases: tests/integration/test_golden_checkpoint.py), which
+Owns: the manifest's format (``jaxckpt.commit/2``: every file's size and crc32c, optionally
+its xxh128 content hash; ``jaxckpt.commit/3`` adds ``refs``, the files of earlier checkpoints
+an incremental checkpoint uses, by ref key; format 1, crc32, is still read), parsing it with
+every sanity check a restore relies on (paths stay inside the checkpoint, refs name earlier
+checkpoints, one known checksum per entry, a step, a time, at least one file), serialising it
+(byte-identical across releases: tests/integration/test_golden_checkpoint.py), which
 entries' checksums may be deferred to the read (``DEFER_CHECKSUMS_OVER``), and the wording
 of what is wrong with one file compared with its entry.
 
@@ -20,10 +22,12 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError
 from .checksum import ALGORITHMS
-from .layout import COMMIT_MARKER
+from .content_hash import HASH_NAME, is_hash
+from .layout import COMMIT_MARKER, parse_ref_key
 
 __all__ = [
     "MANIFEST_FORMAT",
+    "REFS_MANIFEST_FORMAT",
     "READABLE_MANIFEST_FORMATS",
     "DEFER_CHECKSUMS_OVER",
     "Manifest",
@@ -39,9 +43,13 @@ __all__ = [
     "unlisted_problem",
 ]
 
-# Format 2 records crc32c checksums (jaxckpt/checksum.py); format 1, crc32. Both are read.
+# Format 2 records crc32c checksums (jaxckpt/checksum.py); format 1, crc32. Format 3 is
+# format 2 plus ``refs`` and ``referenced_bytes``, written only when a checkpoint refers to
+# files of earlier ones (so that a plain checkpoint stays byte-identical to format 2, and a
+# release that cannot follow refs refuses a checkpoint it would restore incompletely).
 MANIFEST_FORMAT = "jaxckpt.commit/2"
-READABLE_MANIFEST_FORMATS = ("jaxckpt.commit/1", MANIFEST_FORMAT)
+REFS_MANIFEST_FORMAT = "jaxckpt.commit/3"
+READABLE_MANIFEST_FORMATS = ("jaxckpt.commit/1", MANIFEST_FORMAT, REFS_MANIFEST_FORMAT)
 
 #: Files larger than this many bytes may have their checksum checked while a backend reads the
 #: checkpoint instead of before (``CheckpointStore.verify(defer_over=...)``,
@@ -134,14 +142,28 @@ class Manifest:
     ("crc32" instead of "crc32c" in format-1 manifests; see jaxckpt/checksum.py)."""
     created: float
     """Unix time of the commit."""
+    refs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Ref key (``layout.ref_key``: the path under ``recover/`` of a file physically held by
+    an earlier checkpoint) -> that file's entry, for every file this checkpoint uses without
+    having written it (incremental saves). Empty for a plain checkpoint."""
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the files this checkpoint wrote itself."""
         return sum(int(f["size"]) for f in self.files.values())
 
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of the earlier checkpoints' files this one uses (``refs``)."""
+        return sum(int(f["size"]) for f in self.refs.values())
+
     def to_bytes(self) -> bytes:
-        body = {"format": MANIFEST_FORMAT, "step": self.step, "created": self.created,
-                "total_bytes": self.total_bytes, "files": self.files}
+        body: dict[str, Any] = {"format": MANIFEST_FORMAT, "step": self.step,
+                                "created": self.created, "total_bytes": self.total_bytes,
+                                "files": self.files}
+        if self.refs:
+            body.update(format=REFS_MANIFEST_FORMAT, refs=self.refs,
+                        referenced_bytes=self.referenced_bytes)
         return json.dumps(body, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -162,6 +184,7 @@ class Manifest:
         if not isinstance(files, dict):
             raise CheckpointCorruptError(f"{where}: commit marker has no file list")
         _check_entries(files, body["format"], where)
+        refs = _parsed_refs(body, where)
         step, created = body.get("step"), body.get("created", 0.0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointCorruptError(
@@ -174,12 +197,43 @@ class Manifest:
             raise CheckpointCorruptError(
                 f"{where}: commit marker lists no files; a real checkpoint always has some, so "
                 f"this marker cannot vouch for anything")
-        return cls(step=step, files=files, created=float(created))
+        _check_ref_owners(refs, step, where)
+        return cls(step=step, files=files, created=float(created), refs=refs)
+
+
+def _parsed_refs(body: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """The ``refs`` of a parsed manifest body (format 3 only), every key checked."""
+    if "refs" not in body:
+        return {}
+    refs = body["refs"]
+    if body["format"] != REFS_MANIFEST_FORMAT or not isinstance(refs, dict):
+        raise CheckpointCorruptError(
+            f"{where}: commit marker has refs, which only a {REFS_MANIFEST_FORMAT} marker "
+            f"may hold as a table of ref keys")
+    for key in refs:
+        parsed = parse_ref_key(key) if isinstance(key, str) else None
+        if parsed is None or not safe_relpath(parsed[1]):
+            raise CheckpointCorruptError(
+                f"{where}: commit marker refers to {key!r}, not a file of an earlier "
+                f"checkpoint of this root; refusing to trust this checkpoint")
+    _check_entries(refs, body["format"], where)
+    return refs
+
+
+def _check_ref_owners(refs: dict[str, dict[str, Any]], step: int, where: str) -> None:
+    """A ref names a file of an EARLIER checkpoint (which cannot, in turn, refer back)."""
+    for key in refs:
+        owner = parse_ref_key(key)
+        assert owner is not None  # checked by _parsed_refs
+        if owner[0] >= step:
+            raise CheckpointCorruptError(
+                f"{where}: commit marker of step {step} refers to {key!r}, a file of step "
+                f"{owner[0]}; a checkpoint may only refer to earlier steps")
 
 
 def _check_entries(files: dict[Any, Any], fmt: str, where: str) -> None:
-    """Every entry names a path inside the checkpoint, an int size and exactly one checksum
-    its format allows."""
+    """Every entry names a path inside the checkpoint, an int size, exactly one checksum its
+    format allows and, optionally, a content hash (``HASH_NAME``)."""
     # Format 1 knows crc32 only; format 2 entries carry crc32c, or crc32 where the
     # writer had no crc32c extension.
     allowed = ("crc32",) if fmt == "jaxckpt.commit/1" else ALGORITHMS
@@ -189,5 +243,6 @@ def _check_entries(files: dict[Any, Any], fmt: str, where: str) -> None:
                 f"{where}: commit marker names {rel!r}, a path outside the checkpoint; "
                 f"refusing to trust this checkpoint")
         if (not isinstance(info, dict) or not isinstance(info.get("size"), int)
-                or [isinstance(info.get(name), str) for name in allowed].count(True) != 1):
+                or [isinstance(info.get(name), str) for name in allowed].count(True) != 1
+                or (HASH_NAME in info and not is_hash(info[HASH_NAME]))):
             raise CheckpointCorruptError(f"{where}: malformed manifest entry for {rel!r}")

@@ -18,7 +18,7 @@ from jaxckpt.backends.base import check_backend
 from jaxckpt.config import ExportConfig, RecoverConfig, StepInfo
 from jaxckpt.errors import ConfigError
 
-__all__ = ["check_arguments", "check_step_info", "check_signals"]
+__all__ = ["check_arguments", "check_incremental", "check_step_info", "check_signals"]
 
 
 def check_arguments(root: Any, *, recover: Any, export: Any, backend: Any, on_report: Any,
@@ -49,7 +49,18 @@ def check_arguments(root: Any, *, recover: Any, export: Any, backend: Any, on_re
             f"on mgr.preempted), got {on_preemption!r}.")
     if backend is not None:
         check_backend(backend)
+        check_incremental(recover, backend)
     return signals
+
+
+def check_incremental(recover: RecoverConfig, backend: Any) -> None:
+    """``ConfigError`` for ``RecoverConfig(incremental=True)`` with a backend that cannot
+    refer to an earlier checkpoint's files (``BackendFeatures.incremental`` False)."""
+    if recover.incremental and not backend.features.incremental:
+        raise ConfigError(
+            f"RecoverConfig.incremental=True needs a backend that writes incrementally, and "
+            f"the {backend.name!r} backend does not. Fix: set incremental=False, or use a "
+            f"backend whose features.incremental is True (the Orbax backend).")
 
 
 def check_step_info(step_info: Any) -> None:

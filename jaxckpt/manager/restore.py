@@ -309,8 +309,7 @@ class Restorer:
                 error: Exception | None = None
                 try:
                     body = self._read_driver(path)
-                    state = self._ctx.backend.read(os.path.join(path, STATE_DIR), like,
-                                                   claims=claims, partial=partial)
+                    state = self._read_state(path, like, claims, partial, manifest)
                     versions = {name: int(ref["version"])
                                 for name, ref in (body.get("items") or {}).items()}
                     result = body, state, versions, self._read_items(items, versions, path)
@@ -344,6 +343,19 @@ class Restorer:
                 ahead.cancel()  # what the reader did not take is dropped
             with self._ctx.state_lock:
                 self._ctx.reading.discard(step)
+
+    def _read_state(self, path: str, like: Any, claims: DeferredChecks | None, partial: bool,
+                    manifest: Manifest | None) -> Any:
+        """The backend's read of the state of ``path``; an incremental backend is given the
+        checkpoint's references (``Manifest.refs``, verified with its files)."""
+        backend = self._ctx.backend
+        directory = os.path.join(path, STATE_DIR)
+        if not backend.features.incremental:
+            return backend.read(directory, like, claims=claims, partial=partial)
+        if manifest is None:
+            manifest = self._ctx.store.committed_manifest(path)
+        refs = manifest.refs or None
+        return backend.read(directory, like, claims=claims, partial=partial, references=refs)
 
     def _finish_read(self, result: tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]],
                      ) -> tuple[dict[str, Any], Any, dict[str, int], dict[str, Any]]:

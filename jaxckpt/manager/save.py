@@ -22,16 +22,18 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from jaxckpt.commit.store import write_file_soon
+from jaxckpt.backends.base import IncrementalBase
+from jaxckpt.commit.store import CheckpointStore, write_file_soon
 from jaxckpt.config import Every, StepInfo, Versioned, check_item_name, item_version
-from jaxckpt.core.layout import DRIVER_FILE, STATE_DIR
+from jaxckpt.core.layout import DRIVER_FILE, STATE_DIR, parse_step_dirname
 from jaxckpt.core.retention import CheckpointFacts, RetentionRules, decide
 from jaxckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointWarning, ConfigError
 from jaxckpt.manager import driver_state as drv
@@ -40,7 +42,8 @@ from jaxckpt.manager.context import ManagerContext
 from jaxckpt.manager.export import ExportRecord
 from jaxckpt.manager.reports import SaveReport, mark_done
 
-__all__ = ["Saver", "resolve_state", "known_checksums"]
+__all__ = ["Saver", "resolve_state", "known_checksums", "known_references",
+           "incremental_base"]
 
 log = logging.getLogger("jaxckpt")
 
@@ -140,7 +143,8 @@ class Saver:
                 with ctx.state_lock:
                     ctx.written_items.setdefault(name, set()).add(version)
             handle.wait()
-            self._commit(path, step.global_step, report, known_checksums(handle))
+            self._commit(path, step.global_step, report, known_checksums(handle),
+                         known_references(handle))
             if report.bytes is not None:
                 report.bytes += item_bytes
 
@@ -174,6 +178,8 @@ class Saver:
             body["export"] = record
         # The rules, so `jaxckpt ls` can say why each checkpoint is kept without the config.
         body["retention"] = RetentionRules.of(ctx.recover_config).to_json()
+        if ctx.recover_config.incremental:
+            body["incremental"] = True  # what `jaxckpt ls` says of a root's saves
         # Compact separators keep json on its C encoder (indent= switches to the Python
         # one, a visible share of the blocking time with RNG states inside).
         return DRIVER_FILE, json.dumps(body, separators=(",", ":")).encode()
@@ -217,8 +223,10 @@ class Saver:
             ctx.store.storage.make_prefix(item_dir)
             item_writes.append((name, version, item_dir, ctx.backend.write(
                 os.path.join(item_dir, STATE_DIR), tree, asynchronous=mode == "async")))
+        base = (incremental_base(ctx.store, path)
+                if ctx.recover_config.incremental else None)
         handle = ctx.backend.write(os.path.join(path, STATE_DIR), state,
-                                   asynchronous=mode == "async")
+                                   asynchronous=mode == "async", base=base)
         return handle, item_writes
 
     def _discard_partial(self, path: str) -> None:
@@ -283,21 +291,25 @@ class Saver:
             self._ctx.store.delete(path)
 
     def _commit(self, path: str, step: int, report: SaveReport,
-                known: dict[str, dict[str, Any]] | None = None) -> None:
+                known: dict[str, dict[str, Any]] | None = None,
+                refs: dict[str, dict[str, Any]] | None = None) -> None:
         """Background: every process's writes are done -> marker (sizes on the report)."""
-        written = self._commit_dir(path, step, known)
+        written = self._commit_dir(path, step, known, refs)
         report.bytes = written if self._ctx.primary else None
 
     def _commit_dir(self, path: str, step: int,
-                    known: dict[str, dict[str, Any]] | None = None) -> int:
+                    known: dict[str, dict[str, Any]] | None = None,
+                    refs: dict[str, dict[str, Any]] | None = None) -> int:
         """Once every process finished writing ``path``, the primary commits it. Returns the
         bytes committed (0 on other processes, which wait until the marker exists).
-        ``known``: checksums the backend computed while writing (``known_checksums``)."""
+        ``known``: checksums the backend computed while writing (``known_checksums``);
+        ``refs``: files of earlier checkpoints it referred to (``WriteHandle.references``)."""
         ctx = self._ctx
         if ctx.process_count > 1:
             # The primary checksums what the others wrote without reading it back: their
-            # writers' checksums travel in their done markers.
-            ctx.store.mark_done(path, ctx.process_index, None if ctx.primary else known)
+            # writers' checksums (and refs) travel in their done markers.
+            ctx.store.mark_done(path, ctx.process_index, None if ctx.primary else known,
+                                refs=None if ctx.primary else refs)
         if not ctx.primary:
             self._pipeline.wait_for(lambda: ctx.store.is_committed(path),
                                     f"the primary process to commit {path}")
@@ -307,7 +319,8 @@ class Saver:
                 lambda: ctx.store.all_done(path, ctx.process_count),
                 f"all {ctx.process_count} processes to finish writing {path}")
             known = {**ctx.store.done_checksums(path, ctx.process_count), **(known or {})}
-        return ctx.store.commit(path, step, known=known).total_bytes
+            refs = ctx.store.done_refs(path, ctx.process_count, refs)
+        return ctx.store.commit(path, step, known=known, refs=refs).total_bytes
 
     def apply_retention(self) -> None:
         """Primary, background: delete the checkpoints no retention rule keeps (see
@@ -409,3 +422,57 @@ def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
     if not entries:
         return None
     return {f"{STATE_DIR}/{rel}": info for rel, info in entries.items()}
+
+
+def known_references(handle: Any) -> dict[str, dict[str, Any]] | None:
+    """The files of earlier checkpoints a write used instead of writing them (its handle's
+    ``references``: ``{key relative to recover/: entry}``), or None."""
+    refs = handle.references
+    return dict(refs) if refs else None
+
+
+def incremental_base(store: CheckpointStore, path: str) -> IncrementalBase:
+    """What the save into ``path`` may refer to: the newest committed checkpoint of an
+    earlier step, with its files and those it refers to that are still there with their
+    size (``store.incremental_files``, listed lazily: by the backend's write thread when it
+    first asks, not by the training loop). None committed yet: a base with no files, on
+    which the backend refers to nothing but records the content hashes the next save
+    compares."""
+    step = parse_step_dirname(os.path.basename(path.rstrip("/")))
+    earlier = [s for s in store.committed_steps() if step is None or s < step]
+    if not earlier:
+        return IncrementalBase(step=-1, directory="", recover_dir=store.recover_dir, files={})
+    base_path = store.step_path(earlier[-1])
+    return IncrementalBase(step=earlier[-1], directory=os.path.join(base_path, STATE_DIR),
+                           recover_dir=store.recover_dir,
+                           files=_ListedOnDemand(store, base_path))
+
+
+class _ListedOnDemand(Mapping[str, Mapping[str, Any]]):
+    """``store.incremental_files(path)``, listed on first use (from any thread, once). A
+    listing that fails counts as empty: the save then writes everything again."""
+
+    def __init__(self, store: CheckpointStore, path: str):
+        self._store, self._path = store, path
+        self._lock = threading.Lock()
+        self._files: dict[str, Mapping[str, Any]] | None = None
+
+    def _listed(self) -> dict[str, Mapping[str, Any]]:
+        with self._lock:
+            if self._files is None:
+                try:
+                    self._files = dict(self._store.incremental_files(self._path))
+                except (OSError, CheckpointError) as exc:
+                    log.info("jaxckpt: %s cannot be listed (%s); writing everything", self._path,
+                             exc)
+                    self._files = {}
+            return self._files
+
+    def __getitem__(self, key: str) -> Mapping[str, Any]:
+        return self._listed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._listed())
+
+    def __len__(self) -> int:
+        return len(self._listed())

@@ -108,6 +108,19 @@ def _locate(command: str, path: str) -> tuple[str, str] | int:
     return EXIT_USAGE if kind == "unreadable" else EXIT_NOT_JAXCKPT  # permissions: environment
 
 
+def _store_of(path: str) -> Any:
+    """The store of the root that holds the checkpoint directory ``path`` (``ROOT/recover/
+    step_N``): an incremental checkpoint's references are files of its siblings. A directory
+    elsewhere gets a store of its parent."""
+    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.core.layout import RECOVER
+
+    parent = os.path.dirname(path)
+    if os.path.basename(parent) == RECOVER:
+        return CheckpointStore(os.path.dirname(parent))
+    return CheckpointStore(parent)
+
+
 def _ls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="checkpoint root (the directory holding recover/), or one "
                                      "checkpoint directory")
@@ -140,7 +153,7 @@ def _ls(opts: argparse.Namespace) -> int:
         return located
     path, kind = located
     if kind == "checkpoint":
-        entries = [CheckpointStore(os.path.dirname(path)).entry(path, checksums=opts.checksums)]
+        entries = [_store_of(path).entry(path, checksums=opts.checksums)]
     else:
         store = CheckpointStore(path)
         bar = make_progress("ls: checkpoints checked", wanted(opts.progress), unit="count")
@@ -367,12 +380,11 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     ``store``: the one holding ``path`` (object stores)."""
     import json
 
-    from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import DRIVER_FILE
     from jaxckpt.errors import CheckpointCorruptError, CheckpointError
     from jaxckpt.manager.driver_state import read_driver
 
-    store = CheckpointStore(os.path.dirname(path)) if store is None else store
+    store = _store_of(path) if store is None else store
     info: dict = {"path": path}
     try:
         manifest = store.read_manifest(path)
@@ -400,6 +412,8 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     except (OSError, ValueError, AttributeError, CheckpointError) as exc:
         info["driver_error"] = f"{DRIVER_FILE}: {exc}"
     _add_leaves(info, path, store.storage)
+    _add_data_owners(info.get("leaves") or [],
+                     manifest if info.get("backend") != "dcp" else None)
     if opts.json:
         print(json.dumps(info, indent=1, default=str))
     else:
@@ -437,10 +451,34 @@ def _add_leaves(info: dict, path: str, storage: Any) -> None:
             text = storage.read(os.path.join(state_dir, TREE_FILE))
             leaves = parse_tree_record(text, state_dir)["leaves"]
             info["leaves"] = [{"path": leaf.get("path"), "shape": leaf.get("shape"),
-                               "dtype": leaf.get("dtype"), "bytes": leaf_nbytes(leaf)}
-                              for leaf in leaves]
+                               "dtype": leaf.get("dtype"), "bytes": leaf_nbytes(leaf),
+                               "name": leaf.get("name")} for leaf in leaves]
         except (OSError, CheckpointError, AttributeError) as exc:
             info["tree_error"] = f"{STATE_DIR}/{TREE_FILE}: {exc}"
+
+
+def _add_data_owners(leaves: list[dict], manifest: Any) -> None:
+    """Where each Orbax leaf's data lives (``"data"``), for a checkpoint that refers to
+    files of earlier ones (its manifest's refs, whose keys keep each file's path inside its
+    checkpoint): "stored" in this checkpoint, or "referenced from step N". Drops the
+    storage names ``_add_leaves`` kept for this."""
+    from jaxckpt.core.layout import STATE_DIR, parse_ref_key
+
+    names = [leaf.pop("name", None) for leaf in leaves]
+    if manifest is None or not manifest.refs:
+        return
+    prefix = f"{STATE_DIR}/arrays/"
+    owners: dict[str, set[int]] = {}
+    for key in manifest.refs:
+        parsed = parse_ref_key(key)
+        if parsed is not None and parsed[1].startswith(prefix):
+            owners.setdefault(parsed[1][len(prefix):].split("/", 1)[0], set()).add(parsed[0])
+    own = {rel[len(prefix):].split("/", 1)[0] for rel in manifest.files
+           if rel.startswith(prefix) and "/c" in rel[len(prefix):]}
+    for leaf, name in zip(leaves, names, strict=True):
+        steps = sorted(owners.get(name, ()))
+        where = "referenced from step " + ", ".join(map(str, steps)) if steps else "stored"
+        leaf["data"] = f"{where} (partly stored)" if steps and name in own else where
 
 
 def _add_dcp_tensors(info: dict, state_dir: str, storage: Any) -> None:
@@ -488,9 +526,12 @@ def _print_info(info: dict, max_leaves: int, *, with_bytes: bool = False) -> Non
     if leaves:
         shown = leaves if max_leaves == 0 else leaves[:max_leaves]
         print(f"arrays ({len(leaves)} leaves):")
+        owners = with_bytes and any("data" in leaf for leaf in shown)
         rows = [[leaf["path"], str(tuple(leaf["shape"] or ())), str(leaf["dtype"])]
-                + ([_bytes_cell(leaf["bytes"])] if with_bytes else []) for leaf in shown]
-        _print_table(rows, ["PATH", "SHAPE", "DTYPE"] + (["BYTES"] if with_bytes else []), print)
+                + ([_bytes_cell(leaf["bytes"])] if with_bytes else [])
+                + ([leaf.get("data", "")] if owners else []) for leaf in shown]
+        _print_table(rows, ["PATH", "SHAPE", "DTYPE"] + (["BYTES"] if with_bytes else [])
+                     + (["DATA"] if owners else []), print)
         if len(shown) < len(leaves):
             print(f"  ... {len(leaves) - len(shown)} more (--leaves 0 lists all)")
 

@@ -45,6 +45,7 @@ from jaxckpt.backends.orbax import (
     shards as orbax_shards,
 )
 from jaxckpt.backends.orbax.files import ArrayFiles, StorageArrayFiles
+from jaxckpt.backends.orbax.incremental import Redirected, Reuse, redirects
 from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES, OrbaxOptions
 from jaxckpt.backends.orbax.plan import (
     WritePlan,
@@ -116,7 +117,7 @@ def _write_local_native(root: epath.Path, tree_json: str | None,
     return native(root)
 
 
-class OrbaxBackend:
+class OrbaxBackend(orbax_process.ProcessFacts):
     """Writes and reads JAX pytrees with Orbax (see the module docstring for the layout).
 
     Concurrency contract: ``write``, ``read`` and ``close`` are called from one thread (the
@@ -134,8 +135,10 @@ class OrbaxBackend:
 
     name = "orbax"
     #: Async writes; read() takes ``claims`` and checks the deferred checksums of the array
-    #: files it reads itself; reads into new arrays (live NNX objects: in finish_read).
-    features = BackendFeatures(supports_async=True, verifies_reads=True, object_storage=True)
+    #: files it reads itself; reads into new arrays (live NNX objects: in finish_read);
+    #: incremental writes (``incremental``: chunk files the base holds are referred to).
+    features = BackendFeatures(supports_async=True, verifies_reads=True, object_storage=True,
+                               incremental=True)
 
     def __init__(self, *, use_ocdbt: bool = False, use_zarr3: bool = True,
                  use_compression: bool = False, async_timeout_s: int | None = None,
@@ -186,26 +189,6 @@ class OrbaxBackend:
         """``features.verifies_reads``, for code that reads the attribute."""
         return self.features.verifies_reads
 
-    @property
-    def process_index(self) -> int:
-        return jax.process_index()
-
-    @property
-    def process_count(self) -> int:
-        return jax.process_count()
-
-    def barrier(self, name: str, timeout_s: float) -> None:
-        """Block until every process reached barrier ``name`` (names must be unique per run).
-        Safe from any thread: it waits in the coordination service, not in a device
-        collective."""
-        orbax_process.barrier(name, timeout_s)
-
-    def broadcast_int(self, value: int) -> int:
-        """Process 0's ``value`` on every process. A collective: all processes call it, in
-        the same order."""
-        return orbax_process.broadcast_int(value,
-                                            timeout_s=self.options.collective_timeout_s)
-
     # ------------------------------------------------------------------------- write
 
     def write(self, directory: str, state: Any, *, asynchronous: bool,
@@ -233,8 +216,10 @@ class OrbaxBackend:
             # bad leaf leaves nothing behind and every process fails the same way.
             plan = self._plan_for(state, treedef, leaves, local)
             sources = plan.sources(leaves)
+            reuse = None if base is None else Reuse(
+                base, plan.tree_json, lambda path: self._path(path).read_bytes())
             return self._write_staged(directory, plan, sources, asynchronous=asynchronous,
-                                      local=local)
+                                      local=local, reuse=reuse)
 
     def _plan_for(self, state: Any, treedef: Any, leaves: list[Any],
                   local: bool) -> WritePlan:
@@ -270,9 +255,11 @@ class OrbaxBackend:
         return plan
 
     def _write_staged(self, directory: str, plan: WritePlan, sources: list[Any], *,
-                      asynchronous: bool, local: bool) -> OrbaxWriteHandle:
+                      asynchronous: bool, local: bool,
+                      reuse: Reuse | None = None) -> OrbaxWriteHandle:
         """The part of write() after planning: stage the host arrays, create the directory,
-        write (sync) or hand the write to a background thread (async)."""
+        write (sync) or hand the write to a background thread (async). ``reuse``: an
+        incremental write, which only a native write follows (Orbax writes everything)."""
         tree_json, nbytes = plan.tree_json, plan.nbytes
         root = self._path(directory)
         with self._lock:
@@ -283,7 +270,9 @@ class OrbaxBackend:
             arrays, used, fills = self._host_buffers.stage(
                 plan, sources, copy_numpy=asynchronous, defer_fill=local and not asynchronous)
             native = orbax_shards.filling(  # before any I/O: may refuse
-                self._writes_natively(directory, arrays), fills)
+                self._writes_natively(directory, arrays, reuse), fills)
+            if native is None:
+                reuse = None
             primary = jax.process_index() == 0
             if primary:
                 create_directory(root, directory)
@@ -295,7 +284,8 @@ class OrbaxBackend:
             save_args = None if native else ocp.args.PyTreeSave(item=arrays)
             if not asynchronous:
                 if native:
-                    return OrbaxWriteHandle(directory, nbytes, checksums=native(root))
+                    return OrbaxWriteHandle(directory, nbytes, checksums=native(root),
+                                            reuse=reuse)
                 self._sync.save(root / ARRAYS_DIR, args=save_args)
                 return OrbaxWriteHandle(directory, nbytes)
             if local or native:
@@ -307,7 +297,8 @@ class OrbaxBackend:
                                           tree_json if local else None, native)
                         if native else
                         functools.partial(self._write_local, root, tree_json, save_args))
-                handle = OrbaxWriteHandle(directory, nbytes, future=self._writer.submit(work))
+                handle = OrbaxWriteHandle(directory, nbytes, future=self._writer.submit(work),
+                                          reuse=reuse)
                 self._queued.append(handle)
             else:
                 # Orbax's save() returns once the arrays are staged in host memory and
@@ -342,12 +333,13 @@ class OrbaxBackend:
     def _files_for(self, directory: str) -> ArrayFiles | None:
         return orbax_remote.files_for(self._remote, directory, self.options)
 
-    def _writes_natively(self, directory: str, arrays: dict[str, Any]) -> Any:
+    def _writes_natively(self, directory: str, arrays: dict[str, Any],
+                         reuse: Reuse | None = None) -> Any:
         """This write through ``_files_for`` as a function of the directory
         (``orbax_shards.native_writer``: every array of a dtype and layout the native I/O stores
         as Orbax would), else None; a URL's arrays must (``check_arrays``)."""
         return orbax_remote.writer_for(self._remote, directory, arrays, self.options,
-                                        pool=self._pool)
+                                        pool=self._pool, reuse=reuse)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         self._io_pool = _started(self._io_pool, self.options.io_threads, "jaxckpt-io")
@@ -425,11 +417,16 @@ class OrbaxBackend:
 
         ``partial``: ``like`` is a subtree of what was saved; the rest is neither matched
         nor read, nor checked (``orbax_read.limit_claims``).
+
+        ``references`` (an incremental checkpoint's, verified by the caller): the chunk files
+        it refers to are read from the earlier checkpoints that hold them
+        (``incremental.redirects``), every other file from ``directory``.
         """
+        read = functools.partial(self._read, directory, claims=claims, partial=partial,
+                                 redirect=redirects(directory, references))
         if nnx_live.holds_live(like):
-            return nnx_live.read_into(
-                like, lambda pure: self._read(directory, pure, claims=claims, partial=partial))
-        return self._read(directory, like, claims=claims, partial=partial)
+            return nnx_live.read_into(like, read)
+        return read(like)
 
     @staticmethod
     def finish_read(value: Any) -> Any:
@@ -446,8 +443,9 @@ class OrbaxBackend:
         return nnx_live.left_out(saved, scope)
 
     def _read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
-              partial: bool = False) -> Any:
-        """:meth:`read` of a ``like`` without live NNX objects."""
+              partial: bool = False, redirect: Mapping[str, str] | None = None) -> Any:
+        """:meth:`read` of a ``like`` without live NNX objects (``redirect``: the files
+        referred to, ``incremental.redirects``)."""
         root = self._path(directory)
         # The whole read with the GC paused: tree.json and like's paths make tens of
         # thousands of objects with many leaves, and collections would walk them all.
@@ -467,7 +465,7 @@ class OrbaxBackend:
             unpacker = orbax_read.Unpacker(directory, targets, saved, placements, shardings)
             restored = self._restore(directory, arrays_dir, restore_args, claims,
                                      partial=partial, on_host=unpacker.take,
-                                     meanwhile=unpacker.prepare)
+                                     meanwhile=unpacker.prepare, redirect=redirect)
             values = unpacker.finish(restored)
             leaves = orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
                                                 unpacker.converted)
@@ -476,7 +474,8 @@ class OrbaxBackend:
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
                  claims: DeferredChecks | None, *, partial: bool = False,
                  on_host: Callable[[str, Any], None] | None = None,
-                 meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
+                 meanwhile: Callable[[], None] | None = None,
+                 redirect: Mapping[str, str] | None = None) -> dict[str, Any]:
         """The stored arrays ``restore_args`` asks for, by storage name: read natively where
         ``native_io`` applies and the files are in its layout (``on_host`` told of each
         host array as it arrives: ``orbax_read.read_native``), else by Orbax (told, with
@@ -488,7 +487,8 @@ class OrbaxBackend:
             if files is not None:
                 restored = orbax_read.read_native(
                     os.fspath(arrays_dir), restore_args, claims, pool=self._readers(),
-                    files=files, on_host=on_host, meanwhile=meanwhile)
+                    files=Redirected(files, redirect) if redirect else files,
+                    on_host=on_host, meanwhile=meanwhile)
             if claims is not None:
                 claims.close()
             if restored is None and files is not None and files is self._remote:

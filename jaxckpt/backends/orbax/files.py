@@ -40,15 +40,53 @@ __all__ = [
     "RANGED_READ_OVER",
     "ArrayFiles",
     "LocalArrayFiles",
+    "ReadableFiles",
     "SharedLocalArrayFiles",
     "StorageArrayFiles",
     "StoragePath",
+    "WRITTEN",
+    "WrittenBytes",
 ]
 
 #: Chunk objects larger than this are read in ranged GETs of at most this size (equal
 #: parts), several at once. Not smaller: some servers (moto among them) read a whole object
 #: for every range of it.
 RANGED_READ_OVER = 64 << 20
+
+
+class WrittenBytes:
+    """A running count of the bytes the native writer handed to files and objects (chunk
+    files and the small metadata files of ``arrays/``), for tests and benchmarks that check
+    what a save wrote rather than what a directory holds (an incremental save, issue 32).
+    ``WRITTEN.total()`` before and after a save: the difference. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, count: int) -> None:
+        with self._lock:
+            self._total += count
+
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+
+#: Every byte written through an ``ArrayFiles`` of this process (``WrittenBytes``).
+WRITTEN = WrittenBytes()
+
+
+class ReadableFiles(Protocol):
+    """What the native reader needs from where an ``arrays/`` directory lives (its two
+    reads; ``incremental.Redirected`` adds the files a checkpoint refers to)."""
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        """The first ``limit`` bytes of a small file; ``OSError`` when it cannot be read."""
+
+    def read_chunk(self, path: str, nbytes: int, *, algorithm: str | None,
+                   offset: int) -> tuple[np.ndarray, str | None]:
+        """A chunk file whole, in an aligned buffer, and its checksum (``chunk_io.read_chunk``)."""
 
 
 class ArrayFiles(Protocol):
@@ -114,13 +152,16 @@ class LocalArrayFiles:
     def write_small(self, path: str, text: str) -> tuple[int, str] | None:
         # No fsync of its own: the commit fsyncs (and checksums) every such file.
         with open(path, "x", encoding="utf-8") as stream:
+            WRITTEN.add(len(text.encode("utf-8")))
             stream.write(text)
         return None
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
                     offset: int) -> tuple[int, str]:
-        return chunk_io.write_chunk(path, array, algorithm=algorithm, direct=self.direct,
-                                   offset=offset)
+        size, crc = chunk_io.write_chunk(path, array, algorithm=algorithm,
+                                         direct=self.direct, offset=offset)
+        WRITTEN.add(size)
+        return size, crc
 
     def read_small(self, path: str, limit: int) -> bytes:
         with open(path, "rb") as stream:
@@ -204,6 +245,7 @@ class StorageArrayFiles:
         trip each, all in flight at once); ``finish`` waits for them. The checksum is
         of the bytes sent."""
         data = text.encode("utf-8")
+        WRITTEN.add(len(data))
         future = self._threads().submit(self.storage.write, path, data)
         with self._pool_lock:
             self._sending[path] = future
@@ -234,6 +276,7 @@ class StorageArrayFiles:
             self.storage.write_joined(path, pieces, crc32c=crc)
         else:
             self.storage.write(path, b"".join(pieces))
+        WRITTEN.add(offset + flat.size + len(index))
         return offset + flat.size + len(index), f"{crc:08x}"
 
     def read_small(self, path: str, limit: int) -> bytes:

@@ -32,6 +32,7 @@ from jaxckpt.backends.orbax.files import (
     StorageArrayFiles,
     StoragePath,
 )
+from jaxckpt.backends.orbax.incremental import Reuse
 from jaxckpt.backends.orbax.options import OrbaxOptions
 from jaxckpt.backends.orbax.shards import native_writer
 from jaxckpt.backends.orbax.tree import TREE_FILE
@@ -69,17 +70,20 @@ def files_for(remote: StorageArrayFiles | None, directory: str,
 
 def writer_for(remote: StorageArrayFiles | None, directory: str, arrays: dict[str, Any],
                options: OrbaxOptions, *,
-               pool: Callable[[], concurrent.futures.ThreadPoolExecutor]) -> Any:
+               pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
+               reuse: Reuse | None = None) -> Any:
     """The native write of ``arrays`` into ``directory`` (``_orbax_shards.native_writer``,
     through ``files_for``), or None where Orbax writes them; on an object store, where
-    Orbax cannot, ``CheckpointRootError`` before any I/O for what the native I/O does not store."""
+    Orbax cannot, ``CheckpointRootError`` before any I/O for what the native I/O does not store.
+    ``reuse``: an incremental write (``incremental.Reuse``); Orbax's own writes refer to
+    nothing."""
     files = files_for(remote, directory, options, writing=True)
     on_storage = files is not None and files is remote
     if on_storage:
         check_arrays(directory, arrays)
     native = native_writer(files, arrays, primary=jax.process_index() == 0,
                            shared=jax.process_count() > 1, pool=pool,
-                           collective_timeout_s=options.collective_timeout_s)
+                           collective_timeout_s=options.collective_timeout_s, reuse=reuse)
     if native is None and on_storage:
         refuse_uneven(directory)
     return native

@@ -1,6 +1,7 @@
 """The process facts of a ``jax.distributed`` run, for the Orbax backend.
 
-Owns: the barrier and the integer broadcast the manager asks a backend for, done in JAX's
+Owns: the barrier and the integer broadcast (and ``ProcessFacts``, the backend's members
+that ask for them) the manager asks a backend for, done in JAX's
 coordination service (as Orbax's own background thread does) rather than in device
 collectives, and the host copy of a state that gathers arrays sharded across processes.
 In a single process every one of them is the identity (or a plain copy).
@@ -19,7 +20,7 @@ import orbax.checkpoint as ocp
 
 from jaxckpt.backends.orbax.tree import is_key_dtype
 
-__all__ = ["barrier", "broadcast_int", "host_copy"]
+__all__ = ["ProcessFacts", "barrier", "broadcast_int", "host_copy"]
 
 # Distinguishes successive broadcast_int calls in the coordination service's key-value
 # store. Module-wide so that two backends in one process never reuse a key; every process
@@ -90,3 +91,30 @@ def host_copy(state: Any) -> Any:
         return leaf
 
     return jax.tree_util.tree_map(copy_leaf, state)
+
+
+class ProcessFacts:
+    """The members of the Orbax backend that say which process this is and wait for the
+    others (``Backend.process_index``, ``process_count``, ``barrier``, ``broadcast_int``).
+    Needs ``self.options`` (``OrbaxOptions``: its ``collective_timeout_s``)."""
+
+    options: Any
+
+    @property
+    def process_index(self) -> int:
+        return jax.process_index()
+
+    @property
+    def process_count(self) -> int:
+        return jax.process_count()
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Block until every process reached barrier ``name`` (names must be unique per run).
+        Safe from any thread: it waits in the coordination service, not in a device
+        collective."""
+        barrier(name, timeout_s)
+
+    def broadcast_int(self, value: int) -> int:
+        """Process 0's ``value`` on every process. A collective: all processes call it, in
+        the same order."""
+        return broadcast_int(value, timeout_s=self.options.collective_timeout_s)

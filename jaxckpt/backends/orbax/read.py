@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt.backends.orbax import chunk_io, zarr_format
-from jaxckpt.backends.orbax.files import ArrayFiles
+from jaxckpt.backends.orbax.files import ReadableFiles
 from jaxckpt.backends.orbax.match import Target
 from jaxckpt.backends.orbax.place import default_sharding, place
 from jaxckpt.backends.orbax.tree import (
@@ -226,7 +226,7 @@ def _overlaps(chunk: tuple[slice, ...], part: tuple[slice, ...], shape: tuple[in
 
 
 def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks | None, *,
-                pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
+                pool: concurrent.futures.ThreadPoolExecutor, files: ReadableFiles,
                 on_host: Callable[[str, np.ndarray], None] | None = None,
                 meanwhile: Callable[[], None] | None = None,
                 ) -> dict[str, Any] | None:

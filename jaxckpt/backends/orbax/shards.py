@@ -27,9 +27,10 @@ import numpy as np
 
 from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import ArrayFiles
+from jaxckpt.backends.orbax.incremental import Reuse
 from jaxckpt.backends.orbax.process import barrier
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
-from jaxckpt.backends.orbax.write import host_arrays, write_native
+from jaxckpt.backends.orbax.write import entries_of, host_arrays, write_native
 from jaxckpt.core.checksum import default_algorithm
 
 __all__ = ["ShardedArray", "filling", "native_writer", "stage_shards", "write_shards"]
@@ -105,12 +106,13 @@ def stage_shards(arrays: dict[str, Any], *, primary: bool) -> dict[str, ShardedA
 
 
 def write_shards(root: str, staged: dict[str, ShardedArray], *, primary: bool,
-                 pool: concurrent.futures.ThreadPoolExecutor,
-                 files: ArrayFiles) -> dict[str, dict[str, Any]]:
+                 pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
+                 reuse: Reuse | None = None) -> dict[str, dict[str, Any]]:
     """Write this process's share of ``staged`` into ``root/arrays`` through ``files`` (in
     place), the chunk files durably on ``pool``'s threads; the primary also writes every
     zarr.json and Orbax's metadata files. Returns the manifest entries of the files written
-    durably, relative to ``root``."""
+    durably, relative to ``root``. ``reuse``: an incremental write, each process deciding
+    for its own chunk files (``write.write_native``)."""
     final = f"{os.fspath(root).rstrip('/')}/{ARRAYS_DIR}"
     started_ns = time.time_ns()
     base = files.start(final)
@@ -124,12 +126,20 @@ def write_shards(root: str, staged: dict[str, ShardedArray], *, primary: bool,
         if entry is not None:
             known[relative] = entry
 
-    def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
+    def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str | None, str | None]:
         relative, data = job
+        digest, referred = None, False
+        if reuse is not None:
+            entry = staged[relative.split("/", 1)[0]]
+            _, digest, referred = reuse.consider(relative, data, 0, zarr_json=(
+                zarr_format.metadata_text(entry.shape, entry.dtype_name,
+                                          chunk_shape=entry.chunk_shape)))
+        if referred:
+            return relative, 0, None, digest
         path = f"{base}/{relative}"
         files.make_parent(path)
         size, crc = files.write_chunk(path, data, algorithm=algorithm, offset=0)
-        return relative, size, crc
+        return relative, size, crc, digest
 
     jobs = sorted(((f"{name}/{relative}", data) for name, entry in staged.items()
                    for relative, data in entry.pieces), key=lambda job: -job[1].nbytes)
@@ -143,10 +153,7 @@ def write_shards(root: str, staged: dict[str, ShardedArray], *, primary: bool,
               zarr_format.checkpoint_metadata_text(started_ns, time.time_ns()))
         small("commit_success.txt", zarr_format.commit_success_text(final))
     files.finish(base, final)
-    entries = {relative: (size, crc) for relative, size, crc in results}
-    entries.update(known)
-    return {f"{ARRAYS_DIR}/{relative}": {"size": size, algorithm: crc}
-            for relative, (size, crc) in entries.items()}
+    return entries_of(results, known, algorithm)
 
 
 _SHARED_WRITES = itertools.count()  # names this process's shared writes' barriers
@@ -154,12 +161,13 @@ _SHARED_WRITES = itertools.count()  # names this process's shared writes' barrie
 
 def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: bool,
                   shared: bool, pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
-                  collective_timeout_s: float) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
+                  collective_timeout_s: float, reuse: Reuse | None = None,
+                  ) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
     """The native write of ``arrays`` into a checkpoint directory, as a function of that
     directory returning the manifest entries it made (``write_native``, or for a directory
     several processes write, ``write_shards`` after a barrier that every process reaches
     once the primary created the directory), or None when Orbax must write them.
-    ``shared``: several processes write the directory.
+    ``shared``: several processes write the directory. ``reuse``: an incremental write.
 
     Every process of a run calls this for the same writes in the same order (the
     backend's contract), so the barrier names agree."""
@@ -169,7 +177,8 @@ def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: 
         if not all(isinstance(array, np.ndarray) and zarr_format.supported(array)
                    for array in arrays.values()):
             return None
-        return functools.partial(_write_single, arrays=arrays, pool=pool, files=files)
+        return functools.partial(_write_single, arrays=arrays, pool=pool, files=files,
+                                 reuse=reuse)
     staged = stage_shards(arrays, primary=primary)
     if staged is None:
         return None
@@ -178,7 +187,7 @@ def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: 
     def write(root: Any) -> dict[str, dict[str, Any]]:
         barrier(name, collective_timeout_s)  # the primary made the directory
         return write_shards(os.fspath(root), staged, primary=primary, pool=pool(),
-                            files=files)
+                            files=files, reuse=reuse)
 
     return write
 
@@ -203,5 +212,5 @@ def _write_single(root: Any, *, arrays: dict[str, np.ndarray],
                   pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
                   files: ArrayFiles,
                   fills: dict[str, Callable[[], None]] | None = None,
-                  ) -> dict[str, dict[str, Any]]:
-    return write_native(root, arrays, pool=pool(), files=files, fills=fills)
+                  reuse: Reuse | None = None) -> dict[str, dict[str, Any]]:
+    return write_native(root, arrays, pool=pool(), files=files, fills=fills, reuse=reuse)

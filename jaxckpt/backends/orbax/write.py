@@ -30,14 +30,16 @@ from etils import epath
 
 from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import ArrayFiles
+from jaxckpt.backends.orbax.incremental import Reuse
 from jaxckpt.backends.orbax.plan import WritePlan, fill_pack, pack_length
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
 from jaxckpt.core.checksum import default_algorithm
+from jaxckpt.core.content_hash import HASH_NAME
 from jaxckpt.errors import CheckpointWriteError
 from jaxckpt.storage.buffers import aligned_empty
 
 __all__ = ["OrbaxWriteHandle", "HostBuffers", "host_arrays", "type_handler_registry",
-           "create_directory", "write_native", "write_small", "write_durably"]
+           "create_directory", "entries_of", "write_native", "write_small", "write_durably"]
 
 
 class OrbaxWriteHandle:
@@ -49,12 +51,13 @@ class OrbaxWriteHandle:
     """
 
     __slots__ = ("directory", "nbytes", "_finish", "_finished", "_error", "_future",
-                 "_checksums")
+                 "_checksums", "_reuse")
 
     def __init__(self, directory: str, nbytes: int, *,
                  finish: Callable[[OrbaxWriteHandle], None] | None = None,
                  future: concurrent.futures.Future[Any] | None = None,
-                 checksums: dict[str, dict[str, Any]] | None = None):
+                 checksums: dict[str, dict[str, Any]] | None = None,
+                 reuse: Reuse | None = None):
         #: the checkpoint directory this write fills.
         self.directory = directory
         #: bytes of array data handed to Orbax (logical sizes, plus tree.json); known at
@@ -69,11 +72,16 @@ class OrbaxWriteHandle:
         self._finished = finish is None and future is None
         self._error: BaseException | None = None
         self._checksums = checksums
+        self._reuse = reuse  # an incremental write's decisions (``incremental.Reuse``)
 
     @property
     def references(self) -> dict[str, dict[str, Any]] | None:
-        """Nothing referred to (not incremental yet)."""
-        return None
+        """The files of the write's ``IncrementalBase`` used instead of writing them
+        (``{key: the base's entry}``); None without a base, or while (or when) the write
+        has not succeeded. Known once ``wait`` returned; never blocks."""
+        if self._reuse is None or self.checksums is None:
+            return None
+        return dict(self._reuse.references)
 
     @property
     def checksums(self) -> dict[str, dict[str, Any]] | None:
@@ -309,7 +317,7 @@ def create_directory(root: epath.Path, directory: str) -> None:
 def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
                  pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
                  fills: dict[str, Callable[[], None]] | None = None,
-                 ) -> dict[str, dict[str, Any]]:
+                 reuse: Reuse | None = None) -> dict[str, dict[str, Any]]:
     """Write ``arrays`` as the Orbax checkpoint ``root/arrays`` through ``files``: the same
     files PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True) writes, the array files
     on ``pool``'s threads. Array files are durable on return; small metadata files are too
@@ -319,13 +327,16 @@ def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
     object store the objects go to their names and the commit marker vouches for them.
     Returns the manifest entries of the files written durably, relative to ``root``.
     ``fills``: by storage name, what fills an array not filled yet (``HostBuffers.stage``
-    with ``defer_fill``), run on the I/O thread that writes it, just before."""
+    with ``defer_fill``), run on the I/O thread that writes it, just before.
+    ``reuse`` (an incremental write): each chunk file's content hash is computed on the I/O
+    thread, the chunk files the base already holds are not written (``Reuse.consider``),
+    and the entries of those written carry their hash (``xxh128``)."""
     final = f"{os.fspath(root).rstrip('/')}/{ARRAYS_DIR}"
     started_ns = time.time_ns()
     base = files.start(final)
     try:
         entries = _write_native_into(base, final, arrays, started_ns, pool=pool, files=files,
-                                     fills=fills or {})
+                                     fills=fills or {}, reuse=reuse)
     except BaseException:
         files.abandon(base)
         raise
@@ -336,7 +347,7 @@ def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
 def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
                        started_ns: int, *, pool: concurrent.futures.ThreadPoolExecutor,
                        files: ArrayFiles, fills: dict[str, Callable[[], None]],
-                       ) -> dict[str, dict[str, Any]]:
+                       reuse: Reuse | None) -> dict[str, dict[str, Any]]:
     algorithm = default_algorithm()
     # Largest first, so that the threads finish together.
     jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)
@@ -360,7 +371,7 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
               zarr_format.checkpoint_metadata_text(started_ns, time.time_ns()))
         small("commit_success.txt", zarr_format.commit_success_text(final))
 
-    def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str]:
+    def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str | None, str | None]:
         # Each array's directories and zarr.json are made on the I/O threads too: made on
         # the caller's thread, one mkdir or create per array delayed the first large
         # write by their sum.
@@ -370,10 +381,13 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
             fill()
         relative = f"{name}/{zarr_format.chunk_relpath(array.ndim)}"
         chunk = f"{base}/{relative}"
-        files.make_parent(chunk)
         # Large arrays start where their memory lines up with the file's blocks, and
         # are written from it without a copy (chunk_io.data_offset).
         offset = files.chunk_offset(array, base)
+        digest, referred = None, False
+        if reuse is not None:
+            offset, digest, referred = reuse.consider(relative, array, offset)
+        files.make_parent(f"{base}/{name}/{ZARR_JSON}" if referred else chunk)
         small(f"{name}/{ZARR_JSON}",
               zarr_format.metadata_text(array.shape, array.dtype.name, offset))
         with unstarted_lock:
@@ -381,16 +395,33 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
             last = not unstarted[0]
         if last:
             orbax_metadata()
+        if referred:
+            return relative, 0, None, digest
         size, crc = files.write_chunk(chunk, array, algorithm=algorithm, offset=offset)
-        return relative, size, crc
+        return relative, size, crc, digest
 
     results = list(pool.map(write, jobs))
     if not jobs:
         orbax_metadata()
-    entries = {relative: (size, crc) for relative, size, crc in results}
-    entries.update(known)
-    return {f"{ARRAYS_DIR}/{relative}": {"size": size, algorithm: crc}
-            for relative, (size, crc) in entries.items()}
+    return entries_of(results, known, algorithm)
+
+
+def entries_of(results: list[tuple[str, int, str | None, str | None]],
+             known: dict[str, tuple[int, str]], algorithm: str) -> dict[str, dict[str, Any]]:
+    """The manifest entries of a native write, relative to the state directory: the chunk
+    files written (``results``: path below ``arrays/``, size, checksum or None for a file
+    referred to, content hash or None) and the small files of ``known``."""
+    entries: dict[str, dict[str, Any]] = {}
+    for relative, size, crc, digest in results:
+        if crc is None:
+            continue
+        entry: dict[str, Any] = {"size": size, algorithm: crc}
+        if digest is not None:
+            entry[HASH_NAME] = digest
+        entries[f"{ARRAYS_DIR}/{relative}"] = entry
+    for relative, (size, crc) in known.items():
+        entries[f"{ARRAYS_DIR}/{relative}"] = {"size": size, algorithm: crc}
+    return entries
 
 
 # --------------------------------------------------------------------------- small files

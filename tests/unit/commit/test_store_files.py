@@ -59,6 +59,12 @@ def test_done_markers_carry_each_processs_checksums_into_the_commit(store):
     assert carried == {"state/shard": entry}
     manifest = store.commit(path, 2, known=carried)
     assert manifest.files["state/shard"] == entry
+    hashed = {**entry, "xxh128": "0" * 32}  # an incremental writer's content hash is kept
+    os.unlink(os.path.join(path, "COMMITTED"))
+    assert store.commit(path, 2, known={"state/shard": hashed}).files["state/shard"] == hashed
+    os.unlink(os.path.join(path, "COMMITTED"))
+    with pytest.raises(ValueError, match="state/shard"):
+        store.commit(path, 2, known={"state/shard": {**entry, "xxh128": "zz"}})
 
 
 def test_lock_excludes_a_second_store_on_the_root(store):

@@ -10,6 +10,7 @@ from jaxckpt import CheckpointCorruptError
 from jaxckpt.core.manifest import (
     DEFER_CHECKSUMS_OVER,
     MANIFEST_FORMAT,
+    REFS_MANIFEST_FORMAT,
     Manifest,
     algorithm_of,
     checksum_problem,
@@ -106,3 +107,50 @@ def test_per_file_checks_name_the_file_and_both_values():
     assert checksum_problem("f", entry, "0000abcd") is None
     assert checksum_problem("f", entry, "ffffffff") == (
         "f: crc32c ffffffff, manifest says 0000abcd (contents altered)")
+
+
+HASH = "0123456789abcdef0123456789abcdef"
+REFS = {"step_00000003/state/arrays/leaf_1/c/0": {"size": 500, "crc32c": "00c0ffee",
+                                                   "xxh128": HASH}}
+
+
+def test_refs_make_format_3_with_referenced_bytes_and_round_trip():
+    manifest = Manifest(step=7, files=FILES, created=2.0, refs=REFS)
+    body = json.loads(manifest.to_bytes())
+    assert body["format"] == REFS_MANIFEST_FORMAT == "jaxckpt.commit/3"
+    assert body["referenced_bytes"] == manifest.referenced_bytes == 500
+    assert body["total_bytes"] == manifest.total_bytes == 1002
+    again = Manifest.parse(manifest.to_bytes(), "here")
+    assert again == manifest and again.to_bytes() == manifest.to_bytes()
+
+
+def test_no_refs_stays_format_2_and_a_content_hash_is_accepted_in_any_format():
+    files = {"a": {"size": 3, "crc32c": "00000001", "xxh128": HASH}}
+    data = Manifest(step=7, files=files, created=1.5).to_bytes()
+    assert b'"format": "jaxckpt.commit/2"' in data and b"refs" not in data
+    assert Manifest.parse(data, "here").refs == {}
+    assert Manifest.parse(data, "here").files == files
+
+
+def _refs_body(refs, step=7, fmt=REFS_MANIFEST_FORMAT):
+    return _body(format=fmt, step=step, refs=refs)
+
+
+@pytest.mark.parametrize("data, message", [
+    (_body(files={"x": {"size": 1, "crc32c": "00000000", "xxh128": "abc"}}),
+     "malformed manifest entry"),
+    (_refs_body(REFS, fmt=MANIFEST_FORMAT), "only a jaxckpt.commit/3 marker"),
+    (_refs_body([1]), "only a jaxckpt.commit/3 marker"),
+    (_refs_body({"state/arrays/leaf_1": REFS[next(iter(REFS))]}), "not a file of an earlier"),
+    (_refs_body({"step_00000003": {"size": 1, "crc32c": "00000000"}}),
+     "not a file of an earlier"),
+    (_refs_body({"step_00000003/../x": {"size": 1, "crc32c": "00000000"}}),
+     "not a file of an earlier"),
+    (_refs_body({"step_00000003/x": {"size": 1}}), "malformed manifest entry"),
+    (_refs_body(REFS, step=3), "may only refer to earlier steps"),
+    (_refs_body(REFS, step=2), "may only refer to earlier steps"),
+], ids=["bad-hash", "refs-in-format-2", "refs-not-a-dict", "key-without-step", "key-no-path",
+        "key-escape", "ref-no-checksum", "own-step", "later-step"])
+def test_untrustworthy_refs_are_refused_saying_why(data, message):
+    with pytest.raises(CheckpointCorruptError, match=message):
+        Manifest.parse(data, "/root/recover/step_00000007")

@@ -1,0 +1,184 @@
+"""OrbaxBackend's incremental writes against real files: what it refers to, what it writes,
+and reading a checkpoint back through its references (issue 32; the manager's side is
+tests/integration/test_incremental.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxckpt.backends.base import IncrementalBase
+from jaxckpt.backends.orbax.backend import OrbaxBackend
+from jaxckpt.backends.orbax.files import WRITTEN
+from jaxckpt.core.content_hash import HASH_NAME, is_hash
+from jaxckpt.core.layout import STATE_DIR, ref_key, step_dirname
+
+from support.two_processes import jax_worker, run_two_workers
+
+FROZEN = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+
+
+@pytest.fixture(scope="module")
+def backend():
+    orbax_backend = OrbaxBackend()
+    yield orbax_backend
+    orbax_backend.close()
+
+
+def state(step, frozen=None):
+    return {"frozen": {"table": jnp.asarray(FROZEN if frozen is None else frozen)},
+            "params": {"w": jnp.full((64, 64), float(step), jnp.float32),
+                       "b": jnp.full((64,), float(step), jnp.float32)},
+            "step": step}
+
+
+class Checkpoints:
+    """Writes state directories the way the manager lays them out (recover/step_N/state)
+    and builds each write's base from the previous write's handle."""
+
+    def __init__(self, backend, root):
+        self.backend = backend
+        self.recover = os.path.join(root, "recover")
+        os.makedirs(self.recover)
+        self.files: dict[int, dict] = {}  # step -> {key: entry} of what it uses
+
+    def directory(self, step):
+        return os.path.join(self.recover, step_dirname(step), STATE_DIR)
+
+    def base(self, step):
+        if step is None:
+            return IncrementalBase(step=-1, directory="", recover_dir=self.recover, files={})
+        return IncrementalBase(step=step, directory=self.directory(step),
+                               recover_dir=self.recover, files=self.files[step])
+
+    def write(self, step, tree, *, base_step=None, asynchronous=False):
+        before = WRITTEN.total()
+        handle = self.backend.write(self.directory(step), tree, asynchronous=asynchronous,
+                                    base=self.base(base_step))
+        handle.wait()
+        own = {ref_key(step, f"{STATE_DIR}/{rel}"): entry
+               for rel, entry in handle.checksums.items()}
+        self.files[step] = {**own, **handle.references}
+        return handle, WRITTEN.total() - before
+
+
+def assert_same(actual, expected):
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_unchanged_chunk_files_are_referred_to_and_read_back(backend, tmp_path, asynchronous):
+    ckpts = Checkpoints(backend, str(tmp_path))
+    first, _ = ckpts.write(0, state(0), asynchronous=asynchronous)
+    # The first save refers to nothing but records every data file's content hash.
+    assert first.references == {}
+    data = {rel: entry for rel, entry in first.checksums.items() if "/c/" in rel}
+    assert data and all(is_hash(entry[HASH_NAME]) for entry in data.values())
+
+    second, written = ckpts.write(1, state(1), base_step=0, asynchronous=asynchronous)
+    table = [key for key in second.references if "leaf_" in key]
+    assert len(table) == 1 and table[0].startswith(f"{step_dirname(0)}/{STATE_DIR}/arrays/")
+    assert written < FROZEN.nbytes // 4  # the table was not written again
+    assert not os.path.exists(os.path.join(ckpts.recover, step_dirname(1), table[0].split(
+        "/", 1)[1]))
+    # A third save refers to the file's owner, step 0, not to step 1.
+    third, _ = ckpts.write(2, state(2), base_step=1, asynchronous=asynchronous)
+    assert set(third.references) == set(table)
+
+    restored = backend.read(ckpts.directory(2), state(0), references=third.references)
+    assert_same(restored, state(2))
+    partial = backend.read(ckpts.directory(2), {"frozen": state(0)["frozen"]}, partial=True,
+                           references=third.references)
+    assert_same(partial, {"frozen": {"table": FROZEN}})
+
+
+def test_changed_bytes_layout_or_a_missing_hash_are_written_again(backend, tmp_path):
+    ckpts = Checkpoints(backend, str(tmp_path))
+    ckpts.write(0, state(0))
+    changed = FROZEN.copy()
+    changed[-1, -1] += 1
+    handle, written = ckpts.write(1, state(1, changed), base_step=0)
+    assert handle.references == {} and written > FROZEN.nbytes
+
+    # The same bytes under another tree path (tree.json differs for that storage name).
+    renamed = state(2, changed)
+    renamed["frozen"] = {"other": renamed["frozen"].pop("table")}
+    handle, _ = ckpts.write(2, renamed, base_step=1)
+    assert handle.references == {}
+
+    # A base entry without a content hash (written without incremental) is not trusted.
+    ckpts.files[2] = {key: {k: v for k, v in entry.items() if k != HASH_NAME}
+                      for key, entry in ckpts.files[2].items()}
+    handle, _ = ckpts.write(3, renamed, base_step=2)
+    assert handle.references == {}
+
+
+def test_without_a_base_nothing_is_hashed(backend, tmp_path):
+    handle = backend.write(str(tmp_path / "plain"), state(0), asynchronous=False)
+    assert handle.references is None
+    assert all(HASH_NAME not in entry for entry in handle.checksums.values())
+
+
+_WORKER = jax_worker('''
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxckpt.backends.base import IncrementalBase
+    from jaxckpt.backends.orbax.backend import OrbaxBackend
+    from jaxckpt.core.layout import ref_key
+
+    backend = OrbaxBackend()
+    recover = os.path.join(root, "recover")
+    mesh = jax.make_mesh((4,), ("a",))
+    frozen = np.arange(4096, dtype=np.float32).reshape(64, 64)
+
+    def tree(step):
+        return {"frozen": jax.make_array_from_callback(
+                    frozen.shape, NamedSharding(mesh, P("a")), lambda i: frozen[i]),
+                "w": jax.make_array_from_callback(
+                    (8, 4), NamedSharding(mesh, P("a")),
+                    lambda i: np.full((8, 4), step, np.float32)[i]),
+                "step": step}
+
+    def directory(step):
+        return os.path.join(recover, f"step_{step:08d}", "state")
+
+    first = backend.write(directory(0), tree(0), asynchronous=True,
+                          base=IncrementalBase(step=-1, directory="", recover_dir=recover,
+                                               files={}))
+    first.wait()
+    backend.barrier("first", 30.0)
+    mine = {ref_key(0, "state/" + rel): entry for rel, entry in first.checksums.items()}
+    second = backend.write(directory(1), tree(1), asynchronous=True,
+                           base=IncrementalBase(step=0, directory=directory(0),
+                                                recover_dir=recover, files=mine))
+    second.wait()
+    backend.barrier("second", 30.0)
+    print("REFS " + json.dumps(second.references))
+    backend.close()
+''', init_timeout=30)
+
+
+def test_two_processes_each_refer_to_their_own_shards(tmp_path):
+    root, outputs = run_two_workers(_WORKER, tmp_path, timeout=120)
+    refs = [json.loads(line[5:]) for output in outputs for line in output.splitlines()
+            if line.startswith("REFS ")]
+    assert len(refs) == 2
+    # Each process wrote and now refers to the chunks of its own devices' shards.
+    frozen = [{key for key in found if "leaf_" in key} for found in refs]
+    assert all(frozen) and not frozen[0] & frozen[1]
+    recover = os.path.join(root, "recover")
+    everything = {**refs[0], **refs[1]}
+    restored = OrbaxBackend().read(
+        os.path.join(recover, step_dirname(1), STATE_DIR),
+        {"frozen": jax.ShapeDtypeStruct((64, 64), np.float32),
+         "w": jax.ShapeDtypeStruct((8, 4), np.float32), "step": 0},
+        references=everything)
+    np.testing.assert_array_equal(np.asarray(restored["frozen"]),
+                                  np.arange(4096, dtype=np.float32).reshape(64, 64))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((8, 4), 1, np.float32))
