@@ -1,8 +1,8 @@
 """DcpBackend incremental saves against plain ones, interleaved in one process.
 
 Rows per round (each a sync save, so the time covers hashing, writing and fsync):
-  plain        a save with content hashing switched off (the writer before issue 32)
-  hashed       an incremental save with a base but nothing frozen (every tensor changed)
+  plain        a save without a base (no hashing: what incremental=False does)
+  hashed       an incremental save against a base, nothing frozen (every tensor changed)
   plain-frozen / incremental-frozen: the frozen state, plain vs incremental against a base
 Reports the median over rounds of each ratio and its spread, and the bytes each save wrote
 (the data files the writer wrote, from the handle's checksums).
@@ -25,7 +25,6 @@ import torch
 from jaxckpt.backends.base import IncrementalBase
 from jaxckpt.core.layout import STATE_DIR, ref_key, step_dirname
 from torch_bridge import DcpBackend
-from torch_bridge.dcp import files as dcp_files
 
 
 def tensors(mib: int, pieces: int, seed: int) -> dict[str, torch.Tensor]:
@@ -37,27 +36,22 @@ def tensors(mib: int, pieces: int, seed: int) -> dict[str, torch.Tensor]:
 class Run:
     """Saves into one root's recover/ directory, each against the previous (its base)."""
 
-    def __init__(self, where: str, hashing: bool):
+    def __init__(self, where: str, incremental: bool):
         self.recover = tempfile.mkdtemp(dir=where)
-        self.hashing = hashing
+        self.incremental = incremental
         self.backend = DcpBackend()
         self.step = 0
-        self.base: IncrementalBase | None = None
+        # The manager of an incremental run gives its first save an empty base.
+        self.base = IncrementalBase(step=-1, directory="", recover_dir=self.recover, files={})
 
-    def save(self, state: dict[str, torch.Tensor], incremental: bool) -> tuple[float, int]:
+    def save(self, state: dict[str, torch.Tensor]) -> tuple[float, int]:
         self.step += 1
         directory = os.path.join(self.recover, step_dirname(self.step), STATE_DIR)
         os.makedirs(os.path.dirname(directory))
-        original = dcp_files.incremental_writer_class
-        if not self.hashing:
-            dcp_files.incremental_writer_class = lambda cls: cls  # type: ignore[assignment]
-        try:
-            start = time.perf_counter()
-            handle = self.backend.write(directory, {"t": state}, asynchronous=False,
-                                        base=self.base if incremental else None)
-            seconds = time.perf_counter() - start
-        finally:
-            dcp_files.incremental_writer_class = original
+        start = time.perf_counter()
+        handle = self.backend.write(directory, {"t": state}, asynchronous=False,
+                                    base=self.base if self.incremental else None)
+        seconds = time.perf_counter() - start
         checksums = handle.checksums or {}
         files = {ref_key(self.step, f"{STATE_DIR}/{rel}"): entry
                  for rel, entry in checksums.items()}
@@ -85,22 +79,21 @@ def main() -> None:
     for round_index in range(args.repeats):
         # nothing frozen: every tensor differs from the base's
         plain, hashed = Run(args.dir, False), Run(args.dir, True)
-        hashed.save(tensors(args.mib, 16, 0), incremental=True)  # its base
+        hashed.save(tensors(args.mib, 16, 0))  # its base
         times = {}
         for name, run in (("plain", plain), ("hashed", hashed)) if round_index % 2 else (
                 ("hashed", hashed), ("plain", plain)):
-            times[name], sizes[name] = run.save(tensors(args.mib, 16, round_index + 1),
-                                                incremental=True)
+            times[name], sizes[name] = run.save(tensors(args.mib, 16, round_index + 1))
         ratios["hashed/plain"].append(times["hashed"] / times["plain"])
         plain.close()
         hashed.close()
         # frozen + trained
         frozen = tensors(args.frozen_mib, 16, 100)
         plain, incremental = Run(args.dir, False), Run(args.dir, True)
-        incremental.save({**frozen, **tensors(args.trained_mib, 4, 200)}, incremental=True)
+        incremental.save({**frozen, **tensors(args.trained_mib, 4, 200)})
         state = {**frozen, **tensors(args.trained_mib, 4, 300 + round_index)}
         for name, run in (("plain-frozen", plain), ("incremental-frozen", incremental)):
-            times[name], sizes[name] = run.save(state, incremental=True)
+            times[name], sizes[name] = run.save(state)
         ratios["incremental/plain (frozen)"].append(times["incremental-frozen"]
                                                     / times["plain-frozen"])
         plain.close()

@@ -285,3 +285,93 @@ def test_two_ranks_each_keep_their_own_unchanged_tensors(tmp_path):
     refs = {key for result in results for key in result["refs"]}
     assert refs and all(key.startswith("step_00000001/state/__") for key in refs)
     assert sum(result["wrote"] for result in results) < 256 * 256 * 4 / 8
+
+
+# ------------------------------------------------------------ through the manager (#32)
+
+LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=64,
+             bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def lora_run(seed: int = 0):
+    """A tiny Llama whose base is frozen by peft (LoRA on q/v), with AdamW."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)),
+        peft.LoraConfig(r=128, lora_alpha=128, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, optimizer
+
+
+def lora_step(model, optimizer, step: int) -> None:
+    generator = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, 8), generator=generator)
+    optimizer.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def snapshot(model, optimizer) -> dict[str, bytes]:
+    return bitwise(model, optimizer)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Bytes DCP's local writer writes (data files, .metadata, content.json), as a list
+    whose one element grows."""
+    from torch_bridge.dcp import local_writer
+
+    total = [0]
+    real = local_writer._ChecksummingStream.write
+
+    def write(self, data):
+        count = real(self, data)
+        total[0] += count
+        return count
+
+    monkeypatch.setattr(local_writer._ChecksummingStream, "write", write)
+    return total
+
+
+def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp_path, counted):
+    model, optimizer = lora_run()
+    root = str(tmp_path / "run")
+    config = RecoverConfig(incremental=True, keep_last_n=2, keep_every=Every(steps=5))
+    saved, written = {}, {}
+    with DcpCheckpointManager(root, recover=config) as mgr:
+        for step in range(10):
+            lora_step(model, optimizer, step)
+            before = counted[0]
+            mgr.save(StepInfo(0, step, step, None), {"model": model, "optimizer": optimizer},
+                     mode="sync")
+            written[step] = counted[0] - before
+            saved[step] = snapshot(model, optimizer)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    changed = sum(len(value) for key, value in saved[9].items()
+                  if key.startswith("opt/")) + sum(p.numel() * 4 for p in trained)
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    assert written[0] > frozen
+    store = CheckpointStore(root)
+    kept = store.committed_steps()
+    assert kept == [4, 8, 9]
+    for step in range(1, 10):
+        beside = 0
+        if step in kept:  # objects.json, driver.json, COMMITTED: written whole by this save
+            beside = sum(size for rel, size in store.storage.list_files(
+                store.step_path(step)).items() if not rel.startswith("state/_")
+                and rel not in ("state/.metadata", f"state/{CONTENT_FILE}"))
+        assert written[step] + beside <= 1.05 * changed, (step, written[step], beside, changed)
+    # Retention removed step 0, whose data file holds the frozen base every kept step uses.
+    shared = ref_key(0, "state/__0_0.distcp")
+    assert os.path.exists(os.path.join(store.recover_dir, shared))
+    with DcpCheckpointManager(root, recover=config) as mgr:
+        for step in kept:
+            assert store.verify(store.step_path(step)) == []
+            assert shared in store.read_manifest(store.step_path(step)).refs
+            fresh, fresh_optimizer = lora_run(seed=7)
+            lora_step(fresh, fresh_optimizer, 0)
+            mgr.restore({"model": fresh, "optimizer": fresh_optimizer}, step=step)
+            assert snapshot(fresh, fresh_optimizer) == saved[step], step

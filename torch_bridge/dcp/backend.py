@@ -19,7 +19,6 @@ import contextlib
 import datetime
 import importlib.metadata
 import json
-import os
 import threading
 import warnings
 from collections.abc import Mapping
@@ -46,7 +45,7 @@ with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, 
 
     from torch_bridge.dcp import metadata as dcp_metadata
     from torch_bridge.dcp.files import LocalDcpFiles, StorageDcpFiles
-    from torch_bridge.dcp.incremental import BaseContent, Incremental, split_directory
+    from torch_bridge.dcp.incremental import Incremental
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
 
@@ -578,7 +577,7 @@ class DcpBackend:
             writer = files.writer(staging_dir, sync_files=self._sync_files,
                                   in_process=in_process)
             if in_process and base is not None:  # hash every tensor, keep unchanged ones
-                writer.incremental = Incremental(_base_content(files, directory, base))
+                writer.incremental = Incremental(base, directory, files.read_content)
             if self._rank == 0:
                 files.prepare(directory, staging_dir, document, writer)
             common = dict(storage_writer=writer, process_group=self._io_group,
@@ -823,22 +822,6 @@ def _corrupt_unwrapped() -> Any:
             if isinstance(found, CheckpointCorruptError):
                 raise found from error
         raise
-
-
-def _base_content(files: LocalDcpFiles | StorageDcpFiles, directory: str,
-                  base: IncrementalBase | None) -> BaseContent | None:
-    """The tensor records of ``base`` a write into ``directory`` may point at: None for a
-    base without files (the first incremental save) or one outside ``directory``'s
-    ``recover/`` (then everything is written, which is always correct)."""
-    if base is None or not base.files or not base.directory:
-        return None
-
-    def norm(path: str) -> str:
-        return path.rstrip("/") if "://" in path else os.path.abspath(path)
-
-    if norm(split_directory(directory)[0]) != norm(base.recover_dir):
-        return None
-    return BaseContent.parse(files.read_content(base.directory), base.directory, base.files)
 
 
 def _copy_tensors(value: Any) -> Any:

@@ -19,13 +19,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import posixpath
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from jaxckpt.core.content_hash import HASH_NAME, content_hash, is_hash
 from jaxckpt.core.layout import parse_ref_key
 from jaxckpt.errors import CheckpointCorruptError
+
+if TYPE_CHECKING:
+    from jaxckpt.backends.base import IncrementalBase
 
 __all__ = ["CONTENT_FILE", "BaseContent", "Incremental", "incremental_writer_class",
            "resolve_relative", "split_directory"]
@@ -145,15 +149,33 @@ def _tensor_bytes(tensor: Any) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-class Incremental:
-    """What one incremental write knows and found: the base's records (None: nothing to
-    compare with; the hashes are still recorded for the next save), and after
-    ``write_data`` the references it made."""
+def _norm(path: str) -> str:
+    return path.rstrip("/") if "://" in path else os.path.abspath(path)
 
-    def __init__(self, base: BaseContent | None = None):
-        self.base = base
+
+class Incremental:
+    """One incremental write into ``directory`` on ``base`` (an ``IncrementalBase``, maybe
+    without files: the first save, which only records hashes): the base's records, read
+    by ``read_content(base directory)`` on the writer thread at the first ``decide`` (as
+    is ``base.files``, which the manager lists on first use), and the references made."""
+
+    def __init__(self, base: IncrementalBase, directory: str,
+                 read_content: Callable[[str], bytes | None]):
+        self._given = base
+        self._directory = directory
+        self._read_content = read_content
+        self.base: BaseContent | None = None
         #: ref key -> the base's manifest entry, for every file this rank's records use.
         self.references: dict[str, dict[str, Any]] = {}
+
+    def _load(self) -> BaseContent | None:
+        """The base's records, None for a base without files or one outside the
+        ``recover/`` of ``directory`` (then everything is written, always correct)."""
+        base = self._given
+        if not base.directory or _norm(split_directory(self._directory)[0]) != _norm(
+                base.recover_dir) or not base.files:
+            return None
+        return BaseContent.parse(self._read_content(base.directory), base.directory, base.files)
 
     def decide(self, items: list[Any], planner: Any) -> tuple[list[Any], list[Any],
                                                                dict[str, dict[str, Any]]]:
@@ -163,6 +185,7 @@ class Incremental:
         from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
 
+        self.base = self._load()
         write, kept, facts = [], [], {}
         for item in items:
             if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
