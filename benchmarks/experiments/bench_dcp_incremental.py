@@ -7,7 +7,8 @@ Rows per round (each a sync save, so the time covers hashing, writing and fsync)
 Reports the median over rounds of each ratio and its spread, and the bytes each save wrote
 (the data files the writer wrote, from the handle's checksums).
 
-Usage: python benchmarks/experiments/bench_dcp_incremental.py [--mib 128] [--frozen-mib 256]
+Usage (PYTHONPATH=. so that the checkout's torch_bridge is imported):
+       python benchmarks/experiments/bench_dcp_incremental.py [--mib 128] [--frozen-mib 256]
        [--trained-mib 8] [--repeats 5] [--dir /var/tmp]
 """
 
@@ -27,10 +28,10 @@ from jaxckpt.core.layout import STATE_DIR, ref_key, step_dirname
 from torch_bridge import DcpBackend
 
 
-def tensors(mib: int, pieces: int, seed: int) -> dict[str, torch.Tensor]:
+def tensors(mib: int, pieces: int, seed: int, prefix: str = "w") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     each = (mib << 20) // 4 // pieces
-    return {f"w{i}": torch.randn(each, generator=generator) for i in range(pieces)}
+    return {f"{prefix}{i}": torch.randn(each, generator=generator) for i in range(pieces)}
 
 
 class Run:
@@ -79,7 +80,8 @@ def main() -> None:
     for round_index in range(args.repeats):
         # nothing frozen: every tensor differs from the base's
         plain, hashed = Run(args.dir, False), Run(args.dir, True)
-        hashed.save(tensors(args.mib, 16, 0))  # its base
+        for run in (plain, hashed):  # a first save each: the hashed run's base
+            run.save(tensors(args.mib, 16, 0))
         times = {}
         for name, run in (("plain", plain), ("hashed", hashed)) if round_index % 2 else (
                 ("hashed", hashed), ("plain", plain)):
@@ -90,8 +92,8 @@ def main() -> None:
         # frozen + trained
         frozen = tensors(args.frozen_mib, 16, 100)
         plain, incremental = Run(args.dir, False), Run(args.dir, True)
-        incremental.save({**frozen, **tensors(args.trained_mib, 4, 200)})
-        state = {**frozen, **tensors(args.trained_mib, 4, 300 + round_index)}
+        incremental.save({**frozen, **tensors(args.trained_mib, 4, 200, "t")})
+        state = {**frozen, **tensors(args.trained_mib, 4, 300 + round_index, "t")}
         for name, run in (("plain-frozen", plain), ("incremental-frozen", incremental)):
             times[name], sizes[name] = run.save(state)
         ratios["incremental/plain (frozen)"].append(times["incremental-frozen"]
