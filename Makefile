@@ -8,7 +8,7 @@ EXTRAS := jax,torch,hf,peft,transformers,trl,accelerate,lightning,keras,grain,co
 # What `make lint` checks with ruff; mypy checks the packages named in pyproject.toml.
 LINT_PATHS := jaxckpt torch_bridge tests benchmarks
 
-.PHONY: demo test lint wheels install clean
+.PHONY: demo test lint wheels install clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ test: lint
 # a save/restore smoke program: minutes of installs, so CI runs it beside `make test`.
 wheels: $(VENV)/.installed
 	JAXCKPT_WHEELS=1 $(BIN)/python -m pytest -q -m wheels tests/system/test_wheel_extras.py
+
+# The CUDA paths on this machine's GPUs (sharded jax.Arrays, async staging, kill/resume,
+# DCP with pinned memory and NCCL): under 8 minutes on one GPU; a results table in
+# gpu-check-results.md. Without a GPU it says so and exits 0. GPU_CHECK_ARGS: e.g. --cpu.
+# The venv is used as it is, never reinstalled: GPU machines may have no network (and a CUDA
+# jax or torch installed by hand that a reinstall could replace).
+gpu-check:
+	@test -x $(BIN)/python || { echo "gpu-check: no $(BIN)/python: run make install" >&2; exit 2; }
+	$(BIN)/python -m jaxckpt.tools.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

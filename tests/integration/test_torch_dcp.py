@@ -149,6 +149,19 @@ def test_is_a_backend():
     backend.close()
 
 
+def test_checkpoint_process_only_with_a_process_group():
+    # DCP's checkpoint process joins the default group: "auto" on a lone CUDA process must
+    # stay on the thread writer, and asking for the process without a group is refused.
+    from torch_bridge.dcp.backend import _has_process_checkpointer, _resolve_checkpointer
+
+    assert _resolve_checkpointer("auto", True, False) == "thread"
+    assert _resolve_checkpointer("auto", False, True) == "thread"
+    if _has_process_checkpointer():
+        assert _resolve_checkpointer("auto", True, True) == "process"
+    with pytest.raises(ConfigError, match="init_process_group"):
+        _resolve_checkpointer("process", True, False)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_roundtrip_is_bitwise_for_every_kind_of_entry(tmp_path, mode):
     model, optimizer, scheduler = make(seed=0, steps=3)

@@ -439,8 +439,9 @@ class DcpBackend:
             of this process; "process": DCP's checkpoint daemon process (torch >= 2.8; the
             first save starts it, which takes seconds in the background, and the launched
             script needs an ``if __name__ == "__main__":`` guard); "auto": "process" where
-            CUDA is available and this torch has it, else "thread" (on CPU the process costs
-            total time and saves no blocking time: docs/torch.md).
+            CUDA is available, a default process group is initialised (the daemon joins it)
+            and this torch has it, else "thread" (on CPU the process costs total time and
+            saves no blocking time: docs/torch.md).
           reuse_staging_memory: keep the host copy made at staging time between saves and
             copy into it again (pinned, with CUDA): no allocation on the training thread
             after the first save, at the cost of one host copy of the state held for the
@@ -462,7 +463,8 @@ class DcpBackend:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"DcpBackend({field}=...) must be a number > 0, got {value!r}.")
         self._cuda = torch.cuda.is_available()
-        self._checkpointer = _resolve_checkpointer(async_checkpointer, self._cuda)
+        self._checkpointer = _resolve_checkpointer(
+            async_checkpointer, self._cuda, dist.is_available() and dist.is_initialized())
         self._reuse_staging_memory = reuse_staging_memory
         self._sync_files = sync_files
         self._collective_timeout_s = float(collective_timeout_s)
@@ -847,11 +849,17 @@ def _quiet_single_process_notice() -> None:
                             r"process", category=UserWarning)
 
 
-def _resolve_checkpointer(choice: str, cuda: bool) -> str:
-    if choice == "thread" or (choice == "auto" and not cuda):
+def _resolve_checkpointer(choice: str, cuda: bool, grouped: bool) -> str:
+    if choice == "thread" or (choice == "auto" and not (cuda and grouped)):
         # On CPU-only machines the checkpoint process's seconds of start-up are not worth it
-        # (and deciding this imports nothing: DCP loads at the first save).
+        # (and deciding this imports nothing: DCP loads at the first save). DCP's checkpoint
+        # process joins the default process group: without one it cannot start.
         return "thread"
+    if not grouped:
+        raise ConfigError(
+            "DcpBackend(async_checkpointer='process') needs torch.distributed's default "
+            "process group (DCP's checkpoint process joins it), and none is initialised. Call "
+            "torch.distributed.init_process_group first, or use 'thread' or 'auto'.")
     if not _has_process_checkpointer():
         if choice == "process":
             raise ConfigError(
