@@ -424,8 +424,8 @@ class DcpBackend:
     #: back, so it checks each data file it claims before loading any (verifies_reads);
     #: in a run of several processes the manager checks every file before reading.
     #: Object-store roots through the storage the manager attaches; there the reader
-    #: takes the data files the manager fetched ahead (takes_read_ahead).
-    #: Incremental: an unchanged tensor's record points into the base's data file.
+    #: takes the data files the manager fetched ahead (takes_read_ahead). Incremental: an
+    #: unchanged tensor's record points into the base's data file.
     features = BackendFeatures(supports_async=True, export_needs_copy=True,
                                reads_in_place=True, verifies_reads=True, object_storage=True,
                                takes_read_ahead=True, incremental=True)
@@ -723,11 +723,7 @@ class DcpBackend:
         if targets:
             reader = files.reader(directory, claims, partial, references)
             if not reader.damaged:  # else the claimed files did not match: load nothing
-                # The restricted planner: byte items are never trusted (see dcp_metadata).
-                with _corrupt_unwrapped():
-                    _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
-                                planner=dcp_metadata.safe_planner(),
-                                process_group=self._io_group, no_dist=not self._distributed)
+                safe_load(targets, directory, reader, self._io_group, not self._distributed)
             if reader.damaged:
                 raise CheckpointCorruptError(
                     f"{directory}: {', '.join(reader.damaged)} do not match the checksums of "
@@ -811,14 +807,17 @@ def _checkpointer_type(choice: str, on_thread: bool) -> Any:
     return getattr(AsyncCheckpointerType, "THREAD" if on_thread else choice.upper())
 
 
-@contextlib.contextmanager
-def _corrupt_unwrapped() -> Any:
-    """Re-raise the ``CheckpointCorruptError`` a DCP load wrapped in its
-    ``CheckpointException`` (a record pointing outside the checkpoint), unwrapped."""
+def safe_load(targets: dict[str, Any], directory: str, reader: Any, group: Any,
+              no_dist: bool) -> None:
+    """``dcp.load`` of ``targets`` from ``directory`` through ``reader`` with the restricted
+    planner (byte items are never trusted: ``dcp.metadata``), re-raising the
+    ``CheckpointCorruptError`` DCP wraps in its ``CheckpointException`` (e.g. a record
+    pointing outside the checkpoint and its references) as it is."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        yield
+        _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
+                    planner=dcp_metadata.safe_planner(), process_group=group, no_dist=no_dist)
     except CheckpointException as error:
         for found, _ in error.failures.values():
             if isinstance(found, CheckpointCorruptError):

@@ -22,11 +22,10 @@ import torch
 from jaxckpt.core import codec
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage.base import Storage
-from torch_bridge.dcp import metadata as dcp_metadata
 from torch_bridge.dcp.backend import (
-    _corrupt_unwrapped,
     _parse_objects,
     _quiet_single_process_notice,
+    safe_load,
 )
 from torch_bridge.dcp.files import LocalDcpFiles, StorageDcpFiles
 
@@ -77,16 +76,12 @@ class SavedTensors:
 
     def read(self, tensor: SavedTensor) -> torch.Tensor:
         """``tensor``'s saved value, read alone into a new CPU tensor."""
-        import torch.distributed.checkpoint as dcp
 
         if self._reader is None:
             self._reader = _metadata_once(self._files.reader(
                 self.directory, references=self._references))
         target = torch.empty(tensor.shape, dtype=tensor.dtype)
-        with _corrupt_unwrapped():
-            dcp.load({tensor.key: target}, checkpoint_id=self.directory,
-                     storage_reader=self._reader, planner=dcp_metadata.safe_planner(),
-                     no_dist=True)
+        safe_load({tensor.key: target}, self.directory, self._reader, None, True)
         return target
 
 
