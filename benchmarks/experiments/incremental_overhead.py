@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -65,6 +66,7 @@ def main() -> None:
             step += 1
     for manager in managers.values():
         manager.close()
+    shutil.rmtree(root, ignore_errors=True)
     medians = {}
     for name in NAMES:
         walls, blocks, cpus = zip(*rows_of[name], strict=True)

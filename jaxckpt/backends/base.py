@@ -183,7 +183,9 @@ class Backend(Protocol):
         tree path of a value that cannot be written.
 
         ``base``: given only to a backend with ``features.incremental`` when the run saves
-        incrementally and a committed checkpoint exists; see :class:`IncrementalBase`.
+        incrementally; see :class:`IncrementalBase`. Before the root's first commit it is a
+        base with no ``files`` (step -1, directory ""): the backend refers to nothing but
+        still records the content hashes the next save compares.
         """
 
     def read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,

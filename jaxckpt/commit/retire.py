@@ -29,7 +29,7 @@ from jaxckpt.core.layout import (
     parse_step_dirname,
 )
 from jaxckpt.core.manifest import Manifest
-from jaxckpt.core.references import plan_removal, retired_record
+from jaxckpt.core.references import plan_removal, referrers, retired_record
 from jaxckpt.errors import CheckpointCorruptError
 
 if TYPE_CHECKING:
@@ -56,6 +56,10 @@ class ManifestCache:
                 self.put(path, found)
         return found
 
+    def holds(self, path: str) -> bool:
+        with self._lock:
+            return path in self._manifests
+
     def put(self, path: str, manifest: Manifest) -> None:
         with self._lock:
             self._manifests[path] = manifest
@@ -65,10 +69,17 @@ class ManifestCache:
             self._manifests.pop(path, None)
 
 
-def markers(store: CheckpointStore, path: str) -> tuple[bool, bool]:
-    """(has a commit marker, has a retired marker) of one step directory, in one listing."""
-    names = store.storage.list_names(path)
-    return COMMIT_MARKER in names, RETIRED_MARKER in names
+def markers(store: CheckpointStore, path: str, *,
+            committed_only: bool = False) -> tuple[bool, bool]:
+    """(has a commit marker, has a retired marker) of one step directory. A committed
+    directory whose manifest this store holds is not retired (only the root lock's holder
+    retires, and it forgets the manifest first): no second request, and on an object store
+    none at all for the markers this process wrote. ``committed_only``: the retired marker
+    of an uncommitted directory is not asked for (reported False)."""
+    has_commit = store.storage.exists(os.path.join(path, COMMIT_MARKER))
+    if (has_commit and store.manifests.holds(path)) or (committed_only and not has_commit):
+        return has_commit, False
+    return has_commit, store.storage.exists(os.path.join(path, RETIRED_MARKER))
 
 
 def step_of(store: CheckpointStore, path: str) -> int | None:
@@ -136,17 +147,17 @@ def remove(store: CheckpointStore, path: str, step: int, *,
         own = store.manifests.get(store, path)
     except CheckpointCorruptError:
         own = None
-    present = store.storage.list_files(path)
-    removal = plan_removal(step, present, seen.manifests)
     marker = os.path.join(path, COMMIT_MARKER)
-    if removal.whole:
+    store.manifests.forget(path)  # first: see ``markers``
+    if not referrers(step, seen.manifests):  # the usual case: no listing needed
         # Un-commit first: a crash from here on leaves a partial directory, never a
         # committed checkpoint with files missing.
         if not store.storage.delete_unless_reading(marker):
             return False
-        store.manifests.forget(path)
         store.storage.delete_prefix(path)
     else:
+        present = store.storage.list_files(path)
+        removal = plan_removal(step, present, seen.manifests)
         retired = os.path.join(path, RETIRED_MARKER)
         was_retired = RETIRED_MARKER in present and COMMIT_MARKER not in present
         store.storage.write(retired, retired_record(removal))
@@ -154,7 +165,6 @@ def remove(store: CheckpointStore, path: str, step: int, *,
             if not was_retired:
                 store.storage.delete(retired)
             return False
-        store.manifests.forget(path)
         _delete_files(store, path, removal.doomed)
     if own is not None:
         sweep(store, _owners(own) - {step}, {s: m for s, m in seen.manifests.items()

@@ -63,7 +63,10 @@ from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, Chec
 from jaxckpt.storage.base import RootLock, Storage
 from jaxckpt.storage.posix import PosixStorage
 
-__all__ = ["CheckpointStore", "Entry", "OnManifest", "Status", "write_file_soon"]
+__all__ = ["CheckpointStore", "Entry", "Memo", "OnManifest", "Status", "write_file_soon"]
+
+Memo = incremental.Memo
+"""Verdicts shared by the verifications of one pass over a root (``CheckpointStore.verify``)."""
 
 OnManifest = Callable[[str, Manifest], None]
 """Told (directory, manifest) as soon as a committed checkpoint's manifest is read, before
@@ -83,6 +86,9 @@ class Entry:
     problems: tuple[str, ...] = ()
     manifest: Manifest | None = None
 
+
+_RETIRED_PROBLEM = (f"{{path}}: retired ({RETIRED_MARKER} marker): no checkpoint any more, "
+                    f"it only keeps files that later checkpoints refer to")
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
@@ -179,7 +185,8 @@ class CheckpointStore(DoneMarkers, ExportDirs):
     """Checkpoint directories of one root: ``{root}/recover`` and ``{root}/export``.
 
     Concurrency contract: see the module docstring; the store keeps no state of its own
-    beyond its root and storage, so any number of threads may use one.
+    beyond its root, its storage and the committed manifests it read (``manifests``, a
+    thread-safe cache), so any number of threads may use one.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, storage: Storage | None = None):
@@ -276,6 +283,8 @@ class CheckpointStore(DoneMarkers, ExportDirs):
             raise
         if manifest is None and not self.storage.is_prefix(path):
             raise CheckpointNotFoundError(f"no checkpoint directory at {path!r}")
+        if manifest is None and self.storage.exists(os.path.join(path, RETIRED_MARKER)):
+            raise CheckpointCorruptError(_RETIRED_PROBLEM.format(path=path))
         if manifest is None:
             raise CheckpointCorruptError(
                 f"{path}: no {COMMIT_MARKER} marker: this checkpoint never finished committing "
@@ -328,7 +337,8 @@ class CheckpointStore(DoneMarkers, ExportDirs):
         present = {rel for rel in sizes if _committable(rel)}
         for rel in sorted(present - set(manifest.files)):
             # A file the commit never vouched for could be read by a backend all the same.
-            problems.append(unlisted_problem(rel))
+            problems.append(_RETIRED_PROBLEM.format(path=path) if rel == RETIRED_MARKER
+                            else unlisted_problem(rel))
         return problems
 
     def verify_deferred(self, path: str, *, over: int = DEFER_CHECKSUMS_OVER,
@@ -363,9 +373,8 @@ class CheckpointStore(DoneMarkers, ExportDirs):
         if step is None:
             step = parse_version_dirname(name)
         entry = _classify(self, step or 0, path, checksums=checksums) or Entry(
-            step=step or 0, path=path, status="corrupt", problems=(
-                f"{path}: retired ({RETIRED_MARKER}): not a checkpoint, it only keeps files "
-                f"later checkpoints refer to",))
+            step=step or 0, path=path, status="corrupt",
+            problems=(_RETIRED_PROBLEM.format(path=path),))
         if entry.manifest is not None and entry.manifest.step != entry.step:
             entry = dataclasses.replace(entry, step=entry.manifest.step)
         return entry
@@ -391,7 +400,8 @@ class CheckpointStore(DoneMarkers, ExportDirs):
         """Steps with a commit marker and not retired (not re-verified; cheap), oldest
         first."""
         found = self._step_dirs()
-        seen = self.pool().map(lambda item: retire.markers(self, item[1]), found)
+        seen = self.pool().map(
+            lambda item: retire.markers(self, item[1], committed_only=True), found)
         return [step for (step, _), (committed, retired) in zip(found, seen, strict=True)
                 if committed and not retired]
 

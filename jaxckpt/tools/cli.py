@@ -108,19 +108,6 @@ def _locate(command: str, path: str) -> tuple[str, str] | int:
     return EXIT_USAGE if kind == "unreadable" else EXIT_NOT_JAXCKPT  # permissions: environment
 
 
-def _store_of(path: str) -> Any:
-    """The store of the root that holds the checkpoint directory ``path`` (``ROOT/recover/
-    step_N``): an incremental checkpoint's references are files of its siblings. A directory
-    elsewhere gets a store of its parent."""
-    from jaxckpt.commit.store import CheckpointStore
-    from jaxckpt.core.layout import RECOVER
-
-    parent = os.path.dirname(path)
-    if os.path.basename(parent) == RECOVER:
-        return CheckpointStore(os.path.dirname(parent))
-    return CheckpointStore(parent)
-
-
 def _ls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="checkpoint root (the directory holding recover/), or one "
                                      "checkpoint directory")
@@ -168,6 +155,7 @@ def _ls(opts: argparse.Namespace) -> int:
     why, note = ({}, None) if kind == "checkpoint" else _retention_column(store, entries)
     now = time.time()
     rows = []
+    referenced = _referenced_column(entries)
     for entry in entries:
         if entry.manifest is not None:
             size: int | None = entry.manifest.total_bytes
@@ -179,15 +167,39 @@ def _ls(opts: argparse.Namespace) -> int:
             except OSError:
                 created = None
         rows.append([str(entry.step), entry.status, _human_bytes(size),
+                     *referenced.get(entry.step, []),
                      _human_age(None if created is None else now - created),
                      os.path.basename(entry.path), why.get(entry.step, "-")])
-    _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY", "RETENTION"], print)
+    _print_table(rows, ["STEP", "STATUS", "SIZE", *(["REFERENCED"] if referenced else []),
+                        "AGE", "DIRECTORY", "RETENTION"], print)
     for entry in entries:
         for problem in entry.problems:
             print(f"  step {entry.step}: {problem}")
     if note:
         print(note)
     return _bad_if(entries)
+
+
+def _store_of(path: str) -> Any:
+    """The store of checkpoint directory ``path``: its root's when it is a step directory
+    under ``recover/`` (so that the files it refers to are found), else its parent's."""
+    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.core.layout import RECOVER
+
+    parent = os.path.dirname(os.path.abspath(path))
+    return CheckpointStore(os.path.dirname(parent) if os.path.basename(parent) == RECOVER
+                           else parent)
+
+
+def _referenced_column(entries: Sequence[Any]) -> dict[int, list[str]]:
+    """The REFERENCED cell of each checkpoint (bytes of earlier checkpoints' files it uses
+    without having written them; SIZE is what it wrote), or {} when no checkpoint listed
+    refers to any: the table then keeps its plain columns."""
+    if not any(entry.manifest is not None and entry.manifest.refs for entry in entries):
+        return {}
+    return {entry.step: [_human_bytes(entry.manifest.referenced_bytes
+                                      if entry.manifest is not None else None)]
+            for entry in entries}
 
 
 def _retention_column(store: Any, entries: Sequence[Any]) -> tuple[dict[int, str], str | None]:
@@ -249,7 +261,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(opts: argparse.Namespace) -> int:
-    from jaxckpt.commit.store import CheckpointStore
+    from jaxckpt.commit.store import CheckpointStore, Memo
     from jaxckpt.core.layout import COMMIT_MARKER
     from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 
@@ -261,11 +273,13 @@ def _verify(opts: argparse.Namespace) -> int:
     if isinstance(located, int):
         return located
     path, kind = located
+    memo = None
     if kind == "checkpoint":
         targets = [path]
     else:
         store = CheckpointStore(path)
         targets = [entry.path for entry in store.entries()]
+        memo = Memo()  # a file several checkpoints use: read once, reported under each
         if not targets:
             print(f"no checkpoints under {store.recover_dir} (nothing to verify)")
             return EXIT_OK
@@ -280,8 +294,8 @@ def _verify(opts: argparse.Namespace) -> int:
             continue
         bar = make_progress(f"verify {number}/{len(targets)} {os.path.basename(target)}", show)
         try:
-            problems = CheckpointStore(os.path.dirname(target)).verify(
-                target, checksums=not opts.sizes_only, progress=bar)
+            problems = _store_of(target).verify(
+                target, checksums=not opts.sizes_only, progress=bar, memo=memo)
         except CheckpointNotFoundError:  # deleted meanwhile (retention of a running job)
             print(f"GONE    {target} (deleted while this command ran)")
             continue

@@ -182,7 +182,7 @@ def _environment_error(command: str, exc: Exception) -> int:
 
 
 def remote_ls(opts: argparse.Namespace) -> int:
-    from .cli import _bad_if, _human_bytes, _print_table
+    from .cli import _bad_if, _human_bytes, _print_table, _referenced_column
 
     try:
         opened = _open("ls", opts.root, storage_options(opts))
@@ -200,9 +200,12 @@ def remote_ls(opts: argparse.Namespace) -> int:
     if not entries:
         print(f"no checkpoints under {store.recover_dir}")
         return EXIT_OK
-    rows = [[str(entry.step), entry.status, _human_bytes(size), "-",
-             entry.path.rsplit("/", 1)[-1]] for entry, size in zip(entries, sizes, strict=True)]
-    _print_table(rows, ["STEP", "STATUS", "SIZE", "AGE", "DIRECTORY"], print)
+    referenced = _referenced_column(entries)
+    rows = [[str(entry.step), entry.status, _human_bytes(size), *referenced.get(entry.step, []),
+             "-", entry.path.rsplit("/", 1)[-1]]
+            for entry, size in zip(entries, sizes, strict=True)]
+    _print_table(rows, ["STEP", "STATUS", "SIZE", *(["REFERENCED"] if referenced else []),
+                        "AGE", "DIRECTORY"], print)
     for entry in entries:
         for problem in entry.problems:
             print(f"  step {entry.step}: {problem}")

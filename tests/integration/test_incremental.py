@@ -28,8 +28,10 @@ from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.files import WRITTEN
 from jaxckpt.commit.store import CheckpointStore
 from jaxckpt.core.layout import step_dirname
-from jaxckpt.errors import CheckpointCorruptError, ConfigError
+from jaxckpt.errors import CheckpointCorruptError, CheckpointWarning, ConfigError
 from jaxckpt.tools import cli
+
+from support.two_processes import jax_worker, run_two_workers
 
 
 def frozen_tree(leaves: int, mib_each: int, seed: int = 0) -> dict:
@@ -225,7 +227,70 @@ def test_a_missing_shared_file_makes_its_checkpoints_corrupt(tmp_path):
             pytest.raises(CheckpointCorruptError):
         mgr.recover(run.state(0))
     # Steps 2 and 1 are corrupt: recovery falls back past both, to step 0.
-    with jaxckpt.CheckpointManager(root, recover=config) as mgr:
+    with jaxckpt.CheckpointManager(root, recover=config) as mgr, \
+            pytest.warns(CheckpointWarning, match="referenced from step 1"):
         recovered = mgr.recover(run.state(0))
         assert recovered is not None and recovered.step_info.global_step == 0
         assert_bitwise(recovered.state, first)
+
+
+_WORKER = jax_worker('''
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxckpt import CheckpointManager, RecoverConfig, StepInfo
+
+    sharding = NamedSharding(jax.make_mesh((4,), ("x",)), P("x"))
+    frozen = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)
+
+    def sharded(values):
+        return jax.make_array_from_callback(values.shape, sharding, lambda i: values[i])
+
+    mgr = CheckpointManager(root, recover=RecoverConfig(incremental=True, keep_last_n=None),
+                            preemption_signals=())
+    table = sharded(frozen)
+    for step in range(3):
+        w = sharded(np.full((8, 4), step, np.float32))
+        mgr.save(StepInfo(global_step=step), {"frozen": table, "w": w}, mode="sync")
+    mgr.close()
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("jaxckpt-test-end")
+''', init_timeout=30)
+
+
+def test_two_processes_refer_to_the_shards_each_wrote(tmp_path):
+    root, _ = run_two_workers(_WORKER, tmp_path, timeout=150)
+    store = CheckpointStore(root)
+    manifest = store.read_manifest(store.step_path(2))
+    # The frozen array's four chunk files, two written by each process at step 0.
+    frozen = sorted(key for key in manifest.refs if "/leaf_" in key)
+    assert len(frozen) == 4 and all(key.startswith(step_dirname(0)) for key in frozen)
+    assert store.verify(store.step_path(2)) == []
+    with jaxckpt.CheckpointManager(root, recover=jaxckpt.RecoverConfig(incremental=True)) as mgr, \
+            pytest.warns(CheckpointWarning, match="saved by 2 process"):
+        restored = mgr.restore({"frozen": jax.ShapeDtypeStruct((256, 256), np.float32),
+                                "w": jax.ShapeDtypeStruct((8, 4), np.float32)}).state
+    np.testing.assert_array_equal(np.asarray(restored["frozen"]),
+                                  np.arange(64 * 1024, dtype=np.float32).reshape(256, 256))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((8, 4), 2, np.float32))
+
+
+def test_an_object_store_root_refers_instead_of_copying():
+    pytest.importorskip("moto")
+    from support.s3_server import moto_s3
+
+    run = Run(frozen_tree(1, 2), trained_kib=16)
+    config = jaxckpt.RecoverConfig(incremental=True, keep_last_n=2)
+    with moto_s3("incremental") as options, jaxckpt.CheckpointManager(
+            "s3://incremental/run", recover=config, storage_options=options,
+            preemption_signals=()) as mgr:
+        for step in range(3):
+            run.train()
+            before = WRITTEN.total()
+            mgr.save(jaxckpt.StepInfo(global_step=step), run.state(step), mode="sync")
+            written = WRITTEN.total() - before
+        assert written < nbytes(run.frozen) // 4  # no copy on the server either: a reference
+        assert mgr.committed_steps() == [1, 2]  # step 0 retired: its frozen file is still used
+        assert mgr.store.verify(mgr.store.step_path(2)) == []
+        assert_bitwise(mgr.restore(run.state(0)).state, host(run.state(2)))
+        partial = mgr.restore({"frozen": run.frozen}, step=1, partial=True)
+        assert_bitwise(partial.state, {"frozen": host(run.frozen)})

@@ -1,10 +1,9 @@
 """OrbaxBackend's incremental writes against real files: what it refers to, what it writes,
 and reading a checkpoint back through its references (issue 32; the manager's side is
-tests/integration/test_incremental.py)."""
+tests/integration/test_incremental.py, which also runs two processes)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -17,8 +16,6 @@ from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.files import WRITTEN
 from jaxckpt.core.content_hash import HASH_NAME, is_hash
 from jaxckpt.core.layout import STATE_DIR, ref_key, step_dirname
-
-from support.two_processes import jax_worker, run_two_workers
 
 FROZEN = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
 
@@ -123,62 +120,3 @@ def test_without_a_base_nothing_is_hashed(backend, tmp_path):
     handle = backend.write(str(tmp_path / "plain"), state(0), asynchronous=False)
     assert handle.references is None
     assert all(HASH_NAME not in entry for entry in handle.checksums.values())
-
-
-_WORKER = jax_worker('''
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxckpt.backends.base import IncrementalBase
-    from jaxckpt.backends.orbax.backend import OrbaxBackend
-    from jaxckpt.core.layout import ref_key
-
-    backend = OrbaxBackend()
-    recover = os.path.join(root, "recover")
-    mesh = jax.make_mesh((4,), ("a",))
-    frozen = np.arange(4096, dtype=np.float32).reshape(64, 64)
-
-    def tree(step):
-        return {"frozen": jax.make_array_from_callback(
-                    frozen.shape, NamedSharding(mesh, P("a")), lambda i: frozen[i]),
-                "w": jax.make_array_from_callback(
-                    (8, 4), NamedSharding(mesh, P("a")),
-                    lambda i: np.full((8, 4), step, np.float32)[i]),
-                "step": step}
-
-    def directory(step):
-        return os.path.join(recover, f"step_{step:08d}", "state")
-
-    first = backend.write(directory(0), tree(0), asynchronous=True,
-                          base=IncrementalBase(step=-1, directory="", recover_dir=recover,
-                                               files={}))
-    first.wait()
-    backend.barrier("first", 30.0)
-    mine = {ref_key(0, "state/" + rel): entry for rel, entry in first.checksums.items()}
-    second = backend.write(directory(1), tree(1), asynchronous=True,
-                           base=IncrementalBase(step=0, directory=directory(0),
-                                                recover_dir=recover, files=mine))
-    second.wait()
-    backend.barrier("second", 30.0)
-    print("REFS " + json.dumps(second.references))
-    backend.close()
-''', init_timeout=30)
-
-
-def test_two_processes_each_refer_to_their_own_shards(tmp_path):
-    root, outputs = run_two_workers(_WORKER, tmp_path, timeout=120)
-    refs = [json.loads(line[5:]) for output in outputs for line in output.splitlines()
-            if line.startswith("REFS ")]
-    assert len(refs) == 2
-    # Each process wrote and now refers to the chunks of its own devices' shards.
-    frozen = [{key for key in found if "leaf_" in key} for found in refs]
-    assert all(frozen) and not frozen[0] & frozen[1]
-    recover = os.path.join(root, "recover")
-    everything = {**refs[0], **refs[1]}
-    restored = OrbaxBackend().read(
-        os.path.join(recover, step_dirname(1), STATE_DIR),
-        {"frozen": jax.ShapeDtypeStruct((64, 64), np.float32),
-         "w": jax.ShapeDtypeStruct((8, 4), np.float32), "step": 0},
-        references=everything)
-    np.testing.assert_array_equal(np.asarray(restored["frozen"]),
-                                  np.arange(4096, dtype=np.float32).reshape(64, 64))
-    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((8, 4), 1, np.float32))

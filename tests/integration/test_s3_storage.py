@@ -127,6 +127,37 @@ def test_checkpoint_store_commits_verifies_and_deletes_on_s3(storage, base):
         lease.release()
 
 
+def test_incremental_refs_retire_and_purge_on_s3(storage, base):
+    """No rename on S3: a checkpoint whose file later ones refer to is retired in place
+    (RETIRED, then COMMITTED deleted, then what nobody refers to), a kill mid-retire is
+    finished by start-up cleanup, and the last referrer's deletion purges it."""
+    from jaxckpt.core.layout import RETIRED_MARKER
+
+    store = CheckpointStore(base, storage=storage)
+    store.ensure_dirs()
+    frozen = bytes(range(256)) * 40
+    path0 = store.step_path(0)
+    store.write_file(path0, "driver.json", b"{}")
+    store.write_file(path0, "state/frozen", frozen)
+    store.commit(path0, 0)
+    for step in (1, 2):
+        path = store.step_path(step)
+        store.write_file(path, "driver.json", b"{}")
+        offered = store.incremental_files(store.step_path(step - 1))
+        refs = {key: info for key, info in offered.items() if key.endswith("state/frozen")}
+        assert list(refs) == ["step_00000000/state/frozen"]
+        store.commit(path, step, refs=refs)
+    # A kill after the RETIRED marker was written: both markers, no checkpoint any more.
+    store.storage.write(f"{path0}/{RETIRED_MARKER}", b"{}")
+    restarted = CheckpointStore(base, storage=storage)
+    assert restarted.committed_steps() == [1, 2]
+    assert restarted.cleanup_partial() == []
+    assert sorted(storage.list_files(path0)) == [RETIRED_MARKER, "state/frozen"]
+    assert restarted.verify(store.step_path(2)) == []
+    assert restarted.delete(store.step_path(1)) and restarted.delete(store.step_path(2))
+    assert storage.list_files(f"{base}/recover") == {}
+
+
 @pytest.fixture
 def s3_environment(options, monkeypatch):
     """The standard environment variables the CLI reads (it takes no storage_options)."""

@@ -102,10 +102,10 @@ def install(mgr: Any, environ: dict[str, str] | None = None) -> None:
     elif point == "done":
         mark_done = store.mark_done
 
-        def dying_mark_done(path: str, process_index: int, *args: Any) -> None:
+        def dying_mark_done(path: str, process_index: int, *args: Any, **kwargs: Any) -> None:
             if _step_of(path) == at_step and "items" not in path:
                 _die(delay_s)
-            mark_done(path, process_index, *args)
+            mark_done(path, process_index, *args, **kwargs)
 
         store.mark_done = dying_mark_done
     else:

@@ -15,9 +15,11 @@ Must not import: torch. Concurrency: a ``Reuse`` is used by every I/O thread of 
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +31,8 @@ from jaxckpt.core.content_hash import HASH_NAME, content_hash
 from jaxckpt.core.layout import parse_ref_key
 from jaxckpt.core.tree_record import parse_tree_record
 from jaxckpt.storage.buffers import ALIGN
+
+_T = TypeVar("_T")
 
 __all__ = ["Redirected", "Reuse", "redirects", "leaves_by_name"]
 
@@ -96,6 +100,12 @@ class Reuse:
                 self._zarr[name] = None
         return self._zarr[name]
 
+    @staticmethod
+    def ahead(work: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
+        """``work(*args)`` started on the hashing threads (a write's decisions, made ahead
+        of the I/O threads that write the files)."""
+        return _hashing_threads().submit(work, *args)
+
     def consider(self, relative: str, array: np.ndarray, offset: int, *,
                  zarr_json: str | None = None) -> tuple[int, str, bool]:
         """Where the chunk file ``relative`` (below ``arrays/``) holding ``array`` puts its
@@ -125,6 +135,31 @@ class Reuse:
                 return offset, digest, False
             self.references[key] = dict(entry)  # type: ignore[index]
         return offset, digest, True
+
+
+_hashers: concurrent.futures.ThreadPoolExecutor | None = None
+_hashers_lock = threading.Lock()
+
+
+def _hashing_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that hash the files of incremental writes ahead of the I/O threads (two:
+    the hash runs at memory speed; more would take cores from the writes)."""
+    global _hashers
+    with _hashers_lock:
+        if _hashers is None:
+            _hashers = concurrent.futures.ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix="jaxckpt-hash")
+        return _hashers
+
+
+def _forget_hashers() -> None:
+    """In a forked child: the parent's threads are not there; start new ones on demand."""
+    global _hashers, _hashers_lock
+    _hashers, _hashers_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_hashers)
 
 
 def redirects(directory: str, references: Mapping[str, Mapping[str, Any]] | None,

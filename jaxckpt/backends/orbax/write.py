@@ -376,17 +376,18 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         # the caller's thread, one mkdir or create per array delayed the first large
         # write by their sum.
         name, array = job
-        fill = fills.get(name)
-        if fill is not None:
-            fill()
         relative = f"{name}/{zarr_format.chunk_relpath(array.ndim)}"
         chunk = f"{base}/{relative}"
-        # Large arrays start where their memory lines up with the file's blocks, and
-        # are written from it without a copy (chunk_io.data_offset).
-        offset = files.chunk_offset(array, base)
-        digest, referred = None, False
-        if reuse is not None:
-            offset, digest, referred = reuse.consider(relative, array, offset)
+        if reuse is not None:  # filled, placed and hashed ahead (see below)
+            offset, digest, referred = decided[name].result()
+        else:
+            digest, referred = None, False
+            fill = fills.get(name)
+            if fill is not None:
+                fill()
+            # Large arrays start where their memory lines up with the file's blocks, and
+            # are written from it without a copy (chunk_io.data_offset).
+            offset = files.chunk_offset(array, base)
         files.make_parent(f"{base}/{name}/{ZARR_JSON}" if referred else chunk)
         small(f"{name}/{ZARR_JSON}",
               zarr_format.metadata_text(array.shape, array.dtype.name, offset))
@@ -400,10 +401,31 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         size, crc = files.write_chunk(chunk, array, algorithm=algorithm, offset=offset)
         return relative, size, crc, digest
 
-    results = list(pool.map(write, jobs))
+    # An incremental write decides each file on the hashing threads, in the order the I/O
+    # threads take the files: while one file is written the next ones are hashed, so the
+    # hash adds to a file's write only where the disk is faster than the hash.
+    decided = {} if reuse is None else {
+        name: reuse.ahead(_decide, name, array, reuse, fills.get(name),
+                          files.chunk_offset, base) for name, array in jobs}
+    try:
+        results = list(pool.map(write, jobs))
+    finally:
+        for future in decided.values():
+            future.cancel()
     if not jobs:
         orbax_metadata()
     return entries_of(results, known, algorithm)
+
+
+def _decide(name: str, array: np.ndarray, reuse: Reuse, fill: Callable[[], None] | None,
+            chunk_offset: Callable[[np.ndarray, str], int], base: str,
+            ) -> tuple[int, str, bool]:
+    """An incremental write's decision on the one chunk file of ``name``: filled (a pack
+    filled late), placed (``chunk_io.data_offset``) and hashed (``Reuse.consider``)."""
+    if fill is not None:
+        fill()
+    relative = f"{name}/{zarr_format.chunk_relpath(array.ndim)}"
+    return reuse.consider(relative, array, chunk_offset(array, base))
 
 
 def entries_of(results: list[tuple[str, int, str | None, str | None]],

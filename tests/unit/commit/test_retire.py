@@ -158,7 +158,7 @@ def test_a_retired_directory_is_no_base_and_no_checkpoint(chain):
     kill_state(chain, "retired-only")  # both markers: retired all the same
     assert chain.incremental_files(chain.step_path(0)) == {}
     chain.delete(chain.step_path(0))
-    with pytest.raises(CheckpointCorruptError, match="no COMMITTED marker"):
+    with pytest.raises(CheckpointCorruptError, match="retired"):
         chain.incremental_files(chain.step_path(0))
     entry, skipped = chain.latest_valid(at_or_before=0)
     assert entry is None and skipped == []
@@ -186,9 +186,9 @@ def kill_state(store, point):
 @pytest.mark.parametrize("point", ["retired-only", "uncommitted", "some-deleted"])
 def test_every_state_a_kill_mid_retire_leaves_is_finished_by_cleanup(chain, point):
     kill_state(chain, point)
-    # Retired as soon as the marker is there, committed marker or not.
-    assert chain.committed_steps() == [1, 2] and [e.step for e in chain.entries()] == [1, 2]
     fresh = CheckpointStore(chain.root)  # the restarted job
+    # Retired as soon as the marker is there, committed marker or not.
+    assert fresh.committed_steps() == [1, 2] and [e.step for e in fresh.entries()] == [1, 2]
     fresh.cleanup_partial()
     assert files_of(fresh, 0) == [RETIRED_MARKER, "state/frozen"]
     assert fresh.verify(fresh.step_path(2)) == []
@@ -233,3 +233,30 @@ def test_a_retention_pass_reads_each_committed_manifest_once(chain, monkeypatch)
     fresh.delete(fresh.step_path(1))
     markers = [p for p in reads if p.endswith(COMMIT_MARKER)]
     assert len(markers) == len(set(markers)) == 3, markers
+
+
+def test_cli_ls_shows_referenced_bytes_and_verify_root_names_every_user(chain, capsys):
+    from jaxckpt.tools.cli import main
+
+    chain.delete(chain.step_path(0))  # retired: not listed
+    assert main(["ls", chain.root]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:6] == ["STEP", "STATUS", "SIZE", "REFERENCED", "AGE", "DIRECTORY"]
+    rows = {line.split()[0]: line.split() for line in lines[1:] if line[:1].isdigit()}
+    assert set(rows) == {"1", "2"} and rows["2"][2:6] == ["102", "B", "2.9", "KiB"]
+    with open(os.path.join(chain.step_path(0), "state", "frozen"), "r+b") as stream:
+        stream.write(b"X")
+    assert main(["verify", chain.root]) == 1
+    out = capsys.readouterr().out
+    assert out.count(f"{FROZEN_KEY} (referenced from step 0): crc32c") == 2, out
+    assert [line.split()[0] for line in out.splitlines() if not line.startswith(" ")] == [
+        "CORRUPT", "CORRUPT"]
+
+
+def test_asking_for_a_retired_step_says_it_is_retired(chain):
+    kill_state(chain, "retired-only")
+    assert "retired (RETIRED marker)" in chain.verify(chain.step_path(0))[0]
+    fresh = CheckpointStore(chain.root)
+    fresh.cleanup_partial()
+    with pytest.raises(CheckpointCorruptError, match="retired"):
+        fresh.verify(fresh.step_path(0))
