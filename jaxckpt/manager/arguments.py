@@ -60,7 +60,7 @@ def check_incremental(recover: RecoverConfig, backend: Any) -> None:
         raise ConfigError(
             f"RecoverConfig.incremental=True needs a backend that writes incrementally, and "
             f"the {backend.name!r} backend does not. Fix: set incremental=False, or use a "
-            f"backend whose features.incremental is True (the Orbax backend).")
+            f"backend whose features.incremental is True (the Orbax backend, DcpBackend).")
 
 
 def check_step_info(step_info: Any) -> None:

@@ -49,6 +49,9 @@ def export_dcp_step(store: Any, step_dir: str, driver: Mapping[str, Any], out_di
         from torch_bridge.hf.dcp_export import export_dcp, recorded_export
 
     step_info = driver.get("step_info") or {}
+    manifest = store.read_manifest(step_dir)
+    # An incremental save's records may point into earlier steps' files (its refs).
+    references = getattr(manifest, "refs", None) or {}
 
     def write(local_dir: str, bar: Any) -> int:
         return export_dcp(
@@ -56,7 +59,7 @@ def export_dcp_step(store: Any, step_dir: str, driver: Mapping[str, Any], out_di
             storage=None if isinstance(store.storage, PosixStorage) else store.storage,
             record=recorded_export(driver), config=config, params_of=params_of, dtype=dtype,
             max_shard_bytes=max_shard_bytes, generation_config=generation_config,
-            overwrite=overwrite, progress=bar,
+            overwrite=overwrite, progress=bar, references=references,
             provenance={"checkpoint": step_dir,
                         **{k: step_info[k] for k in ("epoch", "epoch_step", "global_step")
                            if k in step_info}})

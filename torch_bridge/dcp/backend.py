@@ -45,6 +45,7 @@ with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, 
     from torch_bridge import rng
     from torch_bridge.dcp import metadata as dcp_metadata
     from torch_bridge.dcp.files import LocalDcpFiles, StorageDcpFiles
+    from torch_bridge.dcp.incremental import Incremental
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
 
@@ -332,8 +333,13 @@ class DcpWriteHandle:
 
     @property
     def references(self) -> dict[str, dict[str, Any]] | None:
-        """Nothing referred to (not incremental yet)."""
-        return None
+        """The base's files whose byte ranges this process's records point at instead of
+        writing those tensors again (``{key: the base's entry}``), once the write finished;
+        None before, after a failure, or where nothing was referred to."""
+        if not self._finished or self._error is not None or self._writer is None:
+            return None
+        incremental = getattr(self._writer, "incremental", None)
+        return dict(incremental.references) if incremental and incremental.references else None
 
     @property
     def checksums(self) -> dict[str, dict[str, Any]] | None:
@@ -388,10 +394,11 @@ class DcpBackend:
     #: back, so it checks each data file it claims before loading any (verifies_reads);
     #: in a run of several processes the manager checks every file before reading.
     #: Object-store roots through the storage the manager attaches; there the reader
-    #: takes the data files the manager fetched ahead (takes_read_ahead).
+    #: takes the data files the manager fetched ahead (takes_read_ahead). Incremental: an
+    #: unchanged tensor's record points into the base's data file.
     features = BackendFeatures(supports_async=True, export_needs_copy=True,
                                reads_in_place=True, verifies_reads=True, object_storage=True,
-                               takes_read_ahead=True)
+                               takes_read_ahead=True, incremental=True)
 
     def __init__(self, *, async_checkpointer: AsyncCheckpointer = "auto",
                  reuse_staging_memory: bool = True, sync_files: bool = False,
@@ -523,6 +530,7 @@ class DcpBackend:
         ``asynchronous=False`` the data is written and the directory in place on return.
         Raises TypeError/ConfigError/CodecError, before any I/O, naming the entry or tree
         path that cannot be checkpointed.
+        ``base``: tensors equal to the base's records are not written (``dcp.incremental``).
         """
         self._check_open()
         entries = _entries(state)
@@ -537,9 +545,11 @@ class DcpBackend:
             # DCP's checkpoint process writes with a copy of the writer: its checksums
             # would stay in that process, so it gets DCP's plain writer.
             in_process = (not asynchronous or files is self._remote_files
-                          or self._checkpointer == "thread")
+                          or self._checkpointer == "thread" or base is not None)
             writer = files.writer(staging_dir, sync_files=self._sync_files,
                                   in_process=in_process)
+            if in_process and base is not None:  # hash every tensor, keep unchanged ones
+                writer.incremental = Incremental(base, directory, files.read_content)
             if self._rank == 0:
                 files.prepare(directory, staging_dir, document, writer)
             common = dict(storage_writer=writer, process_group=self._io_group,
@@ -550,7 +560,7 @@ class DcpBackend:
                 self._publish(handle)
                 return handle
             response = dcp.async_save(flat, async_checkpointer_type=_checkpointer_type(
-                                          self._checkpointer, files is self._remote_files),
+                                          self._checkpointer, in_process),
                                       async_stager=self._get_stager(), **common)
             # torch 2.13 returns a plain Future when staging is synchronous (our stager's
             # setting: the copy is done when async_save returns) and an AsyncSaveResponse
@@ -681,12 +691,9 @@ class DcpBackend:
                 targets[_storage_key(entry.name, path)] = (
                     tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
         if targets:
-            reader = files.reader(directory, claims, partial)
+            reader = files.reader(directory, claims, partial, references)
             if not reader.damaged:  # else the claimed files did not match: load nothing
-                # The restricted planner: byte items are never trusted (see dcp_metadata).
-                _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
-                            planner=dcp_metadata.safe_planner(), process_group=self._io_group,
-                            no_dist=not self._distributed)
+                safe_load(targets, directory, reader, self._io_group, not self._distributed)
             if reader.damaged:
                 raise CheckpointCorruptError(
                     f"{directory}: {', '.join(reader.damaged)} do not match the checksums of "
@@ -747,13 +754,31 @@ class DcpBackend:
         rng.restore_torch_rng(state, "the checkpoint")
 
 
-def _checkpointer_type(choice: str, remote: bool) -> Any:
-    """DCP's executor for ``choice`` ("thread"/"process"); a thread for an object store,
-    whose writer holds the storage's client (DCP's checkpoint process would need it
-    pickled)."""
+def _checkpointer_type(choice: str, on_thread: bool) -> Any:
+    """DCP's executor for ``choice`` ("thread"/"process"); a thread where ``on_thread``: an
+    object store, whose writer holds the storage's client (DCP's checkpoint process would
+    need it pickled), or an incremental save, whose references this process reads."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    return getattr(AsyncCheckpointerType, "THREAD" if remote else choice.upper())
+    return getattr(AsyncCheckpointerType, "THREAD" if on_thread else choice.upper())
+
+
+def safe_load(targets: dict[str, Any], directory: str, reader: Any, group: Any,
+              no_dist: bool) -> None:
+    """``dcp.load`` of ``targets`` from ``directory`` through ``reader`` with the restricted
+    planner (byte items are never trusted: ``dcp.metadata``), re-raising the
+    ``CheckpointCorruptError`` DCP wraps in its ``CheckpointException`` (e.g. a record
+    pointing outside the checkpoint and its references) as it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        _dcp().load(targets, checkpoint_id=directory, storage_reader=reader,
+                    planner=dcp_metadata.safe_planner(), process_group=group, no_dist=no_dist)
+    except CheckpointException as error:
+        for found, _ in error.failures.values():
+            if isinstance(found, CheckpointCorruptError):
+                raise found from error
+        raise
 
 
 def _copy_tensors(value: Any) -> Any:

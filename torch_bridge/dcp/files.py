@@ -22,7 +22,7 @@ import functools
 import os
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaxckpt.commit.deferred_checks import DeferredChecks
@@ -38,7 +38,8 @@ from jaxckpt.storage.buffers import fresh_blocks
 from jaxckpt.storage.posix import fsync_dir
 from jaxckpt.storage.readers import SeekableReader
 from torch_bridge.dcp import metadata as dcp_metadata
-from torch_bridge.dcp.local_writer import checksumming_writer
+from torch_bridge.dcp.incremental import CONTENT_FILE, incremental_writer_class
+from torch_bridge.dcp.local_writer import checksumming_writer_class
 from torch_bridge.dcp.upload import UploadStream
 
 __all__ = ["DCP_METADATA", "LocalDcpFiles", "StorageDcpFiles"]
@@ -111,11 +112,12 @@ class LocalDcpFiles:
     @staticmethod
     def writer(staging: str, *, sync_files: bool, in_process: bool = True) -> Any:
         """A writer that checksums and fsyncs each file as it writes it
-        (``_dcp_local_writer``), so that the commit reads nothing back; DCP's plain writer
-        where ``in_process`` is False (DCP's checkpoint process writes with a copy of the
-        writer, whose checksums this process would never see: the commit reads the files)."""
+        (``dcp.local_writer``), so that the commit reads nothing back, and hashes each tensor
+        for the next incremental save (``dcp.incremental``); DCP's plain writer where
+        ``in_process`` is False (DCP's checkpoint process writes with a copy of the writer,
+        whose checksums this process would never see: the commit reads the files)."""
         if in_process:
-            return checksumming_writer(staging)
+            return incremental_writer_class(checksumming_writer_class())(staging)
         return _dcp().FileSystemWriter(staging, sync_files=sync_files)
 
     @staticmethod
@@ -150,13 +152,25 @@ class LocalDcpFiles:
             return stream.read()
 
     @staticmethod
-    def reader(directory: str, claims: DeferredChecks | None = None, partial: bool = False) -> Any:
+    def read_content(directory: str) -> bytes | None:
+        """``directory``'s content.json (``dcp.incremental``), None where it has none."""
+        try:
+            with open(os.path.join(directory, CONTENT_FILE), "rb") as stream:
+                return stream.read()
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def reader(directory: str, claims: DeferredChecks | None = None, partial: bool = False,
+               references: Mapping[str, Any] | None = None) -> Any:
         """The safe reader of ``directory``. With ``claims``, first claims every offered file
         of the directory and checks it (its checksum from the disk, before DCP loads
         anything), then closes them; the reader's ``damaged`` names the files that do not
         match (load nothing then). ``partial`` changes nothing here: a local restore checks
-        every data file, as it did before the read when the manager checked them."""
+        every data file, as it did before the read when the manager checked them.
+        ``references``: the keys (relative to ``recover/``) its records may point into."""
         reader = dcp_metadata.safe_reader(directory)  # looked up per call: tests count reads
+        reader.references = dict(references or {})
         reader.damaged = _check_local_claims(directory, claims) if claims is not None else []
         return reader
 
@@ -191,7 +205,7 @@ class StorageDcpFiles:
     def writer(self, staging: str, *, sync_files: bool, in_process: bool = True) -> Any:
         # sync_files has no meaning here: an upload is durable once it returns; async saves
         # to a store always run on a thread of this process (in_process).
-        return _storage_writer_class()(staging, self.storage)
+        return incremental_writer_class(_storage_writer_class())(staging, self.storage)
 
     @staticmethod
     def publish(staging: str, directory: str) -> None:
@@ -221,14 +235,24 @@ class StorageDcpFiles:
             raise _without_metadata(directory) from None
         return document
 
+    def read_content(self, directory: str) -> bytes | None:
+        """``directory``'s content.json (``dcp.incremental``), None where it has none."""
+        try:
+            return self.storage.read(f"{directory}/{CONTENT_FILE}")
+        except FileNotFoundError:
+            return None
+
     def reader(self, directory: str, claims: DeferredChecks | None = None,
-               partial: bool = False) -> Any:
+               partial: bool = False, references: Mapping[str, Any] | None = None) -> Any:
         """The reader of ``directory``: it fetches each data file's needed ranges once; with
         ``claims``, it fetches every claimed file whole and checks it against its checksum
         before DCP copies anything into the live tensors (``damaged`` then names the files
         that failed, and nothing is loaded). ``partial``: the offered files it does not read
-        are withdrawn (nothing restored comes from them)."""
-        return _storage_reader_class()(directory, self.storage, claims, partial)
+        are withdrawn (nothing restored comes from them). ``references``: the keys
+        (relative to ``recover/``) its records may point into."""
+        reader = _storage_reader_class()(directory, self.storage, claims, partial)
+        reader.references = dict(references or {})
+        return reader
 
 
 def _entry(data: bytes) -> dict[str, Any]:
@@ -299,6 +323,8 @@ def _storage_fs_class() -> type:
             raise ValueError(f"object storage streams are 'wb' or 'rb', not {mode!r}")
 
         def concat_path(self, path: Any, suffix: str) -> str:
+            if "://" in suffix:  # a referenced file, resolved by the reader (dcp.incremental)
+                return suffix
             return f"{str(path).rstrip('/')}/{suffix}"
 
         def rename(self, path: Any, new_path: Any) -> None:

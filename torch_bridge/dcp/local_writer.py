@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxckpt.core.checksum import RunningChecksum
 
-__all__ = ["checksumming_writer"]
+__all__ = ["checksumming_writer", "checksumming_writer_class"]
 
 
 class _ChecksummingStream:
@@ -124,6 +124,11 @@ def _writer_class() -> type:
             self.path = self.fs.init_path(path)
 
     return _ChecksummingWriter
+
+
+def checksumming_writer_class() -> type:
+    """The class of :func:`checksumming_writer`'s writers (for ``dcp.incremental`` to extend)."""
+    return _writer_class()
 
 
 def checksumming_writer(path: str) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import os
 import pathlib
 import pickle  # restricted: find_class below admits only DCP's metadata classes
 from typing import Any
@@ -174,6 +175,23 @@ def _load_record(stream: Any, info: Any, item: Any, planner: Any) -> bool:
     return True
 
 
+def _resolved(storage_data: dict[Any, Any], directory: str,
+              references: dict[str, Any]) -> dict[Any, Any]:
+    """``storage_data`` with each record that points into a referenced file given that
+    file's full path (what ``fs.concat_path`` then returns as it is); a record pointing
+    anywhere else raises ``CheckpointCorruptError`` before anything is read."""
+    from torch_bridge.dcp.incremental import resolve_relative
+
+    local = "://" not in directory
+    if local:
+        directory = os.path.abspath(directory)
+    out = {}
+    for index, info in storage_data.items():
+        where = resolve_relative(directory, info.relative_path, references, repr(index.fqn))
+        out[index] = info if where is None else dataclasses.replace(info, relative_path=where)
+    return out
+
+
 @functools.cache
 def _classes() -> tuple[type, type]:
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -181,8 +199,17 @@ def _classes() -> tuple[type, type]:
     from torch.futures import Future
 
     class SafeReader(FileSystemReader):
-        """FileSystemReader whose metadata is read with the restricted unpickler, and whose
-        tensor records are copied without torch.load where their layout is proven."""
+        """FileSystemReader whose metadata is read with the restricted unpickler, whose
+        tensor records are copied without torch.load where their layout is proven, and
+        whose records may point only into its own directory or into ``references`` (the
+        keys, relative to ``recover/``, an incremental checkpoint's manifest refers to)."""
+
+        references: dict[str, Any] = {}
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any,
+                                  **kwargs: Any) -> None:
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            self.storage_data = _resolved(self.storage_data, str(self.path), self.references)
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             per_file: dict[str, list[Any]] = {}

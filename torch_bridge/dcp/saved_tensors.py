@@ -14,6 +14,7 @@ Concurrency: one reader; ``read`` is called from one thread at a time.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,8 +22,11 @@ import torch
 from jaxckpt.core import codec
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage.base import Storage
-from torch_bridge.dcp import metadata as dcp_metadata
-from torch_bridge.dcp.backend import _parse_objects, _quiet_single_process_notice
+from torch_bridge.dcp.backend import (
+    _parse_objects,
+    _quiet_single_process_notice,
+    safe_load,
+)
 from torch_bridge.dcp.files import LocalDcpFiles, StorageDcpFiles
 
 __all__ = ["SavedTensor", "SavedTensors"]
@@ -42,10 +46,14 @@ class SavedTensor:
 
 class SavedTensors:
     """The tensors saved in ``directory`` (a step's ``state`` directory): ``storage`` reads
-    a URL (an object-store prefix), None a local directory."""
+    a URL (an object-store prefix), None a local directory; ``references``: the keys of the
+    checkpoint's manifest refs, whose files its records may point into (an incremental
+    save's unchanged tensors), read from ``recover/<key>``."""
 
-    def __init__(self, directory: str, storage: Storage | None = None):
+    def __init__(self, directory: str, storage: Storage | None = None,
+                 references: Mapping[str, Any] | None = None):
         self.directory = directory
+        self._references = dict(references or {})
         self._files = LocalDcpFiles() if storage is None else StorageDcpFiles(storage)
         self.entries: dict[str, dict[str, Any]] = _parse_objects(
             directory, self._files.read_document(directory))
@@ -68,13 +76,12 @@ class SavedTensors:
 
     def read(self, tensor: SavedTensor) -> torch.Tensor:
         """``tensor``'s saved value, read alone into a new CPU tensor."""
-        import torch.distributed.checkpoint as dcp
 
         if self._reader is None:
-            self._reader = _metadata_once(self._files.reader(self.directory))
+            self._reader = _metadata_once(self._files.reader(
+                self.directory, references=self._references))
         target = torch.empty(tensor.shape, dtype=tensor.dtype)
-        dcp.load({tensor.key: target}, checkpoint_id=self.directory, storage_reader=self._reader,
-                 planner=dcp_metadata.safe_planner(), no_dist=True)
+        safe_load({tensor.key: target}, self.directory, self._reader, None, True)
         return target
 
 

@@ -127,10 +127,10 @@ def _kept_names(reference: Any, tensors: Mapping[str, SavedTensor]) -> dict[str,
 
 def export_dcp(state_dir: str, out_dir: str, *, storage: Storage | None = None,
                record: Mapping[str, Any] | None = None, config: Any = None,
-               params_of: str | None = None, dtype: Any = None,
+               params_of: str | None = None, dtype: Any = None, overwrite: bool = False,
                max_shard_bytes: int | None = None, generation_config: Any = None,
-               overwrite: bool = False, provenance: Mapping[str, Any] | None = None,
-               progress: Progress | None = None) -> int:
+               provenance: Mapping[str, Any] | None = None, progress: Progress | None = None,
+               references: Mapping[str, Any] | None = None) -> int:
     """Write the model of a DCP checkpoint as ``save_pretrained`` writes it; return bytes.
 
     Args:
@@ -151,6 +151,7 @@ def export_dcp(state_dir: str, out_dir: str, *, storage: Storage | None = None,
       overwrite: replace an existing ``out_dir``.
       provenance: facts recorded in ``jaxckpt_provenance.json`` under "source".
       progress: ``progress(bytes_done, bytes_total)`` after each tensor.
+      references: the manifest's refs (files of earlier steps an incremental save uses).
     """
     record = dict(record or {})
     where = state_dir.rstrip("/").rpartition("/")[0] or state_dir
@@ -160,7 +161,7 @@ def export_dcp(state_dir: str, out_dir: str, *, storage: Storage | None = None,
             f"ExportConfig(exporter=torch_bridge.hf_exporter(params_of=...)), or before "
             f"export-hf read DCP roots). Pass the model's config: --config path/to/config.json "
             f"(or its Hugging Face directory; config= in Python).")
-    saved = SavedTensors(state_dir, storage)
+    saved = SavedTensors(state_dir, storage, references=references)
     params_of, tensors = _model_tensors(saved, params_of or record.get("params_of"), where)
     given_generation = None
     if config is not None:
@@ -201,7 +202,6 @@ def export_dcp(state_dir: str, out_dir: str, *, storage: Storage | None = None,
     def write(directory: str) -> int:
         return write_staged(staged, directory, max_shard_bytes=int(limit),
                             provenance={"params_of": params_of, **dict(provenance or {})},
-                            progress=progress,
-                            read=lambda name: saved.read(by_export_name[name]))
+                            progress=progress, read=lambda name: saved.read(by_export_name[name]))
 
     return _publish(os.fspath(out_dir), overwrite, write)
