@@ -249,6 +249,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(opts: argparse.Namespace) -> int:
+    from jaxckpt.commit.incremental import Memo
     from jaxckpt.commit.store import CheckpointStore
     from jaxckpt.core.layout import COMMIT_MARKER
     from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -271,6 +272,7 @@ def _verify(opts: argparse.Namespace) -> int:
             return EXIT_OK
     bad = 0
     show = wanted(opts.progress)
+    memo = Memo()  # a file several checkpoints refer to is read once, named under each
     for number, target in enumerate(targets, 1):
         if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
             bad += 1
@@ -280,8 +282,8 @@ def _verify(opts: argparse.Namespace) -> int:
             continue
         bar = make_progress(f"verify {number}/{len(targets)} {os.path.basename(target)}", show)
         try:
-            problems = CheckpointStore(os.path.dirname(target)).verify(
-                target, checksums=not opts.sizes_only, progress=bar)
+            problems = _store_of(target).verify(target, checksums=not opts.sizes_only,
+                                                progress=bar, memo=memo)
         except CheckpointNotFoundError:  # deleted meanwhile (retention of a running job)
             print(f"GONE    {target} (deleted while this command ran)")
             continue
