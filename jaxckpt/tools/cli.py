@@ -285,6 +285,7 @@ def _verify(opts: argparse.Namespace) -> int:
             return EXIT_OK
     bad = 0
     show = wanted(opts.progress)
+    memo = Memo()  # a file several checkpoints refer to is read once, named under each
     for number, target in enumerate(targets, 1):
         if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
             bad += 1

@@ -13,6 +13,9 @@ every step, that make each save write many more files: the background write, the
 SIGKILL to land inside them.
 The ballast changes the state tree, so a reference run must use the same ``--ballast``; the
 save mode does not change numerics (a chain may switch it between segments).
+``--slow K`` adds K leaves that change once every ``SLOW_EVERY`` steps (loss untouched);
+``--incremental`` saves with ``RecoverConfig(incremental=True)``, so those leaves are
+referred to by later checkpoints, whose retention then retires and purges their owners.
 
 Stdout protocol, one line each, written with a single ``os.write`` so lines from the
 training thread and the manager's background thread never interleave:
@@ -56,26 +59,38 @@ HIDDEN = 16
 IN_DIM = 8
 BATCH = 8
 STEPS_PER_EPOCH = 7  # small and odd: epochs roll over mid-run and between save steps
+SLOW_EVERY = 12  # the --slow leaves change once per this many steps
 
 
 
-def seam_backend() -> Any:
+def seam_backend(incremental: bool = False) -> Any:
     """An Orbax backend that announces ``WRITTEN n`` when the write of step ``n`` is finished
     (the seam between the background write and the commit). Numerics untouched; every
-    other member and feature is the Orbax backend's own."""
+    other member and feature is the Orbax backend's own. Plain: the commit reads every file
+    back, as for any backend; ``incremental``: the write's checksums (with the content
+    hashes the next save compares) and references go to the commit."""
     from jaxckpt.backends.orbax.backend import OrbaxBackend
 
     class SeamBackend(OrbaxBackend):
-        def write(self, directory: str, state: Any, *, asynchronous: bool) -> Any:
-            handle = super().write(directory, state, asynchronous=asynchronous)
+        def __init__(self) -> None:
+            # Incremental: every leaf a file of its own (small leaves are packed together
+            # otherwise, and a pack holding a changed leaf is written whole).
+            super().__init__(**({"pack_leaf_bytes": 0} if incremental else {}))
+
+        def write(self, directory: str, state: Any, *, asynchronous: bool,
+                  base: Any = None) -> Any:
+            handle = super().write(directory, state, asynchronous=asynchronous, base=base)
             match = re.search(r"step_(\d+)", directory)
             step = int(match.group(1)) if match else -1
 
             class Announcing:
-                checksums = None  # the commit reads every file back, as for any backend
+                checksums = None
+                references = None
 
                 def wait(self) -> None:
                     handle.wait()
+                    if incremental:
+                        self.checksums, self.references = handle.checksums, handle.references
                     emit(f"WRITTEN {step}")
 
             return Announcing()
@@ -114,7 +129,7 @@ def install_kill(mgr: Any, point: str, step: int) -> None:
         storage.create = dying_create
 
 
-def build_state(seed: int, ballast: int) -> dict[str, Any]:
+def build_state(seed: int, ballast: int, slow: int = 0) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -132,6 +147,8 @@ def build_state(seed: int, ballast: int) -> dict[str, Any]:
                 "count": jnp.zeros((), jnp.int32)},
         "key": jax.random.key(seed + 1),
         "ballast": [jnp.full((2048,), float(i), jnp.float32) for i in range(ballast)],
+        **({"slow": [jnp.full((2048,), -float(i), jnp.float32) for i in range(slow)]}
+           if slow else {}),
     }
 
 
@@ -160,8 +177,12 @@ def make_step():
                              / (jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8)),
             state["params"], m, v)
         ballast = [b * 0.5 + loss * (i + 1) for i, b in enumerate(state["ballast"])]
-        return {"params": params, "opt": {"m": m, "v": v, "count": count}, "key": key,
-                "ballast": ballast}, loss
+        out = {"params": params, "opt": {"m": m, "v": v, "count": count}, "key": key,
+               "ballast": ballast}
+        if "slow" in state:  # unchanged for SLOW_EVERY steps at a time
+            bump = jnp.where(count % SLOW_EVERY == 0, 1.0, 0.0).astype(jnp.float32)
+            out["slow"] = [s + bump for s in state["slow"]]
+        return out, loss
 
     return step
 
@@ -189,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-last-n", type=int, default=2)
     parser.add_argument("--mode", choices=("sync", "async"), default="async")
     parser.add_argument("--ballast", type=int, default=0)
+    parser.add_argument("--slow", type=int, default=0)
+    parser.add_argument("--incremental", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local", default=None)
     parser.add_argument("--local-every", type=int, default=2)
@@ -208,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     np.random.seed(opts.seed)
     loader = SyntheticLoader(seed=opts.seed, batch_size=BATCH, steps_per_epoch=STEPS_PER_EPOCH,
                              in_dim=IN_DIM)
-    state = build_state(opts.seed, opts.ballast)
+    state = build_state(opts.seed, opts.ballast, opts.slow)
     train_step = make_step()
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
 
@@ -222,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     mgr = jaxckpt.CheckpointManager(
         opts.root, local=local,
         recover=jaxckpt.RecoverConfig(every=jaxckpt.Every(steps=opts.save_every),
-                                      keep_last_n=opts.keep_last_n),
-        mode=opts.mode, backend=seam_backend(),
+                                      keep_last_n=opts.keep_last_n,
+                                      incremental=opts.incremental),
+        mode=opts.mode, backend=seam_backend(opts.incremental),
         on_report=lambda report: emit(f"REPORTED{tag(report)} {report.step}"),
         preemption_signals=(), storage_options=opts.storage_options)
     if opts.kill_point is not None:

@@ -22,8 +22,17 @@ Checked after every kill and resume:
   the reference; at the end of a chain the final state (params, Adam moments, PRNG key
   data, ballast leaves) is byte-identical to the reference.
 
+Incremental chains (``RecoverConfig(incremental=True)``; the state has ``SLOW`` leaves that
+change every 12 steps, so later checkpoints refer to their files and retention retires,
+tidies and purges the owners) are checked the same way, and also: every file a committed
+manifest refers to is there with its size (``verify`` checks its checksum too), and after a
+manager start every retired directory holds only files a committed manifest refers to, and
+at least one (an unreferenced one is purged). A directory with both markers (killed
+mid-retire) counts as retired, not committed.
+
 Reproduce a failure with the printed seed: ``JAXCKPT_CRASH_SEED=<seed> pytest ...``. Soak:
-``JAXCKPT_SOAK_TRIALS=500 pytest tests/system/test_crash_harness.py -k soak`` (or JAXCKPT_SOAK=1).
+``JAXCKPT_SOAK_TRIALS=500 pytest tests/system/test_crash_harness.py -k soak`` (or JAXCKPT_SOAK=1;
+1000 incremental trials).
 """
 
 from __future__ import annotations
@@ -45,16 +54,21 @@ import pytest
 from jaxckpt import CheckpointManager
 from jaxckpt.backends.base import SingleProcess
 from jaxckpt.commit.store import CheckpointStore
-from jaxckpt.core.layout import COMMIT_MARKER
+from jaxckpt.core.layout import COMMIT_MARKER, RETIRED_MARKER, parse_ref_key
 
-from support.harness import Worker
+from support.harness import Worker, repo_env
 from support.paths import CRASH_WORKER as WORKER
 
 STEPS = 30
 SAVE_EVERY = 3
 SAVE_STEPS = [s for s in range(STEPS) if (s + 1) % SAVE_EVERY == 0]
 BALLAST = 16  # extra leaves: each save writes ~40 more files, widening write/commit/delete
-TRIALS = 20  # the soak variant below runs hundreds
+SLOW = 8  # leaves that change every 12 steps: incremental saves refer to them
+# Plain trials are fewer than before incremental saves existed (20): the plain kill
+# windows are also covered by the other kill tests and the soak runs hundreds; the issue
+# asks for 30+ incremental trials in CI, and the suite must stay within its time.
+TRIALS = 12
+INCREMENTAL_TRIALS = 30
 SEGMENT_TIMEOUT_S = 90.0
 
 soak_trials = int(os.environ.get("JAXCKPT_SOAK_TRIALS") or 0)
@@ -99,10 +113,11 @@ class Segment:
 class Env:
     """Paths and settings shared by every worker of one test."""
 
-    def __init__(self, tmp: Path, ballast: int):
+    def __init__(self, tmp: Path, ballast: int, slow: int):
         self.tmp = tmp
         self.ballast = ballast
-        self.env = dict(os.environ)
+        self.slow = slow
+        self.env = repo_env()  # this checkout's jaxckpt
         self.env.update({
             "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
             "TF_CPP_MIN_LOG_LEVEL": "3",
@@ -114,12 +129,13 @@ class Env:
         })
 
     def run(self, root: Path, *, mode: str, keep_last_n: int, plan: Plan | None,
-            log: Path, final: Path) -> Segment:
+            log: Path, final: Path, incremental: bool = False) -> Segment:
         worker = Worker(
             [sys.executable, str(WORKER), "--root", str(root), "--log", str(log),
              "--final", str(final), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
              "--keep-last-n", str(keep_last_n), "--mode", mode,
-             "--ballast", str(self.ballast)],
+             "--ballast", str(self.ballast), "--slow", str(self.slow),
+             *(["--incremental"] if incremental else [])],
             env=self.env, timeout_s=SEGMENT_TIMEOUT_S)
         if plan is None:
             code = worker.run()
@@ -158,12 +174,20 @@ def step_dirs(root: Path) -> dict[int, Path]:
 
 
 def committed(root: Path) -> list[int]:
-    return sorted(s for s, d in step_dirs(root).items() if (d / COMMIT_MARKER).exists())
+    """Committed checkpoints (a retired directory is none, whatever markers it has)."""
+    return sorted(s for s, d in step_dirs(root).items() if (d / COMMIT_MARKER).exists()
+                  and not (d / RETIRED_MARKER).exists())
+
+
+def retired(root: Path) -> dict[int, Path]:
+    return {s: d for s, d in step_dirs(root).items() if (d / RETIRED_MARKER).exists()}
 
 
 def debris(root: Path) -> list[str]:
-    """Everything a crashed save may leave behind and a manager start must remove."""
-    found = [str(d) for s, d in step_dirs(root).items() if not (d / COMMIT_MARKER).exists()]
+    """Everything a crashed save may leave behind and a manager start must remove (retired
+    directories are checked by ``check_references``)."""
+    found = [str(d) for s, d in step_dirs(root).items()
+             if not (d / COMMIT_MARKER).exists() and not (d / RETIRED_MARKER).exists()]
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             if (".orbax-checkpoint-tmp" in name or name.startswith(".tmp-")
@@ -177,7 +201,9 @@ def classify(root: Path) -> str:
     steps = step_dirs(root)
     done = committed(root)
     newest = done[-1] if done else -1
-    partial = {s: d for s, d in steps.items() if s not in done}
+    if any((d / COMMIT_MARKER).exists() for d in retired(root).values()):
+        return "retire"
+    partial = {s: d for s, d in steps.items() if s not in done and s not in retired(root)}
     if any(s < newest for s in partial):
         return "retention-delete"
     for d in partial.values():
@@ -203,6 +229,32 @@ class _StubBackend(SingleProcess):
 def open_and_close(root: Path) -> None:
     with CheckpointManager(root, backend=_StubBackend(), preemption_signals=()):
         pass
+
+
+def check_references(root: Path, where: str, *, tidied: bool) -> int:
+    """Every file a committed manifest refers to is there with its recorded size (a kill in
+    retention never deletes one). ``tidied`` (after a manager start): every retired directory
+    holds only files a committed manifest refers to, and at least one. Returns the number
+    of refs."""
+    store = CheckpointStore(root)
+    used: dict[int, set[str]] = collections.defaultdict(set)
+    count = 0
+    for step in committed(root):
+        for key, entry in store.read_manifest(str(store.step_path(step))).refs.items():
+            path = root / "recover" / key
+            assert path.is_file() and path.stat().st_size == entry["size"], \
+                f"{where}: step {step} refers to {key}, which is gone or resized"
+            owner, rel = parse_ref_key(key) or (-1, key)
+            used[owner].add(rel)
+            count += 1
+    if tidied:
+        for step, path in retired(root).items():
+            present = {str(f.relative_to(path)) for f in path.rglob("*") if f.is_file()}
+            present -= {RETIRED_MARKER}
+            assert used[step] and present <= used[step], \
+                f"{where}: retired step {step} keeps {sorted(present - used[step])[:5]} " \
+                f"that nothing refers to (referred: {len(used[step])})"
+    return count
 
 
 # -------------------------------------------------------------------------- harness
@@ -247,7 +299,7 @@ def check_resume_and_losses(seg: Segment, log: Path, ref_losses: dict[int, str],
 
 
 def check_clean_end(root: Path, final: Path, ref_state: dict[str, np.ndarray],
-                    keep_last_n: int, where: str) -> None:
+                    keep_last_n: int, where: str, incremental: bool) -> None:
     """A chain that ran to the end: final state equals the reference byte for byte, a
     manager start leaves no debris, retention kept what it should."""
     state = load_npz(final)
@@ -258,6 +310,8 @@ def check_clean_end(root: Path, final: Path, ref_state: dict[str, np.ndarray],
         f"{where}: final state differs from the reference in {bad}"
     open_and_close(root)
     assert debris(root) == [], f"{where}: debris after a clean run: {debris(root)}"
+    refs = check_references(root, where, tidied=True)
+    assert (refs > 0) == incremental, f"{where}: {refs} refs (incremental={incremental})"
     # Retention may lag by one deletion when the last kill landed in it and the
     # final segment had nothing left to save.
     left = committed(root)
@@ -265,17 +319,38 @@ def check_clean_end(root: Path, final: Path, ref_state: dict[str, np.ndarray],
         and len(left) <= keep_last_n + 1, (where, left)
 
 
-def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
+@dataclasses.dataclass
+class Reference:
+    """The uninterrupted run every chain is compared with (plain saves: the numerics do not
+    depend on the save mode or on incremental saves)."""
+
+    losses: dict[int, str]
+    state: dict[str, np.ndarray]
+
+    @classmethod
+    def run(cls, tmp: Path) -> Reference:
+        env = Env(tmp, BALLAST, SLOW)
+        reference = env.run(tmp / "ref-root", mode="async", keep_last_n=2, plan=None,
+                            log=tmp / "ref.jsonl", final=tmp / "ref.npz")
+        assert reference.code == 0 and "DONE" in reference.lines, reference.stderr
+        losses = read_log(tmp / "ref.jsonl")
+        assert sorted(losses) == list(range(STEPS))
+        state = load_npz(tmp / "ref.npz")
+        assert any(k.endswith("|key_data") for k in state) and len(state) > BALLAST + SLOW
+        return cls(losses, state)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    return Reference.run(tmp_path_factory.mktemp("crash-reference"))
+
+
+def run_harness(tmp: Path, trials: int, seed: int, ref: Reference, *,
+                incremental: bool = False) -> dict[str, int]:
     rng = random.Random(seed)
-    tag = f"[JAXCKPT_CRASH_SEED={seed}]"
-    env = Env(tmp, BALLAST)
-    reference = env.run(tmp / "ref-root", mode="async", keep_last_n=2, plan=None,
-                        log=tmp / "ref.jsonl", final=tmp / "ref.npz")
-    assert reference.code == 0 and "DONE" in reference.lines, reference.stderr
-    ref_losses = read_log(tmp / "ref.jsonl")
-    assert sorted(ref_losses) == list(range(STEPS))
-    ref_state = load_npz(tmp / "ref.npz")
-    assert any(k.endswith("|key_data") for k in ref_state) and len(ref_state) > BALLAST
+    tag = f"[JAXCKPT_CRASH_SEED={seed}{' incremental' if incremental else ''}]"
+    env = Env(tmp, BALLAST, SLOW)
+    ref_losses, ref_state = ref.losses, ref.state
 
     hits: collections.Counter[str] = collections.Counter()
     done_trials = 0
@@ -296,7 +371,7 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
             log = tmp / f"chain-{chain}-{index}.jsonl"
             final = tmp / f"chain-{chain}.npz"
             seg = env.run(root, mode=mode, keep_last_n=keep_last_n, plan=plan, log=log,
-                          final=final)
+                          final=final, incremental=incremental)
             where = (f"{tag} chain {chain} segment {index} ({mode}, keep_last_n={keep_last_n},"
                      f" plan {plan}); history {history}; last lines {seg.lines[-8:]}")
             history.append(f"{index}:{plan or 'to the end'}")
@@ -315,9 +390,10 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
             for step in after:
                 problems = store.verify(str(store.step_path(step)))
                 assert not problems, f"{where}: committed step {step} is broken: {problems}"
+            check_references(root, where, tidied=False)
 
             if not seg.killed:
-                check_clean_end(root, final, ref_state, keep_last_n, where)
+                check_clean_end(root, final, ref_state, keep_last_n, where, incremental)
                 break
 
             done_trials += 1
@@ -331,30 +407,56 @@ def run_harness(tmp: Path, trials: int, seed: int) -> dict[str, int]:
                 assert committed(root) == after, (
                     f"{where}: start-up cleanup removed a committed checkpoint: "
                     f"{after} -> {committed(root)}")
+                check_references(root, where, tidied=True)
     print(f"crash harness {tag}: {done_trials} kills over {chain} chains; "
           f"windows hit: {dict(sorted(hits.items()))}")
     return dict(hits)
 
 
-@pytest.mark.timeout(400)
-def test_random_sigkills_resume_bit_identical_and_never_restore_partial(tmp_path):
-    seed = harness_seed()
-    print(f"crash harness seed {seed} (pin with JAXCKPT_CRASH_SEED={seed})")
-    started = time.monotonic()
-    hits = run_harness(tmp_path, TRIALS, seed)
-    print(f"crash harness wall time {time.monotonic() - started:.1f} s")
-    # The save pipeline's inner windows are the point of the exercise: at least some kills
-    # must have landed with a save in flight (the rest are timing-dependent, reported above).
+def check_windows(hits: dict[str, int], seed: int) -> None:
+    """The save pipeline's inner windows are the point of the exercise: at least some kills
+    must have landed with a save in flight (the rest are timing-dependent, printed)."""
     in_flight = sum(hits.get(w, 0) for w in ("background-write", "commit", "marker-write",
                                              "staging"))
     assert in_flight >= 1, f"no kill landed inside a save (seed {seed}): {hits}"
+
+
+@pytest.mark.timeout(400)
+def test_random_sigkills_resume_bit_identical_and_never_restore_partial(tmp_path, reference):
+    seed = harness_seed()
+    print(f"crash harness seed {seed} (pin with JAXCKPT_CRASH_SEED={seed})")
+    started = time.monotonic()
+    hits = run_harness(tmp_path, TRIALS, seed, reference)
+    print(f"crash harness wall time {time.monotonic() - started:.1f} s")
+    check_windows(hits, seed)
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+def test_random_sigkills_with_incremental_saves(tmp_path, reference):
+    """The same with ``incremental=True``: kills in save, commit, retire and purge."""
+    seed = harness_seed()
+    print(f"incremental crash harness seed {seed} (pin with JAXCKPT_CRASH_SEED={seed})")
+    started = time.monotonic()
+    hits = run_harness(tmp_path, INCREMENTAL_TRIALS, seed, reference, incremental=True)
+    print(f"incremental crash harness wall time {time.monotonic() - started:.1f} s")
+    check_windows(hits, seed)
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(0)
 @pytest.mark.skipif(not soak_enabled, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
-def test_soak_random_sigkills(tmp_path):
+def test_soak_random_sigkills(tmp_path, reference):
     seed = harness_seed()
     print(f"crash soak seed {seed} (pin with JAXCKPT_CRASH_SEED={seed})")
-    run_harness(tmp_path, soak_trials or 300, seed)
+    run_harness(tmp_path, soak_trials or 300, seed, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(0)
+@pytest.mark.skipif(not soak_enabled, reason="soak: set JAXCKPT_SOAK=1 or JAXCKPT_SOAK_TRIALS=N")
+def test_soak_random_sigkills_incremental(tmp_path, reference):
+    seed = harness_seed()
+    print(f"incremental crash soak seed {seed} (pin with JAXCKPT_CRASH_SEED={seed})")
+    run_harness(tmp_path, soak_trials or 1000, seed, reference, incremental=True)
