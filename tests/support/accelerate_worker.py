@@ -12,8 +12,10 @@ to ``OUT`` (safetensors).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
+import threading
 
 import torch
 from accelerate import Accelerator
@@ -31,6 +33,9 @@ def main() -> None:
     parser.add_argument("root")
     parser.add_argument("out")
     parser.add_argument("--hold-s", type=float, default=0.0)
+    # "C:S": before printing STEP S, wait until the save of step C has committed, so that a
+    # kill at STEP S finds it committed however slow the machine's background write is.
+    parser.add_argument("--await-commit", default=None)
     args = parser.parse_args()
     set_seed(0)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
@@ -49,9 +54,15 @@ def main() -> None:
     if args.hold_s:
         from support.held_writes import hold_async_writes
         hold_async_writes(backend, args.hold_s)
+    committed: dict[int, threading.Event] = collections.defaultdict(threading.Event)
+    awaited = tuple(int(n) for n in args.await_commit.split(":")) if args.await_commit else None
+
+    def on_report(report) -> None:
+        print(f"COMMITTED {report.step}", flush=True)
+        committed[report.step].set()
+
     with DcpCheckpointManager(args.root, recover=RecoverConfig(every=Every(steps=3)),
-                              mode="async", backend=backend,
-                              on_report=lambda r: print(f"COMMITTED {r.step}", flush=True)) as mgr:
+                              mode="async", backend=backend, on_report=on_report) as mgr:
         recovered = mgr.recover(state)
         info = recovered.step_info.next() if recovered else StepInfo(0, 0, 0, len(loader))
         print(f"START {info.global_step}", flush=True)
@@ -67,6 +78,8 @@ def main() -> None:
                 print(f"LOSS {info.global_step} {loss.item().hex()}", flush=True)
                 if mgr.maybe_save(info, state):
                     print(f"SAVED {info.global_step}", flush=True)
+                if awaited is not None and info.global_step == awaited[1]:
+                    assert committed[awaited[0]].wait(120), f"step {awaited[0]} never committed"
                 print(f"STEP {info.global_step}", flush=True)
                 info = info.next()
                 if info.global_step >= STEPS:

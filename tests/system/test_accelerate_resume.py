@@ -49,10 +49,10 @@ def _losses(workers: list[Worker]) -> dict[str, str]:
 def test_sigkilled_accelerate_loop_resumes_bit_exactly(tmp_path):
     reference = _run(tmp_path / "reference", tmp_path / "reference.safetensors")
     root, out = tmp_path / "run", tmp_path / "run.safetensors"
-    chain = [
-        _run(root, out, kill_at=_after("COMMITTED 2", "STEP 4")),      # mid-epoch
-        _run(root, out, kill_at=_after("COMMITTED 5", "STEP 5")),      # at the epoch end
-        _run(root, out, "--hold-s", "5", kill_at="SAVED 8"),           # save 8 in flight
+    chain = [  # mid-epoch; at the epoch end; with save 8 in flight
+        _run(root, out, "--await-commit", "2:4", kill_at=_after("COMMITTED 2", "STEP 4")),
+        _run(root, out, "--await-commit", "5:5", kill_at=_after("COMMITTED 5", "STEP 5")),
+        _run(root, out, "--hold-s", "5", kill_at="SAVED 8"),
     ]
     chain.append(_run(root, out))
     assert [worker.tagged("START") for worker in chain] == [["0"], ["3"], ["6"], ["6"]]

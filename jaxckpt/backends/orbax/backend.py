@@ -358,17 +358,22 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         """Wait for every write in flight (its outcome stays on its handle). Caller holds
         ``self._lock``."""
         queued, self._queued = self._queued, []
+        # A write's own error belongs to whoever waits on its handle; a KeyboardInterrupt
+        # (or SystemExit) raised in this thread while it waits is the user's, and goes on.
         for handle in queued:
-            with contextlib.suppress(BaseException):
-                handle.wait()  # noqa: BLE001 - the error belongs to whoever waits on it
+            with contextlib.suppress(Exception):
+                handle.wait()
         pending, self._pending = self._pending, None
         if pending is None:
             return
         error: BaseException | None = None
         try:
             self._async.wait_until_finished()
-        except BaseException as raised:  # noqa: BLE001 - handed to whoever waits on it
+        except Exception as raised:  # noqa: BLE001 - handed to whoever waits on it
             error = raised
+        except BaseException as raised:
+            error = raised
+            raise
         finally:
             pending.record_outcome(error)
 
