@@ -38,6 +38,9 @@ LOOP = textwrap.dedent("""
     from jaxckpt import CheckpointManager, Every, RecoverConfig, StepInfo
     from jaxckpt.backends.orbax.backend import OrbaxBackend
 
+    # A parent started in the background (nohup, `&`) leaves SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: put Python's own back, as a terminal run has it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     root, opts = sys.argv[1], json.loads(sys.argv[2])
     if opts.get("attempts"):
         with open(opts["attempts"], "a") as log:

@@ -358,24 +358,20 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         """Wait for every write in flight (its outcome stays on its handle). Caller holds
         ``self._lock``."""
         queued, self._queued = self._queued, []
-        # A write's own error belongs to whoever waits on its handle; a KeyboardInterrupt
-        # (or SystemExit) raised in this thread while it waits is the user's, and goes on.
+        # A write's error is its handle's; a KeyboardInterrupt raised here is the user's.
         for handle in queued:
             with contextlib.suppress(Exception):
                 handle.wait()
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        error: BaseException | None = None
-        try:
-            self._async.wait_until_finished()
-        except Exception as raised:  # noqa: BLE001 - handed to whoever waits on it
-            error = raised
-        except BaseException as raised:
-            error = raised
-            raise
-        finally:
-            pending.record_outcome(error)
+        if pending is not None:
+            try:
+                self._async.wait_until_finished()
+            except BaseException as raised:
+                pending.record_outcome(raised)
+                if not isinstance(raised, Exception):
+                    raise
+            else:
+                pending.record_outcome(None)
 
     def close(self) -> None:
         """Wait for an in-flight write (its error stays on its handle) and release Orbax's
