@@ -865,3 +865,25 @@ def test_native_save_and_restore_never_import_orbax(tmp_path: pathlib.Path) -> N
     assert [f["imported"] for f in found] == [[], []]
     assert found[1]["w"] == [float(i + 1) for i in range(8)]
     assert found[1]["x"] == [[1.0] * 4] * 3
+
+
+def test_tree_json_lines_are_json_dumps_of_each_entry() -> None:
+    """tree.json's lines for plain arrays are put together by hand (fast with many leaves):
+    the text is json.dumps' own, escapes, offsets and empty shapes included."""
+    from jaxckpt.backends.orbax.tree import SavedLeaf, tree_json_text
+
+    entries = [
+        SavedLeaf(path="['a']['é\"\\\n\u2028']", name="pack_000000", kind="array", shape=(),
+                  dtype="float32", offset=0),
+        SavedLeaf(path="['w']", name="leaf_000001", kind="array", shape=(3, 4),
+                  dtype="bfloat16"),
+        SavedLeaf(path="['k']", name="leaf_000002", kind="key", shape=(2,), dtype="key<fry>",
+                  impl="threefry2x32", data_shape=(2, 2), data_dtype="uint32"),
+        SavedLeaf(path="['s']", name="pack_000000", kind="scalar", shape=(), dtype="int64",
+                  python_type="int", offset=7)]
+    text = tree_json_text(entries, [{"name": "pack_000000", "dtype": "float32", "size": 8}])
+    lines = text.split("\n")
+    start = lines.index(' "leaves": [') + 1
+    assert [line.strip().rstrip(",") for line in lines[start:start + len(entries)]] == \
+        [json.dumps(entry.to_json()) for entry in entries]
+    assert [SavedLeaf.from_json(e) for e in json.loads(text)["leaves"]] == entries
