@@ -5,8 +5,11 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pathlib
 import resource
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from jaxckpt.errors import (
     TreeMismatchError,
 )
 
+from support.harness import repo_env
 from support.two_processes import jax_worker, run_two_workers
 
 
@@ -826,3 +830,60 @@ def test_bad_leaves_raise_as_before_whatever_was_cached(fresh_backend, plan_buil
                 fresh_backend.write(str(tmp_path / label), state, asynchronous=True)
         assert not (tmp_path / label).exists()
     assert len(plan_builds) == 1 + 2 * len(bad)
+
+
+#: A fresh process: an incremental native save of two steps (``argv[2] == "save"``) or a
+#: restore by a new manager; prints whether Orbax or TensorStore was imported, and the state.
+_FRESH_PROCESS = """
+import json, sys
+import jax, jax.numpy as jnp, jaxckpt
+state = {"w": jnp.arange(8.0), "b": {"x": jnp.ones((3, 4), jnp.bfloat16)}}
+config = jaxckpt.RecoverConfig(incremental=True)
+with jaxckpt.CheckpointManager(sys.argv[1], preemption_signals=(), mode="sync",
+                               recover=config) as manager:
+    if sys.argv[2] == "save":
+        manager.save(jaxckpt.StepInfo(0, 1, 1), state).wait()
+        state["w"] = state["w"] + 1
+        manager.save(jaxckpt.StepInfo(0, 2, 2), state).wait()
+    else:
+        state = manager.restore(like=jax.tree.map(jnp.zeros_like, state)).state
+print(json.dumps({"imported": sorted(name for name in ("orbax.checkpoint", "tensorstore")
+                                     if name in sys.modules),
+                  "w": state["w"].tolist(), "x": state["b"]["x"].astype(float).tolist()}))
+"""
+
+
+def test_native_save_and_restore_never_import_orbax(tmp_path: pathlib.Path) -> None:
+    """A restarted process that saves (incrementally) or restores natively imports neither
+    orbax.checkpoint nor TensorStore: importing them is a large share of its time back to
+    training."""
+    found = []
+    for action in ("save", "restore"):
+        done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(tmp_path), action],
+                              env=repo_env(), capture_output=True, text=True, check=True)
+        found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [f["imported"] for f in found] == [[], []]
+    assert found[1]["w"] == [float(i + 1) for i in range(8)]
+    assert found[1]["x"] == [[1.0] * 4] * 3
+
+
+def test_tree_json_lines_are_json_dumps_of_each_entry() -> None:
+    """tree.json's lines for plain arrays are put together by hand (fast with many leaves):
+    the text is json.dumps' own, escapes, offsets and empty shapes included."""
+    from jaxckpt.backends.orbax.tree import SavedLeaf, tree_json_text
+
+    entries = [
+        SavedLeaf(path="['a']['é\"\\\n\u2028']", name="pack_000000", kind="array", shape=(),
+                  dtype="float32", offset=0),
+        SavedLeaf(path="['w']", name="leaf_000001", kind="array", shape=(3, 4),
+                  dtype="bfloat16"),
+        SavedLeaf(path="['k']", name="leaf_000002", kind="key", shape=(2,), dtype="key<fry>",
+                  impl="threefry2x32", data_shape=(2, 2), data_dtype="uint32"),
+        SavedLeaf(path="['s']", name="pack_000000", kind="scalar", shape=(), dtype="int64",
+                  python_type="int", offset=7)]
+    text = tree_json_text(entries, [{"name": "pack_000000", "dtype": "float32", "size": 8}])
+    lines = text.split("\n")
+    start = lines.index(' "leaves": [') + 1
+    assert [line.strip().rstrip(",") for line in lines[start:start + len(entries)]] == \
+        [json.dumps(entry.to_json()) for entry in entries]
+    assert [SavedLeaf.from_json(e) for e in json.loads(text)["leaves"]] == entries

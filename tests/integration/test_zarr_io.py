@@ -870,7 +870,7 @@ def test_parse_grid_takes_a_regular_grid_that_divides_the_shape_only():
 def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
     """An array Orbax wrote from shards (a grid of chunk files, as several processes write
     it) is read by zarr_io, every chunk file claimed and checksummed, bit for bit."""
-    from jaxckpt.backends.orbax.read import read_native
+    from jaxckpt.backends.orbax.read import ToDevice, read_native
 
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
@@ -885,8 +885,8 @@ def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
     assert grid is not None and grid[3] != grid[0]  # several chunks
     claims, offered = offer_chunks(tmp_path)
     assert len(offered) == 8
-    restore_args = {"leaf_000000": ocp.ArrayRestoreArgs(sharding=sharding, global_shape=(8, 6),
-                                                        dtype=value.dtype)}
+    restore_args = {"leaf_000000": ToDevice(sharding=sharding, global_shape=(8, 6),
+                                            dtype=value.dtype)}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         restored = read_native(str(tmp_path / "arrays"), restore_args,
                                claims, pool=pool, files=LocalArrayFiles(direct=True))
@@ -897,7 +897,7 @@ def test_orbaxs_sharded_array_is_read_natively_chunk_by_chunk(tmp_path):
 
 
 def test_a_missing_chunk_file_of_a_grid_is_a_damaged_checkpoint(tmp_path):
-    from jaxckpt.backends.orbax.read import read_native, unreadable_is_corrupt
+    from jaxckpt.backends.orbax.read import TO_HOST, read_native, unreadable_is_corrupt
 
     arrays = tmp_path / "arrays"
     (arrays / "leaf_000000/c/0").mkdir(parents=True)
@@ -905,7 +905,7 @@ def test_a_missing_chunk_file_of_a_grid_is_a_damaged_checkpoint(tmp_path):
         zarr_format.metadata_text((4, 2), "int32", chunk_shape=(2, 2)))
     chunk_io.write_chunk(str(arrays / "leaf_000000/c/0/0"), np.zeros((2, 2), np.int32),
                         algorithm=ALGORITHM)
-    restore_args = {"leaf_000000": ocp.RestoreArgs(restore_type=np.ndarray)}
+    restore_args = {"leaf_000000": TO_HOST}
     with concurrent.futures.ThreadPoolExecutor(2) as pool, \
             pytest.raises(CheckpointCorruptError, match="cannot be read"), \
             unreadable_is_corrupt(str(tmp_path)):

@@ -11,6 +11,7 @@ import pytest
 
 from jaxckpt.tools import cli
 from jaxckpt.tools.bench import BenchConfig, BenchResult, _Target, format_table, held
+from jaxckpt.tools.bench.rows_back import BACK_PHASES
 
 from support.harness import Worker, repo_env, run_all
 from support.two_processes import free_port
@@ -29,6 +30,9 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
                 "many_jx_restore", "many_orbax_save", "train_plain", "train_ckpt"]
     jax_rows += ["lv_save_0", "lv_save_1", "lv_save_2", "lv_restore_0", "lv_restore_1",
                  "lv_restore_2", "first_import", "first_save", "second_save", "first_restore"]
+    # Each leaf count's fresh process (issue 33: the first save and restore of many leaves).
+    jax_rows += [f"{key}_{name}" for key in ("first_save", "second_save", "first_restore")
+                 for name in ("few", "many")]
     for key in jax_rows:
         assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
         assert rows[key]["spread_s"][0] <= rows[key]["median_s"] <= rows[key]["spread_s"][1]
@@ -54,6 +58,21 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
             target = targets[f"{count} leaves {kind} / {counts[0]} leaves, same bytes"]
             assert target["value"] > 0 and target["met_with_margin"] in (True, False)
             assert target["spread"][0] <= target["value"] <= target["spread"][1]
+    for kind in ("save", "restore"):
+        name = f"fresh process: {counts[2]} leaves first {kind} / {counts[0]} leaves, same bytes"
+        assert targets[name]["value"] > 0 and targets[name]["limit"] == 2.0, name
+    # The "back" section: a fresh process per library from its start to its first jitted
+    # step after the restore, split into phases that add up to the whole; the read floor of
+    # the same bytes beside them (issue 33, time back to training).
+    for who in ("jaxckpt", "orbax"):
+        phases = [rows[f"back_{who}_{key}"]["median_s"] for key, _ in BACK_PHASES]
+        assert all(seconds is not None and seconds >= 0 for seconds in phases), who
+        assert sum(phases) == pytest.approx(rows[f"back_{who}_total"]["median_s"], rel=1e-6)
+    assert rows["back_floor"]["median_s"] > 0
+    for name, limit in (("jaxckpt restart / Orbax restart, whole process", 0.8),
+                        ("jaxckpt restore phase / raw read of its files", 1.2)):
+        target = targets[f"back to training: {name}"]
+        assert target["value"] > 0 and target["limit"] == limit, name
     for name in ("DcpCheckpointManager sync save throughput / dcp.save",
                  "DcpCheckpointManager restore throughput / dcp.load"):
         assert name in targets

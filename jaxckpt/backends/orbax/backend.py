@@ -32,8 +32,10 @@ from jaxckpt.core.extras import requires_extra
 
 with requires_extra("jax", "jaxckpt's Orbax backend (a CheckpointManager without backend=)"):
     import jax
-    import orbax.checkpoint as ocp
+    import orbax
     from etils import epath
+
+    del orbax  # imported whole only where Orbax writes or reads (``_orbax``)
 
 from jaxckpt.backends.base import BackendFeatures, IncrementalBase
 from jaxckpt.backends.orbax import (
@@ -101,6 +103,28 @@ def _library_versions() -> dict[str, str]:
 
 
 
+def _new_checkpointer(options: OrbaxOptions, kind: str) -> Any:
+    """Orbax's "sync", "async" or "background" checkpointer (Orbax imported here: a native
+    save or restore never needs one, and importing Orbax costs a restarted process a large
+    share of its restore). Separate ones: a background write may still be busy while the
+    sync one writes or reads on the caller's thread; "background" is used only by the
+    backend's writer thread."""
+    import orbax.checkpoint as ocp
+
+    handler = ocp.PyTreeCheckpointHandler(**options.handler_options,
+                                          type_handler_registry=type_handler_registry())
+    if kind == "async":
+        return ocp.AsyncCheckpointer(handler, timeout_secs=options.async_timeout_s)
+    return ocp.Checkpointer(handler)
+
+
+def _tree_save(arrays: dict[str, Any]) -> Any:
+    """Orbax's save arguments for a flat dict of arrays (Orbax imported here, not before)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.args.PyTreeSave(item=arrays)
+
+
 def _started(pool: concurrent.futures.ThreadPoolExecutor | None, workers: int,
              prefix: str) -> concurrent.futures.ThreadPoolExecutor:
     """``pool``, or a new pool of ``workers`` threads named ``prefix`` when there is none."""
@@ -160,22 +184,19 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         self._host_buffers = HostBuffers(reuse=reuse_host_buffers)
         # Write plans of recent layouts, most recently used first: (key, plan); see _plan_for.
         self._plans: list[tuple[tuple[Any, ...], WritePlan]] = []
-        registry = type_handler_registry()
-
-        def handler() -> ocp.PyTreeCheckpointHandler:
-            return ocp.PyTreeCheckpointHandler(**self.options.handler_options,
-                                               type_handler_registry=registry)
-
-        # Separate checkpointers: a background write may still be busy while the sync one
-        # writes or reads on the caller's thread.
-        self._async = ocp.AsyncCheckpointer(handler(), timeout_secs=async_timeout_s)
-        self._sync = ocp.Checkpointer(handler())
-        self._background = ocp.Checkpointer(handler())  # used only by self._writer's thread
+        # Orbax's checkpointers by kind, made at their first use (``_new_checkpointer``).
+        self._checkpointers: dict[str, Any] = {}
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._pending: OrbaxWriteHandle | None = None  # Orbax's async write, multi-process
         self._queued: list[OrbaxWriteHandle] = []  # writer-thread writes not known done
         self._remote: StorageArrayFiles | None = None  # attach_storage: an object-store root
+
+    def _orbax(self, kind: str) -> Any:
+        """Orbax's "sync", "async" or "background" checkpointer, made at its first use."""
+        if kind not in self._checkpointers:
+            self._checkpointers[kind] = _new_checkpointer(self.options, kind)
+        return self._checkpointers[kind]
 
     # ------------------------------------------------------------- features and facts
 
@@ -281,12 +302,12 @@ class OrbaxBackend(orbax_process.ProcessFacts):
                                          alongside=bool(arrays) and native is not None)
             if not arrays:  # Orbax refuses an empty tree; tree.json alone describes it.
                 return OrbaxWriteHandle(directory, nbytes)
-            save_args = None if native else ocp.args.PyTreeSave(item=arrays)
+            save_args = None if native else _tree_save(arrays)
             if not asynchronous:
                 if native:
                     return OrbaxWriteHandle(directory, nbytes, checksums=native(root),
                                             reuse=reuse)
-                self._sync.save(root / ARRAYS_DIR, args=save_args)
+                self._orbax("sync").save(root / ARRAYS_DIR, args=save_args)
                 return OrbaxWriteHandle(directory, nbytes)
             if local or native:
                 if self._writer is None:
@@ -303,7 +324,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
             else:
                 # Orbax's save() returns once the arrays are staged in host memory and
                 # continues writing in its own background thread.
-                self._async.save(root / ARRAYS_DIR, args=save_args)
+                self._orbax("async").save(root / ARRAYS_DIR, args=save_args)
                 handle = OrbaxWriteHandle(directory, nbytes, finish=self._finish)
                 self._pending = handle
             for slot in used:
@@ -321,7 +342,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         so a plain synchronous save on this thread writes the same files.
         """
         write_durably(root / TREE_FILE, tree_json)
-        self._background.save(root / ARRAYS_DIR, args=save_args)
+        self._orbax("background").save(root / ARRAYS_DIR, args=save_args)
 
     def attach_storage(self, storage: Storage) -> None:
         """Write and read URLs of ``storage`` (an object-store root) natively through it."""
@@ -365,7 +386,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         pending, self._pending = self._pending, None
         if pending is not None:
             try:
-                self._async.wait_until_finished()
+                self._orbax("async").wait_until_finished()
             except BaseException as raised:
                 pending.record_outcome(raised)
                 if not isinstance(raised, Exception):
@@ -387,9 +408,8 @@ class OrbaxBackend(orbax_process.ProcessFacts):
                 if pool is not None:
                     pool.shutdown(wait=True)
             self._io_pool = self._read_pool = None
-            self._async.close()
-            self._sync.close()
-            self._background.close()
+            for checkpointer in self._checkpointers.values():
+                checkpointer.close()
 
     # -------------------------------------------------------------------------- read
 
@@ -495,7 +515,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
             if restored is None and files is not None and files is self._remote:
                 orbax_remote.refuse_foreign(directory)
             if restored is None:
-                restored = self._sync.restore(
+                restored = self._orbax("sync").restore(
                     arrays_dir, args=orbax_read.restore_request(restore_args, partial))
         return restored
 

@@ -28,6 +28,7 @@ from jaxckpt.backends.orbax.tree import (
     bytes_of,
     check_int64,
     classify_leaf,
+    dtype_name as name_of_dtype,
     tree_json_text,
 )
 
@@ -74,7 +75,7 @@ def plan_packs(candidates: list[tuple[int, np.dtype, int]],
     """
     by_dtype: dict[str, list[tuple[int, np.dtype, int]]] = {}
     for candidate in candidates:
-        by_dtype.setdefault(candidate[1].name, []).append(candidate)
+        by_dtype.setdefault(name_of_dtype(candidate[1]), []).append(candidate)
     packs: Packs = {}
     placements: dict[int, tuple[str, int]] = {}
     for dtype_name, members in by_dtype.items():

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jaxckpt.backends.orbax.tree import is_key_dtype
 
@@ -36,6 +35,8 @@ def barrier(name: str, timeout_s: float) -> None:
     """
     if jax.process_count() == 1:
         return
+    import orbax.checkpoint as ocp
+
     timeout_ms = max(1, int(timeout_s * 1000))
     if ocp.multihost.is_jax_distributed_client_initialized():
         ocp.multihost.get_barrier_sync_fn()(key=f"jaxckpt/{name}", timeout_ms=timeout_ms)
@@ -49,6 +50,8 @@ def broadcast_int(value: int, *, timeout_s: float) -> int:
     ``timeout_s``. A collective: all processes call it, in the same order."""
     if jax.process_count() == 1:
         return int(value)
+    import orbax.checkpoint as ocp
+
     if not ocp.multihost.is_jax_distributed_client_initialized():
         # Device collective fallback; values go through a jax array (int32 unless x64).
         from jax.experimental import multihost_utils

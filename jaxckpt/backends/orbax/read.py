@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from math import prod
@@ -23,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt.backends.orbax import chunk_io, zarr_format
@@ -44,8 +44,8 @@ from jaxckpt.storage.buffers import aligned_empty
 if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import DeferredChecks
 
-__all__ = ["Shardings", "arrays_dir", "restore_args_for", "limit_claims", "restore_request",
-           "read_native", "Unpacker", "to_like_leaves"]
+__all__ = ["TO_HOST", "Shardings", "ToDevice", "arrays_dir", "restore_args_for", "limit_claims",
+           "restore_request", "read_native", "Unpacker", "to_like_leaves"]
 
 
 def key_data_sharding(sharding: jax.sharding.Sharding, key_ndim: int,
@@ -91,6 +91,21 @@ class Shardings:
         return data_sharding
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToDevice:
+    """A stored array to read and place on ``sharding`` (Orbax's ``ArrayRestoreArgs``
+    when Orbax reads it: ``restore_request``)."""
+
+    sharding: jax.sharding.Sharding
+    global_shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+#: A stored array read into host memory and left there (Orbax's ``RestoreArgs`` with a
+#: numpy restore type).
+TO_HOST = "host"
+
+
 def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf],
                      shardings: Shardings) -> tuple[dict[str, Any],
                                                     dict[str, jax.sharding.Sharding]]:
@@ -100,7 +115,7 @@ def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLe
     packs are read."""
     restore_args: dict[str, Any] = {}
     placements: dict[str, jax.sharding.Sharding] = {}
-    to_host = ocp.RestoreArgs(restore_type=np.ndarray)
+    to_host = TO_HOST
     for path, target in targets:
         entry = saved[path]
         if entry.offset is not None:  # packed: its pack comes to the host, read once
@@ -115,9 +130,9 @@ def restore_args_for(targets: list[tuple[str, Target]], saved: dict[str, SavedLe
             continue
         sharding = placements[path] = shardings.of(path, target, entry)
         if not entry.as_bytes:
-            restore_args[entry.name] = ocp.ArrayRestoreArgs(
-                sharding=sharding, global_shape=entry.stored_shape,
-                dtype=entry.stored_dtype)
+            restore_args[entry.name] = ToDevice(sharding=sharding,
+                                                global_shape=tuple(entry.stored_shape),
+                                                dtype=entry.stored_dtype)
     return restore_args, placements
 
 
@@ -143,9 +158,11 @@ def limit_claims(claims: DeferredChecks | None, directory: str, arrays: epath.Pa
         return
     # Object stores hold only what the native writer wrote (never OCDBT), and Orbax's own
     # check cannot open a URL (it would want s3fs).
-    if (arrays is not None and "://" not in os.fspath(arrays)
-            and ocp.type_handlers.is_ocdbt_checkpoint(arrays)):
-        return
+    if arrays is not None and "://" not in os.fspath(arrays):
+        import orbax.checkpoint as ocp
+
+        if ocp.type_handlers.is_ocdbt_checkpoint(arrays):
+            return
     claims.limit(directory, [] if arrays is None
                  else [os.fspath(arrays / name) for name in restore_args])
 
@@ -169,11 +186,18 @@ def unreadable_is_corrupt(directory: str) -> Iterator[None]:
 
 def restore_request(restore_args: dict[str, Any], partial: bool) -> Any:
     """Orbax's restore arguments for ``restore_args``; with ``partial`` the saved arrays
-    outside them are left unread (Orbax otherwise insists on the whole saved tree)."""
+    outside them are left unread (Orbax otherwise insists on the whole saved tree). Orbax
+    is imported here: a native read never needs it."""
+    import orbax.checkpoint as ocp
+
+    asked = {name: ocp.ArrayRestoreArgs(sharding=args.sharding, global_shape=args.global_shape,
+                                        dtype=args.dtype)
+             if isinstance(args, ToDevice) else ocp.RestoreArgs(restore_type=np.ndarray)
+             for name, args in restore_args.items()}
     if not partial:
-        return ocp.args.PyTreeRestore(restore_args=restore_args)
-    return ocp.args.PyTreeRestore(item=dict.fromkeys(restore_args, 0),
-                                  restore_args=restore_args, partial_restore=True)
+        return ocp.args.PyTreeRestore(restore_args=asked)
+    return ocp.args.PyTreeRestore(item=dict.fromkeys(asked, 0), restore_args=asked,
+                                  partial_restore=True)
 
 
 _ChunkJob = tuple[str, str, tuple[int, ...], np.dtype, int, "tuple[slice, ...] | None"]
@@ -192,7 +216,7 @@ def _chunk_jobs(base: str, restore_args: dict[str, Any], parsed_metadata: list[A
         if parsed is None:
             return None
         shape, dtype, offset, chunk_shape = parsed
-        if isinstance(args, ocp.ArrayRestoreArgs) and (
+        if isinstance(args, ToDevice) and (
                 tuple(args.global_shape) != shape or np.dtype(args.dtype) != dtype):
             return None
         if chunk_shape == shape:
@@ -296,8 +320,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
             name, data = future.result()
             if data is not None:
                 arrays[name] = data
-                if on_host is not None and not isinstance(restore_args[name],
-                                                          ocp.ArrayRestoreArgs):
+                if on_host is not None and not isinstance(restore_args[name], ToDevice):
                     on_host(name, data)
     finally:
         for future in futures:  # after a failure: the reads not started yet never start
@@ -311,7 +334,7 @@ def _placed(restore_args: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict
     restored: dict[str, Any] = {}
     placed: list[tuple[str, np.ndarray, Any]] = []
     for name, args in restore_args.items():
-        if isinstance(args, ocp.ArrayRestoreArgs):
+        if isinstance(args, ToDevice):
             placed.append((name, arrays[name], args.sharding))
         else:
             restored[name] = arrays[name]

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt.backends.orbax import zarr_format
@@ -290,6 +289,8 @@ def type_handler_registry() -> Any:
     jax.Arrays, or the caller's arrays during a write that finishes before write() returns
     (sync). A second copy would only double the staging time and the host memory.
     """
+    import orbax.checkpoint as ocp
+
     return ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
         (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),

@@ -3,8 +3,8 @@
 The package's modules, by concept: ``config`` (``BenchConfig``, ``SECTIONS``), ``results``
 (rows, targets, ``BenchResult``, the one table formatter), ``timing`` and ``states`` (how a
 row is timed, the synthetic states), ``rows`` (the runner and the JAX rows), ``rows_torch``,
-``rows_hf_torch``, ``rows_leaves``, ``rows_incremental``, ``training``, ``local``,
-``multiprocess``, ``floors``;
+``rows_hf_torch``, ``rows_leaves``, ``rows_incremental``, ``rows_back``, ``training``,
+``local``, ``multiprocess``, ``floors``;
 ``scale`` (``--scale``), ``remote`` and ``dcp_remote`` (object stores). This module re-exports what
 the CLI, the tests and ``benchmarks/experiments`` use.
 

@@ -14,11 +14,11 @@ from typing import Any
 __all__ = ["SECTIONS", "BenchConfig"]
 
 #: Groups of rows; ``BenchConfig.sections`` picks a subset. "first" and "leaves" are
-#: in ``rows_leaves``, "torch" and "hf" in ``rows_torch`` (the transformers model's "hf" rows
-#: in ``rows_hf_torch``), "train" in ``training``,
-#: "incremental" in ``rows_incremental``;
+#: in ``rows_leaves``, "back" (whole restarted processes) in ``rows_back``, "torch" and
+#: "hf" in ``rows_torch`` (the transformers model's "hf" rows in ``rows_hf_torch``),
+#: "train" in ``training``, "incremental" in ``rows_incremental``;
 #: ``jaxckpt bench --scale`` is ``scale``.
-SECTIONS = ("jax", "many", "leaves", "first", "torch", "hf", "train", "memory", "aux",
+SECTIONS = ("jax", "many", "leaves", "first", "back", "torch", "hf", "train", "memory", "aux",
             "local", "multiprocess", "incremental")
 
 _MiB = 1 << 20

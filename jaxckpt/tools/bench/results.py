@@ -21,6 +21,7 @@ from typing import Any
 
 from .config import BenchConfig, _MiB
 from .local import LOCAL_ROWS, LOCAL_TARGETS
+from .rows_back import BACK_PHASES
 from .rows_incremental import INCREMENTAL_ROWS, INCREMENTAL_TARGETS
 
 __all__ = ["MARGIN", "BenchResult", "format_table", "held", "label_of", "report", "row_line",
@@ -54,6 +55,17 @@ class _Target:
     """Ratio of throughputs: denominator time / numerator time."""
     note: str = ""
 
+
+#: The "back" section's rows: each restarted process's whole time and its phases, then the
+#: raw read of jaxckpt's files (``rows_back``).
+BACK_ROWS: tuple[_Row, ...] = tuple(
+    _Row(key=f"back_{who}_{key}", label=f"restart with {name}: {what}", section="back",
+         nbytes_of="jax" if key == "restore" else None)
+    for who, name in (("jaxckpt", "jaxckpt"), ("orbax", "Orbax"))
+    for key, what in (("total", "process start to first step done"), *(
+        (key, f"  {what}") for key, what in BACK_PHASES))) + (
+    _Row(key="back_floor", label="restart: raw read of jaxckpt's files (floor)",
+         section="back", nbytes_of="jax"),)
 
 _ROWS: tuple[_Row, ...] = (
     _Row(key="copy", label="host copy of the state, fresh buffers (staging floor)",
@@ -133,6 +145,12 @@ _ROWS: tuple[_Row, ...] = (
          section="first", nbytes_of="jax"),
     _Row(key="first_restore", label="fresh process: first restore (new manager)",
          section="first", nbytes_of="jax"),
+    *(_Row(key=f"{key}_{name}", label=f"fresh process, {what}: {row}", section="first",
+           nbytes_of="leaves")
+      for name, what in (("few", "{0} leaves ({mb} MiB)"), ("many", "{2} leaves, same bytes"))
+      for key, row in (("first_save", "first save"), ("second_save", "second save"),
+                       ("first_restore", "first restore (new manager)"))),
+    *BACK_ROWS,
     _Row(key="torch_save", label="torch.save + fsync", section="torch", nbytes_of="torch"),
     _Row(key="dcp_save", label="dcp.save", section="torch", nbytes_of="torch"),
     _Row(key="dcp_blocking", label="dcp.async_save: blocking", section="torch"),
@@ -223,6 +241,18 @@ _TARGETS: tuple[_Target, ...] = (
             denominator="lv_restore_0", op="<=", limit=1.5),
     _Target(label="{2} leaves restore / {0} leaves, same bytes", numerator="lv_restore_2",
             denominator="lv_restore_0", op="<=", limit=2.0),
+    _Target(label="fresh process: {2} leaves first save / {0} leaves, same bytes",
+            numerator="first_save_many", denominator="first_save_few", op="<=", limit=2.0,
+            note="each in a fresh process: manager made, sync save committed"),
+    _Target(label="fresh process: {2} leaves first restore / {0} leaves, same bytes",
+            numerator="first_restore_many", denominator="first_restore_few", op="<=",
+            limit=2.0, note="a new manager after the saves, in the same process"),
+    _Target(label="back to training: jaxckpt restart / Orbax restart, whole process",
+            numerator="back_jaxckpt_total", denominator="back_orbax_total", op="<=",
+            limit=0.8, note="process start to first step done, both restoring the state"),
+    _Target(label="back to training: jaxckpt restore phase / raw read of its files",
+            numerator="back_jaxckpt_restore", denominator="back_floor", op="<=", limit=1.2,
+            note="manager made, checkpoint found, read, verified, on the device"),
     _Target(label="DcpCheckpointManager blocking / dcp.async_save blocking",
             numerator="dcpm_blocking", denominator="dcp_blocking", op="<=", limit=1.1),
     _Target(label="DcpCheckpointManager sync save throughput / dcp.save",

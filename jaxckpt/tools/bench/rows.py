@@ -47,6 +47,7 @@ from .floors import (
 )
 from .local import local_tier_rows
 from .results import BenchResult
+from .rows_back import back_rows
 from .rows_hf_dcp import row_export_hf_dcp
 from .rows_hf_torch import _TorchHFRows
 from .rows_incremental import incremental_checks, incremental_rows
@@ -393,7 +394,9 @@ def run_bench(config: BenchConfig, *, log: Callable[[str], None] | None = None) 
                 if "leaves" in sections:
                     bench_rows_leaves.leaves_rows(bench, round_index)
                 if "first" in sections:
-                    bench_rows_leaves.first_save_rows(bench)
+                    bench_rows_leaves.first_save_rows(bench, round_index)
+                if "back" in sections:
+                    back_rows(bench)
                 if "torch" in sections:
                     torch_rows.torch_rows()
                 if "hf" in sections:

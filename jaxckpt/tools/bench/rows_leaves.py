@@ -9,7 +9,8 @@ Owns two groups of rows of ``jaxckpt.tools.bench``:
 - "first": the first save in a fresh Python process (importing jax and jaxckpt, making the
   manager, thread pools, buffers, the directory tree, jax's first host transfers), then
   the second save the same way, then the first restore by a new manager; one fresh
-  process per round.
+  process per round for the main state, and one each for the fewest and the most leaves
+  of ``leaf_counts`` at equal bytes (what a fresh process pays per leaf).
 
 Must not import: torch. jax and jaxckpt's backend are imported inside the functions (the
 child process imports them itself, and times it).
@@ -61,8 +62,11 @@ def leaves_rows(bench: Any, round_index: int) -> None:
         bench.result.add(f"lv_restore_{index}", _timed(restore))
 
 
-def first_save_rows(bench: Any) -> None:
-    """One round of the "first" rows: a fresh process saves twice and restores once."""
+def first_save_rows(bench: Any, round_index: int) -> None:
+    """One round of the "first" rows: a fresh process saves the main state twice and
+    restores it once; then, taking turns (the order flips every round), one fresh process
+    for the fewest and one for the most leaves of ``leaf_counts`` at ``leaves_mb``, each
+    saving twice and restoring once the same way."""
     config = bench.config
     job = {"size_mb": config.size_mb, "leaves": config.leaves,
            "root": bench.fresh("first-save"), "cold": bench.cold}
@@ -70,6 +74,15 @@ def first_save_rows(bench: Any) -> None:
     found = _in_fresh_process(job)
     for key in ("first_import", "first_save", "second_save", "first_restore"):
         bench.result.add(key, found[key])
+    runs = [("few", config.leaf_counts[0]), ("many", config.leaf_counts[2])]
+    for name, count in runs[::-1] if round_index % 2 else runs:
+        job = {"size_mb": config.leaves_mb, "leaves": count, "root": bench.fresh("first-leaves"),
+               "cold": bench.cold}
+        _settle()
+        found = _in_fresh_process(job)
+        bench.result.nbytes["leaves"] = found["nbytes"]
+        for key in ("first_save", "second_save", "first_restore"):
+            bench.result.add(f"{key}_{name}", found[key])
 
 
 def _in_fresh_process(job: dict[str, Any]) -> dict[str, float]:
@@ -113,6 +126,7 @@ def _first_save_worker() -> None:
     imported = time.perf_counter() - started
     state = _jax_state([np.array(a) for a in arrays])
     jax.block_until_ready(state)
+    nbytes = sum(int(a.nbytes) for a in arrays)
     del data, arrays
 
     def manager() -> Any:
@@ -120,7 +134,7 @@ def _first_save_worker() -> None:
                                          recover=jaxckpt.RecoverConfig(keep_last_n=1),
                                          mode="sync", preemption_signals=())
 
-    times = {"first_import": imported}
+    times = {"first_import": imported, "nbytes": nbytes}
     started = time.perf_counter()
     saver = manager()
     saver.save(jaxckpt.StepInfo(0, 1, 1), state).wait()  # committed
