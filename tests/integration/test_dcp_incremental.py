@@ -21,6 +21,7 @@ from jaxckpt import CheckpointCorruptError, Every, RecoverConfig, StepInfo  # no
 from jaxckpt.backends.base import IncrementalBase  # noqa: E402
 from jaxckpt.commit.store import CheckpointStore  # noqa: E402
 from jaxckpt.core.layout import STATE_DIR, ref_key, step_dirname  # noqa: E402
+from jaxckpt.tools import cli  # noqa: E402
 from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
 from torch_bridge.dcp.incremental import CONTENT_FILE  # noqa: E402
 from torch_bridge.dcp.saved_tensors import SavedTensors  # noqa: E402
@@ -332,7 +333,8 @@ def counted(monkeypatch):
     return total
 
 
-def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp_path, counted):
+def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp_path, counted,
+                                                                             capsys):
     model, optimizer = lora_run()
     root = str(tmp_path / "run")
     config = RecoverConfig(incremental=True, keep_last_n=2, keep_every=Every(steps=5))
@@ -375,3 +377,11 @@ def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp
         mgr.restore({"model": alone}, step=kept[-1], partial=True)
         assert {k: v for k, v in snapshot(alone, torch.optim.SGD([torch.zeros(1)])).items()
                 } == {k: v for k, v in saved[kept[-1]].items() if k.startswith("model/")}
+    # info --tree says, per tensor, whether this checkpoint stores it or which step does.
+    assert cli.main(["info", store.step_path(kept[-1]), "--tree"]) == 0
+    table = {line.split()[0]: line.rstrip() for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("model/", "optimizer/"))}
+    frozen_keys = [key for key, line in table.items() if "referenced from step 0" in line]
+    assert frozen_keys and all("lora" not in key for key in frozen_keys), table
+    assert all(line.endswith("stored") for key, line in table.items()
+               if "lora_" in key), table
