@@ -385,3 +385,37 @@ def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp
     assert frozen_keys and all("lora" not in key for key in frozen_keys), table
     assert all(line.endswith("stored") for key, line in table.items()
                if "lora_" in key), table
+
+
+def test_a_flipped_bit_in_a_referenced_data_file_fails_verify_and_restore_up_front(tmp_path):
+    """Steps 2 and 3 refer to step 1's data file for the frozen layer: a bit flipped there
+    is named by ``verify`` of each of them, and a restore of step 3 refuses before it
+    reads a tensor into the model."""
+    root = str(tmp_path / "run")
+    model, optimizer = frozen_model()
+    config = RecoverConfig(incremental=True, keep_last_n=5)
+    with DcpCheckpointManager(root, recover=config) as mgr:
+        for step in (1, 2, 3):
+            train(model, optimizer, step)
+            mgr.save(StepInfo(0, step, step, None), {"model": model, "optimizer": optimizer},
+                     mode="sync")
+    store = CheckpointStore(root)
+    key = ref_key(1, "state/__0_0.distcp")
+    assert all(key in store.read_manifest(store.step_path(step)).refs for step in (2, 3))
+    records = json.loads(open(os.path.join(store.step_path(1), STATE_DIR, CONTENT_FILE),
+                              "rb").read())["records"]
+    (frozen,) = [r for r in records if r["fqn"] == "model/0.weight"]
+    with open(os.path.join(store.recover_dir, key), "r+b") as handle:
+        handle.seek(frozen["offset"] + frozen["length"] // 2)
+        byte = handle.read(1)
+        handle.seek(frozen["offset"] + frozen["length"] // 2)
+        handle.write(bytes([byte[0] ^ 0x04]))
+    for step in (2, 3):
+        (problem,) = store.verify(store.step_path(step))
+        assert f"{key} (referenced from step 1)" in problem and "contents altered" in problem
+    fresh, fresh_optimizer = frozen_model(seed=9)
+    before = bitwise(fresh, fresh_optimizer)
+    with DcpCheckpointManager(root, recover=config) as mgr, \
+            pytest.raises(CheckpointCorruptError, match="referenced from step 1"):
+        mgr.restore({"model": fresh, "optimizer": fresh_optimizer}, step=3)
+    assert bitwise(fresh, fresh_optimizer) == before  # nothing was read into the model
