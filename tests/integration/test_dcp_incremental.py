@@ -194,6 +194,35 @@ def test_a_changed_tensor_and_a_missing_base_file_are_written_again(first):
         backend.close()
 
 
+def test_a_changed_tensor_is_written_at_once_unless_its_probe_matches(first):
+    """The frozen weight changes in one element between the probe's windows: its probe
+    equals the base's, so it waits for its full hash and goes to a data file of its own
+    (``__0_h0.distcp``); the bias changes where the probe sees it and is written at once
+    (``__0_0.distcp``); the untouched layer is referred to. All read back bitwise."""
+    root, model, optimizer, base = first
+    with torch.no_grad():
+        model[0].weight.view(-1)[500] += 1.0  # bytes 2000..2003: between windows 0 and 1
+        model[0].bias[0] += 1.0
+    expected = bitwise(model, optimizer)
+    directory = os.path.join(base.recover_dir, step_dirname(2), STATE_DIR)
+    backend = DcpBackend()
+    try:
+        handle = backend.write(directory, {"model": model, "optimizer": optimizer},
+                               asynchronous=False, base=base)
+        records = json.loads(open(os.path.join(directory, CONTENT_FILE), "rb").read())
+        paths = {r["fqn"]: r["path"] for r in records["records"]}
+        assert paths["model/0.weight"] == "__0_h0.distcp"
+        assert paths["model/0.bias"] == "__0_0.distcp"
+        assert paths["model/2.weight"] == "../../" + ref_key(1, "state/__0_0.distcp")
+        fresh, fresh_optimizer = frozen_model(seed=5)
+        train(fresh, fresh_optimizer, 0)
+        backend.read(directory, {"model": fresh, "optimizer": fresh_optimizer},
+                     references=handle.references)
+        assert bitwise(fresh, fresh_optimizer) == expected
+    finally:
+        backend.close()
+
+
 def test_on_an_object_store_records_point_into_the_earlier_object():
     pytest.importorskip("moto")
     from support.s3_server import moto_s3
