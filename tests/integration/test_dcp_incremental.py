@@ -148,7 +148,7 @@ def test_an_unchanged_tensor_is_referred_to_and_reads_back_bitwise(first, asynch
 def committed_like(handle, base, directory, *, step: int) -> IncrementalBase:
     """The IncrementalBase the manager would build from the checkpoint ``handle`` wrote."""
     files = {ref_key(step, f"{STATE_DIR}/{rel}"): entry for rel, entry in handle.checksums.items()}
-    files.update(handle.references)
+    files.update(handle.references or {})
     return IncrementalBase(step=step, directory=directory, recover_dir=base.recover_dir,
                            files=files)
 
@@ -448,3 +448,25 @@ def test_a_flipped_bit_in_a_referenced_data_file_fails_verify_and_restore_up_fro
             pytest.raises(CheckpointCorruptError, match="referenced from step 1"):
         mgr.restore({"model": fresh, "optimizer": fresh_optimizer}, step=3)
     assert bitwise(fresh, fresh_optimizer) == before  # nothing was read into the model
+
+
+def test_a_strided_tensor_is_hashed_without_a_probe_and_still_kept(tmp_path):
+    """A tensor not in one piece (a transposed view) is copied by the hashing thread, gets
+    no probe, and is still found unchanged by its hash at the next save."""
+    recover = str(tmp_path / "recover")
+    weight = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    state = {"m": {"t": weight.t(), "b": torch.ones(8)}}
+    base = IncrementalBase(step=-1, directory="", recover_dir=recover, files={})
+    backend = DcpBackend()
+    try:
+        first_dir = os.path.join(recover, step_dirname(1), STATE_DIR)
+        handle = backend.write(first_dir, state, asynchronous=False, base=base)
+        records = json.loads(open(os.path.join(first_dir, CONTENT_FILE), "rb").read())
+        probes = {r["fqn"]: r["probe"] for r in records["records"]}
+        assert probes["m/t"] is None and isinstance(probes["m/b"], str)
+        second = committed_like(handle, base, first_dir, step=1)
+        handle2 = backend.write(os.path.join(recover, step_dirname(2), STATE_DIR), state,
+                                asynchronous=False, base=second)
+        assert set(handle2.references) == {ref_key(1, "state/__0_0.distcp")}
+    finally:
+        backend.close()

@@ -184,6 +184,14 @@ def _probe(data: Any) -> str:
     return running.hexdigest()
 
 
+def _hash_item(data: Any, item: Any, planner: Any) -> str:
+    """The content hash of a write item: of ``data`` (its bytes) when given, else of its
+    tensor resolved here (a copy, on the hashing thread)."""
+    if data is None:
+        data = _tensor_bytes(planner.resolve_data(item))
+    return content_hash([data])
+
+
 def _norm(path: str) -> str:
     return path.rstrip("/") if "://" in path else os.path.abspath(path)
 
@@ -225,24 +233,29 @@ class Incremental:
             if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                 split.now.append(item)
                 continue
-            data = _tensor_bytes(planner.resolve_data(item))
+            tensor = planner.resolve_data(item)
+            # A CPU tensor in one piece is read in place; any other (on a device, strided)
+            # is copied by the hashing thread that needs it, never all at once here.
+            data = _tensor_bytes(tensor) if tensor.device.type == "cpu" \
+                and tensor.is_contiguous() else None
             chunk = item.tensor_data.chunk
             fact = {"fqn": item.index.fqn, "offsets": [int(o) for o in chunk.offsets],
                     "sizes": [int(s) for s in chunk.sizes],
                     "shape": [int(s) for s in item.tensor_data.size],
                     "dtype": _dtype_name(item.tensor_data.properties.dtype),
-                    _PROBE_NAME: _probe(data)}
+                    _PROBE_NAME: None if data is None else _probe(data)}
             index_key = _index_key(fact["fqn"], fact["offsets"])
             split.facts[index_key] = fact
             saved = None if self.base is None else self.base.records.get(index_key)
+            hashed = split.pool.submit(_hash_item, data, item, planner)
             if saved is None or (saved.sizes, saved.shape, saved.dtype) != (
                     tuple(fact["sizes"]), tuple(fact["shape"]), fact["dtype"]) or (
-                    saved.probe is not None and saved.probe != fact[_PROBE_NAME]):
+                    None not in (saved.probe, fact[_PROBE_NAME])
+                    and saved.probe != fact[_PROBE_NAME]):
                 split.now.append(item)
-                split.hashes.append((fact, None, split.pool.submit(content_hash, [data])))
+                split.hashes.append((fact, None, hashed))
             else:
-                split.hashes.append((fact, (item, saved), split.pool.submit(content_hash,
-                                                                              [data])))
+                split.hashes.append((fact, (item, saved), hashed))
         return split
 
 
