@@ -427,8 +427,10 @@ def _info_checkpoint(path: str, opts: argparse.Namespace, store: Any = None) -> 
     except (OSError, ValueError, AttributeError, CheckpointError) as exc:
         info["driver_error"] = f"{DRIVER_FILE}: {exc}"
     _add_leaves(info, path, store.storage)
-    _add_data_owners(info.get("leaves") or [],
-                     manifest if info.get("backend") != "dcp" else None)
+    if info.get("backend") == "dcp":
+        _add_dcp_owners(info.get("leaves") or [], path, store.storage, manifest)
+    else:
+        _add_data_owners(info.get("leaves") or [], manifest)
     if opts.json:
         print(json.dumps(info, indent=1, default=str))
     else:
@@ -494,6 +496,46 @@ def _add_data_owners(leaves: list[dict], manifest: Any) -> None:
         steps = sorted(owners.get(name, ()))
         where = "referenced from step " + ", ".join(map(str, steps)) if steps else "stored"
         leaf["data"] = f"{where} (partly stored)" if steps and name in own else where
+
+
+# torch_bridge's per-checkpoint record of where each DCP tensor record lies (its
+# torch_bridge.dcp.incremental.CONTENT_FILE; read here as JSON, without importing torch).
+_DCP_CONTENT_FILE = "content.json"
+
+
+def _add_dcp_owners(leaves: list[dict], path: str, storage: Any, manifest: Any) -> None:
+    """Where each DCP tensor's data lives (``"data"``), for a checkpoint that refers to files
+    of earlier ones: from ``content.json``, whose records name either a data file of this
+    checkpoint or ``../../step_N/state/<file>`` of an earlier one. A checkpoint without
+    refs, or without a readable record, gets no column."""
+    import json
+    import posixpath
+
+    from jaxckpt.core.layout import STATE_DIR, parse_ref_key
+
+    if manifest is None or not manifest.refs or not leaves:
+        return
+    rel_dir = f"{os.path.basename(path.rstrip('/'))}/{STATE_DIR}"
+    try:
+        body = json.loads(storage.read(os.path.join(path, STATE_DIR, _DCP_CONTENT_FILE)))
+        records = body["records"]
+        owners: dict[str, set[int]] = {}
+        for record in records:
+            relative = str(record["path"])
+            parsed = parse_ref_key(posixpath.normpath(f"{rel_dir}/{relative}")) \
+                if "/" in relative else None
+            owners.setdefault(str(record["fqn"]), set()).add(
+                -1 if parsed is None else parsed[0])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    for leaf in leaves:
+        found = owners.get(leaf["path"])
+        if not found:
+            continue
+        earlier = sorted(step for step in found if step >= 0)
+        where = "referenced from step " + ", ".join(map(str, earlier)) if earlier \
+            else "stored"
+        leaf["data"] = f"{where} (partly stored)" if earlier and -1 in found else where
 
 
 def _add_dcp_tensors(info: dict, state_dir: str, storage: Any) -> None:

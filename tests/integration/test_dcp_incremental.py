@@ -21,6 +21,7 @@ from jaxckpt import CheckpointCorruptError, Every, RecoverConfig, StepInfo  # no
 from jaxckpt.backends.base import IncrementalBase  # noqa: E402
 from jaxckpt.commit.store import CheckpointStore  # noqa: E402
 from jaxckpt.core.layout import STATE_DIR, ref_key, step_dirname  # noqa: E402
+from jaxckpt.tools import cli  # noqa: E402
 from torch_bridge import DcpBackend, DcpCheckpointManager  # noqa: E402
 from torch_bridge.dcp.incremental import CONTENT_FILE  # noqa: E402
 from torch_bridge.dcp.saved_tensors import SavedTensors  # noqa: E402
@@ -147,7 +148,7 @@ def test_an_unchanged_tensor_is_referred_to_and_reads_back_bitwise(first, asynch
 def committed_like(handle, base, directory, *, step: int) -> IncrementalBase:
     """The IncrementalBase the manager would build from the checkpoint ``handle`` wrote."""
     files = {ref_key(step, f"{STATE_DIR}/{rel}"): entry for rel, entry in handle.checksums.items()}
-    files.update(handle.references)
+    files.update(handle.references or {})
     return IncrementalBase(step=step, directory=directory, recover_dir=base.recover_dir,
                            files=files)
 
@@ -189,6 +190,35 @@ def test_a_changed_tensor_and_a_missing_base_file_are_written_again(first):
                                 {"model": model, "optimizer": optimizer},
                                 asynchronous=False, base=gone)
         assert handle2.references is None
+    finally:
+        backend.close()
+
+
+def test_a_changed_tensor_is_written_at_once_unless_its_probe_matches(first):
+    """The frozen weight changes in one element between the probe's windows: its probe
+    equals the base's, so it waits for its full hash and goes to a data file of its own
+    (``__0_h0.distcp``); the bias changes where the probe sees it and is written at once
+    (``__0_0.distcp``); the untouched layer is referred to. All read back bitwise."""
+    root, model, optimizer, base = first
+    with torch.no_grad():
+        model[0].weight.view(-1)[500] += 1.0  # bytes 2000..2003: between windows 0 and 1
+        model[0].bias[0] += 1.0
+    expected = bitwise(model, optimizer)
+    directory = os.path.join(base.recover_dir, step_dirname(2), STATE_DIR)
+    backend = DcpBackend()
+    try:
+        handle = backend.write(directory, {"model": model, "optimizer": optimizer},
+                               asynchronous=False, base=base)
+        records = json.loads(open(os.path.join(directory, CONTENT_FILE), "rb").read())
+        paths = {r["fqn"]: r["path"] for r in records["records"]}
+        assert paths["model/0.weight"] == "__0_h0.distcp"
+        assert paths["model/0.bias"] == "__0_0.distcp"
+        assert paths["model/2.weight"] == "../../" + ref_key(1, "state/__0_0.distcp")
+        fresh, fresh_optimizer = frozen_model(seed=5)
+        train(fresh, fresh_optimizer, 0)
+        backend.read(directory, {"model": fresh, "optimizer": fresh_optimizer},
+                     references=handle.references)
+        assert bitwise(fresh, fresh_optimizer) == expected
     finally:
         backend.close()
 
@@ -332,7 +362,8 @@ def counted(monkeypatch):
     return total
 
 
-def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp_path, counted):
+def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp_path, counted,
+                                                                             capsys):
     model, optimizer = lora_run()
     root = str(tmp_path / "run")
     config = RecoverConfig(incremental=True, keep_last_n=2, keep_every=Every(steps=5))
@@ -375,3 +406,67 @@ def test_a_lora_run_writes_only_the_adapter_and_keeps_every_checkpoint_whole(tmp
         mgr.restore({"model": alone}, step=kept[-1], partial=True)
         assert {k: v for k, v in snapshot(alone, torch.optim.SGD([torch.zeros(1)])).items()
                 } == {k: v for k, v in saved[kept[-1]].items() if k.startswith("model/")}
+    # info --tree says, per tensor, whether this checkpoint stores it or which step does.
+    assert cli.main(["info", store.step_path(kept[-1]), "--tree"]) == 0
+    table = {line.split()[0]: line.rstrip() for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("model/", "optimizer/"))}
+    frozen_keys = [key for key, line in table.items() if "referenced from step 0" in line]
+    assert frozen_keys and all("lora" not in key for key in frozen_keys), table
+    assert all(line.endswith("stored") for key, line in table.items()
+               if "lora_" in key), table
+
+
+def test_a_flipped_bit_in_a_referenced_data_file_fails_verify_and_restore_up_front(tmp_path):
+    """Steps 2 and 3 refer to step 1's data file for the frozen layer: a bit flipped there
+    is named by ``verify`` of each of them, and a restore of step 3 refuses before it
+    reads a tensor into the model."""
+    root = str(tmp_path / "run")
+    model, optimizer = frozen_model()
+    config = RecoverConfig(incremental=True, keep_last_n=5)
+    with DcpCheckpointManager(root, recover=config) as mgr:
+        for step in (1, 2, 3):
+            train(model, optimizer, step)
+            mgr.save(StepInfo(0, step, step, None), {"model": model, "optimizer": optimizer},
+                     mode="sync")
+    store = CheckpointStore(root)
+    key = ref_key(1, "state/__0_0.distcp")
+    assert all(key in store.read_manifest(store.step_path(step)).refs for step in (2, 3))
+    records = json.loads(open(os.path.join(store.step_path(1), STATE_DIR, CONTENT_FILE),
+                              "rb").read())["records"]
+    (frozen,) = [r for r in records if r["fqn"] == "model/0.weight"]
+    with open(os.path.join(store.recover_dir, key), "r+b") as handle:
+        handle.seek(frozen["offset"] + frozen["length"] // 2)
+        byte = handle.read(1)
+        handle.seek(frozen["offset"] + frozen["length"] // 2)
+        handle.write(bytes([byte[0] ^ 0x04]))
+    for step in (2, 3):
+        (problem,) = store.verify(store.step_path(step))
+        assert f"{key} (referenced from step 1)" in problem and "contents altered" in problem
+    fresh, fresh_optimizer = frozen_model(seed=9)
+    before = bitwise(fresh, fresh_optimizer)
+    with DcpCheckpointManager(root, recover=config) as mgr, \
+            pytest.raises(CheckpointCorruptError, match="referenced from step 1"):
+        mgr.restore({"model": fresh, "optimizer": fresh_optimizer}, step=3)
+    assert bitwise(fresh, fresh_optimizer) == before  # nothing was read into the model
+
+
+def test_a_strided_tensor_is_hashed_without_a_probe_and_still_kept(tmp_path):
+    """A tensor not in one piece (a transposed view) is copied by the hashing thread, gets
+    no probe, and is still found unchanged by its hash at the next save."""
+    recover = str(tmp_path / "recover")
+    weight = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    state = {"m": {"t": weight.t(), "b": torch.ones(8)}}
+    base = IncrementalBase(step=-1, directory="", recover_dir=recover, files={})
+    backend = DcpBackend()
+    try:
+        first_dir = os.path.join(recover, step_dirname(1), STATE_DIR)
+        handle = backend.write(first_dir, state, asynchronous=False, base=base)
+        records = json.loads(open(os.path.join(first_dir, CONTENT_FILE), "rb").read())
+        probes = {r["fqn"]: r["probe"] for r in records["records"]}
+        assert probes["m/t"] is None and isinstance(probes["m/b"], str)
+        second = committed_like(handle, base, first_dir, step=1)
+        handle2 = backend.write(os.path.join(recover, step_dirname(2), STATE_DIR), state,
+                                asynchronous=False, base=second)
+        assert set(handle2.references) == {ref_key(1, "state/__0_0.distcp")}
+    finally:
+        backend.close()

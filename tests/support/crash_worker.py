@@ -37,6 +37,13 @@ of step S, from inside (a kill by the harness at a stdout line lands some time a
 ``uploading`` once the first array object of S is stored (the others are still being
 written), ``marker`` when the commit, every file uploaded and checksummed and the manifest
 built, is about to create the marker (nothing of it sent). It announces ``DYING P S`` first.
+Two points land inside retention of incremental checkpoints, at the first such removal
+of the run (``--kill-step`` is not used; S in ``DYING`` is the step removed), with
+``--kill-fraction F`` (0 to 1) placing it: ``retire`` while a step that later checkpoints
+still refer to is retired (F < 0.2: right after its ``RETIRED`` marker is written, its
+``COMMITTED`` still there; else once that fraction of its unreferenced files is deleted),
+``purge`` while a retired step is tidied or purged once its referrers went (that fraction
+of the files it deletes gone).
 
 Log file: one JSON line per finished step, ``{"step": n, "loss": float.hex(loss)}``.
 """
@@ -50,6 +57,7 @@ import random
 import re
 import signal
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -127,6 +135,58 @@ def install_kill(mgr: Any, point: str, step: int) -> None:
             create(path, data)
 
         storage.create = dying_create
+
+
+def install_retention_kill(mgr: Any, point: str, fraction: float) -> None:
+    """SIGKILL this process inside retention (``retire`` or ``purge``: module docstring), by
+    wrapping ``jaxckpt.commit.retire``'s ``sweep`` (purge) and file deletion, and the root
+    storage's ``write`` and ``delete_prefix``."""
+    from jaxckpt.commit import retire
+
+    storage = mgr.store.storage
+    sweeping = threading.local()
+
+    def in_sweep() -> bool:
+        return bool(getattr(sweeping, "on", False))
+
+    def die(path: str) -> None:
+        match = re.search(r"step_(\d+)", path)
+        emit(f"DYING {point} {int(match.group(1)) if match else -1}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    sweep, delete_files = retire.sweep, retire._delete_files
+    write, delete_prefix = storage.write, storage.delete_prefix
+
+    def watched_sweep(*args: Any, **kwargs: Any) -> Any:
+        sweeping.on = True
+        try:
+            return sweep(*args, **kwargs)
+        finally:
+            sweeping.on = False
+
+    def dying_delete_files(store: Any, path: str, rels: tuple[str, ...]) -> None:
+        if (point == "purge") == in_sweep():
+            cut = int(len(rels) * fraction)
+            delete_files(store, path, rels[:cut])
+            die(path)
+        delete_files(store, path, rels)
+
+    def dying_write(path: str, data: Any) -> None:
+        write(path, data)
+        if point == "retire" and fraction < 0.2 and path.endswith("/RETIRED") \
+                and not in_sweep():
+            die(path)
+
+    def dying_delete_prefix(path: str) -> Any:
+        if point == "purge" and in_sweep():
+            files = sorted(storage.list_files(path))
+            for rel in files[:int(len(files) * fraction)]:
+                storage.delete(os.path.join(path, *rel.split("/")))
+            die(path)
+        return delete_prefix(path)
+
+    retire.sweep, retire._delete_files = watched_sweep, dying_delete_files
+    storage.write, storage.delete_prefix = dying_write, dying_delete_prefix
 
 
 def build_state(seed: int, ballast: int, slow: int = 0) -> dict[str, Any]:
@@ -218,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-keep-last-n", type=int, default=1)
     parser.add_argument("--storage-options", type=json.loads, default=None,
                         help="JSON storage_options for a URL root (e.g. a short lease)")
-    parser.add_argument("--kill-point", choices=("uploading", "marker"), default=None)
+    parser.add_argument("--kill-point", choices=("uploading", "marker", "retire", "purge"),
+                        default=None)
     parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--kill-fraction", type=float, default=0.0)
     opts = parser.parse_args(argv)
 
     import jax
@@ -250,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         mode=opts.mode, backend=seam_backend(opts.incremental),
         on_report=lambda report: emit(f"REPORTED{tag(report)} {report.step}"),
         preemption_signals=(), storage_options=opts.storage_options)
-    if opts.kill_point is not None:
+    if opts.kill_point in ("retire", "purge"):
+        install_retention_kill(mgr, opts.kill_point, opts.kill_fraction)
+    elif opts.kill_point is not None:
         install_kill(mgr, opts.kill_point, opts.kill_step)
     with mgr, open(opts.log, "a") as log:
         recovered = mgr.recover(like, stateful={"loader": loader})

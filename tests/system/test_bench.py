@@ -98,16 +98,22 @@ def test_quick_bench_runs_every_row_and_reports_every_target(capsys, tmp_path):
     assert report["facts"]["local_tier"]["saves_tiered"]["local"] >= 1
     assert targets["durable save blocking with a local tier / without"]["value"] > 0
     # incremental=True against plain saves: the times, and the bytes through the writer.
-    for key in ("inc_plain", "inc_incr", "inc_all_plain", "inc_all_incr", "inc_incr_blocking"):
+    # The same for DcpCheckpointManager on torch copies of the same bytes, side by side.
+    for key in ("inc_plain", "inc_incr", "inc_all_plain", "inc_all_incr", "inc_incr_blocking",
+                "inc_dcp_plain", "inc_dcp_incr", "inc_dcp_all_plain", "inc_dcp_all_incr"):
         assert rows[key]["median_s"] is not None and rows[key]["median_s"] > 0, key
     for name in ("incremental save time / plain save, frozen + trained",
-                 "incremental save time / plain save, every leaf changed"):
+                 "incremental save time / plain save, every leaf changed",
+                 "DCP incremental save time / plain save, frozen + trained",
+                 "DCP incremental save time / plain save, every tensor changed"):
         assert targets[name]["value"] > 0, name
     written = report["facts"]["incremental"]
     trained = written["trained_mib"] / (written["trained_mib"] + written["frozen_mib"])
     # Only the trained part and the metadata are written again.
-    bytes_ratio = targets["incremental save bytes written / plain save, frozen + trained"]
-    assert trained < bytes_ratio["value"] < trained + 0.02
+    for what in ("", "DCP "):
+        bytes_ratio = targets[f"{what}incremental save bytes written / plain save, "
+                              "frozen + trained"]
+        assert trained < bytes_ratio["value"] < trained + 0.02, what
     assert not list(tmp_path.iterdir()), "the bench leaves no files behind"
 
 

@@ -28,7 +28,11 @@ tidies and purges the owners) are checked the same way, and also: every file a c
 manifest refers to is there with its size (``verify`` checks its checksum too), and after a
 manager start every retired directory holds only files a committed manifest refers to, and
 at least one (an unreferenced one is purged). A directory with both markers (killed
-mid-retire) counts as retired, not committed.
+mid-retire) counts as retired, not committed. Their plans add two windows inside
+retention, where the worker kills itself (``--kill-point retire|purge``): while a step
+still referred to is retired, and while a retired step is tidied or purged; the CI run
+(fixed seed) must land at least one kill inside retention (how many, and which, depends
+on timing; printed).
 
 Reproduce a failure with the printed seed: ``JAXCKPT_CRASH_SEED=<seed> pytest ...``. Soak:
 ``JAXCKPT_SOAK_TRIALS=500 pytest tests/system/test_crash_harness.py -k soak`` (or JAXCKPT_SOAK=1;
@@ -75,9 +79,16 @@ soak_trials = int(os.environ.get("JAXCKPT_SOAK_TRIALS") or 0)
 soak_enabled = bool(soak_trials) or os.environ.get("JAXCKPT_SOAK") == "1"
 
 
-def harness_seed() -> int:
+#: The incremental CI trials' seed (fixed: its plans put kills inside retire and purge).
+INCREMENTAL_SEED = 3205
+
+
+def harness_seed(fixed: int | None = None) -> int:
+    """``JAXCKPT_CRASH_SEED`` when set, else ``fixed``, else a random seed."""
     pinned = os.environ.get("JAXCKPT_CRASH_SEED")
-    return int(pinned) if pinned else random.SystemRandom().randrange(2**31)
+    if pinned:
+        return int(pinned)
+    return fixed if fixed is not None else random.SystemRandom().randrange(2**31)
 
 
 # ------------------------------------------------------------------------------ worker
@@ -90,8 +101,15 @@ class Plan:
     window: str
     after: str | None
     delay_s: float
+    inside: float | None = None
+    """Retention windows: the worker kills itself inside ``window`` (its ``--kill-point``)
+    with this ``--kill-fraction``; where none came by, the harness kills it ``delay_s``
+    after ``after`` (so the trial still ends in a kill, not a run to the end)."""
 
     def __str__(self) -> str:
+        if self.inside is not None:
+            return (f"{self.window}: from inside, fraction {self.inside:.2f} (else "
+                    f"{self.delay_s * 1e3:.1f} ms after {self.after!r})")
         where = f"after {self.after!r}" if self.after else "after spawn"
         return f"{self.window}: {self.delay_s * 1e3:.1f} ms {where}"
 
@@ -135,7 +153,9 @@ class Env:
              "--final", str(final), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
              "--keep-last-n", str(keep_last_n), "--mode", mode,
              "--ballast", str(self.ballast), "--slow", str(self.slow),
-             *(["--incremental"] if incremental else [])],
+             *(["--incremental"] if incremental else []),
+             *(["--kill-point", plan.window, "--kill-fraction", str(plan.inside)]
+               if plan is not None and plan.inside is not None else [])],
             env=self.env, timeout_s=SEGMENT_TIMEOUT_S)
         if plan is None:
             code = worker.run()
@@ -143,7 +163,8 @@ class Env:
             code = worker.run(kill_after_s=plan.delay_s)
         else:
             code = worker.run(kill_at=plan.after, delay_s=plan.delay_s)
-        return Segment(lines=worker.lines, killed=worker.killed and code == -signal.SIGKILL,
+        died = worker.killed or any(line.startswith("DYING ") for line in worker.lines)
+        return Segment(lines=worker.lines, killed=died and code == -signal.SIGKILL,
                        code=code, stderr=worker.stderr())
 
 
@@ -260,13 +281,23 @@ def check_references(root: Path, where: str, *, tidied: bool) -> int:
 # -------------------------------------------------------------------------- harness
 
 
-def random_plan(rng: random.Random, resume_from: int) -> Plan | None:
+#: Windows a kill is aimed at, by weight (listed again); incremental runs add the two
+#: inside retention, where the worker kills itself (a timed kill from outside rarely lands
+#: in a retire or purge).
+WINDOWS = ["startup", "between-saves", "staging", "background-write", "background-write",
+           "commit", "commit", "retention-delete"]
+INSIDE_RETENTION = ["retire", "purge", "purge"]
+
+
+def random_plan(rng: random.Random, resume_from: int, incremental: bool = False) -> Plan | None:
     ahead = [s for s in SAVE_STEPS if s > resume_from]
     if not ahead:
         return None
     target = rng.choice(ahead[:3])  # near saves: short segments, many trials
-    window = rng.choice(["startup", "between-saves", "staging", "background-write",
-                         "background-write", "commit", "commit", "retention-delete"])
+    window = rng.choice(WINDOWS + (INSIDE_RETENTION if incremental else []))
+    if window in INSIDE_RETENTION:  # a retire or purge follows one of the next saves
+        return Plan(window, f"REPORTED {ahead[min(2, len(ahead) - 1)]}", 0.05,
+                    inside=rng.random())
     if window == "startup":
         return Plan(window, None, rng.uniform(0.2, 1.5))
     if window == "between-saves":
@@ -366,7 +397,8 @@ def run_harness(tmp: Path, trials: int, seed: int, ref: Reference, *,
             index += 1
             before = committed(root)
             resume_from = before[-1] if before else -1
-            plan = random_plan(rng, resume_from) if done_trials < trials else None
+            plan = random_plan(rng, resume_from, incremental) if done_trials < trials \
+                else None
             mode = rng.choice(["sync", "async"])
             log = tmp / f"chain-{chain}-{index}.jsonl"
             final = tmp / f"chain-{chain}.npz"
@@ -397,7 +429,8 @@ def run_harness(tmp: Path, trials: int, seed: int, ref: Reference, *,
                 break
 
             done_trials += 1
-            window = classify(root)
+            dying = seg.tagged("DYING")
+            window = f"{dying[0].split()[0]}-inside" if dying else classify(root)
             hits[window] += 1
             history[-1] += f"->{window}"
             if done_trials % 2 == 0:
@@ -435,12 +468,14 @@ def test_random_sigkills_resume_bit_identical_and_never_restore_partial(tmp_path
 @pytest.mark.timeout(600)
 def test_random_sigkills_with_incremental_saves(tmp_path, reference):
     """The same with ``incremental=True``: kills in save, commit, retire and purge."""
-    seed = harness_seed()
+    seed = harness_seed(INCREMENTAL_SEED)
     print(f"incremental crash harness seed {seed} (pin with JAXCKPT_CRASH_SEED={seed})")
     started = time.monotonic()
     hits = run_harness(tmp_path, INCREMENTAL_TRIALS, seed, reference, incremental=True)
     print(f"incremental crash harness wall time {time.monotonic() - started:.1f} s")
     check_windows(hits, seed)
+    inside = sum(hits.get(w, 0) for w in ("retire-inside", "purge-inside"))
+    assert inside >= 1, f"no kill inside retire or purge (seed {seed}): {hits}"
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 

@@ -1,10 +1,13 @@
 """Incremental DCP saves: content hashes of every tensor record, and records kept in place.
 
 Owns: ``content.json`` (one per checkpoint, beside ``objects.json``: each tensor record's
-index, chunk, dtype, xxh3-128 of its bytes and where DCP stored it), the writer mixin that
-hashes each write item on DCP's writer thread and, given an ``IncrementalBase``, gives an
-unchanged item the base's storage record (the byte range of an earlier data file, named
-``../../<ref key>`` so that DCP's own reader finds it too) instead of writing it again,
+index, chunk, dtype, xxh3-128 of its bytes, a probe of a few windows of them, and where
+DCP stored it), the writer mixin that hashes each write item and, given an
+``IncrementalBase``, gives an unchanged item the base's storage record (the byte range of
+an earlier data file, named ``../../<ref key>`` so that DCP's own reader finds it too)
+instead of writing it again. An item that cannot be unchanged (no base record of its
+shape and dtype, or another probe) is written at once while it is hashed; only the others
+wait for their hash,
 and ``resolve_relative``, the reader's rule for where a record's bytes may come from (this
 checkpoint's own files, or a referenced key; anything else is corrupt).
 
@@ -25,6 +28,8 @@ import posixpath
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from jaxckpt.core.content_hash import HASH_NAME, content_hash, is_hash
 from jaxckpt.core.layout import parse_ref_key
 from jaxckpt.errors import CheckpointCorruptError
@@ -44,6 +49,16 @@ _DEPTH = 2
 _UP = "../" * _DEPTH
 #: threads hashing one rank's tensors (xxh3 runs near memory speed on each).
 _HASH_THREADS = 4
+#: a record's probe: xxh3-64 of this many windows of this many bytes, spread evenly (the
+#: whole tensor where it is no larger). Another probe proves the bytes changed; an equal
+#: one proves nothing (the full hash decides).
+_PROBE_WINDOWS = 64
+_PROBE_WINDOW = 256
+#: where a probe sits in a content.json record (absent in records written before it).
+_PROBE_NAME = "probe"
+#: what the data files of items written after their hash are called, after DCP's
+#: per-rank prefix (``__0_`` + this + a counter): never the name of a file written at once.
+_LATE_PREFIX = "h"
 
 
 def split_directory(directory: str) -> tuple[str, str]:
@@ -104,6 +119,7 @@ class _Saved:
     key: str
     offset: int
     length: int
+    probe: str | None
 
 
 class BaseContent:
@@ -134,7 +150,9 @@ class BaseContent:
                     sizes=tuple(int(s) for s in item["sizes"]),
                     shape=tuple(int(s) for s in item["shape"]), dtype=str(item["dtype"]),
                     digest=item[HASH_NAME], key=key, offset=int(item["offset"]),
-                    length=int(item["length"]))
+                    length=int(item["length"]),
+                    probe=item[_PROBE_NAME] if isinstance(item.get(_PROBE_NAME), str)
+                    else None)
         except (ValueError, KeyError, TypeError, AttributeError):
             return cls({}, files)
         return cls(records, files)
@@ -152,6 +170,28 @@ def _tensor_bytes(tensor: Any) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
+def _probe(data: Any) -> str:
+    """The probe of ``data`` (a flat uint8 array): xxh3-64 of ``_PROBE_WINDOWS`` windows of
+    ``_PROBE_WINDOW`` bytes, the first at the start and the last at the end."""
+    size = int(data.size)
+    if size <= _PROBE_WINDOWS * _PROBE_WINDOW:
+        return xxhash.xxh3_64_hexdigest(data)
+    running = xxhash.xxh3_64()
+    stride = (size - _PROBE_WINDOW) // (_PROBE_WINDOWS - 1)
+    for index in range(_PROBE_WINDOWS):
+        start = index * stride if index < _PROBE_WINDOWS - 1 else size - _PROBE_WINDOW
+        running.update(data[start:start + _PROBE_WINDOW])
+    return running.hexdigest()
+
+
+def _hash_item(data: Any, item: Any, planner: Any) -> str:
+    """The content hash of a write item: of ``data`` (its bytes) when given, else of its
+    tensor resolved here (a copy, on the hashing thread)."""
+    if data is None:
+        data = _tensor_bytes(planner.resolve_data(item))
+    return content_hash([data])
+
+
 def _norm(path: str) -> str:
     return path.rstrip("/") if "://" in path else os.path.abspath(path)
 
@@ -159,7 +199,7 @@ def _norm(path: str) -> str:
 class Incremental:
     """One incremental write into ``directory`` on ``base`` (an ``IncrementalBase``, maybe
     without files: the first save, which only records hashes): the base's records, read
-    by ``read_content(base directory)`` on the writer thread at the first ``decide`` (as
+    by ``read_content(base directory)`` on the writer thread at ``split`` (as
     is ``base.files``, which the manager lists on first use), and the references made."""
 
     def __init__(self, base: IncrementalBase, directory: str,
@@ -180,50 +220,88 @@ class Incremental:
             return None
         return BaseContent.parse(self._read_content(base.directory), base.directory, base.files)
 
-    def decide(self, items: list[Any], planner: Any) -> tuple[list[Any], list[Any],
-                                                               dict[str, dict[str, Any]]]:
-        """(items to write, results of the items kept in the base, facts of every tensor
-        item by index key), hashing the tensor items on a few threads (the hash releases
-        the GIL) while the calling thread (DCP's writer thread) waits."""
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    def split(self, items: list[Any], planner: Any) -> _Split:
+        """Start hashing the tensor items of ``items`` on a few threads (the hash releases
+        the GIL) and sort them: those that cannot be unchanged (no base record of their
+        chunk, shape and dtype, or another probe) are to be written now, alongside the
+        hashing; the rest wait for ``_Split.settle``."""
         from torch.distributed.checkpoint.planner import WriteItemType
-        from torch.distributed.checkpoint.storage import WriteResult
 
         self.base = self._load()
-        write, kept, facts = [], [], {}
-        tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO
-                        and item.tensor_data is not None]
-
-        def digest(item: Any) -> str:  # a staged tensor is hashed in place (no copy)
-            return content_hash([_tensor_bytes(planner.resolve_data(item))])
-
-        with concurrent.futures.ThreadPoolExecutor(_HASH_THREADS) as pool:
-            digests = dict(zip(map(id, tensor_items), pool.map(digest, tensor_items),
-                               strict=True))
+        split = _Split(self, planner)
         for item in items:
-            if id(item) not in digests:
-                write.append(item)
+            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                split.now.append(item)
                 continue
+            tensor = planner.resolve_data(item)
+            # A CPU tensor in one piece is read in place; any other (on a device, strided)
+            # is copied by the hashing thread that needs it, never all at once here.
+            data = _tensor_bytes(tensor) if tensor.device.type == "cpu" \
+                and tensor.is_contiguous() else None
             chunk = item.tensor_data.chunk
             fact = {"fqn": item.index.fqn, "offsets": [int(o) for o in chunk.offsets],
                     "sizes": [int(s) for s in chunk.sizes],
                     "shape": [int(s) for s in item.tensor_data.size],
                     "dtype": _dtype_name(item.tensor_data.properties.dtype),
-                    HASH_NAME: digests[id(item)]}
+                    _PROBE_NAME: None if data is None else _probe(data)}
             index_key = _index_key(fact["fqn"], fact["offsets"])
-            facts[index_key] = fact
+            split.facts[index_key] = fact
             saved = None if self.base is None else self.base.records.get(index_key)
-            if saved is None or (saved.sizes, saved.shape, saved.dtype, saved.digest) != (
-                    tuple(fact["sizes"]), tuple(fact["shape"]), fact["dtype"], fact[HASH_NAME]):
-                write.append(item)
-                continue
-            assert self.base is not None
-            self.references[saved.key] = dict(self.base.files[saved.key])
-            kept.append(WriteResult(index=item.index, size_in_bytes=saved.length,
-                                    storage_data=_StorageInfo(relative_path=_UP + saved.key,
-                                                              offset=saved.offset,
-                                                              length=saved.length)))
-        return write, kept, facts
+            hashed = split.pool.submit(_hash_item, data, item, planner)
+            if saved is None or (saved.sizes, saved.shape, saved.dtype) != (
+                    tuple(fact["sizes"]), tuple(fact["shape"]), fact["dtype"]) or (
+                    None not in (saved.probe, fact[_PROBE_NAME])
+                    and saved.probe != fact[_PROBE_NAME]):
+                split.now.append(item)
+                split.hashes.append((fact, None, hashed))
+            else:
+                split.hashes.append((fact, (item, saved), hashed))
+        return split
+
+
+class _Split:
+    """One rank's items of an incremental write, sorted by ``Incremental.split``: ``now``
+    (written at once), the hashes under way (with the base record of each item that may be
+    unchanged), ``facts`` by index key (each gets its hash in ``settle``)."""
+
+    def __init__(self, incremental: Incremental, planner: Any):
+        self.incremental = incremental
+        self.planner = planner
+        self.now: list[Any] = []
+        self.hashes: list[tuple[dict[str, Any], tuple[Any, _Saved] | None,
+                                concurrent.futures.Future[str]]] = []
+        self.facts: dict[str, dict[str, Any]] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(_HASH_THREADS,
+                                                          thread_name_prefix="jaxckpt-hash")
+
+    def settle(self) -> tuple[list[Any], list[Any]]:
+        """(items found changed, to write now; results of the items kept in the base),
+        once every hash is known (the facts then carry them)."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        later, kept = [], []
+        try:
+            for fact, candidate, future in self.hashes:
+                fact[HASH_NAME] = future.result()
+                if candidate is None:
+                    continue
+                item, saved = candidate
+                if saved.digest != fact[HASH_NAME]:
+                    later.append(item)
+                    continue
+                self.incremental.references[saved.key] = dict(
+                    self.incremental.base.files[saved.key])  # type: ignore[union-attr]
+                kept.append(WriteResult(index=item.index, size_in_bytes=saved.length,
+                                        storage_data=_StorageInfo(
+                                            relative_path=_UP + saved.key,
+                                            offset=saved.offset, length=saved.length)))
+        finally:
+            self.close()
+        return later, kept
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,12 +349,21 @@ def incremental_writer_class(writer_class: type) -> type:
         def write_data(self, plan: Any, planner: Any) -> Any:
             if getattr(self, "incremental", None) is None:  # not an incremental save
                 return super().write_data(plan, planner)
-            write, kept, facts = self.incremental.decide(list(plan.items), planner)
-            written = super().write_data(dataclasses.replace(plan, items=write),
-                                         planner).wait()
+            split = self.incremental.split(list(plan.items), planner)
+            try:
+                written = super().write_data(dataclasses.replace(plan, items=split.now),
+                                             planner).wait()
+                later, kept = split.settle()
+            finally:
+                split.close()
+            if later:
+                prefix = dataclasses.replace(
+                    plan.storage_data, prefix=plan.storage_data.prefix + _LATE_PREFIX)
+                written = [*written, *super().write_data(dataclasses.replace(
+                    plan, items=later, storage_data=prefix), planner).wait()]
             results = []
             for result in [*written, *kept]:
-                fact = facts.get(_index_key(result.index.fqn, result.index.offset or ()))
+                fact = split.facts.get(_index_key(result.index.fqn, result.index.offset or ()))
                 if fact is not None:
                     result = dataclasses.replace(result,
                                                  storage_data=_Hashed(result.storage_data, fact))

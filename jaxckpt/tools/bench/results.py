@@ -198,7 +198,7 @@ _ROWS: tuple[_Row, ...] = (
 ) + tuple(_Row(key=key, label=label, section="local") for key, label in LOCAL_ROWS) + tuple(
     _Row(key=key, label=label, section="incremental",
          nbytes_of=None if key.endswith("blocking") else
-         "incremental_all" if key.startswith("inc_all") else "incremental")
+         "incremental_all" if "_all_" in key else "incremental")
     for key, label in INCREMENTAL_ROWS)
 
 _TARGETS: tuple[_Target, ...] = (
