@@ -120,3 +120,90 @@ def test_without_a_base_nothing_is_hashed(backend, tmp_path):
     handle = backend.write(str(tmp_path / "plain"), state(0), asynchronous=False)
     assert handle.references is None
     assert all(HASH_NAME not in entry for entry in handle.checksums.values())
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """Bytes hashed by incremental writes, per call (the real hash, counted)."""
+    from jaxckpt.backends.orbax import incremental
+
+    calls: list[int] = []
+    real = incremental.content_hash
+
+    def counting(parts):
+        calls.append(sum(memoryview(part).nbytes for part in parts))
+        return real(parts)
+
+    monkeypatch.setattr(incremental, "content_hash", counting)
+    return calls
+
+
+def test_the_same_arrays_are_referred_to_without_reading_them(tmp_path, hashed):
+    backend = OrbaxBackend()  # its own: what it knows of earlier writes is per backend
+    try:
+        ckpts = Checkpoints(backend, str(tmp_path))
+        table = jnp.asarray(FROZEN)  # one object, kept across saves (a frozen subtree)
+
+        def kept(step):
+            return {**state(step), "frozen": {"table": table}}
+
+        ckpts.write(0, kept(0))
+        assert max(hashed) >= FROZEN.nbytes  # the first save hashes it once
+        hashed.clear()
+        second, written = ckpts.write(1, kept(1), base_step=0)
+        assert written < FROZEN.nbytes // 4
+        assert any("leaf_" in key for key in second.references)
+        assert max(hashed, default=0) < FROZEN.nbytes  # referred to without hashing it
+        hashed.clear()
+        # A base without the file (deleted by hand, quarantined): written again, and its
+        # hash, known from the object, is not computed again.
+        third, written = ckpts.write(2, kept(2), base_step=None)
+        assert written >= FROZEN.nbytes and not third.references
+        assert max(hashed, default=0) < FROZEN.nbytes
+        ours = {rel: entry for rel, entry in third.checksums.items() if "leaf_" in rel}
+        first = {rel: entry for rel, entry in ckpts.files[0].items() if "leaf_" in rel}
+        assert [e[HASH_NAME] for e in ours.values()] == [e[HASH_NAME] for e in first.values()]
+        hashed.clear()
+        # The same bytes in a new array: not known by identity, so hashed, then referred to.
+        fourth, written = ckpts.write(3, state(3), base_step=2)
+        assert max(hashed) >= FROZEN.nbytes and written < FROZEN.nbytes // 4
+        assert [key.split("/", 1)[0] for key in fourth.references if "leaf_" in key] == [
+            step_dirname(2)]
+        assert_same(backend.read(ckpts.directory(1), state(0),
+                                 references=second.references), kept(1))
+        assert_same(backend.read(ckpts.directory(3), state(0),
+                                 references=fourth.references), state(3))
+    finally:
+        backend.close()
+
+
+def test_a_file_that_changes_at_every_save_is_written_unhashed_then_probed(tmp_path):
+    from jaxckpt.backends.orbax.unchanged import HOT_AFTER, PROBE_EVERY
+
+    backend = OrbaxBackend()
+    try:
+        ckpts = Checkpoints(backend, str(tmp_path))
+
+        def big(step):  # the table changes at every save until step 6, then stays
+            return {"table": jnp.asarray(FROZEN + min(step, 6))}
+
+        def table_entry(handle):
+            return next(entry for rel, entry in handle.checksums.items() if "/c/" in rel)
+
+        hashes = []
+        for step in range(PROBE_EVERY + 3):
+            handle, _ = ckpts.write(step, big(step), base_step=step - 1 if step else None)
+            refers = bool(handle.references)
+            hashes.append("referred" if refers else HASH_NAME in table_entry(handle))
+        # Hashed while it might be unchanged; not once it changed HOT_AFTER times in a row;
+        # hashed again at the two probing writes (the PROBE_EVERY-th and the next), the
+        # second of which finds it unchanged (it stopped changing at step 6): referred to
+        # from then on.
+        assert hashes[:HOT_AFTER + 1] == [True] * (HOT_AFTER + 1)
+        assert hashes[HOT_AFTER + 1:PROBE_EVERY] == [False] * (PROBE_EVERY - HOT_AFTER - 1)
+        assert hashes[PROBE_EVERY:] == [True, "referred", "referred"]
+        last = PROBE_EVERY + 2
+        assert_same(backend.read(ckpts.directory(last), big(0),
+                                 references=ckpts.files[last]), big(last))
+    finally:
+        backend.close()

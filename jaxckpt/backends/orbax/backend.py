@@ -55,6 +55,7 @@ from jaxckpt.backends.orbax.plan import (
     layout_key,
 )
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, TREE_FILE, TREE_FORMAT, TREE_FORMAT_VERSION
+from jaxckpt.backends.orbax.unchanged import KnownHashes
 from jaxckpt.backends.orbax.write import (
     HostBuffers,
     OrbaxWriteHandle,
@@ -182,6 +183,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._read_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._host_buffers = HostBuffers(reuse=reuse_host_buffers)
+        self._known = KnownHashes()  # incremental writes: hashes known by array identity
         # Write plans of recent layouts, most recently used first: (key, plan); see _plan_for.
         self._plans: list[tuple[tuple[Any, ...], WritePlan]] = []
         # Orbax's checkpointers by kind, made at their first use (``_new_checkpointer``).
@@ -238,7 +240,8 @@ class OrbaxBackend(orbax_process.ProcessFacts):
             plan = self._plan_for(state, treedef, leaves, local)
             sources = plan.sources(leaves)
             reuse = None if base is None else Reuse(
-                base, plan.tree_json, lambda path: self._path(path).read_bytes())
+                base, plan.tree_json, lambda path: self._path(path).read_bytes(),
+                known=self._known, objects=plan.file_sources(sources) if local else None)
             return self._write_staged(directory, plan, sources, asynchronous=asynchronous,
                                       local=local, reuse=reuse)
 

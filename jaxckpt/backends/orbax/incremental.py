@@ -27,6 +27,7 @@ from jaxckpt.backends.base import IncrementalBase
 from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import ReadableFiles
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON, SavedLeaf, parse_leaves
+from jaxckpt.backends.orbax.unchanged import KnownHashes
 from jaxckpt.core.content_hash import HASH_NAME, content_hash
 from jaxckpt.core.layout import parse_ref_key
 from jaxckpt.core.tree_record import parse_tree_record
@@ -55,14 +56,21 @@ class Reuse:
             incremental save, which refers to nothing but records the content hashes).
         tree_json: the text of the tree.json this write records.
         read_small: reads a small file of the base (its tree.json, a zarr.json) by path.
+        known: the backend's ``unchanged.KnownHashes`` (a single-process native write), with
+            ``objects``: by storage name, the leaves whose bytes make up its chunk file. A
+            file of the very objects an earlier write hashed is decided without reading
+            its bytes (``carry``), and a file that changes at every save is not hashed.
 
     The base's tree.json is read once, by the first I/O thread that asks; a base whose
     metadata cannot be read is referred to for nothing (the data is written again).
     """
 
     def __init__(self, base: IncrementalBase, tree_json: str,
-                 read_small: Callable[[str], bytes]):
+                 read_small: Callable[[str], bytes], *, known: KnownHashes | None = None,
+                 objects: Mapping[str, tuple[Any, ...]] | None = None):
         self.base = base
+        self._known = known if objects is not None else None
+        self._objects = objects or {}
         self._tree_json = tree_json
         self._read_small = read_small
         self._lock = threading.Lock()
@@ -106,35 +114,88 @@ class Reuse:
         of the I/O threads that write the files)."""
         return _hashing_threads().submit(work, *args)
 
-    def consider(self, relative: str, array: np.ndarray, offset: int, *,
-                 zarr_json: str | None = None) -> tuple[int, str, bool]:
-        """Where the chunk file ``relative`` (below ``arrays/``) holding ``array`` puts its
-        bytes, the content hash of that file, and whether the base's file is used instead
-        of writing it. ``offset``: where this write would put them (``chunk_io.data_offset``,
-        which follows the array's address); where the base holds the file at another offset,
-        that one is taken, so that an array that moved in memory is still found equal.
-        ``zarr_json`` (a chunk of a grid, always at offset 0): the array's zarr.json text,
-        compared with the base's, as tree.json does not record the chunk shape."""
-        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    def _base_entry(self, relative: str) -> tuple[str | None, Mapping[str, Any] | None]:
+        """The base's key and manifest entry of the file at ``relative`` (below ``arrays/``),
+        where the base records the same leaves under its storage name; else (key, None)."""
         name = relative.split("/", 1)[0]
         with self._lock:
             if not self._ready:
                 self._prepare()
             key = self._keys.get(relative)
             entry = self.base.files[key] if key is not None and name in self._same else None
+        return key, entry
+
+    def _refer(self, key: str | None, entry: Mapping[str, Any]) -> None:
+        with self._lock:
+            self.references[key] = dict(entry)  # type: ignore[index]
+
+    def carry(self, relative: str, nbytes: int) -> tuple[int, str, bool] | None:
+        """``consider``'s answer for the chunk file ``relative`` of ``nbytes`` data bytes
+        without reading them, when its objects are those an earlier write hashed and the
+        base's file has that hash (then it is referred to); else None (fill and consider)."""
+        name = relative.split("/", 1)[0]
+        objects = self._objects.get(name)
+        if self._known is None or objects is None:
+            return None
+        known = self._known.lookup(name, objects)
+        if known is None:
+            return None
+        offset, digest = known
+        key, entry = self._base_entry(relative)
+        if (entry is None or entry.get(HASH_NAME) != digest
+                or entry.get("size") != offset + nbytes + zarr_format.INDEX_BYTES):
+            return None
+        self._refer(key, entry)
+        self._known.record(name, objects, offset, digest, changed=False)
+        return offset, digest, True
+
+    def consider(self, relative: str, array: np.ndarray, offset: int, *,
+                 zarr_json: str | None = None) -> tuple[int, str | None, bool]:
+        """Where the chunk file ``relative`` (below ``arrays/``) holding ``array`` puts its
+        bytes, the content hash of that file (None: not hashed, see ``known``), and whether
+        the base's file is used instead of writing it. ``offset``: where this write would
+        put them (``chunk_io.data_offset``, which follows the array's address); where the
+        base holds the file at another offset, that one is taken, so that an array that
+        moved in memory is still found equal. ``zarr_json`` (a chunk of a grid, always at
+        offset 0): the array's zarr.json text, compared with the base's, as tree.json does
+        not record the chunk shape."""
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        name = relative.split("/", 1)[0]
+        key, entry = self._base_entry(relative)
+        objects = self._objects.get(name) if self._known is not None else None
+        known = None
+        if objects is not None:
+            assert self._known is not None
+            known = self._known.lookup(name, objects)
+            if known is not None and entry is None:
+                offset = known[0]  # any offset will do: the one whose hash is known
         if entry is not None and zarr_json is None:
             theirs = entry.get("size", -1) - flat.size - zarr_format.INDEX_BYTES
             offset = theirs if 0 <= theirs < ALIGN and theirs % 64 == 0 else offset
+        if known is not None and known[0] != offset:
+            known = None
+        if objects is not None:
+            assert self._known is not None
+            # The run's first incremental save (nothing to refer to) hashes everything: its
+            # hashes are what the next save compares with.
+            if known is None and self.base.files and self._known.skip_hash(name, objects):
+                self._known.record(name, objects, offset, None, changed=True)
+                return offset, None, False
         index = zarr_format.shard_index(flat.size, offset)
-        digest = content_hash([bytes(offset), flat, index])
-        if (entry is None or entry.get(HASH_NAME) != digest
-                or entry.get("size") != offset + flat.size + len(index)):
-            return offset, digest, False
-        with self._lock:
-            if zarr_json is not None and self._base_zarr(name) != zarr_json.encode("utf-8"):
-                return offset, digest, False
-            self.references[key] = dict(entry)  # type: ignore[index]
-        return offset, digest, True
+        digest = known[1] if known is not None else content_hash([bytes(offset), flat, index])
+        referred = (entry is not None and entry.get(HASH_NAME) == digest
+                    and entry.get("size") == offset + flat.size + len(index))
+        if referred and zarr_json is not None:
+            with self._lock:
+                referred = self._base_zarr(name) == zarr_json.encode("utf-8")
+        if referred:
+            assert entry is not None
+            self._refer(key, entry)
+        if objects is not None:
+            assert self._known is not None
+            self._known.record(name, objects, offset, digest,
+                               changed=None if entry is None else not referred)
+        return offset, digest, referred
 
 
 _hashers: concurrent.futures.ThreadPoolExecutor | None = None

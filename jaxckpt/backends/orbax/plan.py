@@ -156,6 +156,14 @@ class WritePlan:
     as_bytes: list[int]
     """Leaves of a dtype Orbax has no type for: their data is their bytes, on the host."""
 
+    def file_sources(self, sources: list[Any]) -> dict[str, tuple[Any, ...]]:
+        """By storage name, the ``sources`` whose bytes make up that name's chunk file (an
+        array of its own, or a pack's members in pack order)."""
+        found = {name: (sources[index],) for index, name in self.unpacked}
+        for name, pack in self.packs.items():
+            found[name] = tuple(sources[index] for index in pack.members)
+        return found
+
     def sources(self, leaves: list[Any]) -> list[Any]:
         """The array that holds each leaf's data for this save (the caller's own numpy
         arrays; jax.Arrays as they are). Runs the checks that depend on values, not layout:

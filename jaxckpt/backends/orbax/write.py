@@ -420,12 +420,17 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
 
 def _decide(name: str, array: np.ndarray, reuse: Reuse, fill: Callable[[], None] | None,
             chunk_offset: Callable[[np.ndarray, str], int], base: str,
-            ) -> tuple[int, str, bool]:
-    """An incremental write's decision on the one chunk file of ``name``: filled (a pack
-    filled late), placed (``chunk_io.data_offset``) and hashed (``Reuse.consider``)."""
+            ) -> tuple[int, str | None, bool]:
+    """An incremental write's decision on the one chunk file of ``name``: the base's file
+    when its arrays are the very ones an earlier write hashed (``Reuse.carry``: nothing
+    filled, read or hashed), else filled (a pack filled late), placed
+    (``chunk_io.data_offset``) and hashed (``Reuse.consider``)."""
+    relative = f"{name}/{zarr_format.chunk_relpath(array.ndim)}"
+    carried = reuse.carry(relative, array.nbytes)
+    if carried is not None:
+        return carried
     if fill is not None:
         fill()
-    relative = f"{name}/{zarr_format.chunk_relpath(array.ndim)}"
     return reuse.consider(relative, array, chunk_offset(array, base))
 
 
