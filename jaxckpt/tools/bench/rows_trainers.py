@@ -1,7 +1,8 @@
 """Time a Hugging Face Trainer run loses to checkpointing: Trainer's own vs jaxckpt's.
 
-Owns: ``trainer_rows`` (one process, the three variants taking turns each round: no
-checkpoints, Trainer's own ``checkpoint-N`` folders, ``use_jaxckpt`` at the same cadence) and
+Owns: ``trainer_rows`` (one process, the variants taking turns each round: no checkpoints,
+Trainer's own ``checkpoint-N`` folders, ``use_jaxckpt`` at the same cadence, and the same
+with its staging overlap off: ``jaxckpt-blocking``) and
 its command line (``python -m jaxckpt.tools.bench.rows_trainers``). Not a section of
 ``jaxckpt bench``: importing transformers alone takes longer than ``--quick`` may.
 
@@ -179,8 +180,9 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
         repeats: rounds; the variants take turns within each, in alternating order.
         frozen_mb: MB of frozen weights added to the model (a fine-tuned frozen base): saved
             by both, untouched by the step, so the state grows and the step does not.
-        step_ms: milliseconds each step sleeps after the host's work, standing for an
-            accelerator's step during which the host's cores are free for a background write.
+        step_ms: milliseconds each step sleeps before its optimizer step, standing for an
+            accelerator's forward and backward during which the host's cores are free for
+            the staging copy and the background write.
         directory: where runs write (a temporary directory under it); None: the system's.
     """
     import torch
