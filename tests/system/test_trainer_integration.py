@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxckpt import ConfigError, Every, RecoverConfig
+from jaxckpt import CheckpointWarning, ConfigError, Every, RecoverConfig
 
 from support import trainer_worker
 from support.harness import Worker, repo_env
@@ -175,3 +175,46 @@ def test_a_trainer_checkpoint_folder_resumes_then_saves_through_jaxckpt(tmp_path
     assert not list((tmp_path / "moved").glob("checkpoint-*"))
     steps = sorted(p.name for p in (tmp_path / "root" / "recover").glob("step_*"))
     assert steps == ["step_00000005", "step_00000008", "step_00000011"]
+
+
+def test_a_save_overlapping_the_next_step_holds_the_weights_before_that_step(tmp_path):
+    """The save of step 3 stages on the backend's worker (slowed down here) while step 4's
+    forward and backward run; step 4's optimizer step waits for the copy, so the
+    checkpoint holds step 3's weights bit for bit."""
+    import time
+
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from transformers import TrainerCallback
+
+    from torch_bridge import DcpBackend, DcpCheckpointManager
+    from torch_bridge.integrations.transformers import use_jaxckpt
+
+    class SlowStager(DefaultStager):
+        def stage(self, state_dict, **kwargs):
+            time.sleep(0.5)
+            events.append("staged")
+            return super().stage(state_dict, **kwargs)
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 3:
+                weights.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    events: list[str] = []
+    weights: dict[str, torch.Tensor] = {}
+    backend = DcpBackend(async_checkpointer="thread")
+    backend._stager = SlowStager(StagingOptions(False, False, False, False))
+    trainer = trainer_worker.build_trainer(tmp_path, max_steps=4, callbacks=[Record()])
+    use_jaxckpt(trainer, tmp_path / "root", backend=backend)
+    trainer.create_optimizer()
+    trainer.optimizer.register_step_post_hook(lambda *_: events.append("step") and None)
+    trainer.train()
+    assert events == ["step"] * 3 + ["staged", "step", "staged"]  # step 4 waited
+    model = trainer_worker.tiny_llama()
+    with DcpCheckpointManager(tmp_path / "root") as manager, \
+            pytest.warns(CheckpointWarning, match="trainer_state"):
+        manager.restore({"model": model}, step=2, partial=True)
+    saved = model.state_dict()
+    assert weights and all(torch.equal(saved[k], v) for k, v in weights.items())
+    assert any(not torch.equal(p, weights[k]) for k, p in trainer.model.state_dict().items())

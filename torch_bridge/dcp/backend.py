@@ -46,6 +46,7 @@ with requires_extra("torch", "torch_bridge's DCP backend (DcpCheckpointManager, 
     from torch_bridge.dcp import metadata as dcp_metadata
     from torch_bridge.dcp.files import LocalDcpFiles, StorageDcpFiles
     from torch_bridge.dcp.incremental import Incremental
+    from torch_bridge.dcp.overlap import StagingOverlap
 
 __all__ = ["DcpBackend", "DcpWriteHandle", "OBJECTS_FORMAT", "OBJECTS_FORMAT_VERSION"]
 
@@ -458,6 +459,7 @@ class DcpBackend:
         self._lock = threading.Lock()
         self._pending: DcpWriteHandle | None = None
         self._closed = False
+        self._overlap: StagingOverlap | None = None  # dcp.overlap.attach sets it
 
     # ------------------------------------------------------------- features and facts
 
@@ -531,8 +533,45 @@ class DcpBackend:
         Raises TypeError/ConfigError/CodecError, before any I/O, naming the entry or tree
         path that cannot be checkpointed.
         ``base``: tensors equal to the base's records are not written (``dcp.incremental``).
+        With a ``dcp.overlap.StagingOverlap`` attached an async write returns at once and
+        stages on its worker: the caller fences before the tensors change.
         """
         self._check_open()
+        if asynchronous and self._overlap is not None:
+            return self._write_overlapped(directory, state, base)
+        with self._lock:
+            self._drain_locked()
+            staging_dir, nbytes, writer, upload = self._start(directory, state, asynchronous,
+                                                              base)
+            handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload, writer)
+            if asynchronous:
+                self._pending = handle
+            else:
+                self._publish(handle)
+            return handle
+
+    def _write_overlapped(self, directory: str, state: Any,
+                          base: IncrementalBase | None) -> DcpWriteHandle:
+        """The whole staging on the overlap's worker; the handle's fields are set there."""
+        assert self._overlap is not None
+        with self._lock:
+            self._drain_locked()
+            handle = DcpWriteHandle(self, directory, "", 0)
+
+            def stage() -> Any:
+                handle._staging_dir, handle.nbytes, handle._writer, upload = self._start(
+                    directory, state, True, base)
+                return upload
+
+            handle._future = self._overlap.submit(stage)
+            handle._finished = False
+            self._pending = handle
+            return handle
+
+    def _start(self, directory: str, state: Any, asynchronous: bool,
+               base: IncrementalBase | None) -> tuple[str, int, Any, Any]:
+        """State dicts, planning and staging of one write (no other write in flight); returns
+        (staging directory, bytes, writer, DCP's upload future or None when written)."""
         entries = _entries(state)
         flat = _flat_tensors(entries)
         document = _objects_document(entries)  # validates every non-tensor value first
@@ -540,55 +579,38 @@ class DcpBackend:
         files = self._files_for(directory)
         staging_dir = files.staging_path(directory)
         dcp = _dcp()
-        with self._lock:
-            self._drain_locked()
-            # DCP's checkpoint process writes with a copy of the writer: its checksums
-            # would stay in that process, so it gets DCP's plain writer.
-            in_process = (not asynchronous or files is self._remote_files
-                          or self._checkpointer == "thread" or base is not None)
-            writer = files.writer(staging_dir, sync_files=self._sync_files,
-                                  in_process=in_process)
-            if in_process and base is not None:  # hash every tensor, keep unchanged ones
-                writer.incremental = Incremental(base, directory, files.read_content)
-            if self._rank == 0:
-                files.prepare(directory, staging_dir, document, writer)
-            common = dict(storage_writer=writer, process_group=self._io_group,
-                          no_dist=not self._distributed)
-            if not asynchronous:
-                dcp.save(flat, **common)
-                handle = DcpWriteHandle(self, directory, staging_dir, nbytes, writer=writer)
-                self._publish(handle)
-                return handle
-            response = dcp.async_save(flat, async_checkpointer_type=_checkpointer_type(
-                                          self._checkpointer, in_process),
-                                      async_stager=self._get_stager(), **common)
-            # torch 2.13 returns a plain Future when staging is synchronous (our stager's
-            # setting: the copy is done when async_save returns) and an AsyncSaveResponse
-            # when staging runs in the background: then wait for it here, because the caller
-            # may update parameters as soon as write() returns.
-            upload = response
-            if hasattr(response, "staging_completion"):
-                response.staging_completion.result()
-                upload = response.upload_completion
-            handle = DcpWriteHandle(self, directory, staging_dir, nbytes, upload, writer)
-            self._pending = handle
-            return handle
+        # DCP's checkpoint process writes with a copy of the writer: its checksums would
+        # stay in that process, so it gets DCP's plain writer.
+        in_process = (not asynchronous or files is self._remote_files
+                      or self._checkpointer == "thread" or base is not None)
+        writer = files.writer(staging_dir, sync_files=self._sync_files, in_process=in_process)
+        if in_process and base is not None:  # hash every tensor, keep unchanged ones
+            writer.incremental = Incremental(base, directory, files.read_content)
+        if self._rank == 0:
+            files.prepare(directory, staging_dir, document, writer)
+        common = dict(storage_writer=writer, process_group=self._io_group,
+                      no_dist=not self._distributed)
+        if not asynchronous:
+            dcp.save(flat, **common)
+            return staging_dir, nbytes, writer, None
+        response = dcp.async_save(flat, async_checkpointer_type=_checkpointer_type(
+                                      self._checkpointer, in_process),
+                                  async_stager=self._get_stager(), **common)
+        # torch 2.13 returns a plain Future when staging is synchronous (our stager's
+        # setting: the copy is done when async_save returns) and an AsyncSaveResponse
+        # when staging runs in the background: then wait for it here, because the caller
+        # may update parameters as soon as the staging is over.
+        if hasattr(response, "staging_completion"):
+            response.staging_completion.result()
+            return staging_dir, nbytes, writer, response.upload_completion
+        return staging_dir, nbytes, writer, response
 
     def _get_stager(self) -> Any:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         if self._stager is not None and self._reuse_staging_memory:
             return self._stager
         if self._stager is not None:
             self._stager.close()
-        # Synchronous staging (the copy is finished when async_save returns). Non-blocking
-        # copies and pinned memory need CUDA (DefaultStager raises on CPU without this);
-        # shared memory only helps hand the copy to DCP's checkpoint process.
-        options = StagingOptions(use_pinned_memory=self._cuda,
-                                 use_shared_memory=self._checkpointer == "process",
-                                 use_async_staging=False,
-                                 use_non_blocking_copy=self._cuda)
-        self._stager = DefaultStager(options)
+        self._stager = _new_stager(self._cuda, self._checkpointer == "process")
         return self._stager
 
     def _publish(self, handle: DcpWriteHandle) -> None:
@@ -629,6 +651,8 @@ class DcpBackend:
                 return
             self._closed = True
             self._drain_locked()
+            if self._overlap is not None:
+                self._overlap.close()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -722,20 +746,7 @@ class DcpBackend:
         CPU copies; optimizers are left out (exports are model-only) and other objects
         become copies of their state dicts. Gathering sharded modules is a collective:
         every process calls this."""
-        api = _state_dict_api()
-        options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        out: dict[str, Any] = {}
-        for name, value in state.items():
-            kind = _kind_of(name, value)
-            if kind == "module":
-                out[name] = _copy_tensors(api.get_model_state_dict(value, options=options))
-            elif kind == "optimizer":
-                continue
-            elif kind == "state_dict":
-                out[name] = _copy_tensors(value.state_dict())
-            else:
-                out[name] = _copy_tensors(value)
-        return out
+        return _host_copy(state)
 
     def versions(self) -> dict[str, str]:
         """Versions of the libraries a checkpoint is written with."""
@@ -752,6 +763,34 @@ class DcpBackend:
         """Restore :meth:`rng_state`'s result; a missing entry warns and keeps the current
         state (checkpoints written without CUDA restore on a CUDA machine)."""
         rng.restore_torch_rng(state, "the checkpoint")
+
+
+def _host_copy(state: Any) -> dict[str, Any]:
+    """``DcpBackend.host_copy``'s work (see there)."""
+    api = _state_dict_api()
+    options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        kind = _kind_of(name, value)
+        if kind == "module":
+            out[name] = _copy_tensors(api.get_model_state_dict(value, options=options))
+        elif kind == "optimizer":
+            continue
+        elif kind == "state_dict":
+            out[name] = _copy_tensors(value.state_dict())
+        else:
+            out[name] = _copy_tensors(value)
+    return out
+
+
+def _new_stager(cuda: bool, shared: bool) -> Any:
+    """DCP's stager, staging synchronously (the copy is finished when async_save returns).
+    Non-blocking copies and pinned memory need CUDA (DefaultStager raises on CPU without
+    this); shared memory only helps hand the copy to DCP's checkpoint process."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 
 def _checkpointer_type(choice: str, on_thread: bool) -> Any:

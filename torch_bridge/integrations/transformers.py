@@ -24,6 +24,8 @@ from jaxckpt import ConfigError, Every, ExportConfig, RecoverConfig, StepInfo
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.errors import CheckpointCorruptError
 from torch_bridge import rng
+from torch_bridge.dcp import overlap
+from torch_bridge.dcp.backend import DcpBackend
 from torch_bridge.manager import DcpCheckpointManager
 
 with requires_extra("transformers", "torch_bridge.integrations.transformers"):
@@ -141,6 +143,12 @@ def _strategy(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
+def _has_saved_buffers(model: Any) -> bool:
+    """Whether ``model``'s state dict holds buffers (which a forward may update in place)."""
+    return any(buffer is not None and name not in module._non_persistent_buffers_set
+               for module in model.modules() for name, buffer in module._buffers.items())
+
+
 class _TrainerStateRecord:
     """The Trainer's state as a stateful object of the checkpoint: ``TrainerState`` as a
     JSON dict (the fields of its ``trainer_state.json``), the same on every process."""
@@ -179,6 +187,8 @@ class _JaxckptHook(TrainerCallback):
         self.steps_per_epoch: int | None = None
         self.at_epoch_end = False
         self.handled_step = 0
+        self.overlap: overlap.StagingOverlap | None = None
+        self.fence: tuple[Any, list[Any]] | None = None  # (optimizer, the fence's hooks)
 
     # --- installing --------------------------------------------------------------------
     def install(self) -> None:
@@ -218,6 +228,8 @@ class _JaxckptHook(TrainerCallback):
         self.manager = DcpCheckpointManager(self.root, recover=self.recover, export=self.export,
                                             **self.manager_kwargs)
         self.handled_step = 0
+        backend = self.manager.backend
+        self.overlap = overlap.attach(backend) if isinstance(backend, DcpBackend) else None
 
     def _prepare_resume(self) -> str | None:
         """Choose the checkpoint (its TrainerState only: the tensors load once the optimizer
@@ -246,11 +258,13 @@ class _JaxckptHook(TrainerCallback):
     def _abort(self) -> None:
         """Close the manager without masking the error being raised (if any)."""
         manager, self.manager = self.manager, None
+        self._remove_fence()
         if manager is not None:
             manager.__exit__(*sys.exc_info())
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         manager, self.manager = self.manager, None
+        self._remove_fence()
         if manager is not None:
             manager.close()  # waits for the last save to commit; raises its error
 
@@ -335,6 +349,7 @@ class _JaxckptHook(TrainerCallback):
         if not self.at_epoch_end and (info.is_epoch_end or ending):
             return  # on_epoch_end and the epoch's save point come next
         self.handled_step = step
+        self._install_fence()
         metrics = self._metrics(step)
         stateful = {STATEFUL_NAME: self.record}
         reports = manager.maybe_save(info, self._state_to_save, stateful=stateful,
@@ -346,6 +361,36 @@ class _JaxckptHook(TrainerCallback):
         if saved:
             trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state,
                                                                trainer.control)
+
+    # --- the overlap's fence: no optimizer step while a save's staging copy is made ------
+    def _install_fence(self) -> None:
+        """Hook the optimizer's step (once per optimizer): a save stages on the backend's
+        worker while the next forward and backward run, and the step waits for its copy
+        (a model holding buffers waits at its next forward instead)."""
+        optimizer = self._entries()["optimizer"]
+        if self.overlap is None or (self.fence is not None and self.fence[0] is optimizer):
+            return
+        self._remove_fence()
+        if not hasattr(optimizer, "register_step_pre_hook"):  # not a torch optimizer
+            assert self.manager is not None
+            overlap.detach(self.manager.backend)
+            self.overlap = None
+            return
+        staging = self.overlap
+
+        def wait_for_staging(*_: Any) -> None:
+            staging.fence()
+
+        hooks = [optimizer.register_step_pre_hook(wait_for_staging)]
+        model = self.trainer.model
+        if _has_saved_buffers(model):  # a forward may change them (BatchNorm statistics)
+            hooks.append(model.register_forward_pre_hook(wait_for_staging))
+        self.fence = (optimizer, hooks)
+
+    def _remove_fence(self) -> None:
+        fence, self.fence = self.fence, None
+        for hook in [] if fence is None else fence[1]:
+            hook.remove()
 
     def _step_info(self, step: int) -> StepInfo:
         """Trainer counts completed steps from 1; a StepInfo names the step from 0."""

@@ -1,7 +1,8 @@
 """Time a Hugging Face Trainer run loses to checkpointing: Trainer's own vs jaxckpt's.
 
-Owns: ``trainer_rows`` (one process, the three variants taking turns each round: no
-checkpoints, Trainer's own ``checkpoint-N`` folders, ``use_jaxckpt`` at the same cadence) and
+Owns: ``trainer_rows`` (one process, the variants taking turns each round: no checkpoints,
+Trainer's own ``checkpoint-N`` folders, ``use_jaxckpt`` at the same cadence, and the same
+with its staging overlap off: ``jaxckpt-blocking``) and
 its command line (``python -m jaxckpt.tools.bench.rows_trainers``). Not a section of
 ``jaxckpt bench``: importing transformers alone takes longer than ``--quick`` may.
 
@@ -61,9 +62,10 @@ def _trainer(output_dir: str, *, steps: int, save_every: int | None, width: int,
             requires_grad=False)
 
     class DeviceStep(TrainerCallback):
-        """Stands for the part of a step an accelerator runs: the host's cores are idle."""
+        """Stands for the part of a step an accelerator runs (its forward and backward, which
+        the host waits for before the optimizer step): the host's cores are idle."""
 
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        def on_pre_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
             time.sleep(step_ms / 1000)
 
     return Trainer(model=model, args=args, train_dataset=Tokens(),
@@ -80,6 +82,44 @@ def _timed(fn: Any, spent: list[float]) -> Any:
     return call
 
 
+@contextlib.contextmanager
+def _fence_timed(spent: list[float]) -> Any:
+    """Count the overlap's fence (a step waiting for a save's staging copy) as the training
+    thread's time of the save point before it."""
+    from torch_bridge.dcp.overlap import StagingOverlap
+
+    fence = StagingOverlap.fence
+
+    def timed(self: Any, timeout_s: float | None = None) -> bool:
+        start = time.perf_counter()
+        try:
+            return fence(self, timeout_s)
+        finally:
+            if spent:
+                spent[-1] += time.perf_counter() - start
+
+    StagingOverlap.fence = timed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StagingOverlap.fence = fence  # type: ignore[method-assign]
+
+
+def _blocking(trainer: Any) -> Any:
+    """A callback turning ``use_jaxckpt``'s overlap off once the manager exists."""
+    from transformers import TrainerCallback
+
+    from torch_bridge.dcp import overlap
+
+    class Blocking(TrainerCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            hook = trainer._jaxckpt_hook
+            overlap.detach(hook.manager.backend)
+            hook.overlap = None
+
+    return Blocking()
+
+
 def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[str, Any]:
     """One ``trainer.train()``: its seconds, and the seconds the training thread spent at
     the save points (Trainer's logging plus its save, or jaxckpt's staging) and in
@@ -88,15 +128,18 @@ def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[s
 
     output = tempfile.mkdtemp(dir=workdir)
     trainer = _trainer(output, save_every=None if variant == "none" else save_every, **shape)
-    if variant == "jaxckpt":
+    if variant.startswith("jaxckpt"):
         trainer = use_jaxckpt(trainer, os.path.join(output, "root"), preemption_signals=())
     spent: list[float] = []
     ending: list[float] = []
     trainer._maybe_log_save_evaluate = _timed(trainer._maybe_log_save_evaluate, spent)
     handler = trainer.callback_handler
     handler.on_train_end = _timed(handler.on_train_end, ending)
+    if variant == "jaxckpt-blocking":  # staging on the training thread, as before overlap
+        trainer.add_callback(_blocking(trainer))
     start = time.perf_counter()
-    trainer.train()
+    with _fence_timed(spent):
+        trainer.train()
     run_s = time.perf_counter() - start
     shutil.rmtree(output, ignore_errors=True)
     # train_end_s: jaxckpt waits there for its last save to commit (written, checksummed,
@@ -137,8 +180,9 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
         repeats: rounds; the variants take turns within each, in alternating order.
         frozen_mb: MB of frozen weights added to the model (a fine-tuned frozen base): saved
             by both, untouched by the step, so the state grows and the step does not.
-        step_ms: milliseconds each step sleeps after the host's work, standing for an
-            accelerator's step during which the host's cores are free for a background write.
+        step_ms: milliseconds each step sleeps before its optimizer step, standing for an
+            accelerator's forward and backward during which the host's cores are free for
+            the staging copy and the background write.
         directory: where runs write (a temporary directory under it); None: the system's.
     """
     import torch
@@ -146,7 +190,7 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     workdir = tempfile.mkdtemp(prefix="jaxckpt-bench-trainer-", dir=directory)
     shape = dict(steps=steps, width=width, layers=layers, frozen_mb=frozen_mb, step_ms=step_ms)
-    variants = ["none", "trainer", "jaxckpt"]
+    variants = ["none", "trainer", "jaxckpt", "jaxckpt-blocking"]
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     # Trainer prints its logs: to stderr, so that stdout holds only the result.
     with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as cleanup:
@@ -161,13 +205,13 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
 
     lost = {name: [run["save_points_s"] - plain["save_points_s"]
                    for run, plain in zip(samples[name], samples["none"], strict=True)]
-            for name in ("trainer", "jaxckpt")}
+            for name in variants[1:]}
     # The whole run's extra seconds: what the background write costs the steps too.
     run_lost = {name: [run["run_s"] - plain["run_s"]
                        for run, plain in zip(samples[name], samples["none"], strict=True)]
-                for name in ("trainer", "jaxckpt")}
+                for name in variants[1:]}
     steady = {name: _steady_per_save(samples[name], samples["none"], steps, save_every)
-              for name in ("trainer", "jaxckpt")}
+              for name in variants[1:]}
     ratios = [j / t for j, t in zip(lost["jaxckpt"], lost["trainer"], strict=True) if t > 0]
     return {"shape": {**shape, "save_every": save_every, "repeats": repeats},
             "samples": samples,

@@ -28,9 +28,11 @@ LOST_RATIO_TARGET = 0.2
 TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "transformers": (dict(steps=40, save_every=10, width=256, layers=4, repeats=3),
                      dict(steps=4, save_every=2, width=32, layers=1, repeats=1)),
-    # A state of ~300 MB (a frozen base beside the same Llama) and a step whose last 100 ms
-    # stand for an accelerator's (the host idle): the case the <= 0.2 target is about.
-    # Its lost time is per save once under way (``steady_save_s``), as in a long run.
+    # A state of ~300 MB (a frozen base beside the same Llama) and a step whose 100 ms
+    # before the optimizer step stand for an accelerator's forward and backward (the host
+    # idle): the case the <= 0.2 target is about. Its lost time is per save once under way
+    # (``steady_save_s``, the fence's wait for the staging copy included), as in a long
+    # run; ``jaxckpt-blocking`` (the copy on the training thread) is measured beside it.
     "transformers-large": (dict(steps=30, save_every=5, width=256, layers=4, repeats=3,
                                 frozen_mb=256, step_ms=100),
                            dict(steps=6, save_every=2, width=32, layers=1, repeats=1,
