@@ -80,9 +80,10 @@ def _states(bench: Any) -> dict[str, list[Any]]:
                                FROZEN_LEAVES) for seed in (11, 12)]
         trained = [_leaf_arrays(_random_bytes(config.incremental_trained_mb * _MiB,
                                               seed=seed), TRAINED_LEAVES) for seed in (13, 14)]
+        frozen_jax = _jax_state(frozen[0])
         states = bench.incremental_states = {
-            "mixed": [{"frozen": _jax_state(frozen[0]), "trained": _jax_state(part)}
-                      for part in trained],
+            # One frozen part, the same arrays at every save (as a training loop keeps it).
+            "mixed": [{"frozen": frozen_jax, "trained": _jax_state(part)} for part in trained],
             "all": [{"frozen": _jax_state(part)} for part in frozen]}
         states.update(_torch_states(frozen, trained))
         bench.result.nbytes["incremental"] = _tree_bytes(states["mixed"][0])
