@@ -207,3 +207,22 @@ def test_a_file_that_changes_at_every_save_is_written_unhashed_then_probed(tmp_p
                                  references=ckpts.files[last]), big(last))
     finally:
         backend.close()
+
+
+def test_what_a_write_remembers_does_not_keep_the_arrays_alive(tmp_path):
+    import gc
+    import weakref
+
+    backend = OrbaxBackend()
+    try:
+        ckpts = Checkpoints(backend, str(tmp_path))
+        ckpts.write(0, state(0))
+        trained = jnp.asarray(FROZEN + 1.0)
+        alive = weakref.ref(trained)
+        ckpts.write(1, {**state(1), "frozen": {"table": trained}}, base_step=0,
+                    asynchronous=True)
+        del trained
+        gc.collect()
+        assert alive() is None  # only weak references are kept between saves
+    finally:
+        backend.close()

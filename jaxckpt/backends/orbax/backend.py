@@ -241,7 +241,8 @@ class OrbaxBackend(orbax_process.ProcessFacts):
             sources = plan.sources(leaves)
             reuse = None if base is None else Reuse(
                 base, plan.tree_json, lambda path: self._path(path).read_bytes(),
-                known=self._known, objects=plan.file_sources(sources) if local else None)
+                known=self._known,
+                seen=self._known.see(plan.file_sources(sources)) if local else None)
             return self._write_staged(directory, plan, sources, asynchronous=asynchronous,
                                       local=local, reuse=reuse)
 

@@ -27,7 +27,7 @@ from jaxckpt.backends.base import IncrementalBase
 from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import ReadableFiles
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON, SavedLeaf, parse_leaves
-from jaxckpt.backends.orbax.unchanged import KnownHashes
+from jaxckpt.backends.orbax.unchanged import KnownHashes, Seen
 from jaxckpt.core.content_hash import HASH_NAME, content_hash
 from jaxckpt.core.layout import parse_ref_key
 from jaxckpt.core.tree_record import parse_tree_record
@@ -57,9 +57,9 @@ class Reuse:
         tree_json: the text of the tree.json this write records.
         read_small: reads a small file of the base (its tree.json, a zarr.json) by path.
         known: the backend's ``unchanged.KnownHashes`` (a single-process native write), with
-            ``objects``: by storage name, the leaves whose bytes make up its chunk file. A
-            file of the very objects an earlier write hashed is decided without reading
-            its bytes (``carry``), and a file that changes at every save is not hashed.
+            ``seen``: what ``KnownHashes.see`` saw of each storage name's arrays. A file of
+            the very arrays an earlier write hashed is decided without reading its bytes
+            (``carry``), and a file that changes at every save is not hashed.
 
     The base's tree.json is read once, by the first I/O thread that asks; a base whose
     metadata cannot be read is referred to for nothing (the data is written again).
@@ -67,10 +67,10 @@ class Reuse:
 
     def __init__(self, base: IncrementalBase, tree_json: str,
                  read_small: Callable[[str], bytes], *, known: KnownHashes | None = None,
-                 objects: Mapping[str, tuple[Any, ...]] | None = None):
+                 seen: Mapping[str, Seen] | None = None):
         self.base = base
-        self._known = known if objects is not None else None
-        self._objects = objects or {}
+        self._known = known if seen is not None else None
+        self._seen = seen or {}
         self._tree_json = tree_json
         self._read_small = read_small
         self._lock = threading.Lock()
@@ -134,19 +134,16 @@ class Reuse:
         without reading them, when its objects are those an earlier write hashed and the
         base's file has that hash (then it is referred to); else None (fill and consider)."""
         name = relative.split("/", 1)[0]
-        objects = self._objects.get(name)
-        if self._known is None or objects is None:
+        seen = self._seen.get(name)
+        if self._known is None or seen is None or seen.known is None:
             return None
-        known = self._known.lookup(name, objects)
-        if known is None:
-            return None
-        offset, digest = known
+        offset, digest = seen.known
         key, entry = self._base_entry(relative)
         if (entry is None or entry.get(HASH_NAME) != digest
                 or entry.get("size") != offset + nbytes + zarr_format.INDEX_BYTES):
             return None
         self._refer(key, entry)
-        self._known.record(name, objects, offset, digest, changed=False)
+        self._known.record(name, seen, offset, digest, changed=False)
         return offset, digest, True
 
     def consider(self, relative: str, array: np.ndarray, offset: int, *,
@@ -162,24 +159,21 @@ class Reuse:
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         name = relative.split("/", 1)[0]
         key, entry = self._base_entry(relative)
-        objects = self._objects.get(name) if self._known is not None else None
-        known = None
-        if objects is not None:
-            assert self._known is not None
-            known = self._known.lookup(name, objects)
-            if known is not None and entry is None:
-                offset = known[0]  # any offset will do: the one whose hash is known
+        seen = self._seen.get(name) if self._known is not None else None
+        known = None if seen is None else seen.known
+        if known is not None and entry is None:
+            offset = known[0]  # any offset will do: the one whose hash is known
         if entry is not None and zarr_json is None:
             theirs = entry.get("size", -1) - flat.size - zarr_format.INDEX_BYTES
             offset = theirs if 0 <= theirs < ALIGN and theirs % 64 == 0 else offset
         if known is not None and known[0] != offset:
             known = None
-        if objects is not None:
+        if seen is not None:
             assert self._known is not None
             # The run's first incremental save (nothing to refer to) hashes everything: its
             # hashes are what the next save compares with.
-            if known is None and self.base.files and self._known.skip_hash(name, objects):
-                self._known.record(name, objects, offset, None, changed=True)
+            if known is None and self.base.files and self._known.skip_hash(name, seen):
+                self._known.record(name, seen, offset, None, changed=True)
                 return offset, None, False
         index = zarr_format.shard_index(flat.size, offset)
         digest = known[1] if known is not None else content_hash([bytes(offset), flat, index])
@@ -191,9 +185,9 @@ class Reuse:
         if referred:
             assert entry is not None
             self._refer(key, entry)
-        if objects is not None:
+        if seen is not None:
             assert self._known is not None
-            self._known.record(name, objects, offset, digest,
+            self._known.record(name, seen, offset, digest,
                                changed=None if entry is None else not referred)
         return offset, digest, referred
 

@@ -1,6 +1,7 @@
 """What an incremental write already knows about a chunk file's bytes without reading them.
 
-Owns: :class:`KnownHashes`, kept by one backend across its saves, per storage name (one
+Owns: :class:`KnownHashes` (with :class:`Seen`, what one write's caller saw of its arrays),
+kept by one backend across its saves, per storage name (one
 chunk file of a single-process native write): the ``jax.Array`` objects whose bytes the
 last write of that name put in the file (weak references: an old trained array must not
 stay alive on its device for the sake of a hash), where they start in the file and the
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["KnownHashes", "PROBE_EVERY", "HOT_AFTER"]
+__all__ = ["KnownHashes", "Seen", "PROBE_EVERY", "HOT_AFTER"]
 
 #: Writes in a row that found a file changed before the next ones skip its hash.
 HOT_AFTER = 2
@@ -60,41 +62,58 @@ def _weak(objects: tuple[Any, ...]) -> tuple[weakref.ref[Any], ...]:
     return ()
 
 
+class Seen(NamedTuple):
+    """What a write's caller thread saw of one storage name's arrays (``KnownHashes.see``):
+    taken before ``write`` returns, so that nothing of the write holds the arrays
+    themselves (an async write would otherwise keep old arrays alive on their device)."""
+
+    refs: tuple[weakref.ref[Any], ...]
+    """Weak references to the arrays (() unless every one is a live jax.Array)."""
+    kept: bool
+    """The very arrays the last write of this name held."""
+    known: tuple[int, str] | None
+    """Their file's (offset, content hash), when kept and hashed then."""
+
+
 class KnownHashes:
     """The hashes of chunk files known from the identity of their arrays (see the module
-    docstring). One per backend; each incremental write passes ``objects``: by storage name,
-    the leaves (in plan order) whose bytes make up that name's chunk file."""
+    docstring). One per backend; each incremental write asks ``see`` on its caller's
+    thread, then its hashing threads ask ``skip_hash`` and ``record`` per storage name."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_name: dict[str, _Known] = {}
 
-    def lookup(self, name: str, objects: tuple[Any, ...]) -> tuple[int, str] | None:
-        """(offset, content hash) of the file a write of ``objects`` under ``name`` puts
-        down, when the same objects were hashed there before; else None."""
+    def see(self, objects: Mapping[str, tuple[Any, ...]]) -> dict[str, Seen]:
+        """``objects``: by storage name, the leaves (in plan order) whose bytes make up that
+        name's chunk file in this write."""
+        seen: dict[str, Seen] = {}
         with self._lock:
-            known = self._by_name.get(name)
-            if (known is None or known.digest is None
-                    or not _same_objects(known.refs, objects)):
-                return None
-            return known.offset, known.digest
+            for name, arrays in objects.items():
+                known = self._by_name.get(name)
+                kept = known is not None and _same_objects(known.refs, arrays)
+                if kept:
+                    assert known is not None
+                    digest = None if known.digest is None else (known.offset, known.digest)
+                    seen[name] = Seen(known.refs, True, digest)
+                else:
+                    seen[name] = Seen(_weak(arrays), False, None)
+        return seen
 
-    def skip_hash(self, name: str, objects: tuple[Any, ...]) -> bool:
+    def skip_hash(self, name: str, seen: Seen) -> bool:
         """Whether this write of ``name`` may write its file without hashing it: the file
-        changed in each of the last ``HOT_AFTER`` writes, its objects are new ones, and this
+        changed in each of the last ``HOT_AFTER`` writes, its arrays are new ones, and this
         is not a probing write. A file written unhashed is never referred to by content."""
         with self._lock:
             known = self._by_name.get(name)
-            if known is None or known.changed < HOT_AFTER:
-                return False
-            if _same_objects(known.refs, objects):
-                return False  # kept since the last write: likely frozen now, look
+            if known is None or known.changed < HOT_AFTER or seen.kept:
+                return False  # (kept since the last write: likely frozen now, look)
             # Probing takes two writes in a row: the first records a hash, the second
             # compares with it (the file before the first had none).
             return known.writes % PROBE_EVERY > 1
 
-    def record(self, name: str, objects: tuple[Any, ...], offset: int, digest: str | None,
-               *, changed: bool | None) -> None:
+    def record(self, name: str, seen: Seen, offset: int, digest: str | None, *,
+               changed: bool | None) -> None:
         """What this write of ``name`` found: the file's offset and hash (None: not hashed)
         and whether it differs from the base's file (True also when not hashed; None: the
         base has no such file to compare with, which leaves the count as it was)."""
@@ -106,4 +125,4 @@ class KnownHashes:
             if digest is None:
                 known.refs, known.offset, known.digest = (), -1, None
             else:
-                known.refs, known.offset, known.digest = _weak(objects), offset, digest
+                known.refs, known.offset, known.digest = seen.refs, offset, digest
