@@ -25,6 +25,16 @@ from safetensors.torch import save_file
 from jaxckpt import Every, RecoverConfig, StepInfo
 from torch_bridge import DcpBackend, DcpCheckpointManager
 
+_OUT = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One whole line to stdout: the commit callback prints from a background thread, and
+    print() writes the text and the newline separately, so two lines could interleave."""
+    with _OUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
 STEPS = 12
 
 
@@ -58,14 +68,14 @@ def main() -> None:
     awaited = tuple(int(n) for n in args.await_commit.split(":")) if args.await_commit else None
 
     def on_report(report) -> None:
-        print(f"COMMITTED {report.step}", flush=True)
+        _say(f"COMMITTED {report.step}")
         committed[report.step].set()
 
     with DcpCheckpointManager(args.root, recover=RecoverConfig(every=Every(steps=3)),
                               mode="async", backend=backend, on_report=on_report) as mgr:
         recovered = mgr.recover(state)
         info = recovered.step_info.next() if recovered else StepInfo(0, 0, 0, len(loader))
-        print(f"START {info.global_step}", flush=True)
+        _say(f"START {info.global_step}")
         while info.global_step < STEPS:
             loader.set_epoch(info.epoch)
             batches = accelerator.skip_first_batches(loader, info.epoch_step)
@@ -75,12 +85,12 @@ def main() -> None:
                 accelerator.backward(loss)
                 optimizer.step()
                 scheduler.step()
-                print(f"LOSS {info.global_step} {loss.item().hex()}", flush=True)
+                _say(f"LOSS {info.global_step} {loss.item().hex()}")
                 if mgr.maybe_save(info, state):
-                    print(f"SAVED {info.global_step}", flush=True)
+                    _say(f"SAVED {info.global_step}")
                 if awaited is not None and info.global_step == awaited[1]:
                     assert committed[awaited[0]].wait(120), f"step {awaited[0]} never committed"
-                print(f"STEP {info.global_step}", flush=True)
+                _say(f"STEP {info.global_step}")
                 info = info.next()
                 if info.global_step >= STEPS:
                     break
