@@ -139,8 +139,8 @@ class Reuse:
             return None
         offset, digest = seen.known
         key, entry = self._base_entry(relative)
-        if (entry is None or entry.get(HASH_NAME) != digest
-                or entry.get("size") != offset + nbytes + zarr_format.INDEX_BYTES):
+        if entry is None or not _same_file(entry, digest,
+                                           offset + nbytes + zarr_format.INDEX_BYTES):
             return None
         self._refer(key, entry)
         self._known.record(name, seen, offset, digest, changed=False)
@@ -177,8 +177,7 @@ class Reuse:
                 return offset, None, False
         index = zarr_format.shard_index(flat.size, offset)
         digest = known[1] if known is not None else content_hash([bytes(offset), flat, index])
-        referred = (entry is not None and entry.get(HASH_NAME) == digest
-                    and entry.get("size") == offset + flat.size + len(index))
+        referred = _same_file(entry, digest, offset + flat.size + len(index))
         if referred and zarr_json is not None:
             with self._lock:
                 referred = self._base_zarr(name) == zarr_json.encode("utf-8")
@@ -190,6 +189,11 @@ class Reuse:
             self._known.record(name, seen, offset, digest,
                                changed=None if entry is None else not referred)
         return offset, digest, referred
+
+
+def _same_file(entry: Mapping[str, Any] | None, digest: str, size: int) -> bool:
+    """Whether the base's manifest ``entry`` records a file of this content hash and size."""
+    return entry is not None and entry.get(HASH_NAME) == digest and entry.get("size") == size
 
 
 _hashers: concurrent.futures.ThreadPoolExecutor | None = None
