@@ -16,12 +16,23 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 SEED, DATA_SEED = 3, 7
 SAMPLES, SEQ, VOCAB, BATCH = 24, 16, 64, 4  # 6 steps per epoch
 MAX_STEPS, SAVE_STEPS = 12, 3  # saves at 3, 6 (an epoch end), 9, 12
+
+_OUT = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One whole line to stdout: commits are reported from a background thread, and print()
+    writes the text and the newline separately, so two lines could interleave."""
+    with _OUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 class TokenDataset:
@@ -122,13 +133,13 @@ def _markers() -> Any:
 
     class Markers(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            print(f"BEGIN {state.global_step}", flush=True)
+            _say(f"BEGIN {state.global_step}")
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            print(f"STEP {state.global_step}", flush=True)
+            _say(f"STEP {state.global_step}")
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            print(f"SAVED {state.global_step}", flush=True)
+            _say(f"SAVED {state.global_step}")
 
     return Markers()
 
@@ -136,7 +147,7 @@ def _markers() -> Any:
 def _on_report(report: Any) -> None:
     if report.kind == "recover" and report.error is None:
         # Trainer counts steps from 1, a checkpoint from 0.
-        print(f"COMMITTED {report.step + 1}", flush=True)
+        _say(f"COMMITTED {report.step + 1}")
 
 
 def main(argv: list[str]) -> None:
@@ -154,7 +165,7 @@ def main(argv: list[str]) -> None:
     trainer = use_jaxckpt(make(output_dir, callbacks=[_markers()]), root, **kwargs)
     trainer.train()
     Path(summary_path).write_text(json.dumps(summary(trainer)))
-    print("DONE", flush=True)
+    _say("DONE")
 
 
 if __name__ == "__main__":
