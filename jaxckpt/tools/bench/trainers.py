@@ -2,10 +2,11 @@
 to jaxckpt's, side by side, one row per integration.
 
 Owns: ``run_trainers`` (calls ``rows_trainers.trainer_rows`` (transformers' Trainer, small
-and large), ``rows_lightning.lightning_rows`` and ``rows_keras.keras_rows`` in turn, each
-measuring its variants alternately in one run; a framework that is not installed is reported as
-unavailable, not failed), ``trainer_targets`` (lost-time ratio jaxckpt / the framework's own,
-target <= 0.2) and ``format_trainers``. Each row module says what it times.
+and large), ``rows_lightning.lightning_rows``, ``rows_accelerate.accelerate_rows`` and
+``rows_keras.keras_rows`` in turn, each measuring its variants alternately in one run; a
+framework that is not installed is reported as unavailable, not failed), ``trainer_targets``
+(lost-time ratio jaxckpt / the framework's own, target <= 0.2) and ``format_trainers``. Each
+row module says what it times.
 
 Must not import at module level: jax, torch, keras, lightning, transformers.
 """
@@ -39,11 +40,17 @@ TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                                 frozen_mb=1, step_ms=1)),
     "lightning": (dict(hidden=1024, layers=4, steps=30, save_every=5, rounds=2),
                   dict(hidden=32, layers=1, steps=4, save_every=2, rounds=1)),
+    # The loop of docs/integrations.md's Accelerate recipe with a ~300 MB state and the
+    # same 100 ms device-like wait before the optimizer step as ``transformers-large``.
+    "accelerate": (dict(hidden=2048, layers=6, steps=30, save_every=5, step_ms=100,
+                        rounds=3),
+                   dict(hidden=32, layers=1, steps=4, save_every=2, rounds=1)),
     "keras": (dict(batches=60, every=10, rounds=3),
               dict(widths=(8, 16, 8), batches=4, batch_size=8, every=2, rounds=1)),
 }
 _NEEDS = {"transformers": ("transformers", "accelerate"),
           "transformers-large": ("transformers", "accelerate"), "lightning": ("lightning",),
+          "accelerate": ("accelerate",),
           "keras": ("keras", "jax")}
 
 
@@ -56,6 +63,8 @@ def _lost(name: str, row: dict[str, Any]) -> tuple[float | None, float | None]:
         return lost.get("trainer"), lost.get("jaxckpt")
     if name == "lightning":
         return lost.get("torch_io"), lost.get("jaxckpt")
+    if name == "accelerate":
+        return lost.get("accelerate"), lost.get("jaxckpt")
     return lost.get("keras"), lost.get("jaxckpt")
 
 
@@ -68,6 +77,10 @@ def _row_function(name: str) -> Callable[..., dict[str, Any]]:
         from .rows_lightning import lightning_rows
 
         return lightning_rows
+    if name == "accelerate":
+        from .rows_accelerate import accelerate_rows
+
+        return accelerate_rows
     from .rows_keras import keras_rows
 
     return keras_rows
@@ -80,7 +93,8 @@ def run_trainers(*, directory: str | None = None, quick: bool = False,
     Args:
         directory: where the runs write (a temporary directory under it); None: the system's.
         quick: tiny models and one round, to check the rows run (figures mean nothing).
-        only: which of "transformers", "transformers-large", "lightning", "keras".
+        only: which of "transformers", "transformers-large", "lightning", "accelerate",
+            "keras".
     """
     unknown = sorted(set(only) - set(TRAINER_SHAPES))
     if unknown:
