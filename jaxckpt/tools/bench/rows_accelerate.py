@@ -4,10 +4,12 @@
 Owns ``accelerate_rows``: the loop of docs/integrations.md's Accelerate recipe (a prepared
 MLP, AdamW, a scheduler, a seedable loader, ``jaxckpt.batches``) run three ways per round (no
 checkpoint, ``save_state`` every ``save_every`` steps, the manager's async ``maybe_save`` at
-the same steps), in turns whose order flips every round. A run's lost time is its loop wall
-time (the manager's wait for its last save included) minus the run without checkpoints;
-beside it, the training thread's seconds inside the save calls. ``step_ms`` sleeps before
-each optimizer step, standing for an accelerator's forward and backward.
+the same steps), in turns whose order flips every round. The lost time compared with the
+target is the training thread's seconds per save once under way, as the large Trainer row's
+(``rows_trainers._steady_per_save``); whole-loop wall times are reported beside it (on a
+shared 2-core machine they also hold the background write's share of the cores).
+``step_ms`` sleeps before each optimizer step, standing for an accelerator's forward and
+backward.
 
 Must not import at module level: torch, accelerate, torch_bridge, jax.
 """
@@ -21,6 +23,8 @@ import tempfile
 import time
 import warnings
 from typing import Any
+
+from .rows_trainers import _steady_per_save
 
 __all__ = ["accelerate_rows"]
 
@@ -41,8 +45,7 @@ def accelerate_rows(directory: str | None = None, *, hidden: int = 1024, layers:
         step_ms: milliseconds slept before each optimizer step (0: none).
         rounds: runs per way; the median is reported.
     """
-    seconds: dict[str, list[float]] = {way: [] for way in _WAYS}
-    blocked: dict[str, list[float]] = {way: [] for way in _WAYS}
+    runs: dict[str, list[dict[str, Any]]] = {way: [] for way in _WAYS}
     work = tempfile.mkdtemp(prefix="jaxckpt-bench-accelerate-", dir=directory)
     shape: dict[str, Any] = dict(hidden=hidden, layers=layers, steps=steps,
                                  save_every=save_every, step_ms=step_ms)
@@ -52,28 +55,29 @@ def accelerate_rows(directory: str | None = None, *, hidden: int = 1024, layers:
             _run("none", work, **shape)  # warm-up: first-call costs of torch and Accelerate
             for round_index in range(rounds):
                 for way in _WAYS if round_index % 2 == 0 else _WAYS[::-1]:
-                    wall, inside = _run(way, os.path.join(work, str(round_index)), **shape)
-                    seconds[way].append(wall)
-                    blocked[way].append(inside)
+                    runs[way].append(_run(way, os.path.join(work, str(round_index)),
+                                          **shape))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    median = {way: statistics.median(values) for way, values in seconds.items()}
-    lost = {way: round(max(0.0, median[way] - median["none"]), 3)
-            for way in ("accelerate", "jaxckpt")}
+    loop = {way: statistics.median(run["loop_s"] for run in runs[way]) for way in _WAYS}
+    checkpointed = ("accelerate", "jaxckpt")
+    steady = {way: _steady_per_save(runs[way], runs["none"], steps, save_every)
+              for way in checkpointed}
+    lost = {way: None if value is None else round(value, 3) for way, value in steady.items()}
     state_mb = layers * (hidden * hidden + hidden) * 4 * 3 / (1 << 20)  # params + AdamW
     return {"checkpoint_mb": round(state_mb, 1), "saves": steps // save_every,
-            "loop_s": {way: round(value, 3) for way, value in median.items()},
             "lost_s": lost,
-            "ratio": round(lost["jaxckpt"] / lost["accelerate"], 3)
-            if lost["accelerate"] else None,
-            "blocking_s": {way: round(statistics.median(blocked[way]), 3)
-                           for way in ("accelerate", "jaxckpt")},
+            "loop_s": {way: round(value, 3) for way, value in loop.items()},
+            "lost_wall_s": {way: round(loop[way] - loop["none"], 3) for way in checkpointed},
+            "end_s": {way: round(statistics.median(run["end_s"] for run in runs[way]), 3)
+                      for way in checkpointed},
             "rounds": rounds}
 
 
 def _run(way: str, work: str, *, hidden: int, layers: int, steps: int, save_every: int,
-         step_ms: float) -> tuple[float, float]:
-    """One seeded loop checkpointed ``way``: (loop wall seconds, seconds inside saves)."""
+         step_ms: float) -> dict[str, Any]:
+    """One seeded loop checkpointed ``way``: its wall seconds, the seconds inside the save
+    calls at each step and at the end (the manager's wait for its last save)."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
@@ -97,7 +101,7 @@ def _run(way: str, work: str, *, hidden: int, layers: int, steps: int, save_ever
     if way == "jaxckpt":
         mgr = DcpCheckpointManager(os.path.join(work, way), mode="async",
                                    recover=RecoverConfig(every=Every(steps=save_every)))
-    inside = 0.0
+    calls: list[float] = []
     start = time.perf_counter()
     for step, (inputs,) in batches(loader, total_steps=steps):
         loss = model(inputs).square().mean()
@@ -112,9 +116,9 @@ def _run(way: str, work: str, *, hidden: int, layers: int, steps: int, save_ever
             mgr.maybe_save(step, state)
         elif way == "accelerate" and (step.global_step + 1) % save_every == 0:
             accelerator.save_state(os.path.join(work, way, f"step_{step.global_step + 1}"))
-        inside += time.perf_counter() - began
+        calls.append(time.perf_counter() - began)
+    began = time.perf_counter()
     if mgr is not None:
-        began = time.perf_counter()
         mgr.close()  # the last save's write, waited for as a run's end would
-        inside += time.perf_counter() - began
-    return time.perf_counter() - start, inside
+    end = time.perf_counter()
+    return {"loop_s": end - start, "calls_s": calls, "end_s": end - began}

@@ -44,7 +44,7 @@ TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # same 100 ms device-like wait before the optimizer step as ``transformers-large``.
     "accelerate": (dict(hidden=2048, layers=6, steps=30, save_every=5, step_ms=100,
                         rounds=3),
-                   dict(hidden=32, layers=1, steps=4, save_every=2, rounds=1)),
+                   dict(hidden=32, layers=1, steps=6, save_every=2, rounds=1)),
     "keras": (dict(batches=60, every=10, rounds=3),
               dict(widths=(8, 16, 8), batches=4, batch_size=8, every=2, rounds=1)),
 }
