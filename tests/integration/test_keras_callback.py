@@ -53,7 +53,7 @@ def test_a_fit_that_raises_releases_the_manager_and_the_root(tmp_path):
     root = tmp_path / "root"
     backup = BackupAndRestore(root, every=jaxckpt.Every(steps=2))
     with pytest.raises(RuntimeError, match="boom"):
-        _fit(model, backup, extra=[Boom(after=3)])
+        _fit(model, backup, extra=[Boom(after=4)])  # step 3's save began with batch 4
     # Keras called no on_train_end: the callback noticed the error itself.
     assert backup._manager is None and "jax_state_sync" not in vars(model)
     assert _root_is_free(root)
@@ -69,9 +69,61 @@ def test_a_fit_that_raises_releases_the_manager_and_the_root(tmp_path):
 
 
 def test_the_keras_bench_row_measures_each_variant(tmp_path):
-    row = keras_rows(widths=(4, 8, 4), batches=4, batch_size=4, every=2, rounds=1,
-                     directory=str(tmp_path))
+    row = keras_rows(widths=(4, 8, 4), batches=5, batch_size=4, every=2, rounds=1,
+                     frozen_mb=1, step_ms=1, directory=str(tmp_path))
     assert set(row["fit_s"]) == {"plain", "keras", "jaxckpt"}
     assert set(row["lost_s"]) == set(row["blocking_s"]) == {"keras", "jaxckpt"}
-    assert row["saves_per_fit"] == 2 and row["state_bytes"] > 0
+    assert set(row["lost_per_save_s"]) == set(row["train_end_s"]) == {"keras", "jaxckpt"}
+    assert row["saves_per_fit"] == 2 and row["state_bytes"] > 2**20  # the frozen MB
     assert all(len(values) == 1 for values in row["seconds"].values())
+
+
+class Recorder(keras.callbacks.Callback):
+    """Copies every variable fit trains after each batch (from the step's own outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.after: list[dict[str, list[np.ndarray]]] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        state = self.model._jax_state
+        self.after.append({name: [np.array(value) for value in values]
+                           for name, values in state.items()})
+
+
+@pytest.mark.filterwarnings("ignore:.*holds state for")
+def test_a_save_in_flight_holds_the_values_of_its_step(tmp_path):
+    """Step 3's write is held uncommitted while steps 4 and 5 train (the jitted step donates
+    and updates the state the save was taken from): step 3's checkpoint holds, bit for
+    bit, the values step 3 left; the values fit ends with differ from them."""
+    from jaxckpt.tools.backend_hooks import HeldBackend
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dropout(0.2), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    backend = HeldBackend(hold_s=0.5, at_step=3)
+
+    class Steps(BackupAndRestore):
+        def _snapshot(self):
+            backend.current_step = self._global_step
+            return super()._snapshot()
+
+    recorder = Recorder()
+    backup = Steps(tmp_path / "root", recover=jaxckpt.RecoverConfig(
+        every=jaxckpt.Every(steps=2), keep_last_n=None), backend=backend)
+    _fit(model, backup, extra=[recorder])
+    keys = {"trainable": "trainable_variables", "non_trainable": "non_trainable_variables",
+            "optimizer": "optimizer_variables", "metrics": "metrics_variables"}
+    with jaxckpt.CheckpointManager(tmp_path / "root") as manager:
+        assert manager.committed_steps() == [1, 3, 5]
+        like = {group: [np.asarray(v) for v in recorder.after[3][key]]
+                for group, key in keys.items()}
+        saved = manager.restore(like, step=3).state
+    changed = 0
+    for group, key in keys.items():
+        for got, want, end in zip(saved[group], recorder.after[3][key],
+                                  recorder.after[5][key], strict=True):
+            assert np.asarray(got).tobytes() == want.tobytes(), group
+            changed += end.tobytes() != want.tobytes()
+    assert changed >= 4  # the weights, biases and Adam moments moved on after step 3

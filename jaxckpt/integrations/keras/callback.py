@@ -1,6 +1,6 @@
 """BackupAndRestore: a Keras 3 ``model.fit`` callback that checkpoints through jaxckpt.
 
-Owns: when the callback saves (after each trained batch, by the manager's triggers), what a
+Owns: when the callback saves (once a batch is trained, by the manager's triggers), what a
 checkpoint holds (the variables fit trains, NumPy's global RNG as of the epoch's start, the
 step, Keras's global seed) and how a rerun of the same ``fit`` resumes: the epoch it stopped
 in, its trained batches skipped, every variable and RNG as they were. Keras internals are
@@ -26,6 +26,26 @@ from . import fit_internals as internals
 keras: Any = internals.import_keras()  # a ConfigError unless Keras runs on JAX
 
 __all__ = ["BackupAndRestore"]
+
+
+def host_views(values: list[Any]) -> list[Any]:
+    """The values a save hands the manager: a NumPy view (no copy) of each array held whole
+    on one CPU device, the others as they are. The manager's asynchronous save copies NumPy
+    leaves into host buffers it reuses and keeps no view once it returns, so the next step
+    can donate the arrays (fit's jitted step donates its state) and update them in place.
+    Given the arrays themselves, the CPU backend would write from views it keeps until the
+    write ends: the next step could not donate them and would fill fresh output buffers
+    (page faults on every byte of the state). Arrays on accelerators, sharded ones and
+    dtypes NumPy has no buffer for (bfloat16) go to the backend, which copies them itself."""
+    return [np.asarray(value) if _on_one_cpu(value) else value for value in values]
+
+
+def _on_one_cpu(value: Any) -> bool:
+    devices = getattr(value, "devices", None)
+    if devices is None or getattr(value.dtype, "isbuiltin", 0) != 1:
+        return False
+    placed = devices()
+    return len(placed) == 1 and next(iter(placed)).platform == "cpu"
 
 
 class _FitPosition:
@@ -59,6 +79,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     other callbacks' ``on_train_batch_begin``/``end``, with empty logs), and training goes on
     as if never interrupted. The checkpoints stay after ``fit`` ends (a final one is written
     synchronously): a rerun of a finished ``fit`` trains nothing; use a new root for a new run.
+
+    A batch's save starts when the next batch begins (or its epoch ends), with the values
+    that batch left; the callback has no ``on_train_batch_end``, so it does not stop Keras
+    from dispatching steps ahead. The training thread copies the state to host memory (on
+    CPU into buffers the manager reuses); the write runs in the background.
 
     Needs Keras 3 on the JAX backend (``KERAS_BACKEND=jax`` before Keras is imported), a model
     compiled with ``steps_per_execution=1``, and input whose epochs have a known number of
@@ -100,6 +125,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._trained = False  # this fit trained a batch (so it has a step to save at its end)
         self._resume: dict[str, Any] | None = None  # what the resumed epoch's begin applies
         self._skip: tuple[int, int] = (-1, 0)  # (epoch, batches) skipped in that epoch
+        self._batch: int | None = None  # the batch begun last in this epoch, not yet counted
 
     @property
     def manager(self) -> CheckpointManager:
@@ -132,6 +158,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                                           **self._manager_kwargs)
         internals.watch_fit_error(model, self._close)
         self._global_step, self._resume, self._skip, self._trained = -1, None, (-1, 0), False
+        self._batch = None
         variables = internals.fit_variables(model)
         like = {group: [v.value for v in variables[group]] for group in internals.FIT_STATE}
         recovered = self._manager.recover(like, stateful={"keras_fit": self._position})
@@ -159,7 +186,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         internals.set_initial_epoch(model, start)
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
-        self._epoch = epoch
+        self._epoch, self._batch = epoch, None
         resume, self._resume = self._resume, None
         if resume is not None and resume["epoch"] == epoch:
             if resume["numpy"] is not None:
@@ -173,7 +200,21 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._skip = (epoch, resume["skip"])
         self._position.epoch_start_numpy = np.random.get_state(legacy=False)
 
-    def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
+        self._end_batch()  # the batch before this one has been trained
+        self._batch = batch
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        self._end_batch()  # the epoch's last batch (or the one a callback stopped fit at)
+
+    def _end_batch(self) -> None:
+        """Count the batch trained last and save it when a checkpoint is due. Called when the
+        next batch begins or the epoch ends, not from ``on_train_batch_end``: a callback
+        with that hook makes Keras wait for every step's logs before the next step starts
+        (no asynchronous dispatch), which would cost every step, not only the saves."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
         skip_epoch, skipped = self._skip
         if self._epoch == skip_epoch and batch < skipped:
             return  # trained before the interruption
@@ -181,21 +222,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._trained = True
         info = StepInfo(epoch=self._epoch, epoch_step=batch, global_step=self._global_step,
                         steps_per_epoch=self._steps_per_epoch)
-        self.manager.maybe_save(info, self._state, stateful={"keras_fit": self._position})
+        self.manager.maybe_save(info, self._snapshot, stateful={"keras_fit": self._position})
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
         try:
+            self._end_batch()
             if self._manager is not None and self._trained:
-                self._manager.save(state=self._state(), stateful={"keras_fit": self._position},
+                self._manager.save(state=self._snapshot(), stateful={"keras_fit": self._position},
                                    mode="sync")
         finally:
             self._close()
 
     # ------------------------------------------------------------------ parts
 
-    def _state(self) -> dict[str, list[Any]]:
+    def _snapshot(self) -> dict[str, list[Any]]:
+        """What a save writes: the values of the last trained step, as host views on CPU
+        (``host_views``), called by the manager only when a save is due."""
         variables = internals.fit_variables(self._model)
-        return {group: [v.value for v in variables[group]] for group in internals.FIT_STATE}
+        return {group: host_views([v.value for v in variables[group]])
+                for group in internals.FIT_STATE}
 
     def _close(self, error: BaseException | None = None) -> None:
         """End this fit's use of the root: at its end, or when ``fit`` raised ``error``

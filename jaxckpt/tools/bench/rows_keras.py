@@ -1,9 +1,10 @@
-"""The Keras row of the trainers' benchmark: time ``model.fit`` loses to checkpointing with
+"""The Keras rows of the trainers' benchmark: time ``model.fit`` loses to checkpointing with
 Keras's own ``BackupAndRestore`` and with jaxckpt's, at the same cadence, side by side.
 
-Owns: ``keras_rows`` (one child process with ``KERAS_BACKEND=jax``: a compiled MLP fitted
-with no callback, with Keras's callback and with jaxckpt's, the variants taking turns, a fresh
-root each fit) and the child's side (``_keras_worker``). Not in ``jaxckpt bench --quick``:
+Owns: ``keras_rows`` (one child process with ``KERAS_BACKEND=jax``: a compiled MLP, optionally
+beside a frozen block of weights and with steps lengthened by a host sleep, fitted with no
+callback, with Keras's callback and with jaxckpt's, the variants taking turns, a fresh root
+each fit) and the child's side (``_keras_worker``). Not in ``jaxckpt bench --quick``:
 importing Keras alone takes seconds. Run it with ``python -m jaxckpt.tools.bench.rows_keras``.
 
 Must not import at module level: jax, keras, torch. Concurrency contract: ``keras_rows``
@@ -28,9 +29,14 @@ VARIANTS = ("plain", "keras", "jaxckpt")
 
 
 def keras_rows(*, widths: tuple[int, ...] = (256, 1024, 1024, 256), batches: int = 60,
-               batch_size: int = 64, every: int = 10, rounds: int = 3,
-               directory: str | None = None) -> dict[str, Any]:
+               batch_size: int = 64, every: int = 10, rounds: int = 3, frozen_mb: int = 0,
+               step_ms: int = 0, directory: str | None = None) -> dict[str, Any]:
     """Measure the three fits in a fresh process and return the medians and lost times.
+
+    Lost time per fit is each fit's wall time minus the ``plain`` fit's of the same round
+    (median over rounds); per save, the host's time from the first batch to the last, over
+    ``plain``'s, divided by the saves made in it (the final save and the wait for it to
+    commit are left out: they are in the per-fit figure).
 
     Args:
         widths: the MLP's layer widths (input first).
@@ -38,12 +44,41 @@ def keras_rows(*, widths: tuple[int, ...] = (256, 1024, 1024, 256), batches: int
         batch_size: samples per batch.
         every: batches between checkpoints (Keras ``save_freq`` / ``Every(steps=...)``).
         rounds: rounds of the three fits (medians are reported).
+        frozen_mb: MB of non-trainable weights beside the MLP (a frozen base): saved by
+            both callbacks, passed through the step untouched.
+        step_ms: milliseconds the host sleeps before each step (a callback's
+            ``on_train_batch_begin``): an accelerator's share of a step, during which the
+            host's cores are free.
         directory: where the checkpoints go (default the system temporary directory).
     """
     job = {"widths": list(widths), "batches": batches, "batch_size": batch_size,
-           "every": every, "rounds": rounds, "directory": directory}
+           "every": every, "rounds": rounds, "frozen_mb": frozen_mb, "step_ms": step_ms,
+           "directory": directory}
     return _in_child("jaxckpt.tools.bench.rows_keras:_keras_worker", job,
                      what="the Keras fit benchmark", env={"KERAS_BACKEND": "jax"})
+
+
+def _model(keras: Any, job: dict[str, Any]) -> Any:
+    """The compiled MLP (Dropout, Adam), after a frozen block when ``frozen_mb``."""
+    widths = job["widths"]
+
+    class FrozenBase(keras.layers.Layer):
+        """Non-trainable weights the step passes through untouched."""
+
+        def build(self, input_shape: Any) -> None:
+            self.base = self.add_weight(shape=(job["frozen_mb"] * 2**18,),
+                                        initializer="random_normal", trainable=False)
+
+        def call(self, inputs: Any) -> Any:
+            return inputs
+
+    layers = [keras.Input((widths[0],))]
+    layers += [FrozenBase()] if job["frozen_mb"] else []
+    layers += [keras.layers.Dense(width, activation="relu") for width in widths[1:-1]]
+    layers += [keras.layers.Dropout(0.1), keras.layers.Dense(widths[-1])]
+    model = keras.Sequential(layers)
+    model.compile(optimizer="adam", loss="mse")
+    return model
 
 
 def _keras_worker() -> None:
@@ -60,11 +95,7 @@ def _keras_worker() -> None:
     data = np.random.default_rng(0)
     x = data.normal(size=(job["batches"] * batch_size, widths[0])).astype("float32")
     y = data.normal(size=(len(x), widths[-1])).astype("float32")
-    layers = [keras.Input((widths[0],))]
-    layers += [keras.layers.Dense(width, activation="relu") for width in widths[1:-1]]
-    layers += [keras.layers.Dropout(0.1), keras.layers.Dense(widths[-1])]
-    model = keras.Sequential(layers)
-    model.compile(optimizer="adam", loss="mse")
+    model = _model(keras, job)
     scratch = tempfile.mkdtemp(prefix="bench-keras-", dir=job["directory"])
     runs = iter(range(1 << 30))
 
@@ -77,51 +108,96 @@ def _keras_worker() -> None:
             return [BackupAndRestore(root, every=jaxckpt.Every(steps=job["every"]))]
         return []
 
-    hooks_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    batch_hooks_s: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-
-    def fit(variant: str) -> float:
+    def fit(variant: str) -> dict[str, Any]:
         chosen = [_timed_hooks(keras, callback) for callback in callbacks(variant)]
+        device = _device_step(keras, job["step_ms"])
         started = time.perf_counter()
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=True, verbose=0,
-                  callbacks=chosen)
-        hooks_s[variant].append(sum(callback.spent_s for callback in chosen))
-        batch_hooks_s[variant].append(sum(callback.batch_s for callback in chosen))
-        return time.perf_counter() - started
+                  callbacks=[*chosen, device])
+        return {"fit_s": time.perf_counter() - started,
+                "steps_s": device.begins[-1] - device.begins[0],
+                "hooks_s": sum(callback.spent_s for callback in chosen),
+                "end_s": sum(callback.end_s for callback in chosen)}
 
     for variant in VARIANTS:  # compile, and the first save of each kind, before timing
         fit(variant)
-        hooks_s[variant].clear()
-        batch_hooks_s[variant].clear()
-    seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    samples: dict[str, list[dict[str, Any]]] = {variant: [] for variant in VARIANTS}
     for round_index in range(job["rounds"]):
-        order = VARIANTS[::-1] if round_index % 2 else VARIANTS
-        for variant in order:
-            seconds[variant].append(fit(variant))
-    median = {variant: statistics.median(values) for variant, values in seconds.items()}
-    lost = {variant: median[variant] - median["plain"] for variant in ("keras", "jaxckpt")}
+        for variant in VARIANTS[::-1] if round_index % 2 else VARIANTS:
+            samples[variant].append(fit(variant))
     state_bytes = sum(int(np.asarray(v.value).nbytes) for v in model.variables)
     state_bytes += sum(int(np.asarray(v.value).nbytes) for v in model.optimizer.variables)
-    saves = job["batches"] // job["every"]
-    blocking = {variant: statistics.median(hooks_s[variant]) for variant in ("keras", "jaxckpt")}
-    per_save = {variant: statistics.median(batch_hooks_s[variant]) / saves
-                for variant in ("keras", "jaxckpt")}
-    result = {"fit_s": median, "seconds": seconds, "lost_s": lost, "blocking_s": blocking,
-              "blocking_per_save_s": per_save,
-              "ratio": lost["jaxckpt"] / lost["keras"] if lost["keras"] > 0 else None,
-              "state_bytes": state_bytes, "saves_per_fit": saves,
-              "keras": keras.__version__, **{k: job[k] for k in ("widths", "batches",
-                                                                  "batch_size", "every")}}
+    result = _summary(samples, job)
+    result.update(state_bytes=state_bytes, keras=keras.__version__,
+                  **{k: job[k] for k in ("widths", "batches", "batch_size", "every",
+                                         "frozen_mb", "step_ms")})
     print(json.dumps(result), flush=True)
 
 
+def _summary(samples: dict[str, list[dict[str, Any]]], job: dict[str, Any]) -> dict[str, Any]:
+    """Medians, lost times (per round against the same round's ``plain``, then the median)
+    and the ratios jaxckpt / Keras, per fit and per save."""
+    saves = job["batches"] // job["every"]
+    saves_inside = (job["batches"] - 1) // job["every"]  # made before the last batch began
+
+    def per_round(key: str, variant: str) -> list[float]:
+        return [run[key] - plain[key]
+                for run, plain in zip(samples[variant], samples["plain"], strict=True)]
+
+    lost = {v: per_round("fit_s", v) for v in ("keras", "jaxckpt")}
+    per_save = {v: [s / saves_inside for s in per_round("steps_s", v)] if saves_inside else []
+                for v in ("keras", "jaxckpt")}
+
+    def ratios(values: dict[str, list[float]]) -> list[float]:
+        return [j / k for j, k in zip(values["jaxckpt"], values["keras"], strict=True) if k > 0]
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    fit_ratios, save_ratios = ratios(lost), ratios(per_save)
+    return {
+        "fit_s": {v: statistics.median(r["fit_s"] for r in samples[v]) for v in VARIANTS},
+        "seconds": {v: [r["fit_s"] for r in samples[v]] for v in VARIANTS},
+        "samples": samples,
+        "lost_s": {v: statistics.median(values) for v, values in lost.items()},
+        "lost_per_save_s": {v: median(values) for v, values in per_save.items()},
+        "blocking_s": {v: statistics.median(r["hooks_s"] for r in samples[v])
+                       for v in ("keras", "jaxckpt")},
+        "train_end_s": {v: statistics.median(r["end_s"] for r in samples[v])
+                        for v in ("keras", "jaxckpt")},
+        "ratio": median(fit_ratios), "ratios": fit_ratios,
+        "ratio_per_save": median(save_ratios), "ratios_per_save": save_ratios,
+        "saves_per_fit": saves, "load_average": list(os.getloadavg()),
+    }
+
+
+def _device_step(keras: Any, step_ms: int) -> Any:
+    """A callback that notes when each batch begins and then sleeps ``step_ms`` (the host
+    waiting for an accelerator's step). It has no ``on_train_batch_end``: Keras keeps
+    dispatching steps ahead of their logs."""
+
+    class DeviceStep(keras.callbacks.Callback):
+        begins: list[float] = []
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            self.begins.append(time.perf_counter())
+            if step_ms:
+                time.sleep(step_ms / 1000)
+
+    step = DeviceStep()
+    step.begins = []
+    return step
+
+
 def _timed_hooks(keras: Any, inner: Any) -> Any:
-    """``inner`` behind a callback that adds up the seconds its train hooks take (what the
-    training thread waits for in the callback itself)."""
+    """``inner`` behind a callback that adds up the seconds its hooks take (what the training
+    thread waits for in the callback itself). It has the batch-end hook only when ``inner``
+    has one: that hook alone makes Keras wait for each step's logs."""
+    from keras.src import utils
 
     class Timed(keras.callbacks.Callback):
         spent_s = 0.0  # in every hook: begin and end of fit (open, final save) included
-        batch_s = 0.0  # in on_train_batch_end: the saves themselves
+        end_s = 0.0  # in on_train_end: a final save, waiting for the saves in flight
 
         def set_model(self, model: Any) -> None:
             super().set_model(model)
@@ -131,10 +207,12 @@ def _timed_hooks(keras: Any, inner: Any) -> Any:
             super().set_params(params)
             inner.set_params(params)
 
-        def _call(self, name: str, *args: Any) -> None:
+        def _call(self, name: str, *args: Any) -> float:
             started = time.perf_counter()
             getattr(inner, name)(*args)
-            self.spent_s += time.perf_counter() - started
+            spent = time.perf_counter() - started
+            self.spent_s += spent
+            return spent
 
         def on_train_begin(self, logs: Any = None) -> None:
             self._call("on_train_begin", logs)
@@ -142,19 +220,25 @@ def _timed_hooks(keras: Any, inner: Any) -> Any:
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             self._call("on_epoch_begin", epoch, logs)
 
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            started = time.perf_counter()
-            self._call("on_train_batch_end", batch, logs)
-            self.batch_s += time.perf_counter() - started
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            self._call("on_train_batch_begin", batch, logs)
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self._call("on_epoch_end", epoch, logs)
 
         def on_train_end(self, logs: Any = None) -> None:
-            self._call("on_train_end", logs)
+            self.end_s += self._call("on_train_end", logs)
 
+    if not utils.is_default(inner.on_train_batch_end):
+        def on_train_batch_end(self: Any, batch: int, logs: Any = None) -> None:
+            self._call("on_train_batch_end", batch, logs)
+
+        Timed.on_train_batch_end = on_train_batch_end
     return Timed()
 
 
 if __name__ == "__main__":
-    print(json.dumps(keras_rows(), indent=1))
+    # key=value arguments: batches, batch_size, every, rounds, frozen_mb, step_ms (ints).
+    settings: dict[str, Any] = {key: int(value) for key, value in
+                                (arg.split("=", 1) for arg in sys.argv[1:])}
+    print(json.dumps(keras_rows(**settings), indent=1))

@@ -3,10 +3,10 @@ to jaxckpt's, side by side, one row per integration.
 
 Owns: ``run_trainers`` (calls ``rows_trainers.trainer_rows`` (transformers' Trainer, small
 and large), ``rows_lightning.lightning_rows``, ``rows_accelerate.accelerate_rows`` and
-``rows_keras.keras_rows`` in turn, each measuring its variants alternately in one run; a
-framework that is not installed is reported as unavailable, not failed), ``trainer_targets``
-(lost-time ratio jaxckpt / the framework's own, target <= 0.2) and ``format_trainers``. Each
-row module says what it times.
+``rows_keras.keras_rows`` (small and large) in turn, each measuring its variants alternately
+in one run; a framework that is not installed is reported as unavailable, not failed),
+``trainer_targets`` (lost-time ratio jaxckpt / the framework's own, target <= 0.2) and
+``format_trainers``. Each row module says what it times.
 
 Must not import at module level: jax, torch, keras, lightning, transformers.
 """
@@ -47,11 +47,18 @@ TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                    dict(hidden=32, layers=1, steps=6, save_every=2, rounds=1)),
     "keras": (dict(batches=60, every=10, rounds=3),
               dict(widths=(8, 16, 8), batches=4, batch_size=8, every=2, rounds=1)),
+    # The same MLP beside a frozen 256 MB block (~290 MB saved), each step lengthened by a
+    # 200 ms host sleep (an accelerator's step: the host idle). Lost time per save made
+    # while fit runs (``lost_per_save_s``); the end of fit (jaxckpt waits for its last
+    # commit there) is in the row's per-fit figures.
+    "keras-large": (dict(batches=40, every=10, rounds=3, frozen_mb=256, step_ms=200),
+                    dict(widths=(8, 16, 8), batches=5, batch_size=8, every=2, rounds=1,
+                         frozen_mb=1, step_ms=1)),
 }
 _NEEDS = {"transformers": ("transformers", "accelerate"),
           "transformers-large": ("transformers", "accelerate"), "lightning": ("lightning",),
           "accelerate": ("accelerate",),
-          "keras": ("keras", "jax")}
+          "keras": ("keras", "jax"), "keras-large": ("keras", "jax")}
 
 
 def _lost(name: str, row: dict[str, Any]) -> tuple[float | None, float | None]:
@@ -59,6 +66,8 @@ def _lost(name: str, row: dict[str, Any]) -> tuple[float | None, float | None]:
     lost = row.get("lost_s") or {}
     if name == "transformers-large":
         lost = row.get("steady_save_s") or {}
+    if name == "keras-large":
+        lost = row.get("lost_per_save_s") or {}
     if name.startswith("transformers"):
         return lost.get("trainer"), lost.get("jaxckpt")
     if name == "lightning":
@@ -94,7 +103,7 @@ def run_trainers(*, directory: str | None = None, quick: bool = False,
         directory: where the runs write (a temporary directory under it); None: the system's.
         quick: tiny models and one round, to check the rows run (figures mean nothing).
         only: which of "transformers", "transformers-large", "lightning", "accelerate",
-            "keras".
+            "keras", "keras-large".
     """
     unknown = sorted(set(only) - set(TRAINER_SHAPES))
     if unknown:
