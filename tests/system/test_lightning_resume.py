@@ -185,17 +185,19 @@ def test_a_save_overlapping_the_next_step_holds_the_state_before_that_step(tmp_p
     L.seed_everything(0, verbose=False)
     data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
     model = Model()
+    # the root elsewhere: the plugin makes the folder for the pointer files itself
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt",
+                                                      every_n_train_steps=3, save_top_k=-1)
     trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=True, callbacks=[Record(), L.pytorch.callbacks.
-                        ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)],
+                        callbacks=[Record(), checkpoints],
                         plugins=[JaxckptCheckpointIO(tmp_path / "root", backend=backend)])
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
     # step 4's forward and backward ran while the copy was made; its update waited for it
     assert events == ["closure", "step"] * 3 + ["closure", "staged", "step"]
     plugin = JaxckptCheckpointIO()
     try:
-        checkpoint = plugin.load_checkpoint(tmp_path / "epoch=0-step=3.ckpt")
+        checkpoint = plugin.load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
     finally:
         plugin.teardown()
     state = checkpoint["optimizer_states"][0]["state"]

@@ -107,6 +107,9 @@ class JaxckptCheckpointIO(CheckpointIO):
                               "JaxckptCheckpointIO needs Lightning's global step (an int >= 0).")
         skeleton, tensors = lightning_tree.split(checkpoint)
         manager = self._open(path)
+        # Lightning leaves the folder to its CheckpointIO; the pointer is written there later,
+        # from the manager's thread.
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with self._lock:
             alias = step in self._saved
             self._saved.add(step)
