@@ -13,10 +13,14 @@ def test_each_integration_row_gives_its_ratio_against_the_target():
             "lightning": {"lost_s": {"torch_io": 0.4, "jaxckpt": 0.2}},
             "keras": {"lost_s": {"keras": 1.0, "jaxckpt": -0.01}},
             "missing": {"unavailable": "not installed: x"},
-            "transformers-large": {"steady_save_s": {"trainer": 2.0, "jaxckpt": 0.3}}}
+            "transformers-large": {"steady_save_s": {"trainer": 2.0, "jaxckpt": 0.3}},
+            "lightning-large": {"lost_s": {"torch_io": 9.0, "jaxckpt": 9.0},
+                                "steady_save_s": {"torch_io": 0.4, "jaxckpt": 0.02}}}
     targets = {t["trainer"]: t for t in trainer_targets(rows)}
-    assert sorted(targets) == ["keras", "lightning", "transformers", "transformers-large"]
+    assert sorted(targets) == ["keras", "lightning", "lightning-large", "transformers",
+                               "transformers-large"]
     assert targets["transformers-large"]["ratio"] == pytest.approx(0.15)
+    assert targets["lightning-large"]["ratio"] == pytest.approx(0.05)
     assert targets["transformers"]["ratio"] == pytest.approx(0.1)
     assert targets["transformers"]["met"] is True
     assert targets["lightning"]["ratio"] == pytest.approx(0.5)
