@@ -57,7 +57,7 @@ _NEEDS = {"transformers": ("transformers", "accelerate"),
 def _lost(name: str, row: dict[str, Any]) -> tuple[float | None, float | None]:
     """(own lost seconds, jaxckpt lost seconds) from a row function's result."""
     lost = row.get("lost_s") or {}
-    if name.endswith("-large"):
+    if name in ("transformers-large", "lightning-large"):
         lost = row.get("steady_save_s") or {}
     if name.startswith("transformers"):
         return lost.get("trainer"), lost.get("jaxckpt")
