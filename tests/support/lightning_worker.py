@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import warnings
 
 import lightning as L
@@ -25,6 +26,15 @@ from safetensors.torch import save_file
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 STEPS, BATCH, SAMPLES = 12, 4, 24
+_OUT = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One whole line to stdout: COMMITTED is printed from the manager's background thread,
+    and print() writes the text and the newline separately, so two lines could interleave."""
+    with _OUT:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 class MLP(L.LightningModule):
@@ -47,13 +57,13 @@ class MLP(L.LightningModule):
 
 class Markers(L.Callback):
     def on_train_start(self, trainer, *args):
-        print(f"START {trainer.global_step}", flush=True)
+        _say(f"START {trainer.global_step}")
 
     def on_train_batch_end(self, trainer, *args):
-        print(f"STEP {trainer.global_step}", flush=True)
+        _say(f"STEP {trainer.global_step}")
 
     def on_train_epoch_end(self, trainer, *args):
-        print(f"EPOCH_END {trainer.current_epoch}", flush=True)
+        _say(f"EPOCH_END {trainer.current_epoch}")
 
 
 def fit(directory: str, *, jaxckpt: bool, hold_s: float = 0.0) -> None:
@@ -73,9 +83,9 @@ def fit(directory: str, *, jaxckpt: bool, hold_s: float = 0.0) -> None:
         class Announcing(JaxckptCheckpointIO):
             def save_checkpoint(self, checkpoint, path, storage_options=None):
                 super().save_checkpoint(checkpoint, path, storage_options)
-                print(f"SAVED {checkpoint['global_step']}", flush=True)
+                _say(f"SAVED {checkpoint['global_step']}")
 
-        kwargs = {"on_report": lambda report: print(f"COMMITTED {report.step}", flush=True)}
+        kwargs = {"on_report": lambda report: _say(f"COMMITTED {report.step}")}
         if hold_s:
             kwargs["backend"] = hold_async_writes(DcpBackend(), hold_s)
         plugins.append(Announcing(**kwargs))
@@ -106,7 +116,7 @@ def main() -> None:
     fit(args.dir, jaxckpt=not args.plain, hold_s=args.hold_s)
     if args.reference:
         fit(args.reference, jaxckpt=False)
-    print("DONE", flush=True)
+    _say("DONE")
 
 
 if __name__ == "__main__":

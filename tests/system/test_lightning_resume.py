@@ -128,3 +128,83 @@ def test_remove_checkpoint_deletes_a_step_once_no_path_names_it(chain, tmp_path)
     assert not (steps / "step_00000003").exists()
     assert (steps / "step_00000012" / "COMMITTED").exists()
     assert not (folder / "epoch=1-step=12.ckpt").exists()
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["weights", "batchnorm"])
+def test_a_save_overlapping_the_next_step_holds_the_state_before_that_step(tmp_path, buffers):
+    """The save of step 3 stages on the backend's worker (slowed down here) while step 4's
+    forward and backward run; step 4's update waits for the copy (after Lightning's closure,
+    so the forward and backward did overlap it), and with a BatchNorm its forward waits
+    (it updates the running statistics), so the checkpoint holds step 3's weights, buffers
+    and Adam state bit for bit."""
+    import time
+
+    import lightning as L
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from torch_bridge import DcpBackend
+    from torch_bridge.integrations.lightning import JaxckptCheckpointIO
+
+    class SlowStager(DefaultStager):
+        def stage(self, state_dict, **kwargs):
+            time.sleep(0.5)
+            events.append("staged")
+            return super().stage(state_dict, **kwargs)
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            norm = [torch.nn.BatchNorm1d(16)] if buffers else []
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *norm, torch.nn.ReLU(),
+                                           torch.nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            events.append("closure")
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.optimizers[0].register_step_post_hook(lambda *_: events.append("step"))
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 3:
+                state = trainer.optimizers[0].state_dict()["state"]
+                saved.update({f"state_dict.{k}": v.clone()
+                              for k, v in pl_module.state_dict().items()})
+                saved.update({f"adam.{i}.{k}": v.clone() for i, s in state.items()
+                              for k, v in s.items()})
+
+    events: list[str] = []
+    saved: dict[str, torch.Tensor] = {}
+    backend = DcpBackend(async_checkpointer="thread")
+    backend._stager = SlowStager(StagingOptions(False, False, False, False))
+    L.seed_everything(0, verbose=False)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    model = Model()
+    # the root elsewhere: the plugin makes the folder for the pointer files itself
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt",
+                                                      every_n_train_steps=3, save_top_k=-1)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Record(), checkpoints],
+                        plugins=[JaxckptCheckpointIO(tmp_path / "root", backend=backend)])
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    # step 4's forward and backward ran while the copy was made; its update waited for it
+    assert events == ["closure", "step"] * 3 + ["closure", "staged", "step"]
+    plugin = JaxckptCheckpointIO()
+    try:
+        checkpoint = plugin.load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    finally:
+        plugin.teardown()
+    state = checkpoint["optimizer_states"][0]["state"]
+    got = {f"state_dict.{k}": v for k, v in checkpoint["state_dict"].items()}
+    got.update({f"adam.{i}.{k}": v for i, s in state.items() for k, v in s.items()})
+    assert sorted(got) == sorted(saved) and any("running_mean" in k for k in got) == buffers
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), f"{key} is not step 3's"
+    assert any(not torch.equal(p, saved[f"state_dict.{k}"])
+               for k, p in model.state_dict().items())

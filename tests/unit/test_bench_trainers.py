@@ -15,13 +15,16 @@ def test_each_integration_row_gives_its_ratio_against_the_target():
             "missing": {"unavailable": "not installed: x"},
             "accelerate": {"lost_s": {"accelerate": 0.8, "jaxckpt": 0.08}},
             "transformers-large": {"steady_save_s": {"trainer": 2.0, "jaxckpt": 0.3}},
+            "lightning-large": {"lost_s": {"torch_io": 9.0, "jaxckpt": 9.0},
+                                "steady_save_s": {"torch_io": 0.4, "jaxckpt": 0.02}},
             "keras-large": {"lost_s": {"keras": 9.0, "jaxckpt": 9.0},
                             "lost_per_save_s": {"keras": 1.0, "jaxckpt": 0.1}}}
     targets = {t["trainer"]: t for t in trainer_targets(rows)}
     assert sorted(targets) == ["accelerate", "keras", "keras-large", "lightning",
-                               "transformers", "transformers-large"]
+                               "lightning-large", "transformers", "transformers-large"]
     assert targets["accelerate"]["ratio"] == pytest.approx(0.1)
     assert targets["transformers-large"]["ratio"] == pytest.approx(0.15)
+    assert targets["lightning-large"]["ratio"] == pytest.approx(0.05)
     assert targets["keras-large"]["ratio"] == pytest.approx(0.1)  # per save
     assert targets["transformers"]["ratio"] == pytest.approx(0.1)
     assert targets["transformers"]["met"] is True

@@ -3,8 +3,9 @@
 Owns: ``StagingOverlap``: with it attached to a ``DcpBackend`` an async ``write`` returns at
 once and the worker builds the state dicts, plans and copies the tensors to host memory
 while the training loop goes on; ``fence`` blocks until that copy is finished. Whoever
-attaches it must fence before anything changes the saved tensors (an integration's
-optimizer step pre-hook); the next write and ``close`` wait for the whole save anyway.
+attaches it must fence before anything changes the saved tensors (``fence_before_step``:
+an optimizer step pre-hook); the next write and ``close`` wait for the whole save anyway.
+``single_process``: where an integration may attach one.
 
 Must not import: jax, orbax.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["StagingOverlap", "attach", "detach"]
+__all__ = ["StagingOverlap", "attach", "detach", "fence_before_step", "single_process"]
 
 
 class StagingOverlap:
@@ -83,3 +84,41 @@ def detach(backend: Any) -> None:
         current.fence()
         backend._overlap = None
         current.close()
+
+
+def single_process() -> bool:
+    """Whether this run has no process group of more than one process: where an
+    integration may attach a ``StagingOverlap``. Several processes stage on the training
+    thread: DCP's collectives (and FSDP's state-dict gathers) on a worker could interleave
+    with the step's own collectives in a different order on each rank."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def fence_before_step(optimizer: Any, staging: StagingOverlap) -> Any:
+    """Hook ``optimizer.step`` so that no update starts before ``staging``'s copy is made;
+    returns the hook's handle (``.remove()``). A step given a closure (Lightning runs the
+    forward and backward in one, inside ``step``) waits after each call of the closure,
+    so the forward and backward still overlap the copy; a step without one waits at once.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (anything with ``register_step_pre_hook``).
+        staging: the ``StagingOverlap`` attached to the backend that saves its tensors.
+    """
+    def before_step(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # torch hands the hook step's arguments with the optimizer first: (self, closure?)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            staging.fence()
+            return None
+
+        def fenced() -> Any:  # torch's optimizers call it before they change anything
+            result = closure()
+            staging.fence()
+            return result
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": fenced}
+        return (args[0], fenced, *args[2:]), kwargs
+
+    return optimizer.register_step_pre_hook(before_step)

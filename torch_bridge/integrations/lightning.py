@@ -4,8 +4,10 @@ Owns: the ``CheckpointIO`` plugin (``lightning.Trainer(plugins=[JaxckptCheckpoin
 the mapping of Lightning's checkpoint paths to jaxckpt steps (a small JSON pointer file at
 each path, written once the checkpoint it names has committed); the global RNGs saved with
 each checkpoint and restored on load; loading a path whose checkpoint is damaged from the
-newest valid one before it, with a warning. The dict Lightning passes is split by
-``lightning_tree`` (tensors through DCP, the rest as JSON; never pickle).
+newest valid one before it, with a warning; in single-process fits, the staging of each
+save overlapped with the next step (``_StagingFence``: no update or buffer-changing forward
+before the copy). The dict Lightning passes is split by ``lightning_tree`` (tensors through
+DCP, the rest as JSON; never pickle).
 
 Must not import: jax, orbax.
 """
@@ -27,6 +29,8 @@ from jaxckpt.core import codec
 from jaxckpt.core.extras import requires_extra
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
 from torch_bridge import rng as torch_rng
+from torch_bridge.dcp import overlap
+from torch_bridge.dcp.backend import DcpBackend
 from torch_bridge.integrations import lightning_tree
 from torch_bridge.manager import DcpCheckpointManager
 
@@ -82,6 +86,7 @@ class JaxckptCheckpointIO(CheckpointIO):
         self._committed: set[int] = set()
         self._saved: set[int] = set()  # steps this process saved (later paths are aliases)
         self._exit_hook = False
+        self._fence: _StagingFence | None = None
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -102,6 +107,9 @@ class JaxckptCheckpointIO(CheckpointIO):
                               "JaxckptCheckpointIO needs Lightning's global step (an int >= 0).")
         skeleton, tensors = lightning_tree.split(checkpoint)
         manager = self._open(path)
+        # Lightning leaves the folder to its CheckpointIO; the pointer is written there later,
+        # from the manager's thread.
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with self._lock:
             alias = step in self._saved
             self._saved.add(step)
@@ -135,7 +143,27 @@ class JaxckptCheckpointIO(CheckpointIO):
         epoch = checkpoint.get("epoch", 0)
         info = StepInfo(epoch=epoch if isinstance(epoch, int) else 0, global_step=step)
         running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        self._overlap_staging(manager, trainer if running else None)
         manager.save(info, state, mode=None if running else "sync")
+
+    def _overlap_staging(self, manager: DcpCheckpointManager, trainer: Any) -> None:
+        """Let this save stage on the backend's worker while the next step's forward and
+        backward run, fenced (``_StagingFence``) before anything changes the tensors handed
+        over, which are the live parameters, buffers and optimizer state. Only in a
+        single-process fit (``overlap.single_process`` says why) with torch optimizers;
+        otherwise the copy is made here, before ``save_checkpoint`` returns."""
+        backend = manager.backend
+        if (trainer is None or not isinstance(backend, DcpBackend)
+                or not overlap.single_process()
+                or not all(hasattr(o, "register_step_pre_hook") for o in trainer.optimizers)):
+            if self._fence is not None:
+                self._fence.remove()
+                self._fence = None
+            overlap.detach(backend)
+            return
+        if self._fence is None:
+            self._fence = _StagingFence(overlap.attach(backend))
+        self._fence.install(trainer)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -192,6 +220,9 @@ class JaxckptCheckpointIO(CheckpointIO):
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.close()
+        fence, self._fence = self._fence, None
+        if fence is not None:
+            fence.remove()
 
     # ------------------------------------------------------------------ internals
     def _open(self, path: str, pointer_root: str | None = None) -> DcpCheckpointManager:
@@ -288,6 +319,49 @@ def read_pointer(path: str) -> dict[str, Any]:
                           "Lightning .ckpt file from torch.save?). Load it with Lightning's "
                           "default checkpoint IO (a Trainer without this plugin).")
     return pointer
+
+
+class _StagingFence:
+    """The hooks that make one fit wait for a save's staging copy before the saved tensors
+    change: each optimizer's update (``overlap.fence_before_step``: after Lightning's
+    closure, so the forward and backward overlap the copy) and the forward of each module
+    holding saved buffers (BatchNorm's statistics change in its forward). The next save,
+    ``remove_checkpoint``, ``load_checkpoint`` and teardown (also after an exception) wait
+    for the whole save. Tensors changed in place elsewhere before the update (a callback's
+    ``on_train_batch_start`` or ``on_before_optimizer_step`` editing weights or an EMA
+    buffer) are not fenced: such a fit passes ``mode="sync"`` (docs/integrations.md).
+
+    Concurrency: installed and removed on the training thread; the hooks run there."""
+
+    def __init__(self, staging: overlap.StagingOverlap) -> None:
+        self._staging = staging
+        self._hooked: dict[int, Any] = {}  # id of an optimizer or module -> hook handle
+        self._objects: list[Any] = []  # keeps the hooked objects (and so their ids) alive
+
+    def install(self, trainer: Any) -> None:
+        """Hook ``trainer``'s optimizers and buffer-holding modules not hooked yet."""
+        for optimizer in trainer.optimizers:
+            if id(optimizer) not in self._hooked:
+                self._hook(optimizer, overlap.fence_before_step(optimizer, self._staging))
+        module = trainer.lightning_module
+        for owner in [] if module is None else module.modules():
+            if id(owner) not in self._hooked and any(
+                    buffer is not None and name not in owner._non_persistent_buffers_set
+                    for name, buffer in owner._buffers.items()):
+                self._hook(owner, owner.register_forward_pre_hook(self._wait))
+
+    def _hook(self, owner: Any, handle: Any) -> None:
+        self._hooked[id(owner)] = handle
+        self._objects.append(owner)
+
+    def _wait(self, *_: Any) -> None:
+        self._staging.fence()
+
+    def remove(self) -> None:
+        """Remove every hook. Idempotent."""
+        hooked, self._hooked, self._objects = self._hooked, {}, []
+        for handle in hooked.values():
+            handle.remove()
 
 
 class _RestoreRng(Callback):

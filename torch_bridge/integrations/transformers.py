@@ -229,11 +229,9 @@ class _JaxckptHook(TrainerCallback):
                                             **self.manager_kwargs)
         self.handled_step = 0
         backend = self.manager.backend
-        # Several processes stage on the training thread: DCP's collectives (and FSDP's
-        # state-dict gathers) on a worker could interleave with the step's own collectives
-        # in a different order on each rank.
+        # Several processes stage on the training thread (overlap.single_process says why).
         self.overlap = (overlap.attach(backend) if isinstance(backend, DcpBackend)
-                        and not _several_processes() else None)
+                        and overlap.single_process() else None)
 
     def _prepare_resume(self) -> str | None:
         """Choose the checkpoint (its TrainerState only: the tensors load once the optimizer
@@ -426,9 +424,3 @@ class _JaxckptHook(TrainerCallback):
             stateful_callbacks=callbacks).stateful_callbacks
         return self._entries()
 
-
-def _several_processes() -> bool:
-    """Whether this run has a process group of more than one process."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

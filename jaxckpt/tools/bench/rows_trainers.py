@@ -1,12 +1,14 @@
-"""Time a Hugging Face Trainer run loses to checkpointing: Trainer's own vs jaxckpt's.
+"""Time a trainer's loop loses to checkpointing: the framework's own saving vs jaxckpt's.
 
-Owns: ``trainer_rows`` (one process, the variants taking turns each round: no checkpoints,
-Trainer's own ``checkpoint-N`` folders, ``use_jaxckpt`` at the same cadence, and the same
-with its staging overlap off: ``jaxckpt-blocking``) and
-its command line (``python -m jaxckpt.tools.bench.rows_trainers``). Not a section of
-``jaxckpt bench``: importing transformers alone takes longer than ``--quick`` may.
+Owns: ``trainer_rows`` (a Hugging Face Trainer; one process, the variants taking turns each
+round: no checkpoints, Trainer's own ``checkpoint-N`` folders, ``use_jaxckpt`` at the same
+cadence, and the same with its staging overlap off: ``jaxckpt-blocking``),
+``lightning_large_rows`` (the same four ways for a Lightning fit: ``ModelCheckpoint`` with
+Lightning's own ``TorchCheckpointIO`` against ``JaxckptCheckpointIO``) and the command line
+(``python -m jaxckpt.tools.bench.rows_trainers``). Not a section of ``jaxckpt bench``:
+importing transformers or Lightning alone takes longer than ``--quick`` may.
 
-Must not import at module level: jax, orbax, torch, transformers.
+Must not import at module level: jax, orbax, torch, transformers, lightning.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["trainer_rows"]
+__all__ = ["trainer_rows", "lightning_large_rows"]
 
 
 def _trainer(output_dir: str, *, steps: int, save_every: int | None, width: int,
@@ -200,6 +202,14 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
             for name in variants[::-1] if round_index % 2 else variants:
                 samples[name].append(_run(name, workdir, save_every=save_every, **shape))
 
+    return _summary(samples, variants, {**shape, "save_every": save_every,
+                                        "repeats": repeats}, steps, save_every)
+
+
+def _summary(samples: dict[str, list[dict[str, Any]]], variants: list[str],
+             shape: dict[str, Any], steps: int, save_every: int) -> dict[str, Any]:
+    """Medians of each variant's runs (``variants[0]``: the one without checkpoints, the
+    baseline; ``variants[1]``: the framework's own, the ratio's denominator)."""
     def median(name: str, key: str) -> float:
         return statistics.median(sample[key] for sample in samples[name])
 
@@ -212,8 +222,9 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
                 for name in variants[1:]}
     steady = {name: _steady_per_save(samples[name], samples["none"], steps, save_every)
               for name in variants[1:]}
-    ratios = [j / t for j, t in zip(lost["jaxckpt"], lost["trainer"], strict=True) if t > 0]
-    return {"shape": {**shape, "save_every": save_every, "repeats": repeats},
+    own = variants[1]
+    ratios = [j / t for j, t in zip(lost["jaxckpt"], lost[own], strict=True) if t > 0]
+    return {"shape": shape,
             "samples": samples,
             "run_s": {name: median(name, "run_s") for name in variants},
             "save_points_s": {name: median(name, "save_points_s") for name in variants},
@@ -221,10 +232,141 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
             "lost_s": {name: statistics.median(values) for name, values in lost.items()},
             "run_lost_s": {name: statistics.median(v) for name, v in run_lost.items()},
             "steady_save_s": steady,
-            "lost_ratio_jaxckpt_to_trainer": statistics.median(ratios) if ratios else None}
+            f"lost_ratio_jaxckpt_to_{own}": statistics.median(ratios) if ratios else None}
+
+
+def _lightning_module(*, hidden: int, layers: int, frozen_mb: int, step_ms: int) -> Any:
+    """A seeded MLP (``layers`` square layers, Adam), a frozen base of ``frozen_mb`` MB in
+    its state dict, and ``step_ms`` of sleep before each optimizer step (inside Lightning's
+    closure, after the backward: where a host waits for an accelerator)."""
+    import lightning as L
+    import torch
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden)
+                                             for _ in range(layers)])
+            if frozen_mb:  # saved with the model, untouched by the step
+                self.frozen_base = torch.nn.Parameter(torch.randn(
+                    frozen_mb * 2**18, generator=torch.Generator().manual_seed(1)),
+                    requires_grad=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.net(batch[0]).square().mean()
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            time.sleep(step_ms / 1000)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam([p for p in self.parameters() if p.requires_grad],
+                                    lr=1e-4)
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def _lightning_run(variant: str, workdir: str, *, steps: int, save_every: int,
+                   **shape: Any) -> dict[str, Any]:
+    """One ``trainer.fit`` checkpointed by ``ModelCheckpoint`` (``none``: ``save_top_k=0``,
+    the same callback saving nothing): its seconds, the seconds the training thread spent
+    in the callback's ``on_train_batch_end`` at each step (the save, and the fence's wait
+    counted with the save before it) and in the checkpoint IO's ``teardown`` (where
+    jaxckpt waits for its last commit)."""
+    import lightning as L
+    import torch
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from torch_bridge.dcp import overlap
+    from torch_bridge.integrations.lightning import JaxckptCheckpointIO
+
+    spent: list[float] = []
+    ending: list[float] = []
+
+    class Blocking(JaxckptCheckpointIO):
+        def _overlap_staging(self, manager: Any, trainer: Any) -> None:
+            overlap.detach(manager.backend)  # the copy on the training thread, as before
+
+    io_class = {"jaxckpt": JaxckptCheckpointIO, "jaxckpt-blocking": Blocking}.get(
+        variant, TorchCheckpointIO)
+
+    class TimedIO(io_class):  # type: ignore[valid-type,misc]
+        def teardown(self) -> None:
+            start = time.perf_counter()
+            try:
+                super().teardown()
+            finally:
+                ending.append(time.perf_counter() - start)
+
+    output = tempfile.mkdtemp(dir=workdir)
+    plugin = (TimedIO(os.path.join(output, "root"), preemption_signals=())
+              if variant.startswith("jaxckpt") else TimedIO())
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=os.path.join(output, "ckpt"), every_n_train_steps=save_every,
+        save_top_k=0 if variant == "none" else -1)
+    checkpoint.on_train_batch_end = _timed(  # type: ignore[method-assign]
+        checkpoint.on_train_batch_end, spent)
+    data = torch.utils.data.TensorDataset(torch.randn(steps * 16, shape["hidden"]))
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[checkpoint], plugins=[plugin])
+    model = _lightning_module(**shape)
+    start = time.perf_counter()
+    with _fence_timed(spent):
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=16))
+    run_s = time.perf_counter() - start
+    shutil.rmtree(output, ignore_errors=True)
+    return {"run_s": run_s, "save_points_s": sum(spent) + sum(ending),
+            "train_end_s": sum(ending), "calls_s": spent}
+
+
+def lightning_large_rows(*, steps: int = 30, save_every: int = 5, hidden: int = 1024,
+                         layers: int = 4, repeats: int = 3, frozen_mb: int = 256,
+                         step_ms: int = 100, directory: str | None = None) -> dict[str, Any]:
+    """``trainer_rows`` for Lightning: the variants ``none``, ``torch_io`` (Lightning's own
+    ``torch.save``), ``jaxckpt`` (``JaxckptCheckpointIO``, its staging overlapped with the
+    next step) and ``jaxckpt-blocking`` (the copy on the training thread), at the same
+    ``ModelCheckpoint(every_n_train_steps=save_every)``, taking turns each round.
+
+    Args:
+        steps: optimizer steps per fit.
+        save_every: steps between checkpoints.
+        hidden: the MLP's width (``layers`` square layers; Adam's two moments on top).
+        layers: its layers.
+        repeats: rounds; the variants take turns within each, in alternating order.
+        frozen_mb: MB of frozen weights in the model's state dict (saved, never stepped).
+        step_ms: milliseconds each step sleeps before its optimizer step (an accelerator's
+            forward and backward, the host's cores idle).
+        directory: where runs write (a temporary directory under it); None: the system's.
+    """
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+    workdir = tempfile.mkdtemp(prefix="jaxckpt-bench-lightning-", dir=directory)
+    shape = dict(steps=steps, hidden=hidden, layers=layers, frozen_mb=frozen_mb,
+                 step_ms=step_ms)
+    variants = ["none", "torch_io", "jaxckpt", "jaxckpt-blocking"]
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as cleanup, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cleanup.callback(shutil.rmtree, workdir, True)
+        _lightning_run("none", workdir, save_every=save_every, **shape)  # warm-up
+        for round_index in range(repeats):
+            for name in variants[::-1] if round_index % 2 else variants:
+                samples[name].append(_lightning_run(name, workdir, save_every=save_every,
+                                                    **shape))
+    return _summary(samples, variants, {**shape, "save_every": save_every,
+                                        "repeats": repeats}, steps, save_every)
+
 
 if __name__ == "__main__":
-    # key=value arguments: steps, save_every, width, layers, repeats, frozen_mb, step_ms (ints).
+    # key=value arguments: steps, save_every, width, layers, repeats, frozen_mb, step_ms (ints);
+    # a first argument "lightning": lightning_large_rows (hidden= in place of width=).
+    lightning = sys.argv[1:2] == ["lightning"]
     settings: dict[str, Any] = {key: int(value) for key, value in
-                                (arg.split("=", 1) for arg in sys.argv[1:])}
-    print(json.dumps(trainer_rows(**settings), indent=2))
+                                (arg.split("=", 1) for arg in sys.argv[1 + lightning:])}
+    rows = lightning_large_rows if lightning else trainer_rows
+    print(json.dumps(rows(**settings), indent=2))

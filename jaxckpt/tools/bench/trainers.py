@@ -2,11 +2,11 @@
 to jaxckpt's, side by side, one row per integration.
 
 Owns: ``run_trainers`` (calls ``rows_trainers.trainer_rows`` (transformers' Trainer, small
-and large), ``rows_lightning.lightning_rows``, ``rows_accelerate.accelerate_rows`` and
-``rows_keras.keras_rows`` (small and large) in turn, each measuring its variants alternately
-in one run; a framework that is not installed is reported as unavailable, not failed),
-``trainer_targets`` (lost-time ratio jaxckpt / the framework's own, target <= 0.2) and
-``format_trainers``. Each row module says what it times.
+and large), ``rows_lightning.lightning_rows``, ``rows_trainers.lightning_large_rows``,
+``rows_accelerate.accelerate_rows`` and ``rows_keras.keras_rows`` (small and large) in turn,
+each measuring its variants alternately in one run; a framework that is not installed is
+reported as unavailable, not failed), ``trainer_targets`` (lost-time ratio jaxckpt / the
+framework's own, target <= 0.2) and ``format_trainers``. Each row module says what it times.
 
 Must not import at module level: jax, torch, keras, lightning, transformers.
 """
@@ -40,6 +40,12 @@ TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                                 frozen_mb=1, step_ms=1)),
     "lightning": (dict(hidden=1024, layers=4, steps=30, save_every=5, rounds=2),
                   dict(hidden=32, layers=1, steps=4, save_every=2, rounds=1)),
+    # transformers-large's case for Lightning: ~320 MB (a frozen base beside a 4 x 1024 MLP
+    # and its Adam state), 100 ms before each optimizer step, per save once under way.
+    "lightning-large": (dict(steps=30, save_every=5, hidden=1024, layers=4, repeats=3,
+                             frozen_mb=256, step_ms=100),
+                        dict(steps=6, save_every=2, hidden=32, layers=1, repeats=1,
+                             frozen_mb=1, step_ms=1)),
     # The loop of docs/integrations.md's Accelerate recipe with a ~300 MB state and the
     # same 100 ms device-like wait before the optimizer step as ``transformers-large``.
     "accelerate": (dict(hidden=2048, layers=6, steps=30, save_every=5, step_ms=100,
@@ -57,20 +63,20 @@ TRAINER_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 _NEEDS = {"transformers": ("transformers", "accelerate"),
           "transformers-large": ("transformers", "accelerate"), "lightning": ("lightning",),
-          "accelerate": ("accelerate",),
+          "lightning-large": ("lightning",), "accelerate": ("accelerate",),
           "keras": ("keras", "jax"), "keras-large": ("keras", "jax")}
 
 
 def _lost(name: str, row: dict[str, Any]) -> tuple[float | None, float | None]:
     """(own lost seconds, jaxckpt lost seconds) from a row function's result."""
     lost = row.get("lost_s") or {}
-    if name == "transformers-large":
+    if name in ("transformers-large", "lightning-large"):
         lost = row.get("steady_save_s") or {}
     if name == "keras-large":
         lost = row.get("lost_per_save_s") or {}
     if name.startswith("transformers"):
         return lost.get("trainer"), lost.get("jaxckpt")
-    if name == "lightning":
+    if name.startswith("lightning"):
         return lost.get("torch_io"), lost.get("jaxckpt")
     if name == "accelerate":
         return lost.get("accelerate"), lost.get("jaxckpt")
@@ -82,6 +88,10 @@ def _row_function(name: str) -> Callable[..., dict[str, Any]]:
         from .rows_trainers import trainer_rows
 
         return trainer_rows
+    if name == "lightning-large":
+        from .rows_trainers import lightning_large_rows
+
+        return lightning_large_rows
     if name == "lightning":
         from .rows_lightning import lightning_rows
 
@@ -102,8 +112,8 @@ def run_trainers(*, directory: str | None = None, quick: bool = False,
     Args:
         directory: where the runs write (a temporary directory under it); None: the system's.
         quick: tiny models and one round, to check the rows run (figures mean nothing).
-        only: which of "transformers", "transformers-large", "lightning", "accelerate",
-            "keras", "keras-large".
+        only: which of "transformers", "transformers-large", "lightning",
+            "lightning-large", "accelerate", "keras", "keras-large".
     """
     unknown = sorted(set(only) - set(TRAINER_SHAPES))
     if unknown:
