@@ -231,9 +231,8 @@ class _Entry:
         self.split = split
 
 
-def _entries(state: Any) -> list[_Entry]:
-    """Take every entry of ``state`` apart (on the calling thread: this reads the live
-    objects; DCP's ``get_*_state_dict`` shares storage with parameters, it does not copy)."""
+def _kinds(state: Any) -> dict[str, str]:
+    """Each entry's kind, after checking ``state`` is a dict of valid names and values."""
     if not isinstance(state, Mapping):
         raise TypeError(
             f"the DCP backend's state must be a dict of name -> object, got "
@@ -242,12 +241,32 @@ def _entries(state: Any) -> list[_Entry]:
     bad_names = [name for name in state if not isinstance(name, str) or not name or "/" in name]
     if bad_names:
         raise ConfigError(f"state keys must be non-empty str without '/', got {bad_names!r}.")
-    kinds = {name: _kind_of(name, value) for name, value in state.items()}
+    return {name: _kind_of(name, value) for name, value in state.items()}
+
+
+def _values_now(state: Any) -> dict[str, _Entry]:
+    """The entries other than modules and optimizers (schedulers, Stateful objects, tensors,
+    plain values) taken apart now, on the calling thread: an overlapped write reads modules
+    and optimizers on its worker, before the step that changes them."""
+    return {name: _Entry(name, kind, _Split(value.state_dict() if kind == "state_dict"
+                                            else value))
+            for (name, kind), value in zip(_kinds(state).items(), state.values(), strict=True)
+            if kind not in ("module", "optimizer")}
+
+
+def _entries(state: Any, taken: Mapping[str, _Entry] | None = None) -> list[_Entry]:
+    """Take every entry of ``state`` apart (on the calling thread: this reads the live
+    objects; DCP's ``get_*_state_dict`` shares storage with parameters, it does not copy);
+    entries in ``taken`` (``_values_now``'s) are used as they are."""
+    kinds = _kinds(state)
     pairs = _pair_optimizers(state)
     api: Any = None  # torch's state-dict functions, imported on first need
     out = []
     for name, value in state.items():
         kind = kinds[name]
+        if taken is not None and name in taken:
+            out.append(taken[name])
+            continue
         if kind in ("module", "optimizer") and api is None:
             api = _state_dict_api()
         if kind == "module":
@@ -554,13 +573,14 @@ class DcpBackend:
                           base: IncrementalBase | None) -> DcpWriteHandle:
         """The whole staging on the overlap's worker; the handle's fields are set there."""
         assert self._overlap is not None
+        taken = _values_now(state)  # what no fence covers is read before returning
         with self._lock:
             self._drain_locked()
             handle = DcpWriteHandle(self, directory, "", 0)
 
             def stage() -> Any:
                 handle._staging_dir, handle.nbytes, handle._writer, upload = self._start(
-                    directory, state, True, base)
+                    directory, state, True, base, taken)
                 return upload
 
             handle._future = self._overlap.submit(stage)
@@ -569,10 +589,11 @@ class DcpBackend:
             return handle
 
     def _start(self, directory: str, state: Any, asynchronous: bool,
-               base: IncrementalBase | None) -> tuple[str, int, Any, Any]:
+               base: IncrementalBase | None,
+               taken: Mapping[str, _Entry] | None = None) -> tuple[str, int, Any, Any]:
         """State dicts, planning and staging of one write (no other write in flight); returns
         (staging directory, bytes, writer, DCP's upload future or None when written)."""
-        entries = _entries(state)
+        entries = _entries(state, taken)
         flat = _flat_tensors(entries)
         document = _objects_document(entries)  # validates every non-tensor value first
         nbytes = sum(_local_nbytes(tensor) for tensor in flat.values()) + len(document)

@@ -4,7 +4,8 @@ Owns: ``StagingOverlap``: with it attached to a ``DcpBackend`` an async ``write`
 once and the worker builds the state dicts, plans and copies the tensors to host memory
 while the training loop goes on; ``fence`` blocks until that copy is finished. Whoever
 attaches it must fence before anything changes the saved tensors (``fence_before_step``:
-an optimizer step pre-hook); the next write and ``close`` wait for the whole save anyway.
+an optimizer step pre-hook; ``StagingFence`` installs those hooks and the forward pre-hooks
+of modules holding buffers); the next write and ``close`` wait for the whole save anyway.
 ``single_process``: where an integration may attach one.
 
 Must not import: jax, orbax.
@@ -17,7 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["StagingOverlap", "attach", "detach", "fence_before_step", "single_process"]
+__all__ = ["StagingFence", "StagingOverlap", "attach", "detach", "fence_before_step",
+           "single_process"]
 
 
 class StagingOverlap:
@@ -103,9 +105,11 @@ def fence_before_step(optimizer: Any, staging: StagingOverlap) -> Any:
     so the forward and backward still overlap the copy; a step without one waits at once.
 
     Args:
-        optimizer: a ``torch.optim.Optimizer`` (anything with ``register_step_pre_hook``).
+        optimizer: a ``torch.optim.Optimizer``, or a wrapper of one in ``.optimizer``
+            (accelerate's ``AcceleratedOptimizer``): the optimizer inside is hooked.
         staging: the ``StagingOverlap`` attached to the backend that saves its tensors.
     """
+    optimizer = innermost_optimizer(optimizer)
     def before_step(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # torch hands the hook step's arguments with the optimizer first: (self, closure?)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -122,3 +126,66 @@ def fence_before_step(optimizer: Any, staging: StagingOverlap) -> Any:
         return (args[0], fenced, *args[2:]), kwargs
 
     return optimizer.register_step_pre_hook(before_step)
+
+
+def innermost_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside wrappers that keep it in ``.optimizer`` (accelerate's
+    ``AcceleratedOptimizer`` has no step hooks of its own); TypeError when there is none."""
+    inner = optimizer
+    while not hasattr(inner, "_optimizer_step_pre_hooks") and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    if not hasattr(inner, "_optimizer_step_pre_hooks"):
+        raise TypeError(f"{type(optimizer).__qualname__} is not a torch.optim.Optimizer (nor "
+                        "a wrapper of one in .optimizer): its steps cannot wait for a save's "
+                        "staging copy. Save with mode='sync', or do not overlap the staging.")
+    return inner
+
+
+class StagingFence:
+    """The hooks that make a training loop wait for a save's staging copy before the saved
+    tensors change: each optimizer's update (``fence_before_step``: after the closure, when
+    the step is given one, so the forward and backward overlap the copy) and the forward of
+    each module holding saved buffers (BatchNorm's statistics change in its forward).
+    Tensors changed in place elsewhere between a save and the next update (an EMA updated
+    before the step, weights edited by hand) are not fenced: such a loop saves without the
+    overlap.
+
+    Concurrency contract: installed and removed on the training thread; the hooks run there.
+    """
+
+    def __init__(self, staging: StagingOverlap) -> None:
+        self._staging = staging
+        self._hooked: dict[int, Any] = {}  # id of an optimizer or module -> hook handle
+        self._objects: list[Any] = []  # keeps the hooked objects (and so their ids) alive
+
+    def install(self, optimizers: Any, modules: Any = ()) -> None:
+        """Hook the given optimizers, and the submodules of ``modules`` that hold saved
+        buffers, not hooked yet (a second call with the same objects does nothing).
+
+        Args:
+            optimizers: torch optimizers (or wrappers of one, see ``innermost_optimizer``).
+            modules: ``nn.Module``s whose forward may change saved buffers.
+        """
+        for optimizer in optimizers:
+            inner = innermost_optimizer(optimizer)
+            if id(inner) not in self._hooked:
+                self._hook(inner, fence_before_step(inner, self._staging))
+        for module in modules:
+            for owner in module.modules():
+                if id(owner) not in self._hooked and any(
+                        buffer is not None and name not in owner._non_persistent_buffers_set
+                        for name, buffer in owner._buffers.items()):
+                    self._hook(owner, owner.register_forward_pre_hook(self._wait))
+
+    def _hook(self, owner: Any, handle: Any) -> None:
+        self._hooked[id(owner)] = handle
+        self._objects.append(owner)
+
+    def _wait(self, *_: Any) -> None:
+        self._staging.fence()
+
+    def remove(self) -> None:
+        """Remove every hook. Idempotent."""
+        hooked, self._hooked, self._objects = self._hooked, {}, []
+        for handle in hooked.values():
+            handle.remove()

@@ -5,8 +5,8 @@ the mapping of Lightning's checkpoint paths to jaxckpt steps (a small JSON point
 each path, written once the checkpoint it names has committed); the global RNGs saved with
 each checkpoint and restored on load; loading a path whose checkpoint is damaged from the
 newest valid one before it, with a warning; in single-process fits, the staging of each
-save overlapped with the next step (``_StagingFence``: no update or buffer-changing forward
-before the copy). The dict Lightning passes is split by ``lightning_tree`` (tensors through
+save overlapped with the next step (``overlap.StagingFence``: no update or buffer-changing
+forward before the copy). The dict Lightning passes is split by ``lightning_tree`` (tensors through
 DCP, the rest as JSON; never pickle).
 
 Must not import: jax, orbax.
@@ -86,7 +86,7 @@ class JaxckptCheckpointIO(CheckpointIO):
         self._committed: set[int] = set()
         self._saved: set[int] = set()  # steps this process saved (later paths are aliases)
         self._exit_hook = False
-        self._fence: _StagingFence | None = None
+        self._fence: overlap.StagingFence | None = None
 
     # ------------------------------------------------------------------ CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -148,8 +148,8 @@ class JaxckptCheckpointIO(CheckpointIO):
 
     def _overlap_staging(self, manager: DcpCheckpointManager, trainer: Any) -> None:
         """Let this save stage on the backend's worker while the next step's forward and
-        backward run, fenced (``_StagingFence``) before anything changes the tensors handed
-        over, which are the live parameters, buffers and optimizer state. Only in a
+        backward run, fenced (``overlap.StagingFence``) before anything changes the tensors
+        handed over, which are the live parameters, buffers and optimizer state. Only in a
         single-process fit (``overlap.single_process`` says why) with torch optimizers;
         otherwise the copy is made here, before ``save_checkpoint`` returns."""
         backend = manager.backend
@@ -162,8 +162,9 @@ class JaxckptCheckpointIO(CheckpointIO):
             overlap.detach(backend)
             return
         if self._fence is None:
-            self._fence = _StagingFence(overlap.attach(backend))
-        self._fence.install(trainer)
+            self._fence = overlap.StagingFence(overlap.attach(backend))
+        module = trainer.lightning_module
+        self._fence.install(trainer.optimizers, [] if module is None else [module])
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -319,49 +320,6 @@ def read_pointer(path: str) -> dict[str, Any]:
                           "Lightning .ckpt file from torch.save?). Load it with Lightning's "
                           "default checkpoint IO (a Trainer without this plugin).")
     return pointer
-
-
-class _StagingFence:
-    """The hooks that make one fit wait for a save's staging copy before the saved tensors
-    change: each optimizer's update (``overlap.fence_before_step``: after Lightning's
-    closure, so the forward and backward overlap the copy) and the forward of each module
-    holding saved buffers (BatchNorm's statistics change in its forward). The next save,
-    ``remove_checkpoint``, ``load_checkpoint`` and teardown (also after an exception) wait
-    for the whole save. Tensors changed in place elsewhere before the update (a callback's
-    ``on_train_batch_start`` or ``on_before_optimizer_step`` editing weights or an EMA
-    buffer) are not fenced: such a fit passes ``mode="sync"`` (docs/integrations.md).
-
-    Concurrency: installed and removed on the training thread; the hooks run there."""
-
-    def __init__(self, staging: overlap.StagingOverlap) -> None:
-        self._staging = staging
-        self._hooked: dict[int, Any] = {}  # id of an optimizer or module -> hook handle
-        self._objects: list[Any] = []  # keeps the hooked objects (and so their ids) alive
-
-    def install(self, trainer: Any) -> None:
-        """Hook ``trainer``'s optimizers and buffer-holding modules not hooked yet."""
-        for optimizer in trainer.optimizers:
-            if id(optimizer) not in self._hooked:
-                self._hook(optimizer, overlap.fence_before_step(optimizer, self._staging))
-        module = trainer.lightning_module
-        for owner in [] if module is None else module.modules():
-            if id(owner) not in self._hooked and any(
-                    buffer is not None and name not in owner._non_persistent_buffers_set
-                    for name, buffer in owner._buffers.items()):
-                self._hook(owner, owner.register_forward_pre_hook(self._wait))
-
-    def _hook(self, owner: Any, handle: Any) -> None:
-        self._hooked[id(owner)] = handle
-        self._objects.append(owner)
-
-    def _wait(self, *_: Any) -> None:
-        self._staging.fence()
-
-    def remove(self) -> None:
-        """Remove every hook. Idempotent."""
-        hooked, self._hooked, self._objects = self._hooked, {}, []
-        for handle in hooked.values():
-            handle.remove()
 
 
 class _RestoreRng(Callback):

@@ -143,12 +143,6 @@ def _strategy(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
-def _has_saved_buffers(model: Any) -> bool:
-    """Whether ``model``'s state dict holds buffers (which a forward may update in place)."""
-    return any(buffer is not None and name not in module._non_persistent_buffers_set
-               for module in model.modules() for name, buffer in module._buffers.items())
-
-
 class _TrainerStateRecord:
     """The Trainer's state as a stateful object of the checkpoint: ``TrainerState`` as a
     JSON dict (the fields of its ``trainer_state.json``), the same on every process."""
@@ -188,7 +182,7 @@ class _JaxckptHook(TrainerCallback):
         self.at_epoch_end = False
         self.handled_step = 0
         self.overlap: overlap.StagingOverlap | None = None
-        self.fence: tuple[Any, list[Any]] | None = None  # (optimizer, the fence's hooks)
+        self.fence: overlap.StagingFence | None = None
 
     # --- installing --------------------------------------------------------------------
     def install(self) -> None:
@@ -366,33 +360,26 @@ class _JaxckptHook(TrainerCallback):
 
     # --- the overlap's fence: no optimizer step while a save's staging copy is made ------
     def _install_fence(self) -> None:
-        """Hook the optimizer's step (once per optimizer): a save stages on the backend's
-        worker while the next forward and backward run, and the step waits for its copy
-        (a model holding buffers waits at its next forward instead)."""
-        optimizer = self._entries()["optimizer"]
-        if self.overlap is None or (self.fence is not None and self.fence[0] is optimizer):
+        """Hook the optimizer's step and the forward of modules holding buffers (once per
+        object, ``overlap.StagingFence``): a save stages on the backend's worker while the
+        next forward and backward run, and whatever would change its tensors waits for the
+        copy."""
+        if self.overlap is None:
             return
-        self._remove_fence()
-        if not hasattr(optimizer, "register_step_pre_hook"):  # not a torch optimizer
+        if self.fence is None:
+            self.fence = overlap.StagingFence(self.overlap)
+        try:
+            self.fence.install([self._entries()["optimizer"]], [self.trainer.model])
+        except TypeError:  # not a torch optimizer: stage on the training thread
             assert self.manager is not None
+            self._remove_fence()
             overlap.detach(self.manager.backend)
             self.overlap = None
-            return
-        staging = self.overlap
-
-        def wait_for_staging(*_: Any) -> None:
-            staging.fence()
-
-        hooks = [optimizer.register_step_pre_hook(wait_for_staging)]
-        model = self.trainer.model
-        if _has_saved_buffers(model):  # a forward may change them (BatchNorm statistics)
-            hooks.append(model.register_forward_pre_hook(wait_for_staging))
-        self.fence = (optimizer, hooks)
 
     def _remove_fence(self) -> None:
         fence, self.fence = self.fence, None
-        for hook in [] if fence is None else fence[1]:
-            hook.remove()
+        if fence is not None:
+            fence.remove()
 
     def _step_info(self, step: int) -> StepInfo:
         """Trainer counts completed steps from 1; a StepInfo names the step from 0."""
