@@ -3,7 +3,8 @@
 Owns nothing of the policy: triggers, retention, the commit protocol, driver state (counters,
 data-loader positions, Python/NumPy RNG), reports and recovery all come from
 :class:`jaxckpt.CheckpointManager`. This module only builds a :class:`DcpBackend` (after
-``torch.distributed`` is initialised, in a distributed run) and closes it with the manager.
+``torch.distributed`` is initialised, in a distributed run) and closes it with the manager,
+and ``overlap_staging``: a loop's opt-in to staging saves while its next step runs.
 
 Must not import: jax, orbax.
 """
@@ -14,6 +15,7 @@ import os
 from typing import Any
 
 from jaxckpt import CheckpointManager, ConfigError, ExportConfig, RecoverConfig
+from torch_bridge.dcp import overlap
 from torch_bridge.dcp.backend import DcpBackend
 
 __all__ = ["DcpCheckpointManager"]
@@ -75,6 +77,38 @@ class DcpCheckpointManager(CheckpointManager):
                 backend.close()
             raise
         self._created_backend = created
+        self._fence: overlap.StagingFence | None = None
+
+    def overlap_staging(self, optimizers: Any, modules: Any = ()) -> bool:
+        """Let async saves copy their tensors on a worker thread while the loop's next
+        forward and backward run, instead of before ``maybe_save``/``save`` return.
+
+        The loop must change the saved tensors only through these optimizers' ``step()`` (and
+        module buffers in a forward): each step, and each forward of a module holding saved
+        buffers, waits for the copy first. Schedulers, stateful objects and plain values in
+        the state are read before the save call returns; modules, optimizers and tensors in
+        the state are read on the worker. A loop that changes weights or tensors of the state
+        in place elsewhere between a save and the next step (an EMA updated before the step)
+        must not use this. Returns False, changing nothing, in a run of several processes:
+        there DCP's collectives on a worker could interleave with the step's own in a
+        different order on each rank.
+
+        Args:
+            optimizers: the optimizer, or a list of them, whose steps update the saved state
+                (accelerate's prepared optimizers are accepted).
+            modules: the model, or a list of modules, whose forward may change saved buffers
+                (BatchNorm statistics); modules without buffers need not be given.
+        """
+        if not isinstance(self.backend, DcpBackend) or not overlap.single_process():
+            return False
+        optimizers = [optimizers] if not isinstance(optimizers, (list, tuple)) else optimizers
+        modules = [modules] if not isinstance(modules, (list, tuple)) else modules
+        for optimizer in optimizers:
+            overlap.innermost_optimizer(optimizer)  # TypeError before anything is hooked
+        if self._fence is None:
+            self._fence = overlap.StagingFence(overlap.attach(self.backend))
+        self._fence.install(optimizers, modules)
+        return True
 
     def _shut_down(self) -> None:
         """``CheckpointManager``'s, then close the backend this manager created (before
@@ -82,5 +116,10 @@ class DcpCheckpointManager(CheckpointManager):
         try:
             super()._shut_down()
         finally:
+            fence, self._fence = self._fence, None
+            if fence is not None:
+                fence.remove()
+                if not self._created_backend:
+                    overlap.detach(self.backend)  # the caller's backend: as it was given
             if self._created_backend:
                 self.backend.close()  # idempotent

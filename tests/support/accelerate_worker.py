@@ -74,6 +74,7 @@ def main() -> None:
     with DcpCheckpointManager(args.root, recover=RecoverConfig(every=Every(steps=3)),
                               mode="async", backend=backend, on_report=on_report) as mgr:
         recovered = mgr.recover(state)
+        mgr.overlap_staging(optimizer, model)  # as docs/integrations.md's recipe
         info = recovered.step_info.next() if recovered else StepInfo(0, 0, 0, len(loader))
         _say(f"START {info.global_step}")
         while info.global_step < STEPS:

@@ -2,12 +2,15 @@
 ``Accelerator.save_state`` against ``DcpCheckpointManager``, side by side.
 
 Owns ``accelerate_rows``: the loop of docs/integrations.md's Accelerate recipe (a prepared
-MLP, AdamW, a scheduler, a seedable loader, ``jaxckpt.batches``) run three ways per round (no
+MLP, AdamW, a scheduler, a seedable loader, ``jaxckpt.batches``) run four ways per round (no
 checkpoint, ``save_state`` every ``save_every`` steps, the manager's async ``maybe_save`` at
-the same steps), in turns whose order flips every round. The lost time compared with the
+the same steps with ``overlap_staging`` as the recipe has it, and without it:
+``jaxckpt-blocking``), in turns whose order flips every round. The lost time compared with the
 target is the training thread's seconds per save once under way, as the large Trainer row's
-(``rows_trainers._steady_per_save``); whole-loop wall times are reported beside it (on a
-shared 2-core machine they also hold the background write's share of the cores).
+(``rows_trainers._steady_per_save``): the save call plus the next optimizer step, where the
+overlap's fence waits for the copy (over the same in the run without checkpoints);
+whole-loop wall times are reported beside it (on a shared 2-core machine they also hold the
+background write's share of the cores).
 ``step_ms`` sleeps before each optimizer step, standing for an accelerator's forward and
 backward.
 
@@ -28,7 +31,7 @@ from .rows_trainers import _steady_per_save
 
 __all__ = ["accelerate_rows"]
 
-_WAYS = ("none", "accelerate", "jaxckpt")
+_WAYS = ("none", "accelerate", "jaxckpt", "jaxckpt-blocking")
 
 
 def accelerate_rows(directory: str | None = None, *, hidden: int = 1024, layers: int = 4,
@@ -60,7 +63,7 @@ def accelerate_rows(directory: str | None = None, *, hidden: int = 1024, layers:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     loop = {way: statistics.median(run["loop_s"] for run in runs[way]) for way in _WAYS}
-    checkpointed = ("accelerate", "jaxckpt")
+    checkpointed = ("accelerate", "jaxckpt", "jaxckpt-blocking")
     steady = {way: _steady_per_save(runs[way], runs["none"], steps, save_every)
               for way in checkpointed}
     lost = {way: None if value is None else round(value, 3) for way, value in steady.items()}
@@ -98,10 +101,13 @@ def _run(way: str, work: str, *, hidden: int, layers: int, steps: int, save_ever
                                                               scheduler)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     mgr = None
-    if way == "jaxckpt":
+    if way.startswith("jaxckpt"):
         mgr = DcpCheckpointManager(os.path.join(work, way), mode="async",
                                    recover=RecoverConfig(every=Every(steps=save_every)))
-    calls: list[float] = []
+        if way == "jaxckpt":
+            mgr.overlap_staging(optimizer, model)
+    saves: list[float] = []
+    updates: list[float] = []
     start = time.perf_counter()
     for step, (inputs,) in batches(loader, total_steps=steps):
         loss = model(inputs).square().mean()
@@ -109,14 +115,17 @@ def _run(way: str, work: str, *, hidden: int, layers: int, steps: int, save_ever
         accelerator.backward(loss)
         if step_ms:
             time.sleep(step_ms / 1000)
-        optimizer.step()
+        began = time.perf_counter()
+        optimizer.step()  # with the overlap: waits for the last save's copy
+        updates.append(time.perf_counter() - began)
         scheduler.step()
         began = time.perf_counter()
         if mgr is not None:
             mgr.maybe_save(step, state)
         elif way == "accelerate" and (step.global_step + 1) % save_every == 0:
             accelerator.save_state(os.path.join(work, way, f"step_{step.global_step + 1}"))
-        calls.append(time.perf_counter() - began)
+        saves.append(time.perf_counter() - began)
+    calls = [save + update for save, update in zip(saves, updates[1:] + [0.0], strict=True)]
     began = time.perf_counter()
     if mgr is not None:
         mgr.close()  # the last save's write, waited for as a run's end would
