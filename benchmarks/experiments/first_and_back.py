@@ -10,7 +10,8 @@ restore by a new manager) for each tree and each leaf count; then, page cache dr
 libraries warmed, the bench's restarted training script (``rows_back._TRAIN_SCRIPT``) with
 each tree's jaxckpt and with Orbax, and the raw read of the checkpoint's files; with
 ``--parts cpu``, the first save and restore again with their CPU time (``_CPU_CHILD``).
-Medians and ranges as JSON lines on stdout.
+Medians and ranges as JSON lines on stdout, with each restart's CPU seconds and minor page
+faults by phase.
 
 Needs root for the cold reads. Must not import: torch.
 
@@ -35,8 +36,9 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _child(tree: str, code: str, job: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
+    # In ``tree``: ``python -c`` puts the working directory ahead of PYTHONPATH.
     done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), env=env,
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -143,9 +145,13 @@ def _back_rounds(trees: dict[str, str], args: argparse.Namespace, workdir: str,
                 continue
             who = "orbax" if name == "orbax" else "jaxckpt"
             root = roots["orbax"] if who == "orbax" else roots["jaxckpt"]
-            phases = rows_back._restart(who, root, shapes, trees.get(name))
+            usage: dict[str, tuple[float, int]] = {}
+            phases = rows_back._restart(who, root, shapes, trees.get(name), usage)
             for key, seconds in phases.items():
                 found.setdefault(f"back {name} {key}", []).append(seconds)
+            for key, (cpu, faults) in usage.items():
+                found.setdefault(f"back {name} {key} cpu", []).append(cpu)
+                found.setdefault(f"back {name} {key} faults", []).append(faults)
         print(f"back: round {round_index + 1} done", file=sys.stderr, flush=True)
 
 
@@ -161,7 +167,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     trees = {"before": os.path.abspath(args.before), "after": HERE}
-    workdir = tempfile.mkdtemp(prefix="first-and-back-", dir=args.dir)
+    workdir = os.path.abspath(tempfile.mkdtemp(prefix="first-and-back-", dir=args.dir))
     found: dict[str, list[float]] = {}
     load = [round(os.getloadavg()[0], 2)]
     try:

@@ -21,7 +21,7 @@ import pytest
 from jaxckpt.backends.orbax import match as orbax_match, read as orbax_read, write as orbax_write
 from jaxckpt.backends.orbax.backend import OrbaxBackend
 from jaxckpt.backends.orbax.options import DEFAULT_PACK_BYTES, DEFAULT_PACK_LEAF_BYTES
-from jaxckpt.backends.orbax.place import place
+from jaxckpt.backends.orbax.place import owned_on_cpu, place
 from jaxckpt.backends.orbax.plan import PACK_ALIGN, build_plan
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage.buffers import aligned_empty
@@ -65,6 +65,28 @@ def test_place_gives_the_arrays_device_put_gives():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         # Usable like any other array in a jitted computation.
         np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x)(got)), np.asarray(want))
+
+
+def test_owned_on_cpu_gives_xla_memory_the_caller_fills_and_jax_sees():
+    device = jax.devices()[0]
+    single = jax.sharding.SingleDeviceSharding(device)
+    for dtype in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
+        want = np.arange(24).astype(dtype).reshape(4, 6)
+        owned = owned_on_cpu(want.shape, dtype, single)
+        assert owned is not None
+        array, memory = owned
+        assert array.sharding == single and array.committed and array.dtype == dtype
+        memory[:] = want.reshape(-1).view(np.uint8)
+        np.testing.assert_array_equal(np.asarray(array), want)
+        assert array.unsafe_buffer_pointer() == memory.ctypes.data
+    # Where XLA's memory is not this process's CPU memory, or jax would convert the dtype:
+    # the caller reads into a host buffer and places it.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    assert owned_on_cpu((8,), np.dtype(np.float32), named) is None
+    assert owned_on_cpu((0,), np.dtype(np.float32), single) is None
+    if not jax.config.jax_enable_x64:
+        assert owned_on_cpu((8,), np.dtype(np.float64), single) is None
 
 
 def test_place_takes_other_shardings_through_device_put():

@@ -283,33 +283,49 @@ def numpy_advises_huge_pages():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
-def test_a_restore_reads_into_memory_it_hands_over_without_advising_huge_pages(
+def test_a_restore_reads_into_xla_memory_that_a_donated_step_reuses(
         tmp_path, numpy_advises_huge_pages, monkeypatch):
-    # Huge pages asked for at fault time cost a restore several times the read here (fresh
-    # memory on a VM; benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md), so the
-    # read buffers do not ask; and jax
-    # adopts them as they are, so no byte is copied after the read.
-    read_into: list[tuple[int, int]] = []
-    real_read = chunk_io.read_chunk
+    # On a CPU device the restore reads each array's bytes into memory XLA allocated
+    # (``place.owned_on_cpu``), not into a buffer jax would adopt as a view: XLA reuses
+    # only memory it owns for a donated step's outputs, and the first training step would
+    # otherwise fault in a whole new state. That memory asks for no huge pages either
+    # (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md).
+    read_into: list[int] = []
+    real_read = chunk_io.read_chunk_into
 
-    def spy(path, nbytes, **options):
-        content, checksum = real_read(path, nbytes, **options)
-        read_into.append((content.ctypes.data, content.ctypes.data + content.nbytes))
-        return content, checksum
+    def spy(path, out, **options):
+        read_into.append(out.ctypes.data)
+        return real_read(path, out, **options)
 
-    monkeypatch.setattr(chunk_io, "read_chunk", spy)
+    monkeypatch.setattr(chunk_io, "read_chunk_into", spy)
     count = 2 << 20  # 8 MiB of float32, 4 of bfloat16: numpy advises huge pages from 4 MiB
     state = {"big": jnp.arange(count, dtype=jnp.float32) + 1,
              "half": jnp.arange(count, dtype=jnp.bfloat16) - 1}
     with CheckpointManager(tmp_path, mode="sync", preemption_signals=()) as mgr:
         mgr.save(StepInfo(0, 0, 0), state)
         restored = mgr.restore(like_of(state)).state
-    assert len(read_into) == 2
+    addresses = {name: array.unsafe_buffer_pointer() for name, array in restored.items()}
+    assert sorted(read_into) == sorted(addresses.values())  # read straight into them
     for name, array in restored.items():
         np.testing.assert_array_equal(np.asarray(array), np.asarray(state[name]))
-        address = array.unsafe_buffer_pointer()
-        assert any(start <= address < end for start, end in read_into), name  # not a copy
-        assert "hg" not in mapping_flags(address), name
+        assert "hg" not in mapping_flags(addresses[name]), name
+    step = jax.jit(lambda tree: jax.tree.map(lambda leaf: leaf * 2, tree), donate_argnums=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable"
+        stepped = jax.block_until_ready(step(restored))
+    for name, array in restored.items():
+        assert array.is_deleted(), name
+        assert stepped[name].unsafe_buffer_pointer() == addresses[name], name  # reused
+
+
+def test_a_chunk_read_to_the_host_asks_for_no_huge_pages(tmp_path, numpy_advises_huge_pages):
+    # Packs and arrays for other devices are read into buffers handed over as they are.
+    data = np.arange(2 << 20, dtype=np.float32)
+    path = tmp_path / "chunk"
+    chunk_io.write_chunk(str(path), data, algorithm=ALGORITHM)
+    content, _ = chunk_io.read_chunk(str(path), data.nbytes, algorithm=None)
+    assert chunk_io.array_bytes(str(path), content, data.nbytes).tobytes() == data.tobytes()
+    assert "hg" not in mapping_flags(content.ctypes.data)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
@@ -340,6 +356,16 @@ def test_write_chunk_puts_the_bytes_at_the_offset(tmp_path, monkeypatch, direct,
         chunk_io.read_chunk(str(path), nbytes, algorithm=None, offset=offset + 1)
     with pytest.raises(CheckpointCorruptError, match=f"shard index .* offset {offset + 1}"):
         chunk_io.array_bytes(str(path), read, nbytes - 1, offset + 1)
+    for past in {offset, (offset + 16) % ALIGN}:  # lined up with the file's blocks, or not
+        out = placed(np.zeros(nbytes, np.uint8), past)
+        index, checksum = chunk_io.read_chunk_into(str(path), out, algorithm=ALGORITHM,
+                                                   direct=direct, offset=offset)
+        assert checksum == crc and out.tobytes() == data.tobytes()
+        chunk_io.check_index(str(path), index, nbytes, offset)
+    index, _ = chunk_io.read_chunk_into(str(path), np.zeros(nbytes - 1, np.uint8),
+                                        algorithm=None, direct=direct, offset=offset + 1)
+    with pytest.raises(CheckpointCorruptError, match=f"shard index .* offset {offset + 1}"):
+        chunk_io.check_index(str(path), index, nbytes - 1, offset + 1)
 
 
 def write_recording(monkeypatch, path, data, offset):

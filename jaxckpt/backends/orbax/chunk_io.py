@@ -3,7 +3,8 @@
 Owns: ``write_chunk`` (an array's bytes streamed to a new file with ``O_DIRECT`` and made
 durable, checksummed from the memory that is written, so that the commit reads nothing
 back), ``read_chunk`` (a chunk file read with ``O_DIRECT`` into memory jax adopts without a
-copy, checksummed as each piece arrives) and ``array_bytes``, where an array's bytes start
+copy, checksummed as each piece arrives), ``read_chunk_into`` (the same into memory the
+caller's array owns) and ``array_bytes``, where an array's bytes start
 (``data_offset``: where its memory lines up with the file's blocks), each I/O thread's
 bounce buffer (huge pages where the system gives them), and the fallback to buffered I/O on
 filesystems that refuse ``O_DIRECT``. The form of the files is ``zarr_format``'s; why our
@@ -33,7 +34,7 @@ from jaxckpt.storage import buffers
 from jaxckpt.storage.buffers import ALIGN
 
 __all__ = ["PIECE", "ZERO_COPY_MIN", "array_bytes", "data_offset", "read_chunk",
-           "write_chunk"]
+           "check_index", "read_chunk_into", "write_chunk"]
 
 #: Bytes per read or write call, and the size of each thread's bounce buffer.
 PIECE = 8 << 20
@@ -395,6 +396,30 @@ def _write_buffered(fd: int, image: _FileImage, algorithm: str) -> str:
 
 # ------------------------------------------------------------------------------- reading
 
+def _open_for_read(path: str, direct: bool) -> tuple[int, bool, int]:
+    """(descriptor, whether it is ``O_DIRECT``, the filesystem's st_dev) of ``path``."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    dev = os.stat(os.path.dirname(path) or ".").st_dev
+    if direct and hasattr(os, "O_DIRECT") and dev not in _no_direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT), True, dev
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            _no_direct.add(dev)
+    return os.open(path, flags), False, dev
+
+
+def _check_size(path: str, fd: int, nbytes: int, offset: int) -> int:
+    size = os.fstat(fd).st_size
+    if size != offset + nbytes + INDEX_BYTES:
+        raise CheckpointCorruptError(
+            f"{path} has {size} bytes; an array of {nbytes} bytes at offset {offset} is "
+            f"stored in {offset + nbytes + INDEX_BYTES}. The checkpoint is damaged; "
+            "restore another one.")
+    return size
+
+
 def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = True,
                offset: int = 0) -> tuple[np.ndarray, str | None]:
     """Read the chunk file at ``path`` of an array of ``nbytes`` bytes starting at
@@ -405,26 +430,9 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
     array's bytes. Raises CheckpointCorruptError when the file's size is not that of an
     ``nbytes`` array in this module's layout.
     """
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    dev = os.stat(os.path.dirname(path) or ".").st_dev
-    fd = -1
-    if direct and hasattr(os, "O_DIRECT") and dev not in _no_direct:
-        try:
-            fd = os.open(path, flags | os.O_DIRECT)
-        except OSError as error:
-            if error.errno != errno.EINVAL:
-                raise
-            _no_direct.add(dev)
-    is_direct = fd >= 0
-    if fd < 0:
-        fd = os.open(path, flags)
+    fd, is_direct, dev = _open_for_read(path, direct)
     try:
-        size = os.fstat(fd).st_size
-        if size != offset + nbytes + INDEX_BYTES:
-            raise CheckpointCorruptError(
-                f"{path} has {size} bytes; an array of {nbytes} bytes at offset {offset} is "
-                f"stored in {offset + nbytes + INDEX_BYTES}. The checkpoint is damaged; "
-                "restore another one.")
+        size = _check_size(path, fd, nbytes, offset)
         buffer = buffers.fresh_blocks(size)  # the array's memory once jax adopts it: no copy
         crc = 0
         if hasattr(os, "posix_fadvise") and not is_direct:
@@ -439,8 +447,7 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
                     raise
                 _no_direct.add(dev)  # refused after all: read the rest through the cache
                 os.close(fd)
-                fd = os.open(path, flags)
-                is_direct = False
+                fd, is_direct, _ = _open_for_read(path, False)
                 continue
             if got <= 0:
                 raise CheckpointCorruptError(f"{path} ended at byte {offset} of {size} while "
@@ -453,12 +460,117 @@ def read_chunk(path: str, nbytes: int, *, algorithm: str | None, direct: bool = 
     return buffer[:size], (f"{crc:08x}" if algorithm is not None else None)
 
 
-def array_bytes(path: str, content: np.ndarray, nbytes: int, offset: int = 0) -> np.ndarray:
-    """The array's bytes in the chunk file ``content`` read from ``path``, after checking
-    that its shard index describes them (CheckpointCorruptError otherwise)."""
-    if bytes(content[offset + nbytes:]) != shard_index(nbytes, offset):
+def read_chunk_into(path: str, out: np.ndarray, *, algorithm: str | None,
+                    direct: bool = True, offset: int = 0) -> tuple[np.ndarray, str | None]:
+    """Read the chunk file at ``path`` of an array of ``out.size`` bytes starting at
+    ``offset`` (as ``read_chunk``), putting the array's bytes into ``out`` (a writable,
+    C-contiguous uint8 array: memory the caller's array owns). Returns (the file's shard
+    index as read, the whole file's checksum with ``algorithm`` or None); ``check_index``
+    then checks the index (after the checksum was handed on, as with ``read_chunk``).
+
+    With ``O_DIRECT``, where ``out`` lines up with the file's blocks (``out``'s address
+    minus ``offset`` on an ``ALIGN`` boundary: jax's host buffers and ``data_offset``'s
+    layout), the array's whole blocks go straight into ``out`` and only the first and the
+    last block pass through this thread's scratch buffer; otherwise every block does
+    (one copy). Buffered reads land the array's bytes in ``out`` directly.
+    Raises CheckpointCorruptError as ``read_chunk`` does.
+    """
+    nbytes = out.size
+    fd, is_direct, dev = _open_for_read(path, direct)
+    try:
+        size = _check_size(path, fd, nbytes, offset)
+        try:
+            crc, tail = _read_parts(fd, path, out, size, offset, algorithm, is_direct)
+        except _DirectRefused:  # opened, but the reads refused: buffered, from the start
+            _no_direct.add(dev)
+            os.close(fd)
+            fd, is_direct, _ = _open_for_read(path, False)
+            crc, tail = _read_parts(fd, path, out, size, offset, algorithm, is_direct)
+    finally:
+        os.close(fd)
+    return tail, (f"{crc:08x}" if algorithm is not None else None)
+
+
+def _read_scratch() -> np.ndarray:
+    """This thread's ``PIECE``-byte buffer for the blocks of a file read with ``O_DIRECT``
+    that do not land in the array's memory: a map of its own, faulted in as far as used."""
+    found = getattr(_local, "read_scratch", None)
+    if found is None:
+        found = _local.read_scratch = buffers.fresh_blocks(PIECE)
+    return found
+
+
+def _read_parts(fd: int, path: str, out: np.ndarray, size: int, offset: int,
+                algorithm: str | None, is_direct: bool) -> tuple[int, np.ndarray]:
+    """The file's bytes in order: the array's into ``out`` (straight, or through the
+    scratch buffer), the shard index into the returned array; and the checksum of all."""
+    end = offset + out.size
+    if not is_direct:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        parts = [(0, offset, False), (offset, end, True), (end, size, False)]
+    else:
+        first = -(-offset // ALIGN) * ALIGN
+        whole = end - end % ALIGN
+        if (out.ctypes.data - offset) % ALIGN or first >= whole:
+            parts = [(0, size, False)]
+        else:
+            parts = [(0, first, False), (first, whole, True), (whole, size, False)]
+    tail = np.empty(size - end, np.uint8)
+    crc = 0
+    for start, stop, straight in parts:
+        for position in range(start, stop, PIECE):
+            count = min(PIECE, stop - position)
+            if straight:
+                memory = out[position - offset:position - offset + count]
+                _pread_full(fd, path, memory, position, size, is_direct)
+            else:
+                scratch = _read_scratch()
+                length = -(-count // ALIGN) * ALIGN if is_direct else count
+                _pread_full(fd, path, scratch[:length], position, size, is_direct, count)
+                memory = scratch[:count]
+                low, high = max(position, offset), min(position + count, end)
+                if low < high:
+                    out[low - offset:high - offset] = memory[low - position:high - position]
+                low = max(position, end)
+                if low < position + count:
+                    tail[low - end:position + count - end] = memory[low - position:]
+            if algorithm is not None:
+                crc = extend(algorithm, crc, memory)
+    return crc, tail
+
+
+def _pread_full(fd: int, path: str, memory: np.ndarray, position: int, size: int,
+                is_direct: bool, needed: int | None = None) -> None:
+    """Fill ``memory`` from the file at ``position`` (at least ``needed`` bytes of it,
+    where the read runs past the end of the file: an ``O_DIRECT`` read of the last block)."""
+    needed = memory.size if needed is None else needed
+    done = 0
+    while done < needed:
+        try:
+            got = os.preadv(fd, [memory[done:].data], position + done)
+        except OSError as error:
+            if is_direct and error.errno == errno.EINVAL:
+                raise _DirectRefused() from error
+            raise
+        if got <= 0:
+            raise CheckpointCorruptError(f"{path} ended at byte {position + done} of {size} "
+                                         "while being read. Restore another checkpoint.")
+        done += got
+
+
+def check_index(path: str, tail: np.ndarray, nbytes: int, offset: int) -> None:
+    """CheckpointCorruptError unless ``tail`` (the end of the chunk file ``path``) is the
+    shard index of one chunk of ``nbytes`` bytes at ``offset``."""
+    if bytes(tail) != shard_index(nbytes, offset):
         raise CheckpointCorruptError(
             f"{path}: its shard index does not describe one chunk of {nbytes} bytes at "
             f"offset {offset} (damaged, or not written in the layout its zarr.json names). "
             "Restore another checkpoint.")
+
+
+def array_bytes(path: str, content: np.ndarray, nbytes: int, offset: int = 0) -> np.ndarray:
+    """The array's bytes in the chunk file ``content`` read from ``path``, after checking
+    that its shard index describes them (CheckpointCorruptError otherwise)."""
+    check_index(path, content[offset + nbytes:], nbytes, offset)
     return content[offset:offset + nbytes]

@@ -172,6 +172,13 @@ class LocalArrayFiles:
         return chunk_io.read_chunk(path, nbytes, algorithm=algorithm, direct=self.direct,
                                   offset=offset)
 
+    def read_chunk_into(self, path: str, out: np.ndarray, *, algorithm: str | None,
+                        offset: int) -> tuple[np.ndarray, str | None]:
+        """The array's bytes of a chunk file put into ``out``; its shard index and checksum
+        (``chunk_io.read_chunk_into``). Local files only: the reader asks for it by name."""
+        return chunk_io.read_chunk_into(path, out, algorithm=algorithm, direct=self.direct,
+                                        offset=offset)
+
 
 class SharedLocalArrayFiles(LocalArrayFiles):
     """``LocalArrayFiles`` for a directory that several processes write together (each its

@@ -6,20 +6,25 @@ calls ``jax.device_put`` ends in (``batched_device_put``, then the result handle
 their inputs worked out once per (shape, dtype, sharding), since ``jax.device_put`` spends
 Python per array; anything else goes through ``jax.device_put``.
 tests/integration/test_orbax_place.py holds the two ways to the same results.
+Also :func:`owned_on_cpu`: an array in memory XLA allocated on a CPU device, for a restore
+to read into (a donated step can reuse it; jax's view of a host buffer it cannot).
 
 Must not import: orbax, torch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["place", "default_sharding"]
+__all__ = ["place", "default_sharding", "owned_on_cpu"]
 
 #: (host arrays, their shardings) -> the jax.Arrays, None where the fast way does not apply.
 _PutMany = Callable[[list[np.ndarray], list[jax.sharding.Sharding]], list[Any]]
@@ -123,3 +128,96 @@ def default_sharding() -> jax.sharding.Sharding:
     except ImportError:
         return jax.device_put(np.zeros((), np.int8)).sharding
     return jax.sharding.SingleDeviceSharding(get_default_device())
+
+
+# A private anonymous map that is only ever read: every page of it is the system's zero
+# page (a huge one where transparent huge pages are asked for), so it holds no memory of
+# its own. Grown, never shrunk; the source of ``owned_on_cpu``'s copies.
+_zeros: tuple[mmap.mmap, np.ndarray] | None = None
+_zeros_lock = threading.Lock()
+_HUGE_PAGE = 2 << 20
+
+
+def _zero_source(nbytes: int) -> np.ndarray:
+    global _zeros
+    with _zeros_lock:
+        if _zeros is None or _zeros[1].size < nbytes:
+            size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+            memory = mmap.mmap(-1, size + _HUGE_PAGE,
+                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                               prot=mmap.PROT_READ)
+            raw = np.frombuffer(memory, np.uint8)
+            start = (-raw.ctypes.data) % _HUGE_PAGE
+            advice = getattr(mmap, "MADV_HUGEPAGE", None)
+            if advice is not None:
+                try:
+                    memory.madvise(advice, start, size)
+                except OSError:
+                    pass
+            _zeros = (memory, raw[start:start + size])
+        return _zeros[1][:nbytes]
+
+
+@functools.cache
+def _owned_put() -> Callable[[np.ndarray, Any, Any], Any] | None:
+    """``batched_device_put`` told to copy (the memory it returns is XLA's own), or None
+    where this jax lacks the internals it needs."""
+    try:
+        from jax._src import core, dispatch
+        from jax._src.interpreters import pxla
+        from jax._src.lib import xla_client
+    except ImportError:
+        return None
+    semantics = getattr(getattr(xla_client, "HostBufferSemantics", None),
+                        "IMMUTABLE_ONLY_DURING_CALL", None)
+    needed: tuple[Any, ...] = (getattr(core, "shaped_abstractify", None),
+                               getattr(dispatch, "update_dp_aval", None),
+                               getattr(pxla, "global_aval_to_result_handler", None),
+                               getattr(xla_client, "batched_device_put", None))
+    if semantics is None or any(part is None for part in needed):
+        return None
+    abstractify, update_aval, result_handler, device_put = needed
+
+    def put(source: np.ndarray, sharding: Any, device: Any) -> Any:
+        aval = abstractify(source)
+        handler = result_handler(update_aval(aval, sharding), sharding, True)
+        return handler(device_put(aval, sharding, [source], [device], True, True, semantics))
+
+    return put
+
+
+def owned_on_cpu(shape: tuple[int, ...], dtype: np.dtype,
+                 sharding: jax.sharding.Sharding) -> tuple[jax.Array, np.ndarray] | None:
+    """A committed ``jax.Array`` of ``shape`` and ``dtype`` on ``sharding`` in memory XLA
+    allocated (zeros), and a writable uint8 view of that memory for a reader to fill
+    before anyone else sees the array; None where ``sharding`` is not one CPU device of
+    this process in its default memory, or the dtype is one jax converts.
+
+    Why: jax adopts an aligned host buffer as it is (``place``), but XLA does not write a
+    donated step's output into memory it did not allocate, so the first training step after
+    such a restore allocates (and faults in) all of its outputs afresh. Here the pages are
+    faulted in by the copy from a zero page, on the reader's thread, before the read.
+
+    Args:
+        shape: The array's shape.
+        dtype: Its dtype (canonical for jax, or None is returned).
+        sharding: Where it goes.
+    """
+    if type(sharding) is not jax.sharding.SingleDeviceSharding:
+        return None
+    device: Any
+    (device,) = sharding.device_set
+    put = _owned_put()
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if (put is None or nbytes == 0 or device.platform != "cpu"
+            or device.process_index != jax.process_index()
+            or jax.dtypes.canonicalize_dtype(dtype) != dtype):
+        return None
+    if sharding.memory_kind is not None and sharding.memory_kind != device.default_memory().kind:
+        return None
+    source = _zero_source(nbytes).view(dtype).reshape(shape)
+    array = put(source, sharding, device).block_until_ready()
+    address = array.unsafe_buffer_pointer()
+    if address == source.ctypes.data:  # adopted after all: not memory XLA owns
+        return None
+    return array, np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))

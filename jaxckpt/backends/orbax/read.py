@@ -29,7 +29,7 @@ from etils import epath
 from jaxckpt.backends.orbax import chunk_io, zarr_format
 from jaxckpt.backends.orbax.files import ReadableFiles
 from jaxckpt.backends.orbax.match import Target
-from jaxckpt.backends.orbax.place import default_sharding, place
+from jaxckpt.backends.orbax.place import default_sharding, owned_on_cpu, place
 from jaxckpt.backends.orbax.tree import (
     ARRAYS_DIR,
     STORAGE_NAME,
@@ -249,6 +249,46 @@ def _overlaps(chunk: tuple[slice, ...], part: tuple[slice, ...], shape: tuple[in
     return True
 
 
+def _chunk_reader(files: ReadableFiles, restore_args: dict[str, Any],
+                  grids: dict[str, np.ndarray], expected: dict[str, str],
+                  claims: DeferredChecks | None) -> Callable[[_ChunkJob], tuple[str, Any]]:
+    """What an I/O thread does with one read job of ``read_native``: read the chunk file,
+    settle its deferred check (``expected``: the claimed files' algorithms), check its
+    shard index; return (name, the array), or (name, None) for a chunk of a grid, which
+    fills its part of ``grids[name]``.
+
+    The array of a single-chunk file bound for a CPU device of this process is read from a
+    local disk into memory XLA allocated for it (``place.owned_on_cpu``), a jax.Array that
+    a donated step can reuse; the others into a host buffer (placed by ``_placed``)."""
+    into: Callable[..., tuple[np.ndarray, str | None]] | None = getattr(
+        files, "read_chunk_into", None)
+
+    def read(job: _ChunkJob) -> tuple[str, Any]:
+        name, file, shape, dtype, offset, slices = job
+        nbytes = prod(shape) * dtype.itemsize
+        algorithm = expected.get(file)
+        args = restore_args[name]
+        owned = (owned_on_cpu(shape, dtype, args.sharding)
+                 if into is not None and slices is None and isinstance(args, ToDevice)
+                 else None)
+        if owned is not None and into is not None:
+            index, checksum = into(file, owned[1], algorithm=algorithm, offset=offset)
+            if claims is not None and checksum is not None:
+                claims.settle(file, checksum)
+            chunk_io.check_index(file, index, nbytes, offset)
+            return name, owned[0]
+        content, checksum = files.read_chunk(file, nbytes, algorithm=algorithm, offset=offset)
+        if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
+            claims.settle(file, checksum)
+        data = chunk_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
+        if slices is None:
+            return name, data
+        grids[name][slices] = data
+        return name, None
+
+    return read
+
+
 def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks | None, *,
                 pool: concurrent.futures.ThreadPoolExecutor, files: ReadableFiles,
                 on_host: Callable[[str, np.ndarray], None] | None = None,
@@ -260,11 +300,12 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
     tree.json says (Orbax then reads everything and reports what is wrong).
 
     Claims the deferred checks of the files it reads (``claims``: a restore's deferred
-    checksums) and closes the claims, then reads the files on the I/O threads into
-    aligned buffers, checksumming the claimed ones as they are read: jax adopts those
-    buffers without a copy on CPU. An array stored as a grid of chunks (written by several
-    processes) is assembled from its chunk files into one buffer; where the target spreads
-    it over several processes, only the chunks under this process's devices are read.
+    checksums) and closes the claims, then reads the files on the I/O threads
+    (``_chunk_reader``), checksumming the claimed ones as they are read: on a CPU device
+    straight into memory XLA allocated, elsewhere into aligned host buffers. An array
+    stored as a grid of chunks (written by several processes) is assembled from its chunk
+    files into one buffer; where the target spreads it over several processes, only the
+    chunks under this process's devices are read.
 
     ``on_host(name, array)`` is called, on the calling thread, for each array restored to
     the host (a pack) as soon as it is read, while the rest is still being read: the
@@ -295,21 +336,10 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
                 expected[file] = claimed[0]
         claims.close()
 
-    def read(job: _ChunkJob) -> tuple[str, np.ndarray | None]:
-        name, file, shape, dtype, offset, slices = job
-        nbytes = prod(shape) * dtype.itemsize
-        algorithm = expected.get(file)
-        content, checksum = files.read_chunk(file, nbytes, algorithm=algorithm, offset=offset)
-        if claims is not None and checksum is not None:  # checksummed: ``algorithm`` given
-            claims.settle(file, checksum)
-        data = chunk_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
-        if slices is None:
-            return name, data
-        grids[name][slices] = data
-        return name, None
-
+    # Local files: the arrays bound for a CPU device are read into XLA's own memory.
+    read = _chunk_reader(files, restore_args, grids, expected, claims)
     jobs.sort(key=lambda job: -prod(job[2]) * job[3].itemsize)  # largest first
-    arrays = dict(grids)
+    arrays: dict[str, Any] = dict(grids)
     futures = [pool.submit(read, job) for job in jobs]
     try:
         if meanwhile is not None:
@@ -328,13 +358,15 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
     return _placed(restore_args, arrays)
 
 
-def _placed(restore_args: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+def _placed(restore_args: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
     """What ``read_native`` returns from the host arrays it read: each array that
     ``restore_args`` sends to devices placed there, the others as they are."""
     restored: dict[str, Any] = {}
     placed: list[tuple[str, np.ndarray, Any]] = []
     for name, args in restore_args.items():
-        if isinstance(args, ToDevice):
+        if isinstance(arrays[name], jax.Array):  # read into XLA's memory: placed already
+            restored[name] = arrays[name]
+        elif isinstance(args, ToDevice):
             placed.append((name, arrays[name], args.sharding))
         else:
             restored[name] = arrays[name]

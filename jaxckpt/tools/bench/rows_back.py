@@ -114,16 +114,21 @@ def _warm_libraries() -> None:
 
 
 def _restart(who: str, root: str, shapes: list[list[Any]],
-             package_parent: str | None = None) -> dict[str, float]:
+             package_parent: str | None = None,
+             usage: dict[str, tuple[float, int]] | None = None) -> dict[str, float]:
     """A fresh process restoring from ``root`` with ``who``'s manager to its first step
     done (``_TRAIN_SCRIPT``): the seconds of each phase (``BACK_PHASES``) and "total", from
     the moment before the process is started. ``package_parent``: where the child imports
-    jaxckpt from (None: this one; benchmarks/experiments/first_and_back.py compares)."""
+    jaxckpt from (None: this one; benchmarks/experiments/first_and_back.py compares).
+    ``usage``, where given, gets each phase after "start" as (CPU seconds of all the
+    child's threads, minor page faults): figures that the machine's load changes little."""
     job = {"who": who, "root": root, "shapes": shapes}
     started = time.monotonic()
+    # Run in ``package_parent``: ``python -c`` puts the working directory ahead of
+    # PYTHONPATH, so a jaxckpt there (a checkout's root) would be imported instead.
     done = subprocess.run([sys.executable, "-c", _TRAIN_SCRIPT], input=json.dumps(job),
                           capture_output=True, text=True, check=False,
-                          env=_child_env(package_parent))
+                          env=_child_env(package_parent), cwd=package_parent)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"the {who} restart failed with exit code {done.returncode}:\n"
@@ -133,6 +138,10 @@ def _restart(who: str, root: str, shapes: list[list[Any]],
     phases = {key: marks[index + 1] - marks[index]
               for index, (key, _) in enumerate(BACK_PHASES)}
     phases["total"] = marks[-1] - started
+    if usage is not None:
+        counts = stamps["usage"]
+        for (before, _), (key, _) in zip(BACK_PHASES, BACK_PHASES[1:], strict=False):
+            usage[key] = (counts[key][0] - counts[before][0], counts[key][1] - counts[before][1])
     return phases
 
 
@@ -141,8 +150,12 @@ def _restart(who: str, root: str, shapes: list[list[Any]],
 #: library, the root, the state's shapes as the model code would give them) as JSON on
 #: stdin, and prints the monotonic time at the end of each phase as one JSON line.
 _TRAIN_SCRIPT = """
-import json, sys, time
-stamps = {"start": time.monotonic()}
+import json, resource, sys, time
+stamps = {"start": time.monotonic(), "usage": {}}
+def used(phase):
+    counts = resource.getrusage(resource.RUSAGE_SELF)
+    stamps["usage"][phase] = [counts.ru_utime + counts.ru_stime, counts.ru_minflt]
+used("start")
 job = json.load(sys.stdin)
 import jax
 import jax.numpy as jnp
@@ -151,9 +164,11 @@ if job["who"] == "orbax":
 else:
     import jaxckpt
 stamps["imports"] = time.monotonic()
+used("imports")
 like = {f"layer_{i:05d}": {"w": jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))}
         for i, (shape, dtype) in enumerate(job["shapes"])}
 stamps["build"] = time.monotonic()
+used("build")
 if job["who"] == "orbax":
     manager = ocp.CheckpointManager(job["root"])
     state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(like))
@@ -162,9 +177,11 @@ else:
     state = manager.restore(like).state
 jax.block_until_ready(state)
 stamps["restore"] = time.monotonic()
+used("restore")
 step = jax.jit(lambda s: jax.tree.map(lambda w: w - 1e-3 * w, s), donate_argnums=0)
 jax.block_until_ready(step(state))
 stamps["step"] = time.monotonic()
+used("step")
 print(json.dumps(stamps), flush=True)
 manager.close()
 """
