@@ -257,7 +257,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         key does not capture; those saves plan afresh, as every save did before.
         """
         limits = (self.options.pack_leaf_bytes, self.options.pack_bytes)
-        settings = dict(leaf_limit=limits[0], pack_limit=limits[1])
+        settings = dict(leaf_limit=limits[0], pack_limit=limits[1], leaves=leaves)
         if not local:
             return _build_plan(state, local=False, **settings)
         try:
