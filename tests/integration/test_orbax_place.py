@@ -9,6 +9,7 @@ against few leaves are in benchmarks/results/leaves-per-leaf_cpu2core_2026-11-25
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import sys
 import threading
@@ -440,3 +441,29 @@ def test_a_plain_state_is_planned_without_jaxs_key_paths(state, monkeypatch):
                        leaves=leaves)
     assert len(calls) == (0 if "nt" not in state else 1)
     assert plain.tree_json == jaxs.tree_json
+
+
+def test_the_gc_comes_back_after_a_reads_own_objects_are_gone(backend, tmp_path):
+    # A read pauses the GC; its per-leaf objects (tree.json's entries, like's targets)
+    # were still alive when it came back, and its first collection walked them all.
+    from jaxckpt.backends.orbax.tree import SavedLeaf
+
+    state = {f"l{i}": jnp.full((3,), i, jnp.float32) for i in range(2000)}
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    backend.write(str(tmp_path / "c"), state, asynchronous=False)
+    walked: list[int] = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] < 2:
+            walked.append(sum(type(found) is SavedLeaf
+                              for found in gc.get_objects(info["generation"])))
+
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        restored = backend.read(str(tmp_path / "c"), like)
+        del restored
+        gc.collect(0)  # the first collection after the read, if none came yet
+    finally:
+        gc.callbacks.remove(count)
+    assert walked and max(walked) == 0, walked

@@ -13,6 +13,7 @@ Must not import: orbax, torch. No I/O.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from math import prod
 from typing import Any, NamedTuple
@@ -334,8 +335,16 @@ def layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
     identity, which the text (type names) does not; but they compare dict keys with ``==``:
     ``{1: x}``, ``{True: x}`` and ``{np.int64(1): x}`` have equal treedefs and the tree paths
     ``[1]``, ``[True]`` and ``[np.int64(1)]``, which only the text tells apart."""
-    signature = tuple([cls if (cls := type(leaf)) in PY_SCALAR_CLASSES
-                       else (cls, leaf.shape, leaf.dtype) for leaf in leaves])
+    classes = tuple(map(type, leaves))
+    arrays = leaves if PY_SCALAR_CLASSES.isdisjoint(classes) else [
+        leaf for leaf, cls in zip(leaves, classes, strict=True) if cls not in PY_SCALAR_CLASSES]
+    # Three tuples, not one per leaf: the key lives as long as its plan, and a tuple per
+    # leaf was that many more objects for every collection of the GC to walk.
+    shapes = tuple(map(_SHAPE, arrays))
+    dtypes = tuple(map(_DTYPE, arrays))
     # Cheapest comparisons first: a key that differs mostly differs early.
-    return signature, str(treedef), treedef
+    return classes, shapes, dtypes, str(treedef), treedef
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
