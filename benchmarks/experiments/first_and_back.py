@@ -35,8 +35,10 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _child(tree: str, code: str, job: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
+    # Run in ``tree``: ``python -c`` puts its working directory first on sys.path, so a child
+    # started in the repository root imported that jaxckpt whatever PYTHONPATH said.
     done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), env=env,
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
