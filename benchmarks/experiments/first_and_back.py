@@ -36,7 +36,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _child(tree: str, code: str, job: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
-    # In ``tree``: ``python -c`` puts the working directory ahead of PYTHONPATH.
+    # Run in ``tree``: ``python -c`` puts its working directory first on sys.path, so a child
+    # started in the repository root imported that jaxckpt whatever PYTHONPATH said.
     done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), env=env,
                           capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -60,7 +61,8 @@ def _first_rounds(trees: dict[str, str], args: argparse.Namespace, workdir: str,
 
 
 #: The CPU-time child: the state built before the clock, then a new manager's first sync save
-#: and, page cache dropped, a new manager's first restore; wall and CPU seconds of each.
+#: and, page cache dropped, a new manager's first restore; wall and CPU seconds of each (the
+#: process's, all threads, and the calling thread's: ``*_main``).
 _CPU_CHILD = """
 import json, os, shutil, sys, time
 job = json.load(sys.stdin)
@@ -70,21 +72,23 @@ arrays = _leaf_arrays(_random_bytes(job["mib"] << 20, 3), job["leaves"])
 import jax, jaxckpt
 state = _jax_state([np.array(a) for a in arrays])
 del arrays
-wall, cpu = time.perf_counter(), time.process_time()
+wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
 manager = jaxckpt.CheckpointManager(job["root"], preemption_signals=(), mode="sync",
                                     recover=jaxckpt.RecoverConfig(keep_last_n=1))
 manager.save(jaxckpt.StepInfo(0, 1, 1), state).wait()
-out = {"save_wall": time.perf_counter() - wall, "save_cpu": time.process_time() - cpu}
+out = {"save_wall": time.perf_counter() - wall, "save_cpu": time.process_time() - cpu,
+       "save_main": time.thread_time() - main}
 manager.close()
 like = _abstract(state)
 del state
 os.sync()
 with open("/proc/sys/vm/drop_caches", "w") as handle:
     handle.write("3\\n")
-wall, cpu = time.perf_counter(), time.process_time()
+wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
 with jaxckpt.CheckpointManager(job["root"], preemption_signals=()) as reader:
     jax.block_until_ready(reader.restore(like).state)
-out.update(restore_wall=time.perf_counter() - wall, restore_cpu=time.process_time() - cpu)
+out.update(restore_wall=time.perf_counter() - wall, restore_cpu=time.process_time() - cpu,
+           restore_main=time.thread_time() - main)
 print(json.dumps(out))
 """
 
@@ -101,6 +105,12 @@ def _cpu_rounds(trees: dict[str, str], args: argparse.Namespace, workdir: str,
             shutil.rmtree(root)
             for key, seconds in times.items():
                 found.setdefault(f"{key} {name} {count}", []).append(seconds)
+        for name in trees:  # this round's ratios, many leaves / 8
+            for key in ("save_wall", "save_cpu", "save_main", "restore_wall", "restore_cpu",
+                        "restore_main"):
+                found.setdefault(f"{key} {name} ratio", []).append(
+                    found[f"{key} {name} {args.many}"][-1] / found[f"{key} {name} 8"][-1])
+        found.setdefault("load", []).append(os.getloadavg()[0])
         print(f"cpu: round {round_index + 1} done", file=sys.stderr, flush=True)
 
 

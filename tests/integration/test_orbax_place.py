@@ -8,9 +8,12 @@ against few leaves are in benchmarks/results/leaves-per-leaf_cpu2core_2026-11-25
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import sys
 import threading
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -398,3 +401,91 @@ def test_a_plain_like_is_matched_without_jaxs_key_paths(backend, tmp_path, monke
     assert calls == []
     assert restored["step"] == 4
     np.testing.assert_array_equal(np.asarray(restored["layer"][2]["w"]), np.ones(3))
+
+
+class _Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def _calls(run) -> int:
+    """Python and C calls made by ``run()``."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_the_first_save_plans_small_leaves_with_few_calls_per_leaf():
+    # A first save builds its plan from scratch (tree paths, classification, packs,
+    # tree.json): with thousands of leaves it was half of what a fresh process's first
+    # save paid per leaf (benchmarks/results/first-save-leaves_cpu2core_2026-11-28.md).
+    counts = []
+    for leaves in (300, 600):
+        state = {"layers": [{"w": jnp.full((7 + i % 5,), i, jnp.float32)} for i in range(leaves)]}
+        flat = jax.tree_util.tree_leaves(state)
+        counts.append(_calls(functools.partial(
+            build_plan, state, leaf_limit=DEFAULT_PACK_LEAF_BYTES,
+            pack_limit=DEFAULT_PACK_BYTES, local=True, leaves=flat)))
+    per_leaf = (counts[1] - counts[0]) / 300
+    # jax's key paths, classify_leaf, a SavedLeaf and a generator per shape per leaf made
+    # about 37 calls a leaf; paths of plain trees made directly (``tree.plain_paths``) and
+    # the usual jax.Array leaf spelled out, about 23.
+    assert per_leaf < 28, per_leaf
+
+
+@pytest.mark.parametrize("state", [
+    {"b": [jnp.ones(3), (np.zeros(2), None, 3)], "a": {"x y": jnp.zeros((2, 2), jnp.bfloat16),
+                                                      "'q'": [], "z": {}, "k": jax.random.key(1)}},
+    {"nt": _Pair(jnp.ones(2), 3.0)},  # a named tuple: jax's walk
+])
+def test_a_plain_state_is_planned_without_jaxs_key_paths(state, monkeypatch):
+    from jaxckpt.backends.orbax import plan as orbax_plan
+
+    leaves = jax.tree_util.tree_leaves(state)
+    with monkeypatch.context() as patched:  # jax's walk for every tree
+        patched.setattr(orbax_plan, "plain_paths", lambda tree, leaves: None)
+        jaxs = build_plan(state, leaf_limit=1 << 10, pack_limit=1 << 20, local=True)
+    calls = []
+    with_paths = jax.tree_util.tree_flatten_with_path
+    monkeypatch.setattr(jax.tree_util, "tree_flatten_with_path",
+                        lambda *args, **kwargs: calls.append(1) or with_paths(*args, **kwargs))
+    plain = build_plan(state, leaf_limit=1 << 10, pack_limit=1 << 20, local=True,
+                       leaves=leaves)
+    assert len(calls) == (0 if "nt" not in state else 1)
+    assert plain.tree_json == jaxs.tree_json
+
+
+def test_the_gc_comes_back_after_a_reads_own_objects_are_gone(backend, tmp_path):
+    # A read pauses the GC; its per-leaf objects (tree.json's entries, like's targets)
+    # were still alive when it came back, and its first collection walked them all.
+    from jaxckpt.backends.orbax.tree import SavedLeaf
+
+    state = {f"l{i}": jnp.full((3,), i, jnp.float32) for i in range(2000)}
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    backend.write(str(tmp_path / "c"), state, asynchronous=False)
+    walked: list[int] = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] < 2:
+            walked.append(sum(type(found) is SavedLeaf
+                              for found in gc.get_objects(info["generation"])))
+
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        restored = backend.read(str(tmp_path / "c"), like)
+        del restored
+        gc.collect(0)  # the first collection after the read, if none came yet
+    finally:
+        gc.callbacks.remove(count)
+    assert walked and max(walked) == 0, walked

@@ -257,7 +257,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         key does not capture; those saves plan afresh, as every save did before.
         """
         limits = (self.options.pack_leaf_bytes, self.options.pack_bytes)
-        settings = dict(leaf_limit=limits[0], pack_limit=limits[1])
+        settings = dict(leaf_limit=limits[0], pack_limit=limits[1], leaves=leaves)
         if not local:
             return _build_plan(state, local=False, **settings)
         try:
@@ -449,9 +449,13 @@ class OrbaxBackend(orbax_process.ProcessFacts):
         """
         read = functools.partial(self._read, directory, claims=claims, partial=partial,
                                  redirect=redirects(directory, references))
-        if nnx_live.holds_live(like):
-            return nnx_live.read_into(like, read)
-        return read(like)
+        # The GC paused: tree.json and like's paths make tens of thousands of objects with
+        # many leaves, and its collections would walk them all; it is back once they are
+        # gone with _read's frame (not before: its first collection would walk them).
+        with _gc_paused(self.options.pause_gc):
+            if nnx_live.holds_live(like):
+                return nnx_live.read_into(like, read)
+            return read(like)
 
     @staticmethod
     def finish_read(value: Any) -> Any:
@@ -470,31 +474,26 @@ class OrbaxBackend(orbax_process.ProcessFacts):
     def _read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
               partial: bool = False, redirect: Mapping[str, str] | None = None) -> Any:
         """:meth:`read` of a ``like`` without live NNX objects (``redirect``: the files
-        referred to, ``incremental.redirects``)."""
+        referred to, ``incremental.redirects``), with the GC paused."""
         root = self._path(directory)
-        # The whole read with the GC paused: tree.json and like's paths make tens of
-        # thousands of objects with many leaves, and collections would walk them all.
-        with _gc_paused(self.options.pause_gc):
-            saved, targets, like_treedef = orbax_match.match_like(root, directory, like,
-                                                                  partial=partial)
-            if not targets:
-                orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
-                return jax.tree_util.tree_unflatten(like_treedef, [])
-            arrays_dir = orbax_read.arrays_dir(root, directory)
-            shardings = orbax_read.Shardings()
-            restore_args, placements = orbax_read.restore_args_for(targets, saved,
-                                                                    shardings)
-            orbax_read.limit_claims(claims, directory, arrays_dir, restore_args,
-                                     partial=partial)
-            # The per-leaf work that needs no data (prepare) runs while the files are read.
-            unpacker = orbax_read.Unpacker(directory, targets, saved, placements, shardings)
-            restored = self._restore(directory, arrays_dir, restore_args, claims,
-                                     partial=partial, on_host=unpacker.take,
-                                     meanwhile=unpacker.prepare, redirect=redirect)
-            values = unpacker.finish(restored)
-            leaves = orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
-                                                unpacker.converted)
-            return jax.tree_util.tree_unflatten(like_treedef, leaves)
+        saved, targets, like_treedef = orbax_match.match_like(root, directory, like,
+                                                              partial=partial)
+        if not targets:
+            orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
+            return jax.tree_util.tree_unflatten(like_treedef, [])
+        arrays_dir = orbax_read.arrays_dir(root, directory)
+        shardings = orbax_read.Shardings()
+        restore_args, placements = orbax_read.restore_args_for(targets, saved, shardings)
+        orbax_read.limit_claims(claims, directory, arrays_dir, restore_args, partial=partial)
+        # The per-leaf work that needs no data (prepare) runs while the files are read.
+        unpacker = orbax_read.Unpacker(directory, targets, saved, placements, shardings)
+        restored = self._restore(directory, arrays_dir, restore_args, claims,
+                                 partial=partial, on_host=unpacker.take,
+                                 meanwhile=unpacker.prepare, redirect=redirect)
+        values = unpacker.finish(restored)
+        leaves = orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
+                                            unpacker.converted)
+        return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
                  claims: DeferredChecks | None, *, partial: bool = False,

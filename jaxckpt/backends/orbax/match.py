@@ -1,8 +1,8 @@
 """Matching a ``like`` tree to a checkpoint's tree.json, before anything else is read.
 
 Owns: what each ``like`` leaf asks for (:class:`Target`: a jax, numpy or Python leaf, its
-shape and dtype), its tree path (``plain_paths``, a fast walk of trees of plain containers,
-else jax's), and the comparison of ``like`` with the saved leaves by tree path
+shape and dtype), its tree path (``tree.plain_paths`` for trees of plain containers, else
+jax's), and the comparison of ``like`` with the saved leaves by tree path
 (``compare``: every mismatch at once; with ``partial``, ``like`` may be a subtree), raised
 as one ``TreeMismatchError`` by ``match_like``. A Python scalar like leaf asks for an
 array where an array was saved (``as_saved``). The way back, once ``like`` matches, is
@@ -26,6 +26,7 @@ from jaxckpt.backends.orbax.tree import (
     SavedLeaf,
     dtype_name,
     numpy_dtype,
+    plain_paths,
     read_tree_json,
 )
 from jaxckpt.errors import CheckpointNotFoundError, TreeMismatchError
@@ -75,65 +76,6 @@ def mismatch(target: Target, saved: SavedLeaf) -> bool:
         return (saved.kind == "key" or saved.shape != ()
                 or np.dtype(saved.dtype).kind not in PY_SCALAR_DTYPE_KINDS[type_name])
     return saved.shape != target.shape or saved.dtype != dtype_name(target.dtype)
-
-
-def plain_paths(tree: Any, leaves: list[Any]) -> list[str] | None:
-    """``jax.tree_util.keystr`` of the tree path of each of ``leaves`` (``tree``'s, as
-    ``jax.tree_util.tree_flatten`` gives them), where ``tree`` is made of plain dicts with
-    string keys, lists, tuples and None; None for any other tree (jax's own walk then).
-
-    jax's walk makes a key object per node and a string per key of every path, about 2 us
-    a leaf; here each key's text is made once and paths share their prefixes. The leaves
-    found must be ``leaves`` themselves, in order, or the answer is None."""
-    paths: list[str] = []
-    keys: dict[str, str] = {}  # a dict key -> its text in a path
-    count, position = len(leaves), 0
-
-    def leaf(node: Any, path: str) -> None:
-        nonlocal position
-        # Attribute and item access only, no calls: this runs once per leaf.
-        if position >= count or leaves[position] is not node:
-            raise _NotPlain
-        paths.append(path)
-        position += 1
-
-    def walk(node: Any, prefix: str) -> None:
-        nonlocal position
-        kind = node.__class__
-        if kind is dict:
-            for key in sorted(node):  # jax's order; a TypeError (mixed keys) ends the walk
-                if key.__class__ is not str:
-                    raise _NotPlain
-                if key in keys:
-                    text = keys[key]
-                else:
-                    text = keys[key] = f"[{key!r}]"
-                child = node[key]
-                if child.__class__ in _CONTAINERS or child is None:
-                    walk(child, prefix + text)
-                elif position < count and leaves[position] is child:  # leaf(), inline
-                    paths.append(prefix + text)
-                    position += 1
-                else:
-                    raise _NotPlain
-        elif kind is list or kind is tuple:
-            for index, child in enumerate(node):
-                walk(child, f"{prefix}[{index}]")
-        elif node is not None:
-            leaf(node, prefix)
-
-    try:
-        walk(tree, "")
-    except (_NotPlain, TypeError, RecursionError):
-        return None  # a node jax flattens differently (a registered type, say)
-    return paths if position == count else None
-
-
-class _NotPlain(Exception):
-    """``plain_paths`` met a node it does not know, or leaves other than jax's."""
-
-
-_CONTAINERS = frozenset({dict, list, tuple})
 
 
 def like_targets(like: Any) -> tuple[list[tuple[str, Target]], Any]:

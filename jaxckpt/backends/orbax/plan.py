@@ -13,6 +13,7 @@ Must not import: orbax, torch. No I/O.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from math import prod
 from typing import Any, NamedTuple
@@ -24,12 +25,13 @@ from jaxckpt.backends.orbax.tree import (
     PACK_PREFIX,
     PY_SCALAR_CLASSES,
     Layout,
-    SavedLeaf,
+    TreeLines,
     bytes_of,
     check_int64,
     classify_leaf,
     dtype_name as name_of_dtype,
-    tree_json_text,
+    jax_dtype_kind,
+    plain_paths,
 )
 
 #: Where a packed leaf's data starts in its pack, in bytes: a multiple of this. On CPU,
@@ -184,86 +186,142 @@ class WritePlan:
         return sources
 
 
-def build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool) -> WritePlan:
-    """The write plan of ``state``, from scratch: flattens it with tree paths, classifies
-    and validates every leaf (TypeError / ValueError naming the path, before any I/O) and
-    plans the packs. ``local``: a single process, which holds every array entirely and
-    hands Orbax host arrays only."""
-    path_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    paths: list[str] = []
-    layouts: list[Layout] = []
-    candidates: list[tuple[int, np.dtype, int]] = []  # leaves that may go into a pack
-    stored_bytes = 0
-    on_device: list[int] = []
-    keys: list[int] = []
-    numpy_leaves: list[int] = []
-    scalars: list[tuple[int, np.dtype, str | None]] = []
-    empty: list[tuple[int, tuple[int, ...], np.dtype]] = []
-    as_bytes: list[int] = []
+def build_plan(state: Any, *, leaf_limit: int, pack_limit: int, local: bool,
+               leaves: list[Any] | None = None) -> WritePlan:
+    """The write plan of ``state``, from scratch: its tree paths, every leaf classified and
+    validated (TypeError / ValueError naming the path, before any I/O), the packs planned.
+    ``local``: a single process, which holds every array entirely and hands Orbax host
+    arrays only. ``leaves``: ``jax.tree_util.tree_flatten(state)``'s, where the caller
+    has them (flattened here otherwise)."""
+    if leaves is None:
+        leaves = jax.tree_util.tree_leaves(state)
+    paths = plain_paths(state, leaves)
+    if paths is None:  # a tree of other nodes: jax's walk
+        path_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        paths = [jax.tree_util.keystr(key_path) for key_path, _ in path_leaves]
+        leaves = [leaf for _, leaf in path_leaves]
+    if len(set(paths)) != len(paths):
+        _refuse_shared_paths(paths)
+    leaf_plan = _LeafPlan()
+    leaf_plan.classify(paths, leaves, leaf_limit=leaf_limit, local=local)
+    packs, placements = plan_packs(leaf_plan.candidates, pack_limit)
+    lines = TreeLines()
+    unpacked: list[tuple[int, str]] = []
+    for index, (path, layout) in enumerate(zip(paths, leaf_plan.layouts, strict=True)):
+        placed = placements.get(index)
+        if placed is None:
+            name = f"leaf_{index:06d}"
+            unpacked.append((index, name))
+            lines.add(path, name, None, layout)
+        else:
+            lines.add(path, placed[0], placed[1], layout)
+    tree_json = lines.text([{"name": name, "dtype": pack.dtype.name,
+                             "size": pack_length(pack.size)} for name, pack in packs.items()])
+    return WritePlan(tree_json=tree_json, nbytes=len(tree_json) + leaf_plan.stored_bytes,
+                     packs=packs, unpacked=unpacked, on_device=leaf_plan.on_device,
+                     keys=leaf_plan.keys, numpy=leaf_plan.numpy, scalars=leaf_plan.scalars,
+                     empty=leaf_plan.empty, as_bytes=leaf_plan.as_bytes)
+
+
+def _refuse_shared_paths(paths: list[str]) -> None:
     seen: set[str] = set()
-    for index, (key_path, leaf) in enumerate(path_leaves):
-        path = jax.tree_util.keystr(key_path)
+    for path in paths:
         if path in seen:
             raise ValueError(f"two leaves of the state share the tree path {path}; "
                              "paths must be unique to be matched on restore")
         seen.add(path)
+
+
+class _LeafPlan:
+    """What ``build_plan`` learns of each leaf: its layout, where its data comes from, and
+    whether it may go into a pack. Used once, by one thread."""
+
+    def __init__(self) -> None:
+        self.layouts: list[Layout] = []
+        self.candidates: list[tuple[int, np.dtype, int]] = []  # leaves a pack may take
+        self.stored_bytes = 0
+        self.on_device: list[int] = []
+        self.keys: list[int] = []
+        self.numpy: list[int] = []
+        self.scalars: list[tuple[int, np.dtype, str | None]] = []
+        self.empty: list[tuple[int, tuple[int, ...], np.dtype]] = []
+        self.as_bytes: list[int] = []
+
+    def classify(self, paths: list[str], leaves: list[Any], *, leaf_limit: int,
+                 local: bool) -> None:
+        # The usual leaf, a jax.Array of a dtype Orbax stores, spelled out: this loop runs
+        # once per leaf, and classify_leaf's checks cost microseconds each.
+        is_array: dict[type, bool] = {}  # isinstance(leaf, jax.Array), per class
+        stored_as_is: dict[Any, tuple[str, np.dtype] | None] = {}  # per jax dtype
+        layouts, new = self.layouts, tuple.__new__
+        for index, leaf in enumerate(leaves):
+            cls = leaf.__class__
+            array = is_array.get(cls)
+            if array is None:
+                array = is_array[cls] = isinstance(leaf, jax.Array)
+            if array:
+                dtype = leaf.dtype
+                if dtype in stored_as_is:
+                    as_is = stored_as_is[dtype]
+                else:
+                    as_is = stored_as_is[dtype] = (
+                        (name_of_dtype(dtype), np.dtype(dtype))
+                        if jax_dtype_kind(dtype) == "array" else None)
+                if as_is is not None:
+                    shape = tuple(leaf.shape)
+                    layouts.append(new(Layout, ("array", shape, as_is[0], None, None, None,
+                                                None)))
+                    self._place(index, leaf, shape, as_is[1], False, leaf_limit, local)
+                    continue
+            self._classify_one(index, paths[index], leaf, leaf_limit, local)
+
+    def _classify_one(self, index: int, path: str, leaf: Any, leaf_limit: int,
+                      local: bool) -> None:
+        """Any leaf (``classify_leaf``)."""
         layout, data = classify_leaf(path, leaf)
-        paths.append(path)
-        layouts.append(layout)
+        self.layouts.append(layout)
         if layout.kind == "key":
-            keys.append(index)
+            self.keys.append(index)
             stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
         elif layout.data_dtype is not None:  # stored as its bytes
-            as_bytes.append(index)
+            self.as_bytes.append(index)
             stored_shape, dtype = layout.data_shape, np.dtype(layout.data_dtype)
         else:
             stored_shape, dtype = layout.shape, np.dtype(data.dtype)
             if layout.kind == "scalar":
-                scalars.append((index, dtype, path if layout.python_type == "int" else None))
+                self.scalars.append((index, dtype,
+                                     path if layout.python_type == "int" else None))
             elif isinstance(data, np.ndarray):
-                numpy_leaves.append(index)
+                self.numpy.append(index)
         assert stored_shape is not None  # keys and arrays stored as bytes carry data_shape
+        self._place(index, data, stored_shape, dtype, isinstance(data, np.ndarray),
+                    leaf_limit, local)
+
+    def _place(self, index: int, data: Any, stored_shape: tuple[int, ...], dtype: np.dtype,
+               on_host: bool, leaf_limit: int, local: bool) -> None:
+        """Whether the leaf may go into a pack, and whether its data comes to the host."""
         # Sizes from the shape: jax.Array's size and nbytes properties cost microseconds.
         count = prod(stored_shape)
         nbytes = count * dtype.itemsize
-        stored_bytes += nbytes
+        self.stored_bytes += nbytes
         if count == 0:
             # Orbax refuses zero-size arrays ("Cannot save arrays with zero size") and
             # there is nothing to store: tree.json's shape and dtype say it all. Such a
             # leaf goes into a pack at any offset, from an empty host array (no transfer,
             # whichever process holds it).
-            empty.append((index, tuple(stored_shape), dtype))
-            candidates.append((index, dtype, 0))
-            continue
-        on_host = isinstance(data, np.ndarray)
+            self.empty.append((index, tuple(stored_shape), dtype))
+            self.candidates.append((index, dtype, 0))
+            return
         # Small leaves this process holds entirely go into packs. An array sharded across
         # processes is written shard by shard by Orbax instead; with a single process every
         # array is held entirely, and asking would cost microseconds per leaf.
         packable = 0 < leaf_limit and nbytes <= leaf_limit and (
             local or on_host or data.is_fully_addressable)
         if packable:
-            candidates.append((index, dtype, count))
+            self.candidates.append((index, dtype, count))
         # jax data comes to the host to be packed, and in a single process to be written.
         if not on_host and (packable or local):
-            on_device.append(index)
-    packs, placements = plan_packs(candidates, pack_limit)
-
-    entries: list[SavedLeaf] = []
-    unpacked: list[tuple[int, str]] = []
-    for index, (path, layout) in enumerate(zip(paths, layouts, strict=True)):
-        placed = placements.get(index)
-        if placed is None:
-            name, offset = f"leaf_{index:06d}", None
-            unpacked.append((index, name))
-        else:
-            name, offset = placed
-        entries.append(SavedLeaf(path=path, name=name, offset=offset, **layout._asdict()))
-    tree_json = tree_json_text(entries, [{"name": name, "dtype": pack.dtype.name,
-                                          "size": pack_length(pack.size)}
-                                         for name, pack in packs.items()])
-    return WritePlan(tree_json=tree_json, nbytes=len(tree_json) + stored_bytes, packs=packs,
-                     unpacked=unpacked, on_device=on_device, keys=keys, numpy=numpy_leaves,
-                     scalars=scalars, empty=empty, as_bytes=as_bytes)
+            self.on_device.append(index)
 
 
 def layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
@@ -277,8 +335,16 @@ def layout_key(treedef: Any, leaves: list[Any]) -> tuple[Any, ...]:
     identity, which the text (type names) does not; but they compare dict keys with ``==``:
     ``{1: x}``, ``{True: x}`` and ``{np.int64(1): x}`` have equal treedefs and the tree paths
     ``[1]``, ``[True]`` and ``[np.int64(1)]``, which only the text tells apart."""
-    signature = tuple([cls if (cls := type(leaf)) in PY_SCALAR_CLASSES
-                       else (cls, leaf.shape, leaf.dtype) for leaf in leaves])
+    classes = tuple(map(type, leaves))
+    arrays = leaves if PY_SCALAR_CLASSES.isdisjoint(classes) else [
+        leaf for leaf, cls in zip(leaves, classes, strict=True) if cls not in PY_SCALAR_CLASSES]
+    # Three tuples, not one per leaf: the key lives as long as its plan, and a tuple per
+    # leaf was that many more objects for every collection of the GC to walk.
+    shapes = tuple(map(_SHAPE, arrays))
+    dtypes = tuple(map(_DTYPE, arrays))
     # Cheapest comparisons first: a key that differs mostly differs early.
-    return signature, str(treedef), treedef
+    return classes, shapes, dtypes, str(treedef), treedef
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 

@@ -4,7 +4,9 @@ Owns: the names of the files and directories the Orbax backend writes inside a c
 state directory (``tree.json``, ``arrays/``, storage names), the format of ``tree.json``
 (its text, its parsing and checks), what it records of one leaf (:class:`SavedLeaf`), and
 how a state leaf is classified into that record (:func:`classify_leaf`): array, typed PRNG
-key or Python scalar, and arrays of dtypes Orbax has no type for kept as their bytes.
+key or Python scalar, and arrays of dtypes Orbax has no type for kept as their bytes; and
+the tree paths leaves are recorded and matched by (``plain_paths``: trees of plain
+containers without jax's walk).
 
 Must not import: orbax, torch. Writes nothing; reads only ``tree.json``.
 """
@@ -63,7 +65,7 @@ def dtype_name(dtype: Any) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _jax_dtype_kind(dtype: Any) -> str:
+def jax_dtype_kind(dtype: Any) -> str:
     """How a jax.Array of ``dtype`` is stored: "key" (its key data), "array" (a dtype Orbax
     stores) or "bytes". Asked per leaf at a save that builds a plan; a state has a handful
     of dtypes, and numpy's ``dtype.name`` and jax's ``issubdtype`` cost microseconds."""
@@ -246,7 +248,7 @@ def classify_leaf(path: str, leaf: Any) -> tuple[Layout, Any]:
     ``write`` copies what must be copied). Raises TypeError, naming ``path``, for a
     leaf that cannot be stored."""
     if isinstance(leaf, jax.Array):
-        kind = _jax_dtype_kind(leaf.dtype)
+        kind = jax_dtype_kind(leaf.dtype)
         if kind == "array":  # the common case first, one cached look-up per leaf
             return Layout(kind="array", shape=tuple(leaf.shape),
                           dtype=dtype_name(leaf.dtype)), leaf
@@ -289,6 +291,68 @@ def classify_leaf(path: str, leaf: Any) -> tuple[Layout, Any]:
         "nnx.state(model, nnx.Param) or a filtered dict) and keep strings and objects in a "
         "stateful object's JSON state, or convert it to an array.")
 
+# ---------------------------------------------------------------------------- tree paths
+
+
+def plain_paths(tree: Any, leaves: list[Any]) -> list[str] | None:
+    """``jax.tree_util.keystr`` of the tree path of each of ``leaves`` (``tree``'s, as
+    ``jax.tree_util.tree_flatten`` gives them), where ``tree`` is made of plain dicts with
+    string keys, lists, tuples and None; None for any other tree (jax's own walk then).
+
+    jax's walk makes a key object per node and a string per key of every path, about 2 us
+    a leaf; here each key's text is made once and paths share their prefixes. The leaves
+    found must be ``leaves`` themselves, in order, or the answer is None."""
+    paths: list[str] = []
+    keys: dict[str, str] = {}  # a dict key -> its text in a path
+    count, position = len(leaves), 0
+
+    def leaf(node: Any, path: str) -> None:
+        nonlocal position
+        # Attribute and item access only, no calls: this runs once per leaf.
+        if position >= count or leaves[position] is not node:
+            raise _NotPlain
+        paths.append(path)
+        position += 1
+
+    def walk(node: Any, prefix: str) -> None:
+        nonlocal position
+        kind = node.__class__
+        if kind is dict:
+            for key in sorted(node):  # jax's order; a TypeError (mixed keys) ends the walk
+                if key.__class__ is not str:
+                    raise _NotPlain
+                if key in keys:
+                    text = keys[key]
+                else:
+                    text = keys[key] = f"[{key!r}]"
+                child = node[key]
+                if child.__class__ in _CONTAINERS or child is None:
+                    walk(child, prefix + text)
+                elif position < count and leaves[position] is child:  # leaf(), inline
+                    paths.append(prefix + text)
+                    position += 1
+                else:
+                    raise _NotPlain
+        elif kind is list or kind is tuple:
+            for index, child in enumerate(node):
+                walk(child, f"{prefix}[{index}]")
+        elif node is not None:
+            leaf(node, prefix)
+
+    try:
+        walk(tree, "")
+    except (_NotPlain, TypeError, RecursionError):
+        return None  # a node jax flattens differently (a registered type, say)
+    return paths if position == count else None
+
+
+class _NotPlain(Exception):
+    """``plain_paths`` met a node it does not know, or leaves other than jax's."""
+
+
+_CONTAINERS = frozenset({dict, list, tuple})
+
+
 # ------------------------------------------------------------------------------ tree.json
 
 
@@ -297,33 +361,56 @@ _quoted = json.encoder.encode_basestring_ascii
 
 
 def tree_json_text(entries: list[SavedLeaf], packs: list[dict[str, Any]]) -> str:
-    """tree.json's text: one leaf per line, so that it stays readable and diffable.
-
-    Built from per-line ``json.dumps`` calls, which use the C encoder: ``indent=`` switches
-    the whole document to the pure-Python encoder, slow with thousands of leaves.
-    """
-    version = (TREE_FORMAT_VERSION if any(entry.as_bytes for entry in entries) else
-               PACKED_TREE_VERSION if packs else UNPACKED_TREE_VERSION)
-    lines = [f'{{"format": {json.dumps(TREE_FORMAT)}, "version": {version},']
-    if packs:
-        lines.append(' "packs": [' + ",\n  ".join(json.dumps(p) for p in packs) + "],")
-    lines.append(' "leaves": [')
-    lines.append(",\n".join("  " + _entry_line(entry) for entry in entries))
-    lines.append(" ]}")
-    return "\n".join(lines) + "\n"
+    """tree.json's text: one leaf per line, so that it stays readable and diffable."""
+    lines = TreeLines()
+    for entry in entries:
+        lines.add(entry.path, entry.name, entry.offset, Layout(*entry[2:9]))
+    return lines.text(packs)
 
 
-def _entry_line(entry: SavedLeaf) -> str:
-    """``json.dumps(entry.to_json())``, the same text: a plain array's line is put together
-    from its encoded strings (a dict and a ``json.dumps`` per leaf were most of the cost of
-    tree.json with thousands of leaves); any other leaf goes through ``json.dumps``."""
-    if entry.kind != "array" or entry.data_dtype is not None:
-        return json.dumps(entry.to_json())
-    text = _quoted
-    line = (f'{{"path": {text(entry.path)}, "name": {text(entry.name)}, "kind": "array", '
-            f'"shape": [{", ".join(str(int(n)) for n in entry.shape)}], '
-            f'"dtype": {text(entry.dtype)}')
-    return line + ("}" if entry.offset is None else f', "offset": {int(entry.offset)}}}')
+class TreeLines:
+    """tree.json's leaf lines, one added per leaf in tree order, then the whole text.
+
+    A plain array's line is put together from the C encoder's string escaping, each shape's
+    text made once (a dict and a ``json.dumps`` per leaf were most of the cost of tree.json
+    with thousands of leaves); any other leaf's line is ``json.dumps`` of its entry. The
+    text is the same either way. ``indent=`` is never used: it switches the whole document
+    to the pure-Python encoder, slow with thousands of leaves."""
+
+    __slots__ = ("_lines", "_shapes", "_as_bytes")
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._shapes: dict[tuple[int, ...], str] = {}
+        self._as_bytes = False
+
+    def add(self, path: str, name: str, offset: int | None, layout: Layout) -> None:
+        if layout.kind != "array" or layout.data_dtype is not None:
+            self._as_bytes = self._as_bytes or layout.kind == "array"
+            entry = SavedLeaf(path=path, name=name, offset=offset, **layout._asdict())
+            self._lines.append("  " + json.dumps(entry.to_json()))
+            return
+        shape = layout.shape
+        shape_text = self._shapes.get(shape)
+        if shape_text is None:
+            shape_text = self._shapes[shape] = ", ".join(str(int(n)) for n in shape)
+        quoted = _quoted
+        line = (f'  {{"path": {quoted(path)}, "name": {quoted(name)}, "kind": "array", '
+                f'"shape": [{shape_text}], "dtype": {quoted(layout.dtype)}')
+        self._lines.append(line + "}" if offset is None else
+                           f'{line}, "offset": {int(offset)}}}')
+
+    def text(self, packs: list[dict[str, Any]]) -> str:
+        """The whole of tree.json, with ``packs`` (name, dtype, size of each) listed."""
+        version = (TREE_FORMAT_VERSION if self._as_bytes else
+                   PACKED_TREE_VERSION if packs else UNPACKED_TREE_VERSION)
+        head = [f'{{"format": {json.dumps(TREE_FORMAT)}, "version": {version},']
+        if packs:
+            head.append(' "packs": [' + ",\n  ".join(json.dumps(p) for p in packs) + "],")
+        head.append(' "leaves": [')
+        head.append(",\n".join(self._lines))
+        head.append(" ]}")
+        return "\n".join(head) + "\n"
 
 
 def read_tree_json(root: epath.Path, directory: str) -> dict[str, SavedLeaf]:

@@ -141,12 +141,24 @@ def host_view(array: Any) -> np.ndarray:
     ``np.asarray`` finds no buffer, falls back to ``jax.Array.__array__``, which returns
     ``np.asarray(array._value)``: the same array, dearer than asking for ``_value``
     directly, the more so under load (benchmarks/results/leaves-per-leaf_cpu2core_2026-11-25.md).
-    Those dtypes ask for it; where it is missing, or for any other dtype, ``np.asarray``."""
+    Those dtypes ask for it; where it is missing, or for any other dtype, ``np.asarray``.
+    For an array on one device, ``_value`` itself is skipped: it asks jaxlib for the same
+    view after a profiler annotation and a replication check, which cost as much again
+    (7 against 12.5 us a bfloat16 leaf; benchmarks/results/, first-save-leaves)."""
     if array.dtype.isbuiltin != 1:  # 2: a dtype of another library (ml_dtypes)
+        if type(getattr(array, "sharding", None)) is _ONE_DEVICE:
+            to_host = getattr(array, "_single_device_array_to_np_array_did_copy", None)
+            if to_host is not None:
+                value = to_host()[0]
+                if type(value) is np.ndarray:
+                    return value
         value = getattr(array, "_value", None)
         if type(value) is np.ndarray:
             return value
     return np.asarray(array)
+
+
+_ONE_DEVICE = jax.sharding.SingleDeviceSharding
 
 
 def host_arrays(arrays: list[jax.Array]) -> list[np.ndarray]:
