@@ -21,7 +21,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxckpt.core.checksum import file_checksum
@@ -130,12 +130,14 @@ class PosixStorage(Storage):
     def delete_prefix(self, prefix: str) -> None:
         _rmtree_tolerant(prefix)
 
-    def sync(self, prefix: str, *, data: bool = True) -> None:
+    def sync(self, prefix: str, *, data: bool = True, skip: Collection[str] = ()) -> None:
         walked = list(os.walk(prefix))
         files = [] if not data else [
             full for dirpath, _, filenames in walked for name in filenames
             if not os.path.islink(full := os.path.join(dirpath, name))]
-        directories = [dirpath for dirpath, _, _ in walked]
+        synced = {os.path.normpath(os.path.join(prefix, *rel.split("/"))) for rel in skip}
+        directories = [dirpath for dirpath, _, _ in walked
+                       if os.path.normpath(dirpath) not in synced]
         directories.append(os.path.dirname(os.path.normpath(prefix)) or ".")
         # All at once: every fsync here ends in a flush of the device's cache, even for a
         # directory with nothing left to write, and flushes in flight together are merged
