@@ -588,7 +588,12 @@ def _summarise_and_name(storage: Storage, path: str, rels: list[str], algorithm:
     device's cache that gain from being in flight together, neither needs the other, and
     only the marker, created after this returns, needs both. Together they shorten the
     commit by about a third (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md).
-    ``durable_dirs``: directories whose names the writer made durable (not synced again)."""
+    ``durable_dirs``: directories whose names the writer made durable (not synced again).
+    With no file to summarise (every one checksummed by its writer), the names alone, on
+    this thread."""
+    if not rels:
+        storage.sync(path, data=False, skip=durable_dirs)
+        return {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxckpt-names") as names:
         named = names.submit(storage.sync, path, data=False, skip=durable_dirs)
         try:
