@@ -56,8 +56,10 @@ __all__ = [
 RANGED_READ_OVER = 64 << 20
 
 #: fsyncs of small files and directories one process keeps in flight beside its chunk
-#: writes (flushes in flight together are merged by the block layer).
-_SYNC_THREADS = 4
+#: writes: enough for a write's names to go out together (flushes of the device's cache in
+#: flight together are merged by the block layer; one at a time they would each stall the
+#: chunk writes).
+_SYNC_THREADS = 16
 _sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _sync_pool_lock = threading.Lock()
 
@@ -147,6 +149,11 @@ class ArrayFiles(Protocol):
         make its names durable by the time ``finish`` returns, where this place has
         directories of its own to sync (True), else False (the commit syncs them)."""
 
+    def names_made(self) -> None:
+        """Every file and directory of the write exists (the last chunk file is being
+        written): start the syncs of the small files and directories told so far, all at
+        once. Those told later start at once; ``finish`` starts any left."""
+
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str, offset: int,
                     created: Callable[[], None] | None = None) -> tuple[int, str]:
         """Write one array's chunk file, durably; (size, checksum with ``algorithm``).
@@ -165,9 +172,11 @@ class LocalArrayFiles:
     """``ArrayFiles`` on a local filesystem: ``chunk_io`` with O_DIRECT where ``direct``.
 
     The small files, and the directories the writer says are complete (``entries_made``),
-    are fsynced on side threads while the chunk files are written, and ``finish`` waits
-    for them: their flushes of the device's cache overlap the data instead of following
-    its last byte in the commit. The checksum of a small file is of the bytes written.
+    are fsynced on side threads together once every name exists (``names_made``: while
+    the last chunk files are written), and ``finish`` waits for them: their flushes of
+    the device's cache overlap the data instead of following its last byte in the commit,
+    and go out as one burst rather than one by one among the chunk writes (each flush
+    stalls them). The checksum of a small file is of the bytes written.
 
     Concurrency contract: as the module's; one instance serves one write (the syncs it
     started are that write's, waited for by its ``finish``)."""
@@ -175,6 +184,7 @@ class LocalArrayFiles:
     def __init__(self, *, direct: bool):
         self.direct = direct
         self._syncs: list[concurrent.futures.Future[None]] = []
+        self._pending: list[tuple[Callable[[str], None], str]] | None = []  # None: released
         self._syncs_lock = threading.Lock()
 
     def start(self, final: str) -> str:
@@ -183,18 +193,28 @@ class LocalArrayFiles:
         return base
 
     def finish(self, base: str, final: str) -> None:
+        self.names_made()
         self._wait_synced()
         os.rename(base, final)
 
     def abandon(self, base: str) -> None:
+        with self._syncs_lock:
+            self._pending = []  # never started: nothing of a failed write needs them
         with contextlib.suppress(Exception):
             self._wait_synced()  # nothing of a failed write outlives it
         shutil.rmtree(base, ignore_errors=True)
 
-    def _sync_soon(self, fsync: Callable[[str], None], path: str) -> None:
-        future = _syncer().submit(fsync, path)
+    def names_made(self) -> None:
         with self._syncs_lock:
-            self._syncs.append(future)
+            pending, self._pending = self._pending or [], None
+            self._syncs += [_syncer().submit(fsync, path) for fsync, path in pending]
+
+    def _sync_soon(self, fsync: Callable[[str], None], path: str) -> None:
+        with self._syncs_lock:
+            if self._pending is not None:
+                self._pending.append((fsync, path))
+            else:
+                self._syncs.append(_syncer().submit(fsync, path))
 
     def _wait_synced(self) -> None:
         """Wait for every fsync started so far; raise the first one's error."""
@@ -320,6 +340,9 @@ class StorageArrayFiles:
     def entries_made(self, directory: str) -> bool:
         """No directories, nothing to sync: an object is durable when its PUT returns."""
         return False
+
+    def names_made(self) -> None:
+        """Nothing waits for it: small objects go up as they are written."""
 
     def write_small(self, path: str, text: str) -> tuple[int, str]:
         """Sent on this object's own threads, so that a small PUT holds up neither the

@@ -386,7 +386,7 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
     known: dict[str, tuple[int, str]] = {}
     unstarted = [len(jobs)]
     unstarted_lock = threading.Lock()
-    names = _DurableNames(files, base)
+    names = _DurableNames(files, base, len(jobs))
 
     def small(relative: str, text: str) -> None:
         entry = files.write_small(f"{base}/{relative}", text)
@@ -433,10 +433,11 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
             orbax_metadata()
         own = _array_dirs(name, relative)
         if referred:
-            names.complete(own[:1])  # it holds zarr.json only
+            names.complete(own[:1], job=name)  # it holds zarr.json only
             return relative, 0, None, digest
         size, crc = files.write_chunk(chunk, array, algorithm=algorithm, offset=offset,
-                                      created=functools.partial(names.complete, own))
+                                      created=functools.partial(names.complete, own,
+                                                                job=name))
         return relative, size, crc, digest
 
     # An incremental write decides each file on the hashing threads, in the order the I/O
@@ -458,22 +459,31 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
 class _DurableNames:
     """The directories of one native write whose names ``files`` makes durable, each told
     (``complete``) as soon as its last entry exists (an array's chunk file created, the
-    last top-level entry written), so that its fsync runs beside the data.
+    last top-level entry written); once every one of the ``jobs`` arrays' files exists,
+    ``files.names_made`` starts their syncs together, beside the last chunk writes.
 
     Concurrency contract: ``complete`` from any I/O thread; ``durable`` once they ended."""
 
-    def __init__(self, files: ArrayFiles, base: str):
-        self._files, self._base = files, base
+    def __init__(self, files: ArrayFiles, base: str, jobs: int):
+        self._files, self._base, self._jobs = files, base, jobs
         self._made: set[str] = set()
+        self._done: set[str] = set()  # arrays whose files exist
         self._lock = threading.Lock()
 
-    def complete(self, relatives: list[str]) -> None:
-        """These directories below the write's base ("": the base) have all their entries."""
+    def complete(self, relatives: list[str], *, job: str | None = None) -> None:
+        """These directories below the write's base ("": the base) have all their entries;
+        ``job``: they are the directories of that array, whose files all exist now."""
         made = [relative for relative in relatives
                 if self._files.entries_made(f"{self._base}/{relative}" if relative
                                             else self._base)]
         with self._lock:
             self._made.update(made)
+            every = False
+            if job is not None and job not in self._done:
+                self._done.add(job)
+                every = len(self._done) == self._jobs
+        if every:  # the last top-level entries were written before the last array's file
+            self._files.names_made()
 
     def durable(self) -> tuple[str, ...]:
         """The directories made durable, relative to the state directory (``arrays/...``)."""
