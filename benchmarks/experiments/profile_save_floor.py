@@ -33,7 +33,7 @@ import numpy as np
 # The checkout this script sits in, not an installed jaxckpt.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-_events: list[tuple[str, str, float, float]] = []
+_events: list[tuple[str, str, float, float, float]] = []  # label, thread, start, end, cpu
 _lock = threading.Lock()
 
 
@@ -42,19 +42,19 @@ def _wrap(owner: Any, name: str, label: str) -> None:
 
     @functools.wraps(original)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return original(*args, **kwargs)
         finally:
-            end = time.perf_counter()
+            end, cpu = time.perf_counter(), time.thread_time() - cpu
             with _lock:
-                _events.append((label, threading.current_thread().name, start, end))
+                _events.append((label, threading.current_thread().name, start, end, cpu))
 
     setattr(owner, name, timed)
 
 
 def _instrument() -> None:
-    from jaxckpt.backends.orbax import chunk_io, write
+    from jaxckpt.backends.orbax import chunk_io, files, write
     from jaxckpt.commit import store
     from jaxckpt.storage import posix
 
@@ -65,6 +65,11 @@ def _instrument() -> None:
     _wrap(chunk_io, "_write_own_memory", "own_memory")
     _wrap(chunk_io.os, "fsync", "fsync")
     _wrap(write, "write_native", "write_native")
+    if hasattr(files.LocalArrayFiles, "_wait_synced"):  # the side fsyncs (2026-11-28, later)
+        _wrap(files.LocalArrayFiles, "_wait_synced", "names.wait")
+        _wrap(files, "fsync_dir", "names.dir")
+        _wrap(files, "fsync_file", "names.file")
+    _wrap(files.LocalArrayFiles, "finish", "arrays.finish")
     _wrap(store.CheckpointStore, "commit", "commit")
     _wrap(store, "_summarise_and_name", "commit.summaries+names")
     _wrap(posix.PosixStorage, "list_files", "commit.list")
@@ -85,8 +90,10 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
         events = [e for e in _events if e[2] >= start and e[3] <= stop + 0.002]
     out: dict[str, float] = {}
     by = collections.defaultdict(list)
-    for label, thread, a, b in events:
+    cpu: dict[str, float] = collections.defaultdict(float)
+    for label, thread, a, b, used in events:
         by[label].append((a, b, thread))
+        cpu[label] += used
     chunks = by["write_chunk"]
     out["before first chunk"] = min(a for a, _, _ in chunks) - start
     out["chunks (first start..last end)"] = max(b for _, b, _ in chunks) - min(
@@ -97,8 +104,14 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
     out["after last chunk..write_native end"] = max(b for _, b, _ in native) - max(
         b for _, b, _ in chunks)
     out["commit"] = sum(b - a for a, b, _ in by["commit"])
-    for key in ("commit.list", "commit.summaries+names", "commit.marker"):
+    out["commit CPU (its thread)"] = cpu["commit"]
+    for key in ("commit.list", "commit.summaries+names", "commit.marker", "arrays.finish",
+                "names.wait"):
         out[key] = sum(b - a for a, b, _ in by[key])
+    for key in ("names.dir", "names.file"):  # fsyncs on the side threads, beside the data
+        out[f"{key} count"] = len(by[key])
+        out[f"{key} last end after last chunk"] = (
+            max(b for _, b, _ in by[key]) - max(b for _, b, _ in chunks) if by[key] else 0.0)
     out["after commit"] = stop - max(b for _, b, _ in by["commit"])
     io = [(a, b) for a, b, t in by["pwrite"] if t.startswith("jaxckpt") or "io" in t or True]
     out["pwrite busy (union)"] = _union(io)
@@ -209,7 +222,11 @@ def main() -> None:
                 report, start = save("sync")
                 sync = report.total_s
                 if not args.no_instrument:
-                    for key, value in _breakdown(start, start + sync).items():
+                    try:
+                        found = _breakdown(start, start + sync)
+                    except ValueError:  # a part ended outside the save's window: not counted
+                        found = {}
+                    for key, value in found.items():
                         parts[key].append(value)
                 report, _ = save("async")
                 rows["sync" + suffix].append(sync)

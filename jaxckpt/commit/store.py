@@ -23,14 +23,14 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from jaxckpt.commit import incremental, object_steps as store_objects, retire
 from jaxckpt.commit.done_markers import DoneMarkers
 from jaxckpt.commit.exports import ExportDirs
-from jaxckpt.core.checksum import default_algorithm
+from jaxckpt.core.checksum import default_algorithm, extend
 from jaxckpt.core.content_hash import HASH_NAME, is_hash
 from jaxckpt.core.layout import (
     COMMIT_MARKER,
@@ -429,7 +429,8 @@ class CheckpointStore(DoneMarkers, ExportDirs):
     # --- commit ---------------------------------------------------------------------------
     def commit(self, path: str, step: int, *, exclude: tuple[str, ...] = (),
                known: dict[str, dict[str, Any]] | None = None,
-               refs: dict[str, dict[str, Any]] | None = None) -> Manifest:
+               refs: dict[str, dict[str, Any]] | None = None,
+               durable_dirs: Collection[str] = ()) -> Manifest:
         """Make ``path`` a valid checkpoint: checksum every file and make it and every
         directory durable, then create the marker. Call only after every process's writes
         ended.
@@ -444,7 +445,15 @@ class CheckpointStore(DoneMarkers, ExportDirs):
         ``refs``: files of earlier checkpoints this one uses instead of writing them, by ref
         key (``incremental_files`` of its base), each checked to be present with its size
         (else ``CheckpointWriteError``, nothing committed).
+
+        ``durable_dirs``: directories below ``path`` (relative, "/"-separated) whose
+        writer made their entries durable after the last one was made (``Storage.sync``'s
+        ``skip``); every other directory, ``path`` and its parent are synced here.
         """
+        for rel in durable_dirs:
+            if rel.startswith("/") or not set(rel.split("/")).isdisjoint({"", ".", ".."}):
+                raise ValueError(f"commit of {path}: durable directory {rel!r} is not a "
+                                 f"path below the checkpoint")
         listed = self.storage.list_files(path)
         files = sorted(rel for rel in listed if _committable(rel) and rel not in exclude)
         algorithm = default_algorithm()
@@ -457,7 +466,8 @@ class CheckpointStore(DoneMarkers, ExportDirs):
                                  f"{{'size', {algorithm!r}[, {HASH_NAME!r}]}}")
         checked = incremental.checked_refs(self, path, step, refs)
         sums = _summarise_and_name(self.storage, path,
-                                   [rel for rel in files if rel not in known], algorithm)
+                                   [rel for rel in files if rel not in known], algorithm,
+                                   durable_dirs)
         for rel, info in known.items():
             size = listed[rel]
             if size != info["size"]:
@@ -571,15 +581,21 @@ def _summarise(storage: Storage, path: str, rels: list[str],
     return dict(zip(rels, pool.map(summarise, rels), strict=True))
 
 
-def _summarise_and_name(storage: Storage, path: str, rels: list[str],
-                        algorithm: str) -> dict[str, tuple[int, str]]:
+def _summarise_and_name(storage: Storage, path: str, rels: list[str], algorithm: str,
+                        durable_dirs: Collection[str] = ()) -> dict[str, tuple[int, str]]:
     """``_summarise`` (the files ``rels`` checksummed and made durable) while every name
     below ``path`` is made durable (``Storage.sync(data=False)``): both are flushes of the
     device's cache that gain from being in flight together, neither needs the other, and
     only the marker, created after this returns, needs both. Together they shorten the
-    commit by about a third (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md)."""
+    commit by about a third (benchmarks/results/save-write-floor_cpu2core_2026-11-25.md).
+    ``durable_dirs``: directories whose names the writer made durable (not synced again).
+    With no file to summarise (every one checksummed by its writer), the names alone, on
+    this thread."""
+    if not rels:
+        storage.sync(path, data=False, skip=durable_dirs)
+        return {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxckpt-names") as names:
-        named = names.submit(storage.sync, path, data=False)
+        named = names.submit(storage.sync, path, data=False, skip=durable_dirs)
         try:
             sums = _summarise(storage, path, rels, algorithm)
         finally:
@@ -589,10 +605,18 @@ def _summarise_and_name(storage: Storage, path: str, rels: list[str],
     return sums
 
 
-def write_file_soon(store: CheckpointStore, path: str, name: str, data: bytes) -> Future[None]:
+def write_file_soon(store: CheckpointStore, path: str, name: str,
+                    data: bytes) -> Future[dict[str, Any]]:
     """``store.write_file``, started on the store's pool: the caller goes on (with the
-    arrays' write) and waits for the returned future before committing."""
-    return _pool(store.storage.concurrent_requests).submit(store.write_file, path, name, data)
+    arrays' write) and waits for the returned future before committing. Its result is the
+    file's manifest entry (size and checksum of ``data``, written durably), which the
+    commit may take as ``known`` instead of reading the file back."""
+    def write() -> dict[str, Any]:
+        store.write_file(path, name, data)
+        algorithm = default_algorithm()
+        return {"size": len(data), algorithm: f"{extend(algorithm, 0, data):08x}"}
+
+    return _pool(store.storage.concurrent_requests).submit(write)
 
 
 def _classify(store: CheckpointStore, step: int, path: str, *, checksums: bool,

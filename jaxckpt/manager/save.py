@@ -43,7 +43,7 @@ from jaxckpt.manager.export import ExportRecord
 from jaxckpt.manager.reports import SaveReport, mark_done
 
 __all__ = ["Saver", "resolve_state", "known_checksums", "known_references",
-           "incremental_base"]
+           "durable_dirs", "incremental_base"]
 
 log = logging.getLogger("jaxckpt")
 
@@ -135,16 +135,21 @@ class Saver:
         ctx.last["recover"] = report
 
         def finish() -> None:
-            driver_sent.result()
+            # The primary's driver.json was written durably from these bytes: the commit
+            # takes its entry instead of reading it back.
+            driver_entry = {driver_file: driver_sent.result()} if ctx.primary else {}
             item_bytes = 0
             for name, version, item_dir, item_handle in item_writes:
                 item_handle.wait()
-                item_bytes += self._commit_dir(item_dir, version, known_checksums(item_handle))
+                item_bytes += self._commit_dir(item_dir, version, known_checksums(item_handle),
+                                               durable=durable_dirs(item_handle))
                 with ctx.state_lock:
                     ctx.written_items.setdefault(name, set()).add(version)
             handle.wait()
-            self._commit(path, step.global_step, report, known_checksums(handle),
-                         known_references(handle) if ctx.recover_config.incremental else None)
+            self._commit(path, step.global_step, report,
+                         {**(known_checksums(handle) or {}), **driver_entry} or None,
+                         known_references(handle) if ctx.recover_config.incremental else None,
+                         durable=durable_dirs(handle))
             if report.bytes is not None:
                 report.bytes += item_bytes
 
@@ -186,7 +191,7 @@ class Saver:
 
     def _start_writes(self, path: str, state: Any, item_versions: dict[str, tuple[int, Any]],
                       mode: str, driver: tuple[str, bytes],
-                      ) -> tuple[Any, list[tuple[str, int, str, Any]], Future[None]]:
+                      ) -> tuple[Any, list[tuple[str, int, str, Any]], Future[dict[str, Any]]]:
         """Training thread: create the directories, start the driver file's write (it goes
         up while the arrays do: on an object store a sync save's data no longer waits for
         its round trip) and stage every write of one save. On a failure the driver file's
@@ -295,18 +300,22 @@ class Saver:
 
     def _commit(self, path: str, step: int, report: SaveReport,
                 known: dict[str, dict[str, Any]] | None = None,
-                refs: dict[str, dict[str, Any]] | None = None) -> None:
+                refs: dict[str, dict[str, Any]] | None = None, *,
+                durable: tuple[str, ...] = ()) -> None:
         """Background: every process's writes are done -> marker (sizes on the report)."""
-        written = self._commit_dir(path, step, known, refs)
+        written = self._commit_dir(path, step, known, refs, durable=durable)
         report.bytes = written if self._ctx.primary else None
 
     def _commit_dir(self, path: str, step: int,
                     known: dict[str, dict[str, Any]] | None = None,
-                    refs: dict[str, dict[str, Any]] | None = None) -> int:
+                    refs: dict[str, dict[str, Any]] | None = None, *,
+                    durable: tuple[str, ...] = ()) -> int:
         """Once every process finished writing ``path``, the primary commits it. Returns the
         bytes committed (0 on other processes, which wait until the marker exists).
         ``known``: checksums the backend computed while writing (``known_checksums``);
-        ``refs``: files of earlier checkpoints it referred to (``WriteHandle.references``)."""
+        ``refs``: files of earlier checkpoints it referred to (``WriteHandle.references``);
+        ``durable``: directories whose names the primary's write made durable
+        (``durable_dirs``; another process's write syncs nothing of the primary's)."""
         ctx = self._ctx
         if ctx.process_count > 1:
             # The primary checksums what the others wrote without reading it back: their
@@ -323,7 +332,9 @@ class Saver:
                 f"all {ctx.process_count} processes to finish writing {path}")
             known = {**ctx.store.done_checksums(path, ctx.process_count), **(known or {})}
             refs = ctx.store.done_refs(path, ctx.process_count, refs)
-        return ctx.store.commit(path, step, known=known, refs=refs).total_bytes
+        durable = durable if ctx.process_count == 1 else ()
+        return ctx.store.commit(path, step, known=known or None, refs=refs,
+                                durable_dirs=durable).total_bytes
 
     def apply_retention(self) -> None:
         """Primary, background: delete the checkpoints no retention rule keeps (see
@@ -425,6 +436,14 @@ def known_checksums(handle: Any) -> dict[str, dict[str, Any]] | None:
     if not entries:
         return None
     return {f"{STATE_DIR}/{rel}": info for rel, info in entries.items()}
+
+
+def durable_dirs(handle: Any) -> tuple[str, ...]:
+    """Directories whose names a backend's write made durable itself (an optional member
+    of a write handle, ``durable_dirs``: paths relative to the directory it wrote), as
+    paths relative to the checkpoint; the commit syncs the others. A handle without the
+    member: none (the commit syncs every directory)."""
+    return tuple(f"{STATE_DIR}/{rel}" for rel in getattr(handle, "durable_dirs", ()) or ())
 
 
 def known_references(handle: Any) -> dict[str, dict[str, Any]] | None:

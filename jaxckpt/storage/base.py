@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Protocol
 
 from jaxckpt.core.checksum import extend
@@ -222,12 +222,15 @@ class Storage(abc.ABC):
         a crash midway leaves some entries (delete the commit marker first)."""
 
     @abc.abstractmethod
-    def sync(self, prefix: str, *, data: bool = True) -> None:
+    def sync(self, prefix: str, *, data: bool = True, skip: Collection[str] = ()) -> None:
         """Durability barrier: everything written below ``prefix`` so far (by this process
         or another, through this interface or not), and ``prefix``'s own entry, survives a
         crash once this returns. ``data=False`` makes only the names durable (the directory
         entries), the caller having made the contents durable already (``checksum(sync=True)``,
-        or a writer that fsyncs). A no-op where every write is durable on return."""
+        or a writer that fsyncs). ``skip``: directories below ``prefix`` (paths relative to
+        it, "/"-separated) whose entries the caller made durable after the last of them was
+        made: their names are not synced again (their files still are, with ``data``). A
+        no-op where every write is durable on return."""
 
     # --- concurrency ---------------------------------------------------------------------
     @abc.abstractmethod

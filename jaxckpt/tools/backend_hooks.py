@@ -38,6 +38,11 @@ class _HeldWrite:
         """The real write's checksums (a ``WriteHandle`` member the commit reads)."""
         return self._handle.checksums
 
+    @property
+    def durable_dirs(self) -> tuple[str, ...]:
+        """The real write's directories made durable (an optional member the commit reads)."""
+        return self._handle.durable_dirs
+
     def wait(self) -> None:
         time.sleep(self._hold_s)
         self._handle.wait()

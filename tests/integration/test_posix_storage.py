@@ -119,6 +119,20 @@ def test_sync_fsyncs_every_file_and_directory_and_the_parent(storage, base, monk
     assert sorted(synced) == sorted(directories)
 
 
+def test_sync_skips_only_the_directories_named_durable(storage, base, monkeypatch):
+    from jaxckpt.storage import posix as storage_module
+
+    prefix = _tree_to_sync(base)
+    synced = []
+    monkeypatch.setattr(storage_module, "fsync_file", lambda path: synced.append(("f", path)))
+    monkeypatch.setattr(storage_module, "fsync_dir", lambda path: synced.append(("d", path)))
+    storage.sync(prefix, skip=("a", "a/c", "b/c"))
+    skipped = {os.path.join(prefix, *rel.split("/")) for rel in ("a", "a/c", "b/c")}
+    directories = {("d", p) for p, _, _ in os.walk(prefix) if p not in skipped} | {("d", base)}
+    files = {("f", os.path.join(prefix, n, "c", "0")) for n in ("a", "b", "c")}
+    assert sorted(synced) == sorted(directories | files)  # every file's data still
+
+
 def test_sync_keeps_several_directory_fsyncs_in_flight(storage, base, monkeypatch):
     """Each fsync waits for a flush of the device's cache; issued together they share
     flushes (benchmarks/results/cold-restore-hugepages_cpu2core_2026-11-25.md). One at a

@@ -91,13 +91,24 @@ def offer_chunks(directory: Path, entries=None) -> tuple[DeferredChecks, list]:
     return claims, sorted(entries)
 
 
+def chunk_entries(handle) -> list:
+    """The write handle's entries of chunk files (what a restore defers), as (path, entry)."""
+    return [(rel, info) for rel, info in handle.checksums.items()
+            if len(rel.split("/")) >= 3 and rel.split("/")[2] == "c"]
+
+
 def assert_checksums_are_the_files(handle, directory: Path) -> None:
-    """The write handle lists every chunk file, with the file's real size and checksum."""
-    chunks = chunk_files(directory)
-    assert sorted(handle.checksums) == sorted(chunks)
+    """The write handle lists every file it wrote (chunk files, zarr.json and Orbax's
+    metadata, tree.json), with the file's real size and checksum, and names every directory
+    below ``arrays/`` as made durable."""
+    assert sorted(handle.checksums) == sorted(files_of(directory))
     for rel, info in handle.checksums.items():
-        size, crc = file_checksum(str(chunks[rel]), ALGORITHM)
+        size, crc = file_checksum(str(directory / rel), ALGORITHM)
         assert info == {"size": size, ALGORITHM: crc}, rel
+    arrays = directory / "arrays"
+    assert sorted(handle.durable_dirs) == sorted(
+        ["arrays"] + [p.relative_to(directory).as_posix() for p in arrays.rglob("*")
+                      if p.is_dir()])
 
 
 def files_of(directory: Path) -> set[str]:
@@ -240,6 +251,72 @@ def test_write_checksums_are_the_files_checksums(backends, tmp_path, asynchronou
                                          asynchronous=asynchronous)
     handle.wait()
     assert_checksums_are_the_files(handle, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_each_directory_is_synced_after_its_last_entry_was_made(tmp_path, monkeypatch,
+                                                                asynchronous):
+    """The native writer syncs every directory below arrays/ on its side threads, and
+    only once nothing more is added to it (the commit skips those it names); each small
+    file is synced as well."""
+    from jaxckpt.backends.orbax import files as files_module
+
+    seen: dict[str, list[set[str]]] = {}
+    synced_files: list[str] = []
+    real_dir, real_file = files_module.fsync_dir, files_module.fsync_file
+
+    def fsync_dir(path: str) -> None:
+        seen.setdefault(path, []).append(set(os.listdir(path)))
+        real_dir(path)
+
+    def fsync_file(path: str) -> None:
+        synced_files.append(path)
+        real_file(path)
+
+    monkeypatch.setattr(files_module, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(files_module, "fsync_file", fsync_file)
+    backend = OrbaxBackend()
+    try:
+        handle = backend.write(str(tmp_path / "ckpt"), mixed_state(), asynchronous=asynchronous)
+        handle.wait()
+    finally:
+        backend.close()
+    state_dir = tmp_path / "ckpt"
+    (base,) = {path.split("/arrays.tmp-")[1].split("/")[0] for path in seen}
+    for rel in handle.durable_dirs:
+        before = str(state_dir / rel).replace("/arrays", f"/arrays.tmp-{base}", 1)
+        assert any(entries == set(os.listdir(state_dir / rel)) for entries in seen[before]), rel
+    small = {rel for rel in handle.checksums if not chunk_files(state_dir).get(rel)}
+    assert small and {os.path.relpath(path, state_dir).replace(f"arrays.tmp-{base}", "arrays")
+                      for path in synced_files} == small
+
+
+def test_a_native_save_commits_without_reading_a_file_back(tmp_path, monkeypatch):
+    """Every file of a native save is checksummed by its writer (driver.json by the
+    manager), so the commit reads none back, and syncs only the directories above the
+    arrays' (the step's, state/, recover/)."""
+    from jaxckpt.storage import posix as storage_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the commit read a file back")
+
+    synced: list[str] = []
+    real_dir = storage_module.fsync_dir
+    monkeypatch.setattr(storage_module.PosixStorage, "checksum", refuse)
+    monkeypatch.setattr(storage_module, "fsync_dir",
+                        lambda path: (synced.append(path), real_dir(path)))
+    with CheckpointManager(tmp_path, mode="sync", preemption_signals=()) as mgr:
+        mgr.save(StepInfo(0, 0, 0), mixed_state())
+        synced.clear()
+        mgr.save(StepInfo(0, 1, 1), mixed_state())
+    monkeypatch.undo()
+    store = CheckpointStore(tmp_path)
+    path = store.step_path(1)
+    assert store.verify(path, checksums=True) == []
+    names = {os.path.relpath(p, tmp_path) for p in synced}
+    assert {"recover", f"recover/{os.path.basename(path)}",
+            f"recover/{os.path.basename(path)}/state"} <= names
+    assert not any("/arrays/" in name or name.endswith("/arrays") for name in names), names
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -617,7 +694,7 @@ def test_plain_orbax_restores_offset_files_bit_for_bit(offsets):
 def test_offset_files_are_read_natively_and_checksummed(offsets, backends):
     _, native_dir, state, handle = offsets
     assert_checksums_are_the_files(handle, native_dir)
-    claims, _ = offer_chunks(native_dir, list(handle.checksums.items()))
+    claims, _ = offer_chunks(native_dir, chunk_entries(handle))
     restored = backends("native", 0).read(str(native_dir), like_of(state), claims=claims)
     assert_same_tree(restored, state)
     assert claims.unclaimed(str(native_dir)) == []  # read natively, every file checked
@@ -677,7 +754,7 @@ def test_buffered_io_writes_the_same_files_and_reads_them_back(tmp_path):
         for rel in chunk_files(tmp_path / "buffered"):  # offsets may differ: data_offset
             assert (stored_chunk(tmp_path / "buffered", rel)[1]
                     == stored_chunk(tmp_path / "direct", rel)[1]), rel
-        claims, _ = offer_chunks(tmp_path / "buffered", list(handle.checksums.items()))
+        claims, _ = offer_chunks(tmp_path / "buffered", chunk_entries(handle))
         restored = buffered.read(str(tmp_path / "buffered"), like_of(state), claims=claims)
         assert_same_tree(restored, state)
         assert claims.unclaimed(str(tmp_path / "buffered")) == []
@@ -757,7 +834,7 @@ def test_the_native_reads_checksum_catches_what_the_read_alone_misses(backends, 
     ((rel, path),) = chunk_files(tmp_path / "ckpt").items()
     flip_byte(path, state["w"].nbytes // 2 if where == "data" else path.stat().st_size - 8)
     # As a restore does: the checksums of the commit, not of the damaged file.
-    claims, _ = offer_chunks(tmp_path / "ckpt", list(handle.checksums.items()))
+    claims, _ = offer_chunks(tmp_path / "ckpt", chunk_entries(handle))
 
     if where == "data":  # one wrong number: the read itself cannot tell
         restored = backends("native", 0).read(str(tmp_path / "ckpt"), like_of(state),

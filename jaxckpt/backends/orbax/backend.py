@@ -134,14 +134,6 @@ def _started(pool: concurrent.futures.ThreadPoolExecutor | None, workers: int,
                                                      thread_name_prefix=prefix)
     return pool
 
-def _write_local_native(root: epath.Path, tree_json: str | None,
-                        native: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
-    """The writer thread's half of an async write through chunk_io."""
-    if tree_json is not None:
-        write_durably(root / TREE_FILE, tree_json)
-    return native(root)
-
-
 class OrbaxBackend(orbax_process.ProcessFacts):
     """Writes and reads JAX pytrees with Orbax (see the module docstring for the layout).
 
@@ -298,10 +290,13 @@ class OrbaxBackend(orbax_process.ProcessFacts):
                 self._writes_natively(directory, arrays, reuse), fills)
             if native is None:
                 reuse = None
+            # One process's native write writes tree.json itself, beside the arrays; an
+            # async write by Orbax on the writer thread too (``_write_local``).
+            native, own_tree = orbax_shards.writes_tree(native, tree_json if arrays else None)
             primary = jax.process_index() == 0
             if primary:
                 create_directory(root, directory)
-            if (not arrays or not asynchronous or not local) and primary:
+            if primary and not own_tree and not (arrays and asynchronous and local and not native):
                 orbax_remote.write_tree(self._remote, root, directory, tree_json,
                                          alongside=bool(arrays) and native is not None)
             if not arrays:  # Orbax refuses an empty tree; tree.json alone describes it.
@@ -309,7 +304,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
             save_args = None if native else _tree_save(arrays)
             if not asynchronous:
                 if native:
-                    return OrbaxWriteHandle(directory, nbytes, checksums=native(root),
+                    return OrbaxWriteHandle(directory, nbytes, written=native(root),
                                             reuse=reuse)
                 self._orbax("sync").save(root / ARRAYS_DIR, args=save_args)
                 return OrbaxWriteHandle(directory, nbytes)
@@ -317,10 +312,7 @@ class OrbaxBackend(orbax_process.ProcessFacts):
                 if self._writer is None:
                     self._writer = concurrent.futures.ThreadPoolExecutor(
                         max_workers=1, thread_name_prefix="jaxckpt-orbax-write")
-                # Several processes: the primary wrote tree.json above.
-                work = (functools.partial(_write_local_native, root,
-                                          tree_json if local else None, native)
-                        if native else
+                work = (functools.partial(native, root) if native else
                         functools.partial(self._write_local, root, tree_json, save_args))
                 handle = OrbaxWriteHandle(directory, nbytes, future=self._writer.submit(work),
                                           reuse=reuse)

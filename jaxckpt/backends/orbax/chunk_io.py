@@ -24,6 +24,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -181,11 +182,14 @@ class _FileImage:
 
 
 def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = True,
-                offset: int = 0) -> tuple[int, str]:
+                offset: int = 0, created: Callable[[], None] | None = None) -> tuple[int, str]:
     """Write one array's chunk file (``offset`` zero bytes, the array's bytes, then the
     shard index) to the new file ``path`` and make it durable. ``data`` is the array (any
     alignment; C-contiguous); ``offset`` comes from ``data_offset`` (0: tensorstore's
-    layout) and must be the one given to ``zarr_format.metadata_text``.
+    layout) and must be the one given to ``zarr_format.metadata_text``. ``created``: called
+    each time the file is created, before its bytes are written (twice where the first
+    ``O_DIRECT`` write is refused and the file is made again), so that the caller can make
+    its name durable while the bytes go out.
 
     Returns (file size, checksum of the whole file with ``algorithm``), computed from the
     bytes as they were handed to the kernel.
@@ -197,6 +201,8 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
     dev = os.stat(os.path.dirname(path) or ".").st_dev
     fd, is_direct = _open_for_write(path, direct and dev not in _no_direct)
     try:
+        if created is not None:
+            created()
         if is_direct:
             try:
                 crc = _write_direct(fd, image, algorithm)
@@ -209,6 +215,8 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
                 fd = -1
                 os.unlink(path)
                 fd, is_direct = _open_for_write(path, False)
+                if created is not None:
+                    created()
                 crc = _write_buffered(fd, image, algorithm)
         else:
             if direct:

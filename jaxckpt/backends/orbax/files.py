@@ -4,7 +4,8 @@ objects of a ``jaxckpt.storage.base.Storage``.
 Owns: ``ArrayFiles``, the few operations the native writer (``write``, ``shards``) and reader
 (``read``) need from the place an ``arrays/`` directory lives, and its implementations:
 ``LocalArrayFiles`` (``chunk_io`` on a local filesystem, written under a temporary directory
-renamed into place once complete), ``SharedLocalArrayFiles`` (the same in place, for the
+renamed into place once complete, its small files and directories made durable on side
+threads while the chunk files are written), ``SharedLocalArrayFiles`` (the same in place, for the
 ``arrays/`` several processes write together) and ``StorageArrayFiles`` (an object per file,
 written at its final name: a store has no rename, and the commit marker written after them
 makes them count; big chunk files read in ranged GETs). ``StoragePath`` lets the backend's
@@ -25,7 +26,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -35,6 +36,7 @@ from jaxckpt.core.checksum import default_algorithm, extend
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage import buffers
 from jaxckpt.storage.base import Storage
+from jaxckpt.storage.posix import fsync_dir, fsync_file
 
 __all__ = [
     "RANGED_READ_OVER",
@@ -52,6 +54,34 @@ __all__ = [
 #: parts), several at once. Not smaller: some servers (moto among them) read a whole object
 #: for every range of it.
 RANGED_READ_OVER = 64 << 20
+
+#: fsyncs of small files and directories one process keeps in flight beside its chunk
+#: writes: enough for a write's names to go out together (flushes of the device's cache in
+#: flight together are merged by the block layer; one at a time they would each stall the
+#: chunk writes).
+_SYNC_THREADS = 16
+_sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_sync_pool_lock = threading.Lock()
+
+
+def _syncer() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's threads that fsync names and small files during a local write."""
+    global _sync_pool
+    with _sync_pool_lock:
+        if _sync_pool is None:
+            _sync_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_SYNC_THREADS, thread_name_prefix="jaxckpt-names")
+        return _sync_pool
+
+
+def _forget_syncer() -> None:
+    """In a forked child: the parent's threads are not there; start new ones on demand."""
+    global _sync_pool, _sync_pool_lock
+    _sync_pool, _sync_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_syncer)
 
 
 class WrittenBytes:
@@ -114,9 +144,21 @@ class ArrayFiles(Protocol):
         durable once ``finish`` returns (then the commit neither reads nor syncs it), else
         None. It may still be on its way when this returns."""
 
-    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
-                    offset: int) -> tuple[int, str]:
-        """Write one array's chunk file, durably; (size, checksum with ``algorithm``)."""
+    def entries_made(self, directory: str) -> bool:
+        """Every entry of ``directory`` (below a directory from ``start``) is there now:
+        make its names durable by the time ``finish`` returns, where this place has
+        directories of its own to sync (True), else False (the commit syncs them)."""
+
+    def names_made(self) -> None:
+        """Every file and directory of the write exists (the last chunk file is being
+        written): start the syncs of the small files and directories told so far, all at
+        once. Those told later start at once; ``finish`` starts any left."""
+
+    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str, offset: int,
+                    created: Callable[[], None] | None = None) -> tuple[int, str]:
+        """Write one array's chunk file, durably; (size, checksum with ``algorithm``).
+        ``created``: called once the file is at its name, before its bytes go out (each
+        time it is made: ``chunk_io.write_chunk``), where files have names to sync."""
 
     def read_small(self, path: str, limit: int) -> bytes:
         """The first ``limit`` bytes of a small file; ``OSError`` when it cannot be read."""
@@ -127,10 +169,23 @@ class ArrayFiles(Protocol):
 
 
 class LocalArrayFiles:
-    """``ArrayFiles`` on a local filesystem: ``chunk_io`` with O_DIRECT where ``direct``."""
+    """``ArrayFiles`` on a local filesystem: ``chunk_io`` with O_DIRECT where ``direct``.
+
+    The small files, and the directories the writer says are complete (``entries_made``),
+    are fsynced on side threads together once every name exists (``names_made``: while
+    the last chunk files are written), and ``finish`` waits for them: their flushes of
+    the device's cache overlap the data instead of following its last byte in the commit,
+    and go out as one burst rather than one by one among the chunk writes (each flush
+    stalls them). The checksum of a small file is of the bytes written.
+
+    Concurrency contract: as the module's; one instance serves one write (the syncs it
+    started are that write's, waited for by its ``finish``)."""
 
     def __init__(self, *, direct: bool):
         self.direct = direct
+        self._syncs: list[concurrent.futures.Future[None]] = []
+        self._pending: list[tuple[Callable[[str], None], str]] | None = []  # None: released
+        self._syncs_lock = threading.Lock()
 
     def start(self, final: str) -> str:
         base = f"{final}.tmp-{os.getpid()}-{time.time_ns()}"
@@ -138,10 +193,37 @@ class LocalArrayFiles:
         return base
 
     def finish(self, base: str, final: str) -> None:
+        self.names_made()
+        self._wait_synced()
         os.rename(base, final)
 
     def abandon(self, base: str) -> None:
+        with self._syncs_lock:
+            self._pending = []  # never started: nothing of a failed write needs them
+        with contextlib.suppress(Exception):
+            self._wait_synced()  # nothing of a failed write outlives it
         shutil.rmtree(base, ignore_errors=True)
+
+    def names_made(self) -> None:
+        with self._syncs_lock:
+            pending, self._pending = self._pending or [], None
+            self._syncs += [_syncer().submit(fsync, path) for fsync, path in pending]
+
+    def _sync_soon(self, fsync: Callable[[str], None], path: str) -> None:
+        with self._syncs_lock:
+            if self._pending is not None:
+                self._pending.append((fsync, path))
+            else:
+                self._syncs.append(_syncer().submit(fsync, path))
+
+    def _wait_synced(self) -> None:
+        """Wait for every fsync started so far; raise the first one's error."""
+        with self._syncs_lock:
+            futures, self._syncs = self._syncs, []
+        errors = [future.exception() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def chunk_offset(self, array: np.ndarray, base: str) -> int:
         return chunk_io.data_offset(array, base, direct=self.direct)
@@ -150,16 +232,21 @@ class LocalArrayFiles:
         os.makedirs(os.path.dirname(path))
 
     def write_small(self, path: str, text: str) -> tuple[int, str] | None:
-        # No fsync of its own: the commit fsyncs (and checksums) every such file.
-        with open(path, "x", encoding="utf-8") as stream:
-            WRITTEN.add(len(text.encode("utf-8")))
-            stream.write(text)
-        return None
+        data = text.encode("utf-8")
+        with open(path, "xb") as stream:
+            stream.write(data)
+        WRITTEN.add(len(data))
+        self._sync_soon(fsync_file, path)
+        return len(data), f"{extend(default_algorithm(), 0, data):08x}"
 
-    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
-                    offset: int) -> tuple[int, str]:
+    def entries_made(self, directory: str) -> bool:
+        self._sync_soon(fsync_dir, directory)
+        return True
+
+    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str, offset: int,
+                    created: Callable[[], None] | None = None) -> tuple[int, str]:
         size, crc = chunk_io.write_chunk(path, array, algorithm=algorithm,
-                                         direct=self.direct, offset=offset)
+                                         direct=self.direct, offset=offset, created=created)
         WRITTEN.add(size)
         return size, crc
 
@@ -198,6 +285,17 @@ class SharedLocalArrayFiles(LocalArrayFiles):
     def make_parent(self, path: str) -> None:
         # Chunks of one array share directories, and other processes make them too.
         os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def write_small(self, path: str, text: str) -> tuple[int, str] | None:
+        # No fsync of its own: the primary's commit fsyncs (and checksums) every such file.
+        with open(path, "x", encoding="utf-8") as stream:
+            WRITTEN.add(len(text.encode("utf-8")))
+            stream.write(text)
+        return None
+
+    def entries_made(self, directory: str) -> bool:
+        """Other processes add entries to the same directories: the commit syncs them."""
+        return False
 
 
 class StorageArrayFiles:
@@ -246,6 +344,13 @@ class StorageArrayFiles:
     def make_parent(self, path: str) -> None:
         """Object stores have no directories."""
 
+    def entries_made(self, directory: str) -> bool:
+        """No directories, nothing to sync: an object is durable when its PUT returns."""
+        return False
+
+    def names_made(self) -> None:
+        """Nothing waits for it: small objects go up as they are written."""
+
     def write_small(self, path: str, text: str) -> tuple[int, str]:
         """Sent on this object's own threads, so that a small PUT holds up neither the
         chunk uploads of the I/O thread that calls it nor the next small file (a round
@@ -268,9 +373,10 @@ class StorageArrayFiles:
             if error is not None:
                 raise error
 
-    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str,
-                    offset: int) -> tuple[int, str]:
-        # The object is the array's bytes then the shard index, sent from where they are
+    def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str, offset: int,
+                    created: Callable[[], None] | None = None) -> tuple[int, str]:
+        # ``created`` is not called: an object has no name to sync. The object is the
+        # array's bytes then the shard index, sent from where they are
         # (``Storage.write_joined``: a copy into one fresh buffer cost here about the CPU
         # of the PUT itself); its checksum is taken from exactly those bytes.
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)

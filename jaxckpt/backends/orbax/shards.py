@@ -30,10 +30,11 @@ from jaxckpt.backends.orbax.files import ArrayFiles
 from jaxckpt.backends.orbax.incremental import Reuse
 from jaxckpt.backends.orbax.process import barrier
 from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
-from jaxckpt.backends.orbax.write import entries_of, host_arrays, write_native
+from jaxckpt.backends.orbax.write import Written, entries_of, host_arrays, write_native
 from jaxckpt.core.checksum import default_algorithm
 
-__all__ = ["ShardedArray", "filling", "native_writer", "stage_shards", "write_shards"]
+__all__ = ["ShardedArray", "filling", "native_writer", "stage_shards", "write_shards",
+           "writes_tree"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +163,7 @@ _SHARED_WRITES = itertools.count()  # names this process's shared writes' barrie
 def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: bool,
                   shared: bool, pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
                   collective_timeout_s: float, reuse: Reuse | None = None,
-                  ) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
+                  ) -> Callable[[Any], Written] | None:
     """The native write of ``arrays`` into a checkpoint directory, as a function of that
     directory returning the manifest entries it made (``write_native``, or for a directory
     several processes write, ``write_shards`` after a barrier that every process reaches
@@ -184,17 +185,17 @@ def native_writer(files: ArrayFiles | None, arrays: dict[str, Any], *, primary: 
         return None
     name = f"jaxckpt.shards.{next(_SHARED_WRITES)}"
 
-    def write(root: Any) -> dict[str, dict[str, Any]]:
+    def write(root: Any) -> Written:
         barrier(name, collective_timeout_s)  # the primary made the directory
-        return write_shards(os.fspath(root), staged, primary=primary, pool=pool(),
-                            files=files, reuse=reuse)
+        return Written(write_shards(os.fspath(root), staged, primary=primary, pool=pool(),
+                                    files=files, reuse=reuse))
 
     return write
 
 
-def filling(native: Callable[[Any], dict[str, dict[str, Any]]] | None,
+def filling(native: Callable[[Any], Written] | None,
             fills: dict[str, Callable[[], None]],
-            ) -> Callable[[Any], dict[str, dict[str, Any]]] | None:
+            ) -> Callable[[Any], Written] | None:
     """``native`` (from ``native_writer``, or None where Orbax writes) with the arrays of
     ``fills`` (by storage name: what fills an array not filled yet) filled: by a single
     process's native write on its I/O threads, each just before its array is written
@@ -212,5 +213,18 @@ def _write_single(root: Any, *, arrays: dict[str, np.ndarray],
                   pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
                   files: ArrayFiles,
                   fills: dict[str, Callable[[], None]] | None = None,
-                  reuse: Reuse | None = None) -> dict[str, dict[str, Any]]:
-    return write_native(root, arrays, pool=pool(), files=files, fills=fills, reuse=reuse)
+                  reuse: Reuse | None = None, tree_json: str | None = None) -> Written:
+    return write_native(root, arrays, pool=pool(), files=files, fills=fills, reuse=reuse,
+                        tree_json=tree_json)
+
+
+def writes_tree(native: Callable[[Any], Written] | None, tree_json: str | None,
+                ) -> tuple[Callable[[Any], Written] | None, bool]:
+    """``native`` writing ``tree_json`` as well (first, through its ``ArrayFiles``: its
+    checksum and fsync are then the writer's, beside the arrays), and True, where it is
+    one process's write of a directory of its own; else ``native`` as it is and False
+    (the caller writes tree.json). ``tree_json`` None: False."""
+    if (tree_json is not None and isinstance(native, functools.partial)
+            and native.func is _write_single):
+        return functools.partial(native, tree_json=tree_json), True
+    return native, False

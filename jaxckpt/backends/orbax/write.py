@@ -16,6 +16,7 @@ module only does the writing. Must not import: torch.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -31,14 +32,25 @@ from jaxckpt.backends.orbax import zarr_format
 from jaxckpt.backends.orbax.files import ArrayFiles
 from jaxckpt.backends.orbax.incremental import Reuse
 from jaxckpt.backends.orbax.plan import WritePlan, fill_pack, pack_length
-from jaxckpt.backends.orbax.tree import ARRAYS_DIR, ZARR_JSON
+from jaxckpt.backends.orbax.tree import ARRAYS_DIR, TREE_FILE, ZARR_JSON
 from jaxckpt.core.checksum import default_algorithm
 from jaxckpt.core.content_hash import HASH_NAME
 from jaxckpt.errors import CheckpointWriteError
 from jaxckpt.storage.buffers import aligned_empty
 
-__all__ = ["OrbaxWriteHandle", "HostBuffers", "host_arrays", "type_handler_registry",
-           "create_directory", "entries_of", "write_native", "write_small", "write_durably"]
+__all__ = ["OrbaxWriteHandle", "HostBuffers", "Written", "host_arrays",
+           "type_handler_registry", "create_directory", "entries_of", "write_native",
+           "write_small", "write_durably"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Written:
+    """What a native write made durable itself, relative to the state directory it wrote."""
+
+    entries: dict[str, dict[str, Any]]
+    """Manifest entries of the files it checksummed and made durable (``entries_of``)."""
+    durable_dirs: tuple[str, ...] = ()
+    """Directories whose names (entries) it made durable; the commit syncs the others."""
 
 
 class OrbaxWriteHandle:
@@ -50,12 +62,12 @@ class OrbaxWriteHandle:
     """
 
     __slots__ = ("directory", "nbytes", "_finish", "_finished", "_error", "_future",
-                 "_checksums", "_reuse")
+                 "_written", "_reuse")
 
     def __init__(self, directory: str, nbytes: int, *,
                  finish: Callable[[OrbaxWriteHandle], None] | None = None,
                  future: concurrent.futures.Future[Any] | None = None,
-                 checksums: dict[str, dict[str, Any]] | None = None,
+                 written: Written | None = None,
                  reuse: Reuse | None = None):
         #: the checkpoint directory this write fills.
         self.directory = directory
@@ -70,7 +82,7 @@ class OrbaxWriteHandle:
         self._future = future
         self._finished = finish is None and future is None
         self._error: BaseException | None = None
-        self._checksums = checksums
+        self._written = written  # a native sync write's outcome (an async one: ``future``)
         self._reuse = reuse  # an incremental write's decisions (``incremental.Reuse``)
 
     @property
@@ -88,12 +100,25 @@ class OrbaxWriteHandle:
         durable and checksummed itself, by path relative to ``directory``; None when Orbax
         wrote the arrays, or while (or when) the write has not succeeded. Known once
         ``wait`` returned; never blocks."""
+        written = self._outcome()
+        return None if written is None else written.entries
+
+    @property
+    def durable_dirs(self) -> tuple[str, ...]:
+        """Directories below ``directory`` (relative paths) whose names this write made
+        durable itself; the commit fsyncs the others. Empty while (or when) the write has
+        not succeeded. Known once ``wait`` returned; never blocks."""
+        written = self._outcome()
+        return () if written is None else written.durable_dirs
+
+    def _outcome(self) -> Written | None:
         future = self._future
         if future is not None:
             if future.done() and not future.cancelled() and future.exception() is None:
-                return future.result()
+                result = future.result()  # None where Orbax wrote the arrays
+                return result if isinstance(result, Written) else None
             return None
-        return self._checksums
+        return self._written
 
     def done(self) -> bool:
         """Whether the write is known to have finished (successfully or not)."""
@@ -330,7 +355,7 @@ def create_directory(root: epath.Path, directory: str) -> None:
 def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
                  pool: concurrent.futures.ThreadPoolExecutor, files: ArrayFiles,
                  fills: dict[str, Callable[[], None]] | None = None,
-                 reuse: Reuse | None = None) -> dict[str, dict[str, Any]]:
+                 reuse: Reuse | None = None, tree_json: str | None = None) -> Written:
     """Write ``arrays`` as the Orbax checkpoint ``root/arrays`` through ``files``: the same
     files PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True) writes, the array files
     on ``pool``'s threads. Array files are durable on return; small metadata files are too
@@ -338,35 +363,42 @@ def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
     Locally, like Orbax, writes under a temporary name renamed into place at the end, so
     that ``arrays/`` exists only complete (a failed write removes what it wrote); on an
     object store the objects go to their names and the commit marker vouches for them.
-    Returns the manifest entries of the files written durably, relative to ``root``.
+    Returns the manifest entries of the files written durably, relative to ``root``, and
+    the directories below it whose names were made durable (``Written``).
+    ``tree_json``: ``root``'s tree.json, written through ``files`` too (first).
     ``fills``: by storage name, what fills an array not filled yet (``HostBuffers.stage``
     with ``defer_fill``), run on the I/O thread that writes it, just before.
     ``reuse`` (an incremental write): each chunk file's content hash is computed on the I/O
     thread, the chunk files the base already holds are not written (``Reuse.consider``),
     and the entries of those written carry their hash (``xxh128``)."""
-    final = f"{os.fspath(root).rstrip('/')}/{ARRAYS_DIR}"
+    state = os.fspath(root).rstrip('/')
+    final = f"{state}/{ARRAYS_DIR}"
     started_ns = time.time_ns()
+    tree = None if tree_json is None else files.write_small(f"{state}/{TREE_FILE}", tree_json)
     base = files.start(final)
     try:
-        entries = _write_native_into(base, final, arrays, started_ns, pool=pool, files=files,
+        written = _write_native_into(base, final, arrays, started_ns, pool=pool, files=files,
                                      fills=fills or {}, reuse=reuse)
     except BaseException:
         files.abandon(base)
         raise
     files.finish(base, final)
-    return entries
+    if tree is not None:
+        written.entries[TREE_FILE] = {"size": tree[0], default_algorithm(): tree[1]}
+    return written
 
 
 def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
                        started_ns: int, *, pool: concurrent.futures.ThreadPoolExecutor,
                        files: ArrayFiles, fills: dict[str, Callable[[], None]],
-                       reuse: Reuse | None) -> dict[str, dict[str, Any]]:
+                       reuse: Reuse | None) -> Written:
     algorithm = default_algorithm()
     # Largest first, so that the threads finish together.
     jobs = sorted(arrays.items(), key=lambda job: -job[1].nbytes)
     known: dict[str, tuple[int, str]] = {}
     unstarted = [len(jobs)]
     unstarted_lock = threading.Lock()
+    names = _DurableNames(files, base, len(jobs))
 
     def small(relative: str, text: str) -> None:
         entry = files.write_small(f"{base}/{relative}", text)
@@ -383,6 +415,8 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
         small("_CHECKPOINT_METADATA",
               zarr_format.checkpoint_metadata_text(started_ns, time.time_ns()))
         small("commit_success.txt", zarr_format.commit_success_text(final))
+        # Every array's directory was made before the last one got here.
+        names.complete([""])
 
     def write(job: tuple[str, np.ndarray]) -> tuple[str, int, str | None, str | None]:
         # Each array's directories and zarr.json are made on the I/O threads too: made on
@@ -409,9 +443,13 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
             last = not unstarted[0]
         if last:
             orbax_metadata()
+        own = _array_dirs(name, relative)
         if referred:
+            names.complete(own[:1], job=name)  # it holds zarr.json only
             return relative, 0, None, digest
-        size, crc = files.write_chunk(chunk, array, algorithm=algorithm, offset=offset)
+        size, crc = files.write_chunk(chunk, array, algorithm=algorithm, offset=offset,
+                                      created=functools.partial(names.complete, own,
+                                                                job=name))
         return relative, size, crc, digest
 
     # An incremental write decides each file on the hashing threads, in the order the I/O
@@ -427,7 +465,54 @@ def _write_native_into(base: str, final: str, arrays: dict[str, np.ndarray],
             future.cancel()
     if not jobs:
         orbax_metadata()
-    return entries_of(results, known, algorithm)
+    return Written(entries_of(results, known, algorithm), names.durable())
+
+
+class _DurableNames:
+    """The directories of one native write whose names ``files`` makes durable, each told
+    (``complete``) as soon as its last entry exists (an array's chunk file created, the
+    last top-level entry written); once every one of the ``jobs`` arrays' files exists,
+    ``files.names_made`` starts their syncs together, beside the last chunk writes.
+
+    Concurrency contract: ``complete`` from any I/O thread; ``durable`` once they ended."""
+
+    def __init__(self, files: ArrayFiles, base: str, jobs: int):
+        self._files, self._base, self._jobs = files, base, jobs
+        self._made: set[str] = set()
+        self._done: set[str] = set()  # arrays whose files exist
+        self._lock = threading.Lock()
+
+    def complete(self, relatives: list[str], *, job: str | None = None) -> None:
+        """These directories below the write's base ("": the base) have all their entries;
+        ``job``: they are the directories of that array, whose files all exist now."""
+        made = [relative for relative in relatives
+                if self._files.entries_made(f"{self._base}/{relative}" if relative
+                                            else self._base)]
+        with self._lock:
+            self._made.update(made)
+            every = False
+            if job is not None and job not in self._done:
+                self._done.add(job)
+                every = len(self._done) == self._jobs
+        if every:  # the last top-level entries were written before the last array's file
+            self._files.names_made()
+
+    def durable(self) -> tuple[str, ...]:
+        """The directories made durable, relative to the state directory (``arrays/...``)."""
+        with self._lock:
+            return tuple(sorted(ARRAYS_DIR if not relative else f"{ARRAYS_DIR}/{relative}"
+                                for relative in self._made))
+
+
+def _array_dirs(name: str, relative: str) -> list[str]:
+    """The directories of array ``name`` whose chunk file is at ``relative`` (below
+    ``arrays/``): its own down to the chunk file's, each complete once the chunk file
+    exists (its own holds zarr.json and ``c``). None where the name is a path (never: storage
+    names hold no "/"), since a directory above it could still gain entries."""
+    if "/" in name:
+        return []
+    parts = relative.split("/")[:-1]
+    return ["/".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
 
 
 def _decide(name: str, array: np.ndarray, reuse: Reuse, fill: Callable[[], None] | None,

@@ -22,7 +22,7 @@ import random
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from jaxckpt.core.checksum import extend
@@ -385,7 +385,7 @@ class GCSStorage(Storage):
             for done in pool.map(self._delete_name, names):
                 del done
 
-    def sync(self, prefix: str, *, data: bool = True) -> None:
+    def sync(self, prefix: str, *, data: bool = True, skip: Collection[str] = ()) -> None:
         """Nothing to do: a GCS upload is durable when it returns."""
 
     # --- concurrency ---------------------------------------------------------------------

@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxckpt.core.checksum import extend
@@ -594,7 +594,7 @@ class S3Storage(Storage):
                 raise OSError(f"deleting below {prefix}: {len(errors)} keys not deleted, "
                               f"first {errors[0]}")
 
-    def sync(self, prefix: str, *, data: bool = True) -> None:
+    def sync(self, prefix: str, *, data: bool = True, skip: Collection[str] = ()) -> None:
         """Nothing to do: an S3 PUT is durable when it returns."""
 
     # --- concurrency ---------------------------------------------------------------------

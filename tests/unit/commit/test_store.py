@@ -109,6 +109,28 @@ def test_commit_makes_the_names_durable_while_it_checksums_the_files(store, monk
     assert {os.path.join(path, "state", "arrays"), path} <= set(synced)
 
 
+def test_commit_syncs_every_directory_but_those_its_writer_made_durable(store, monkeypatch):
+    from jaxckpt.storage import posix as storage_module
+
+    path = make_step(store, 1, commit=False)
+    fsync_dir = storage_module.fsync_dir
+    synced: list[str] = []
+    monkeypatch.setattr(storage_module, "fsync_dir",
+                        lambda directory: (synced.append(directory), fsync_dir(directory)))
+    store.commit(path, 1, durable_dirs=("state/arrays",))
+    assert store.verify(path) == []
+    assert os.path.join(path, "state", "arrays") not in synced
+    assert {path, os.path.join(path, "state"), store.recover_dir} <= set(synced)
+
+
+@pytest.mark.parametrize("rel", ["../step_00000002", "/tmp", "state/../..", "state//arrays", ""])
+def test_commit_refuses_a_durable_directory_outside_the_checkpoint(store, rel):
+    path = make_step(store, 1, commit=False)
+    with pytest.raises(ValueError, match="durable directory"):
+        store.commit(path, 1, durable_dirs=(rel,))
+    assert not store.is_committed(path)
+
+
 def test_new_commits_record_crc32c_of_each_file(store):
     import google_crc32c
 
