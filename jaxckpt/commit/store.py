@@ -533,6 +533,15 @@ class CheckpointStore(DoneMarkers, ExportDirs):
         lock, so no other job can be writing them)."""
         removed = self.storage.discard_incomplete_uploads(self.root)
         removed += retire.clean_steps(self)
+        if isinstance(self.storage, PosixStorage):
+            # A write killed before its rename leaves its temp file, also inside a step
+            # that stays committed (retention's RETIRED marker); object stores have none.
+            for _, path in self._step_dirs():
+                for name in self.storage.list_names(path):
+                    if is_tmp_name(name):
+                        full = os.path.join(path, name.rstrip("/"))
+                        self.storage.delete_prefix(full)
+                        removed.append(full)
         for name in self.item_names():
             for version in self.item_versions(name, committed_only=False):
                 path = self.item_path(name, version)

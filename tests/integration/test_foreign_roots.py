@@ -149,3 +149,20 @@ def test_dcp_manager_refuses_a_foreign_root_too(tmp_path):
     with pytest.raises(jaxckpt.CheckpointRootError, match="logs/, train.py"):
         DcpCheckpointManager(root, mode="sync")
     assert listing(root) == before
+
+
+def test_a_start_removes_a_marker_write_killed_inside_a_committed_step(tmp_path):
+    """Retention writes RETIRED into a step that is still committed; a kill before the rename
+    leaves its temp file there. The next manager's start removes it and keeps the step."""
+    root = tmp_path / "run"
+    state = {"w": np.arange(16, dtype=np.float32)}
+    with jaxckpt.CheckpointManager(root, mode="sync") as manager:
+        manager.save(jaxckpt.StepInfo(0, 0, 0, 10), state)
+    step = CheckpointStore(root).step_path(0)
+    stray = os.path.join(step, ".tmp-RETIRED.1234abcd")
+    with open(stray, "w") as handle:
+        handle.write("{")
+    with jaxckpt.CheckpointManager(root, mode="sync") as manager:
+        assert manager.committed_steps() == [0]
+    assert not os.path.exists(stray)
+    assert not CheckpointStore(root).verify(step)
