@@ -135,19 +135,7 @@ def test_packed_leaves_round_trip_with_their_padding(backend, tmp_path):
 
 def _read_calls(backend: OrbaxBackend, directory: str, like: object) -> int:
     """Python and C calls made by one read (what per-leaf overhead is made of)."""
-    count = 0
-
-    def profile(frame, event, arg):
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        backend.read(directory, like)
-    finally:
-        sys.setprofile(None)
-    return count
+    return _calls(lambda: backend.read(directory, like))
 
 
 def test_restore_of_small_leaves_costs_few_calls_per_leaf(backend, tmp_path):
