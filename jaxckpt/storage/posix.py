@@ -19,44 +19,23 @@ import json
 import os
 import shutil
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 from jaxckpt.core.checksum import file_checksum
 from jaxckpt.core.layout import LOCK_FILE, tmp_name
 from jaxckpt.errors import RootLockedError
 from jaxckpt.storage.base import Storage
+from jaxckpt.storage.threads import SharedThreads
 
 __all__ = ["PosixStorage", "FlockLock", "fsync_file", "fsync_dir", "atomic_write"]
 
 #: fsyncs ``PosixStorage.sync`` keeps in flight at once.
 _SYNC_THREADS = 8
-_sync_pool: ThreadPoolExecutor | None = None
-_sync_pool_lock = threading.Lock()
-
-
-def _syncer() -> ThreadPoolExecutor:
-    """The process's threads for ``PosixStorage.sync``, kept from call to call: a pool made
-    per call started a thread per fsync each commit (about a millisecond each on a busy
-    host). Its tasks are single fsyncs that wait for nothing else, so callers share it."""
-    global _sync_pool
-    with _sync_pool_lock:
-        if _sync_pool is None:
-            _sync_pool = ThreadPoolExecutor(max_workers=_SYNC_THREADS,
-                                            thread_name_prefix="jaxckpt-fsync")
-        return _sync_pool
-
-
-def _forget_syncer() -> None:
-    """In a forked child: the parent's threads are not there; start new ones on demand."""
-    global _sync_pool, _sync_pool_lock
-    _sync_pool, _sync_pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_syncer)
+#: The process's threads for ``PosixStorage.sync``: single fsyncs that wait for nothing
+#: else, so callers share them.
+_syncer = SharedThreads(_SYNC_THREADS, "jaxckpt-fsync")
 
 
 class PosixStorage(Storage):
@@ -170,7 +149,7 @@ class PosixStorage(Storage):
         # The order does not matter:
         # nothing relies on a prefix before this returns (the commit marker comes after),
         # and a crash in between leaves it uncommitted whichever fsyncs landed.
-        pool = _syncer()
+        pool = _syncer.get()
         list(pool.map(fsync_file, files))
         list(pool.map(fsync_dir, directories))
 

@@ -572,7 +572,7 @@ def test_a_copy_that_falls_behind_the_device_hands_the_rest_to_the_arrays_memory
     held = threading.Event()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     pool.submit(held.wait, 10)
-    monkeypatch.setattr(chunk_io, "_checksum_pool", pool)
+    monkeypatch.setattr(chunk_io._checksummer, "_pool", pool)
     pwrite = os.pwrite
     sources: list[int] = []
 

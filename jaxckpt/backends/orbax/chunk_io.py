@@ -33,6 +33,7 @@ from jaxckpt.core.checksum import extend
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage import buffers
 from jaxckpt.storage.buffers import ALIGN
+from jaxckpt.storage.threads import SharedThreads
 
 __all__ = ["PIECE", "ZERO_COPY_MIN", "array_bytes", "data_offset", "read_chunk",
            "check_index", "read_chunk_into", "write_chunk"]
@@ -229,29 +230,9 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
     return image.size, crc
 
 
-_checksum_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_checksum_pool_lock = threading.Lock()
-
-
-def _checksummer() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that checksum a piece of an array while an I/O thread writes it (one
-    per I/O thread of the backend's default; a piece waits for none but its own)."""
-    global _checksum_pool
-    with _checksum_pool_lock:
-        if _checksum_pool is None:
-            _checksum_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=4, thread_name_prefix="jaxckpt-crc")
-        return _checksum_pool
-
-
-def _forget_checksummer() -> None:
-    """In a forked child: the parent's threads are not there; start new ones on demand."""
-    global _checksum_pool, _checksum_pool_lock
-    _checksum_pool, _checksum_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_checksummer)
+#: The threads that checksum a piece of an array while an I/O thread writes it (one per
+#: I/O thread of the backend's default; a piece waits for none but its own).
+_checksummer = SharedThreads(4, "jaxckpt-crc")
 
 
 class _DirectRefused(Exception):
@@ -329,7 +310,7 @@ def _write_own_memory(fd: int, image: _FileImage, algorithm: str, whole: int,
     while position < whole:
         count = min(PIECE, whole - position)
         memory = flat[position - offset:position - offset + count]
-        pending = _checksummer().submit(extend, algorithm, crc, memory)
+        pending = _checksummer.get().submit(extend, algorithm, crc, memory)
         try:
             _pwrite_direct(fd, memory, position)
         finally:
@@ -365,7 +346,7 @@ def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
     while position < whole:
         count = min(PIECE, whole - position)
         after = position + count
-        ahead = (_checksummer().submit(prepare, after, 1 - half, crc)
+        ahead = (_checksummer.get().submit(prepare, after, 1 - half, crc)
                  if copying and after < whole else None)
         try:
             _pwrite_direct(fd, halves[half][:count], position)

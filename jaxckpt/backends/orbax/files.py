@@ -37,6 +37,7 @@ from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage import buffers
 from jaxckpt.storage.base import Storage
 from jaxckpt.storage.posix import fsync_dir, fsync_file
+from jaxckpt.storage.threads import SharedThreads
 
 __all__ = [
     "RANGED_READ_OVER",
@@ -60,28 +61,8 @@ RANGED_READ_OVER = 64 << 20
 #: flight together are merged by the block layer; one at a time they would each stall the
 #: chunk writes).
 _SYNC_THREADS = 16
-_sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_sync_pool_lock = threading.Lock()
-
-
-def _syncer() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's threads that fsync names and small files during a local write."""
-    global _sync_pool
-    with _sync_pool_lock:
-        if _sync_pool is None:
-            _sync_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_SYNC_THREADS, thread_name_prefix="jaxckpt-names")
-        return _sync_pool
-
-
-def _forget_syncer() -> None:
-    """In a forked child: the parent's threads are not there; start new ones on demand."""
-    global _sync_pool, _sync_pool_lock
-    _sync_pool, _sync_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_syncer)
+_syncer = SharedThreads(_SYNC_THREADS, "jaxckpt-names")
+"""The process's threads that fsync names and small files during a local write."""
 
 
 class WrittenBytes:
@@ -207,14 +188,14 @@ class LocalArrayFiles:
     def names_made(self) -> None:
         with self._syncs_lock:
             pending, self._pending = self._pending or [], None
-            self._syncs += [_syncer().submit(fsync, path) for fsync, path in pending]
+            self._syncs += [_syncer.get().submit(fsync, path) for fsync, path in pending]
 
     def _sync_soon(self, fsync: Callable[[str], None], path: str) -> None:
         with self._syncs_lock:
             if self._pending is not None:
                 self._pending.append((fsync, path))
             else:
-                self._syncs.append(_syncer().submit(fsync, path))
+                self._syncs.append(_syncer.get().submit(fsync, path))
 
     def _wait_synced(self) -> None:
         """Wait for every fsync started so far; raise the first one's error."""

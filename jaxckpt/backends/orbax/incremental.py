@@ -16,7 +16,6 @@ Must not import: torch. Concurrency: a ``Reuse`` is used by every I/O thread of 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -32,6 +31,7 @@ from jaxckpt.core.content_hash import HASH_NAME, content_hash
 from jaxckpt.core.layout import parse_ref_key
 from jaxckpt.core.tree_record import parse_tree_record
 from jaxckpt.storage.buffers import ALIGN
+from jaxckpt.storage.threads import SharedThreads
 
 _T = TypeVar("_T")
 
@@ -112,7 +112,7 @@ class Reuse:
     def ahead(work: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
         """``work(*args)`` started on the hashing threads (a write's decisions, made ahead
         of the I/O threads that write the files)."""
-        return _hashing_threads().submit(work, *args)
+        return _hashing_threads.get().submit(work, *args)
 
     def _base_entry(self, relative: str) -> tuple[str | None, Mapping[str, Any] | None]:
         """The base's key and manifest entry of the file at ``relative`` (below ``arrays/``),
@@ -196,29 +196,9 @@ def _same_file(entry: Mapping[str, Any] | None, digest: str, size: int) -> bool:
     return entry is not None and entry.get(HASH_NAME) == digest and entry.get("size") == size
 
 
-_hashers: concurrent.futures.ThreadPoolExecutor | None = None
-_hashers_lock = threading.Lock()
-
-
-def _hashing_threads() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that hash the files of incremental writes ahead of the I/O threads (two:
-    the hash runs at memory speed; more would take cores from the writes)."""
-    global _hashers
-    with _hashers_lock:
-        if _hashers is None:
-            _hashers = concurrent.futures.ThreadPoolExecutor(
-                max_workers=2, thread_name_prefix="jaxckpt-hash")
-        return _hashers
-
-
-def _forget_hashers() -> None:
-    """In a forked child: the parent's threads are not there; start new ones on demand."""
-    global _hashers, _hashers_lock
-    _hashers, _hashers_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_hashers)
+#: The threads that hash the files of incremental writes ahead of the I/O threads (two:
+#: the hash runs at memory speed; more would take cores from the writes).
+_hashing_threads = SharedThreads(2, "jaxckpt-hash")
 
 
 def redirects(directory: str, references: Mapping[str, Mapping[str, Any]] | None,
