@@ -857,6 +857,13 @@ def _bench(opts: argparse.Namespace) -> int:
 
     from .bench import BenchConfig, format_table, run_bench
 
+    if opts.dir is not None:
+        try:  # a --dir that does not exist yet is made, as a checkpoint root would be
+            os.makedirs(opts.dir, exist_ok=True)
+        except OSError as exc:
+            print(f"jaxckpt bench: --dir {opts.dir!r} cannot be created ({exc}); "
+                  "pass a writable directory", file=sys.stderr)
+            return EXIT_USAGE
     if opts.scale:
         return _bench_scale(opts)
     if opts.trainers:

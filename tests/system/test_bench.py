@@ -173,8 +173,16 @@ def test_cli_reports_a_bad_setting_as_usage_error(capsys):
     assert "nope" in capsys.readouterr().err
 
 
+def test_cli_names_a_dir_it_cannot_make(capsys, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    assert cli.main(["bench", "--trainers", "--quick", "--dir",
+                     str(tmp_path / "file" / "under")]) == cli.EXIT_USAGE
+    assert "--dir" in capsys.readouterr().err
+
+
 def test_quick_scale_run_reports_every_size_memory_and_consecutive_saves(capsys, tmp_path):
-    code = cli.main(["bench", "--scale", "--quick", "--json", "--dir", str(tmp_path)])
+    workdir = tmp_path / "not-made-yet"  # --dir is made when missing
+    code = cli.main(["bench", "--scale", "--quick", "--json", "--dir", str(workdir)])
     captured = capsys.readouterr()
 
     assert code == 0, captured.err
@@ -192,7 +200,7 @@ def test_quick_scale_run_reports_every_size_memory_and_consecutive_saves(capsys,
     assert any("time per GiB" in name for name in names)
     assert any("peak extra host memory" in name for name in names)
     assert any("consecutive" in name or "RSS growth" in name for name in names)
-    assert not list(tmp_path.iterdir()), "the scale run leaves no files behind"
+    assert not list(workdir.iterdir()), "the scale run leaves no files behind"
 
 
 @pytest.mark.parametrize("value, op, limit, plain, with_margin", [
