@@ -62,6 +62,7 @@ from jaxckpt.core.manifest import (
 from jaxckpt.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 from jaxckpt.storage.base import RootLock, Storage
 from jaxckpt.storage.posix import PosixStorage
+from jaxckpt.storage.threads import SharedThreads
 
 __all__ = ["CheckpointStore", "Entry", "Memo", "OnManifest", "Status", "write_file_soon"]
 
@@ -90,7 +91,7 @@ class Entry:
 _RETIRED_PROBLEM = (f"{{path}}: retired ({RETIRED_MARKER} marker): no checkpoint any more, "
                     f"it only keeps files that later checkpoints refer to")
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[int, SharedThreads] = {}
 _POOLS_LOCK = threading.Lock()
 
 
@@ -99,23 +100,22 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     checksums, listings), kept from call to call: a fresh pool starts a thread per request
     sent at once, one after the other (about a millisecond each on a busy host), so the
     last small GET of a restore's verification went out over ten milliseconds after the
-    first. Its tasks never wait on one another, so callers may share it."""
+    first. One per distinct ``workers`` (a storage's ``concurrent_requests``)."""
     with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = _POOLS[workers] = ThreadPoolExecutor(max_workers=workers,
-                                                        thread_name_prefix="jaxckpt-store")
-        return pool
+        shared = _POOLS.get(workers)
+        if shared is None:
+            shared = _POOLS[workers] = SharedThreads(workers, "jaxckpt-store")
+    return shared.get()
 
 
-def _forget_pools() -> None:
-    """In a forked child: the parent's pool threads do not exist there."""
+def _new_pools_lock() -> None:
+    """In a forked child: a parent's thread may have held the lock (each pool restarts by
+    itself)."""
     global _POOLS_LOCK
     _POOLS_LOCK = threading.Lock()
-    _POOLS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_pools)
+os.register_at_fork(after_in_child=_new_pools_lock)
 
 
 def _run_checks(check: Callable[[tuple[str, dict[str, Any]]], str | None],
