@@ -1,10 +1,10 @@
 """Placing host arrays on devices: the last step of a restore, cheap per array.
 
 Owns: :func:`place`, which returns the arrays ``jax.device_put(arrays, shardings)`` would.
-For a host array of a canonical dtype going to one device of this process it makes the two
-calls ``jax.device_put`` ends in (``batched_device_put``, then the result handler) with
-their inputs worked out once per (shape, dtype, sharding), since ``jax.device_put`` spends
-Python per array; anything else goes through ``jax.device_put``.
+For a host array of a canonical dtype going to one device of this process it makes the
+calls ``jax.device_put`` ends in (``batched_device_put``, then the result handler where the
+sharding changes the aval) with their inputs worked out once per (shape, dtype, sharding),
+since ``jax.device_put`` spends Python per array; anything else goes through it.
 tests/integration/test_orbax_place.py holds the two ways to the same results.
 Also :func:`owned_on_cpu`: an array in memory XLA allocated on a CPU device, for a restore
 to read into (a donated step can reuse it; jax's view of a host buffer it cannot).
@@ -54,9 +54,9 @@ def _fast_put() -> _PutMany | None:
     # shapes, and each costs microseconds to derive. Keyed by the sharding first because a
     # sharding's hash and equality are Python code (several calls), asked only when the
     # sharding changes from one array to the next, where (shape, dtype)'s are not.
-    plans: dict[Any, dict[tuple[Any, ...], tuple[Any, Any, list[Any]] | None]] = {}
+    plans: dict[Any, dict[tuple[Any, ...], tuple[Any, Any | None, list[Any]] | None]] = {}
 
-    def plan_for(array: np.ndarray, sharding: Any) -> tuple[Any, Any, list[Any]] | None:
+    def plan_for(array: np.ndarray, sharding: Any) -> tuple[Any, Any | None, list[Any]] | None:
         if type(sharding) is not jax.sharding.SingleDeviceSharding:
             return None
         device: Any
@@ -69,13 +69,19 @@ def _fast_put() -> _PutMany | None:
             aval = abstractify(array)
         except (TypeError, ValueError):
             return None
-        return aval, result_handler(update_aval(aval, sharding), sharding, True), [device]
+        # The result handler only re-wraps what batched_device_put returns, for an aval
+        # that the sharding changes (a memory kind, a mesh); where it changes nothing, the
+        # array returned is already the one jax.device_put gives: no handler (a call less).
+        placed_aval = update_aval(aval, sharding)
+        handler = (None if placed_aval == aval else
+                   result_handler(placed_aval, sharding, True))
+        return aval, handler, [device]
 
     def put_many(arrays: list[np.ndarray], shardings: list[Any]) -> list[Any]:
         placed: list[Any] = []
         append = placed.append
         last: Any = None  # the sharding of the array before, and its plans
-        known: dict[tuple[Any, ...], tuple[Any, Any, list[Any]] | None] = {}
+        known: dict[tuple[Any, ...], tuple[Any, Any | None, list[Any]] | None] = {}
         for array, sharding in zip(arrays, shardings, strict=True):
             if type(array) is not np.ndarray:
                 append(None)
@@ -98,7 +104,8 @@ def _fast_put() -> _PutMany | None:
                 append(None)  # not for the fast way
                 continue
             aval, handler, devices = plan
-            append(handler(device_put(aval, sharding, [array], devices, True)))
+            value = device_put(aval, sharding, [array], devices, True)
+            append(value if handler is None else handler(value))
         return placed
 
     return put_many
