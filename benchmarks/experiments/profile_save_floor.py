@@ -9,7 +9,8 @@ fsyncs, the commit's listing, summaries and marker.
 
     python benchmarks/experiments/profile_save_floor.py --mib 512 --leaves 16 --rounds 5
 
-Prints one line per round and the medians; results:
+Prints one line per round (with ``PROFILE_GAPS=1`` also where, during the chunk writes,
+the device had no write or fsync of ours) and the medians, wall and CPU; results:
 benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md.
 """
 
@@ -59,6 +60,9 @@ def _instrument() -> None:
     from jaxckpt.storage import posix
 
     _wrap(chunk_io, "_pwrite_all", "pwrite")
+    from jaxckpt.tools.bench import floors
+
+    _wrap(floors, "_pwrite_all", "floor.pwrite")
     _wrap(chunk_io, "extend", "crc")
     _wrap(chunk_io._FileImage, "fill", "copy")
     _wrap(chunk_io, "write_chunk", "write_chunk")
@@ -99,6 +103,9 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
     out["chunks (first start..last end)"] = max(b for _, b, _ in chunks) - min(
         a for a, _, _ in chunks)
     native = by["write_native"]
+    out["save() to write_native"] = min(a for a, _, _ in native) - start
+    out["write_native to first pwrite"] = min(a for a, _, _ in by["pwrite"]) - min(
+        a for a, _, _ in native)
     out["write_native end..commit start"] = min(a for a, _, _ in by["commit"]) - max(
         b for _, b, _ in native)
     out["after last chunk..write_native end"] = max(b for _, b, _ in native) - max(
@@ -113,6 +120,18 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
         out[f"{key} last end after last chunk"] = (
             max(b for _, b, _ in by[key]) - max(b for _, b, _ in chunks) if by[key] else 0.0)
     out["after commit"] = stop - max(b for _, b, _ in by["commit"])
+    span = (min(a for a, _, _ in chunks), max(b for _, b, _ in chunks))
+    busy = [(a, b) for a, b, _ in by["pwrite"] + by["fsync"] if a < span[1] and b > span[0]]
+    out["chunks: idle (no pwrite, no fsync)"] = span[1] - span[0] - _union(busy)
+    if os.environ.get("PROFILE_GAPS"):  # where the device had nothing, ms from the span start
+        gaps, end = [], span[0]
+        for a, b in sorted(busy):
+            if a - end > 0.0005:
+                gaps.append(f"{(end - span[0]) * 1e3:.0f}+{(a - end) * 1e3:.1f}")
+            end = max(end, b)
+        if span[1] - end > 0.0005:
+            gaps.append(f"{(end - span[0]) * 1e3:.0f}+{(span[1] - end) * 1e3:.1f}")
+        print("  idle gaps (ms from first chunk + length):", " ".join(gaps))
     io = [(a, b) for a, b, t in by["pwrite"] if t.startswith("jaxckpt") or "io" in t or True]
     out["pwrite busy (union)"] = _union(io)
     out["pwrite sum (thread-s)"] = sum(b - a for a, b in io)
@@ -123,7 +142,30 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
     out["chunk fsync sum (thread-s)"] = sum(b - a for a, b in chunk_fsync)
     out["chunk fsync union"] = _union(chunk_fsync)
     out["files finished from jax's memory (count)"] = len(by["own_memory"])
+    for key in ("copy", "crc", "pwrite", "fsync", "write_chunk"):  # CPU, not wall
+        out[f"CPU {key} (thread-s)"] = cpu[key]
     return out
+
+
+#: The parts printed for each round's sync save (ms).
+_ROUND_PARTS = ("save() to write_native", "write_native to first pwrite",
+                "chunks (first start..last end)", "commit", "pwrite busy (union)",
+                "chunks: idle (no pwrite, no fsync)", "chunk fsync union",
+                "CPU copy (thread-s)", "CPU crc (thread-s)", "CPU pwrite (thread-s)")
+
+
+def _floor_breakdown(start: float, stop: float) -> dict[str, float]:
+    """The floor's own writes and fsyncs in its window: how busy it keeps the device."""
+    with _lock:
+        events = [e for e in _events if e[2] >= start and e[3] <= stop + 0.002]
+    writes = [(a, b) for label, _, a, b, _ in events if label == "floor.pwrite"]
+    syncs = [(a, b) for label, _, a, b, _ in events if label == "fsync"]
+    if not writes:
+        return {}
+    return {"floor: first pwrite": min(a for a, _ in writes) - start,
+            "floor: pwrite busy (union)": _union(writes),
+            "floor: fsync union": _union(syncs),
+            "floor: idle (neither)": (stop - start) - _union(writes + syncs)}
 
 
 def _old_writer(commit: str) -> Any:
@@ -178,15 +220,18 @@ def main() -> None:
         os.path.join(work, "root"), recover=jaxckpt.RecoverConfig(keep_last_n=1),
         mode="async", preemption_signals=())
     step = 0
+    cpus: dict[str, list[float]] = collections.defaultdict(list)  # process CPU per save
 
     def save(mode: str) -> Any:
         nonlocal step
         step += 1
         _settle()
-        begun = time.perf_counter()
+        begun, cpu = time.perf_counter(), os.times()
         report = manager.save(jaxckpt.StepInfo(0, step, step), state, mode=mode)
         report.wait()
         manager.wait()
+        after = os.times()
+        cpus[mode].append(after.user - cpu.user + after.system - cpu.system)
         return report, begun
 
     save("async")  # first save: buffers, plan, directories
@@ -210,9 +255,17 @@ def main() -> None:
             os.makedirs(directory)
             paths = [os.path.join(directory, str(i)) for i in range(len(blocks))]
             _settle()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), os.times()
             list(pool.map(_raw_write_direct, paths, blocks))
             floor = time.perf_counter() - start
+            if not args.no_instrument:
+                found = _floor_breakdown(start, start + floor)
+                for key, value in found.items():
+                    parts[key].append(value)
+                print("  " + "  ".join(f"{key} {value * 1e3:.0f}ms"
+                                       for key, value in found.items()), flush=True)
+            after = os.times()
+            cpus["floor"].append(after.user - cpu.user + after.system - cpu.system)
             shutil.rmtree(directory)
             rows["floor"].append(floor)
             order = list(variants.items())
@@ -228,6 +281,9 @@ def main() -> None:
                         found = {}
                     for key, value in found.items():
                         parts[key].append(value)
+                    if found:
+                        print("  " + "  ".join(f"{key.split(' (')[0]} {found[key] * 1e3:.0f}ms"
+                                               for key in _ROUND_PARTS), flush=True)
                 report, _ = save("async")
                 rows["sync" + suffix].append(sync)
                 rows["async" + suffix].append(report.total_s)
@@ -241,6 +297,10 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     gb = nbytes / 1e9
     print(f"\n{args.mib} MiB in {args.leaves} leaves, {args.rounds} rounds, medians:")
+    for kind, values in cpus.items():  # the first (untimed) async save is in "async"
+        values = values[1:] if kind == "async" else values
+        print(f"  process CPU, {kind}: {statistics.median(values):.3f}s "
+              f"(user + system, all threads; range {min(values):.3f}-{max(values):.3f})")
     for key, values in rows.items():
         median = statistics.median(values)
         print(f"  {key:6s} {median:.3f}s  {gb / median:.2f} GB/s  "

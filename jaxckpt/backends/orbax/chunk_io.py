@@ -51,6 +51,8 @@ _HUGE_PAGE = 2 << 20
 #: Bytes copied into the bounce buffer, then checksummed there, at a time: the checksum
 #: reads what was just copied while it is still in the CPU's cache.
 _COPY_STEP = 1 << 20
+#: The first piece of a file copied through the bounce buffer (``_piece_at``).
+_FIRST_PIECE = 1 << 20
 
 
 def _bounce() -> tuple[np.ndarray, bool]:
@@ -319,6 +321,16 @@ def _write_own_memory(fd: int, image: _FileImage, algorithm: str, whole: int,
     return crc
 
 
+def _piece_at(position: int, whole: int) -> int:
+    """The size of the bounced piece that starts at ``position`` of a file whose whole
+    blocks end at ``whole``: ``_FIRST_PIECE`` at the start, then as large as all the
+    pieces before it together, up to ``PIECE``. The first write of a file waits for its
+    piece's copy and checksum, the device meanwhile idle where the other I/O threads are
+    between files too (all start their files together); each later piece is copied while
+    one half its size or more is written, which takes the device longer."""
+    return min(PIECE, max(_FIRST_PIECE, position), whole - position)
+
+
 def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
                    bounce: np.ndarray) -> int:
     """The whole blocks ``[0, whole)`` copied through the two halves of ``bounce``: while
@@ -328,13 +340,14 @@ def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
     behind the device (other processes have the CPUs) and the array's memory lines up
     with the file, the rest of the file is written from that memory (``_write_own_memory``):
     smaller requests, but no copy to wait for
-    (benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md). Returns the checksum
-    so far."""
+    (benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md); that is judged on
+    writes of a whole ``PIECE`` only, since the small first pieces (``_piece_at``) may
+    well be written sooner than the next is copied. Returns the checksum so far."""
     halves = (bounce[:PIECE], bounce[PIECE:2 * PIECE])
     own = (image.flat.ctypes.data - image.offset) % ALIGN == 0
 
     def prepare(position: int, half: int, crc: int) -> int:
-        memory = halves[half][:min(PIECE, whole - position)]
+        memory = halves[half][:_piece_at(position, whole)]
         for step in range(0, memory.size, _COPY_STEP):
             part = memory[step:step + _COPY_STEP]
             image.fill(part, position + step)
@@ -344,7 +357,7 @@ def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
     crc = prepare(0, 0, 0) if whole else 0
     position, half, copying = 0, 0, True
     while position < whole:
-        count = min(PIECE, whole - position)
+        count = _piece_at(position, whole)
         after = position + count
         ahead = (_checksummer.get().submit(prepare, after, 1 - half, crc)
                  if copying and after < whole else None)
@@ -357,7 +370,7 @@ def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
         if ahead is None:  # the end, or the rest goes from the array's memory
             position = after
             break
-        if own and not ahead.done():  # the copy fell behind the device
+        if own and count == PIECE and not ahead.done():  # the copy fell behind
             _local.copy_lagged = True
             if ahead.cancel():  # not even started
                 return _write_own_memory(fd, image, algorithm, whole, bounce, after, crc)
