@@ -193,6 +193,8 @@ def main() -> None:
                              "with the working tree's (timings only; no breakdown)")
     parser.add_argument("--zero-copy-too", action="store_true",
                         help="also save writing jax's memory without the bounce copy")
+    parser.add_argument("--chunk-sync-inline-too", action="store_true",
+                        help="also save with each chunk file fsynced by its I/O thread")
     args = parser.parse_args()
 
     import jaxckpt
@@ -237,18 +239,24 @@ def main() -> None:
     save("async")  # first save: buffers, plan, directories
     rows: dict[str, list[float]] = collections.defaultdict(list)
     parts: dict[str, list[float]] = collections.defaultdict(list)
-    from jaxckpt.backends.orbax import chunk_io
+    from jaxckpt.backends.orbax import chunk_io, files
 
-    # Each variant: the chunk_io attributes it replaces while its saves run.
-    current = {"_write_direct": chunk_io._write_direct, "_bounce": chunk_io._bounce}
-    variants: dict[str, dict[str, Any]] = {"": {}}
+    # Each variant: the attributes (of chunk_io, or of the class of local files) it
+    # replaces while its saves run.
+    local = files.LocalArrayFiles
+    current = {(chunk_io, "_write_direct"): chunk_io._write_direct,
+               (chunk_io, "_bounce"): chunk_io._bounce,
+               (local, "sync_chunks_aside"): getattr(local, "sync_chunks_aside", False)}
+    variants: dict[str, dict[tuple[Any, str], Any]] = {"": {}}
     if args.ab:
-        variants["_before"] = {"_write_direct": _old_writer(args.ab)}
+        variants["_before"] = {(chunk_io, "_write_direct"): _old_writer(args.ab)}
         args.no_instrument = True
     if args.zero_copy_too:  # told the bounce buffer has no huge pages: no copy of jax's memory
         bounce = chunk_io._bounce
-        variants["_zero"] = {"_bounce": lambda: (bounce()[0], False)}
+        variants["_zero"] = {(chunk_io, "_bounce"): lambda: (bounce()[0], False)}
         args.no_instrument = True
+    if args.chunk_sync_inline_too:  # each chunk file fsynced by its I/O thread, in turn
+        variants["_inline"] = {(local, "sync_chunks_aside"): False}  # the same wrappers
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         for round_ in range(args.rounds):
             directory = os.path.join(work, f"floor-{round_}")
@@ -258,20 +266,20 @@ def main() -> None:
             start, cpu = time.perf_counter(), os.times()
             list(pool.map(_raw_write_direct, paths, blocks))
             floor = time.perf_counter() - start
+            after = os.times()
+            cpus["floor"].append(after.user - cpu.user + after.system - cpu.system)
             if not args.no_instrument:
                 found = _floor_breakdown(start, start + floor)
                 for key, value in found.items():
                     parts[key].append(value)
                 print("  " + "  ".join(f"{key} {value * 1e3:.0f}ms"
                                        for key, value in found.items()), flush=True)
-            after = os.times()
-            cpus["floor"].append(after.user - cpu.user + after.system - cpu.system)
             shutil.rmtree(directory)
             rows["floor"].append(floor)
             order = list(variants.items())
             for suffix, replaced in order[::-1] if round_ % 2 else order:
-                for name, value in {**current, **replaced}.items():
-                    setattr(chunk_io, name, value)
+                for (owner, name), value in {**current, **replaced}.items():
+                    setattr(owner, name, value)
                 report, start = save("sync")
                 sync = report.total_s
                 if not args.no_instrument:
@@ -280,10 +288,11 @@ def main() -> None:
                     except ValueError:  # a part ended outside the save's window: not counted
                         found = {}
                     for key, value in found.items():
-                        parts[key].append(value)
+                        parts[f"{key}{suffix}"].append(value)  # the variants apart
                     if found:
-                        print("  " + "  ".join(f"{key.split(' (')[0]} {found[key] * 1e3:.0f}ms"
-                                               for key in _ROUND_PARTS), flush=True)
+                        shown = "  ".join(f"{key.split(' (')[0]} {found[key] * 1e3:.0f}ms"
+                                          for key in _ROUND_PARTS)
+                        print(f"  {suffix or 'as is'}: {shown}", flush=True)
                 report, _ = save("async")
                 rows["sync" + suffix].append(sync)
                 rows["async" + suffix].append(report.total_s)
@@ -291,8 +300,8 @@ def main() -> None:
                       f"({floor / sync:.2f}x)  async total {report.total_s:.3f}s "
                       f"({floor / report.total_s:.2f}x) blocking {report.blocking_s:.3f}s",
                       flush=True)
-            for name, value in current.items():
-                setattr(chunk_io, name, value)
+            for (owner, name), value in current.items():
+                setattr(owner, name, value)
     manager.close()
     shutil.rmtree(work, ignore_errors=True)
     gb = nbytes / 1e9

@@ -291,6 +291,50 @@ def test_each_directory_is_synced_after_its_last_entry_was_made(tmp_path, monkey
                       for path in synced_files} == small
 
 
+def test_each_chunk_file_is_synced_on_a_side_thread_before_arrays_appears(tmp_path,
+                                                                         monkeypatch):
+    """A chunk file's fsync is handed to a side thread once its bytes are written (its
+    I/O thread goes on to the next file), and ``arrays/`` is renamed into place only once
+    every one of them returned; a failed fsync fails the write and leaves no arrays/."""
+    real_fsync, real_rename = os.fsync, os.rename
+    events: list[tuple[str, str, str]] = []
+    lock = threading.Lock()
+    failing = [False]
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "/arrays.tmp-" in path and failing[0] and os.path.isfile(path):
+            raise OSError(errno.EIO, "injected", path)
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", path, threading.current_thread().name))
+
+    def rename(source, target, *args, **kwargs):
+        with lock:
+            events.append(("rename", os.fspath(source), ""))
+        return real_rename(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    backend = OrbaxBackend()
+    try:
+        backend.write(str(tmp_path / "ckpt"), mixed_state(), asynchronous=False).wait()
+        (moved,) = [index for index, (kind, path, _) in enumerate(events)
+                    if kind == "rename" and "/arrays.tmp-" in path]
+        base = events[moved][1]
+        chunks = {os.path.join(base, os.path.relpath(path, tmp_path / "ckpt/arrays"))
+                  for path in map(str, chunk_files(tmp_path / "ckpt").values())}
+        synced = {path: thread for kind, path, thread in events[:moved] if kind == "fsync"}
+        assert chunks and chunks <= set(synced)
+        assert all(synced[path].startswith("jaxckpt-names") for path in chunks)
+        failing[0] = True
+        with pytest.raises(OSError, match="injected"):
+            backend.write(str(tmp_path / "bad"), mixed_state(), asynchronous=False).wait()
+    finally:
+        backend.close()
+    assert not any(name.startswith("arrays") for name in os.listdir(tmp_path / "bad"))
+
+
 def test_a_native_save_commits_without_reading_a_file_back(tmp_path, monkeypatch):
     """Every file of a native save is checksummed by its writer (driver.json by the
     manager), so the commit reads none back, and syncs only the directories above the

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -185,7 +186,9 @@ class _FileImage:
 
 
 def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = True,
-                offset: int = 0, created: Callable[[], None] | None = None) -> tuple[int, str]:
+                offset: int = 0, created: Callable[[], None] | None = None,
+                sync_later: Callable[[Callable[[], None]], None] | None = None,
+                ) -> tuple[int, str]:
     """Write one array's chunk file (``offset`` zero bytes, the array's bytes, then the
     shard index) to the new file ``path`` and make it durable. ``data`` is the array (any
     alignment; C-contiguous); ``offset`` comes from ``data_offset`` (0: tensorstore's
@@ -193,6 +196,10 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
     each time the file is created, before its bytes are written (twice where the first
     ``O_DIRECT`` write is refused and the file is made again), so that the caller can make
     its name durable while the bytes go out.
+    ``sync_later``: where given, the file's fsync (and the closing of its descriptor) is
+    handed to it as a function to run on another thread, and this returns once the bytes
+    are written: the caller then counts the file durable only once that function returned
+    (``sync_later`` must run it, or raise without having taken it).
 
     Returns (file size, checksum of the whole file with ``algorithm``), computed from the
     bytes as they were handed to the kernel.
@@ -225,11 +232,22 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
             if direct:
                 _no_direct.add(dev)
             crc = _write_buffered(fd, image, algorithm)
-        os.fsync(fd)
+        if sync_later is None:
+            os.fsync(fd)
+        else:
+            sync_later(functools.partial(_sync_and_close, fd))
+            fd = -1  # the function handed over closes it
     finally:
         if fd >= 0:
             os.close(fd)
     return image.size, crc
+
+
+def _sync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 #: The threads that checksum a piece of an array while an I/O thread writes it (one per
