@@ -67,6 +67,8 @@ def _instrument() -> None:
     _wrap(chunk_io._FileImage, "fill", "copy")
     _wrap(chunk_io, "write_chunk", "write_chunk")
     _wrap(chunk_io, "_write_own_memory", "own_memory")
+    if hasattr(chunk_io, "_sync_and_close"):  # a chunk file's fsync on a side thread
+        _wrap(chunk_io, "_sync_and_close", "chunk.sync")
     _wrap(chunk_io.os, "fsync", "fsync")
     _wrap(write, "write_native", "write_native")
     if hasattr(files.LocalArrayFiles, "_wait_synced"):  # the side fsyncs (2026-11-28, later)
@@ -139,6 +141,7 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
     out["crc sum (thread-s)"] = sum(b - a for a, b, _ in by["crc"])
     chunk_fsync = [(a, b) for a, b, t in by["fsync"]
                    if any(ca <= a and b <= cb and ct == t for ca, cb, ct in chunks)]
+    chunk_fsync += [(a, b) for a, b, _ in by["chunk.sync"]]
     out["chunk fsync sum (thread-s)"] = sum(b - a for a, b in chunk_fsync)
     out["chunk fsync union"] = _union(chunk_fsync)
     out["files finished from jax's memory (count)"] = len(by["own_memory"])
