@@ -9,7 +9,8 @@ fsyncs, the commit's listing, summaries and marker.
 
     python benchmarks/experiments/profile_save_floor.py --mib 512 --leaves 16 --rounds 5
 
-Prints one line per round and the medians; results:
+Prints one line per round (with ``PROFILE_GAPS=1`` also where, during the chunk writes,
+the device had no write or fsync of ours) and the medians, wall and CPU; results:
 benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md.
 """
 
@@ -59,10 +60,15 @@ def _instrument() -> None:
     from jaxckpt.storage import posix
 
     _wrap(chunk_io, "_pwrite_all", "pwrite")
+    from jaxckpt.tools.bench import floors
+
+    _wrap(floors, "_pwrite_all", "floor.pwrite")
     _wrap(chunk_io, "extend", "crc")
     _wrap(chunk_io._FileImage, "fill", "copy")
     _wrap(chunk_io, "write_chunk", "write_chunk")
     _wrap(chunk_io, "_write_own_memory", "own_memory")
+    if hasattr(chunk_io, "_sync_and_close"):  # a chunk file's fsync on a side thread
+        _wrap(chunk_io, "_sync_and_close", "chunk.sync")
     _wrap(chunk_io.os, "fsync", "fsync")
     _wrap(write, "write_native", "write_native")
     if hasattr(files.LocalArrayFiles, "_wait_synced"):  # the side fsyncs (2026-11-28, later)
@@ -99,6 +105,9 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
     out["chunks (first start..last end)"] = max(b for _, b, _ in chunks) - min(
         a for a, _, _ in chunks)
     native = by["write_native"]
+    out["save() to write_native"] = min(a for a, _, _ in native) - start
+    out["write_native to first pwrite"] = min(a for a, _, _ in by["pwrite"]) - min(
+        a for a, _, _ in native)
     out["write_native end..commit start"] = min(a for a, _, _ in by["commit"]) - max(
         b for _, b, _ in native)
     out["after last chunk..write_native end"] = max(b for _, b, _ in native) - max(
@@ -113,6 +122,18 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
         out[f"{key} last end after last chunk"] = (
             max(b for _, b, _ in by[key]) - max(b for _, b, _ in chunks) if by[key] else 0.0)
     out["after commit"] = stop - max(b for _, b, _ in by["commit"])
+    span = (min(a for a, _, _ in chunks), max(b for _, b, _ in chunks))
+    busy = [(a, b) for a, b, _ in by["pwrite"] + by["fsync"] if a < span[1] and b > span[0]]
+    out["chunks: idle (no pwrite, no fsync)"] = span[1] - span[0] - _union(busy)
+    if os.environ.get("PROFILE_GAPS"):  # where the device had nothing, ms from the span start
+        gaps, end = [], span[0]
+        for a, b in sorted(busy):
+            if a - end > 0.0005:
+                gaps.append(f"{(end - span[0]) * 1e3:.0f}+{(a - end) * 1e3:.1f}")
+            end = max(end, b)
+        if span[1] - end > 0.0005:
+            gaps.append(f"{(end - span[0]) * 1e3:.0f}+{(span[1] - end) * 1e3:.1f}")
+        print("  idle gaps (ms from first chunk + length):", " ".join(gaps))
     io = [(a, b) for a, b, t in by["pwrite"] if t.startswith("jaxckpt") or "io" in t or True]
     out["pwrite busy (union)"] = _union(io)
     out["pwrite sum (thread-s)"] = sum(b - a for a, b in io)
@@ -120,10 +141,34 @@ def _breakdown(start: float, stop: float) -> dict[str, float]:
     out["crc sum (thread-s)"] = sum(b - a for a, b, _ in by["crc"])
     chunk_fsync = [(a, b) for a, b, t in by["fsync"]
                    if any(ca <= a and b <= cb and ct == t for ca, cb, ct in chunks)]
+    chunk_fsync += [(a, b) for a, b, _ in by["chunk.sync"]]
     out["chunk fsync sum (thread-s)"] = sum(b - a for a, b in chunk_fsync)
     out["chunk fsync union"] = _union(chunk_fsync)
     out["files finished from jax's memory (count)"] = len(by["own_memory"])
+    for key in ("copy", "crc", "pwrite", "fsync", "write_chunk"):  # CPU, not wall
+        out[f"CPU {key} (thread-s)"] = cpu[key]
     return out
+
+
+#: The parts printed for each round's sync save (ms).
+_ROUND_PARTS = ("save() to write_native", "write_native to first pwrite",
+                "chunks (first start..last end)", "commit", "pwrite busy (union)",
+                "chunks: idle (no pwrite, no fsync)", "chunk fsync union",
+                "CPU copy (thread-s)", "CPU crc (thread-s)", "CPU pwrite (thread-s)")
+
+
+def _floor_breakdown(start: float, stop: float) -> dict[str, float]:
+    """The floor's own writes and fsyncs in its window: how busy it keeps the device."""
+    with _lock:
+        events = [e for e in _events if e[2] >= start and e[3] <= stop + 0.002]
+    writes = [(a, b) for label, _, a, b, _ in events if label == "floor.pwrite"]
+    syncs = [(a, b) for label, _, a, b, _ in events if label == "fsync"]
+    if not writes:
+        return {}
+    return {"floor: first pwrite": min(a for a, _ in writes) - start,
+            "floor: pwrite busy (union)": _union(writes),
+            "floor: fsync union": _union(syncs),
+            "floor: idle (neither)": (stop - start) - _union(writes + syncs)}
 
 
 def _old_writer(commit: str) -> Any:
@@ -151,6 +196,8 @@ def main() -> None:
                              "with the working tree's (timings only; no breakdown)")
     parser.add_argument("--zero-copy-too", action="store_true",
                         help="also save writing jax's memory without the bounce copy")
+    parser.add_argument("--chunk-sync-inline-too", action="store_true",
+                        help="also save with each chunk file fsynced by its I/O thread")
     args = parser.parse_args()
 
     import jaxckpt
@@ -178,47 +225,64 @@ def main() -> None:
         os.path.join(work, "root"), recover=jaxckpt.RecoverConfig(keep_last_n=1),
         mode="async", preemption_signals=())
     step = 0
+    cpus: dict[str, list[float]] = collections.defaultdict(list)  # process CPU per save
 
     def save(mode: str) -> Any:
         nonlocal step
         step += 1
         _settle()
-        begun = time.perf_counter()
+        begun, cpu = time.perf_counter(), os.times()
         report = manager.save(jaxckpt.StepInfo(0, step, step), state, mode=mode)
         report.wait()
         manager.wait()
+        after = os.times()
+        cpus[mode].append(after.user - cpu.user + after.system - cpu.system)
         return report, begun
 
     save("async")  # first save: buffers, plan, directories
     rows: dict[str, list[float]] = collections.defaultdict(list)
     parts: dict[str, list[float]] = collections.defaultdict(list)
-    from jaxckpt.backends.orbax import chunk_io
+    from jaxckpt.backends.orbax import chunk_io, files
 
-    # Each variant: the chunk_io attributes it replaces while its saves run.
-    current = {"_write_direct": chunk_io._write_direct, "_bounce": chunk_io._bounce}
-    variants: dict[str, dict[str, Any]] = {"": {}}
+    # Each variant: the attributes (of chunk_io, or of the class of local files) it
+    # replaces while its saves run.
+    local = files.LocalArrayFiles
+    current = {(chunk_io, "_write_direct"): chunk_io._write_direct,
+               (chunk_io, "_bounce"): chunk_io._bounce,
+               (local, "sync_chunks_aside"): getattr(local, "sync_chunks_aside", False)}
+    variants: dict[str, dict[tuple[Any, str], Any]] = {"": {}}
     if args.ab:
-        variants["_before"] = {"_write_direct": _old_writer(args.ab)}
+        variants["_before"] = {(chunk_io, "_write_direct"): _old_writer(args.ab)}
         args.no_instrument = True
     if args.zero_copy_too:  # told the bounce buffer has no huge pages: no copy of jax's memory
         bounce = chunk_io._bounce
-        variants["_zero"] = {"_bounce": lambda: (bounce()[0], False)}
+        variants["_zero"] = {(chunk_io, "_bounce"): lambda: (bounce()[0], False)}
         args.no_instrument = True
+    if args.chunk_sync_inline_too:  # each chunk file fsynced by its I/O thread, in turn
+        variants["_inline"] = {(local, "sync_chunks_aside"): False}  # the same wrappers
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         for round_ in range(args.rounds):
             directory = os.path.join(work, f"floor-{round_}")
             os.makedirs(directory)
             paths = [os.path.join(directory, str(i)) for i in range(len(blocks))]
             _settle()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), os.times()
             list(pool.map(_raw_write_direct, paths, blocks))
             floor = time.perf_counter() - start
+            after = os.times()
+            cpus["floor"].append(after.user - cpu.user + after.system - cpu.system)
+            if not args.no_instrument:
+                found = _floor_breakdown(start, start + floor)
+                for key, value in found.items():
+                    parts[key].append(value)
+                print("  " + "  ".join(f"{key} {value * 1e3:.0f}ms"
+                                       for key, value in found.items()), flush=True)
             shutil.rmtree(directory)
             rows["floor"].append(floor)
             order = list(variants.items())
             for suffix, replaced in order[::-1] if round_ % 2 else order:
-                for name, value in {**current, **replaced}.items():
-                    setattr(chunk_io, name, value)
+                for (owner, name), value in {**current, **replaced}.items():
+                    setattr(owner, name, value)
                 report, start = save("sync")
                 sync = report.total_s
                 if not args.no_instrument:
@@ -227,7 +291,11 @@ def main() -> None:
                     except ValueError:  # a part ended outside the save's window: not counted
                         found = {}
                     for key, value in found.items():
-                        parts[key].append(value)
+                        parts[f"{key}{suffix}"].append(value)  # the variants apart
+                    if found:
+                        shown = "  ".join(f"{key.split(' (')[0]} {found[key] * 1e3:.0f}ms"
+                                          for key in _ROUND_PARTS)
+                        print(f"  {suffix or 'as is'}: {shown}", flush=True)
                 report, _ = save("async")
                 rows["sync" + suffix].append(sync)
                 rows["async" + suffix].append(report.total_s)
@@ -235,12 +303,16 @@ def main() -> None:
                       f"({floor / sync:.2f}x)  async total {report.total_s:.3f}s "
                       f"({floor / report.total_s:.2f}x) blocking {report.blocking_s:.3f}s",
                       flush=True)
-            for name, value in current.items():
-                setattr(chunk_io, name, value)
+            for (owner, name), value in current.items():
+                setattr(owner, name, value)
     manager.close()
     shutil.rmtree(work, ignore_errors=True)
     gb = nbytes / 1e9
     print(f"\n{args.mib} MiB in {args.leaves} leaves, {args.rounds} rounds, medians:")
+    for kind, values in cpus.items():  # the first (untimed) async save is in "async"
+        values = values[1:] if kind == "async" else values
+        print(f"  process CPU, {kind}: {statistics.median(values):.3f}s "
+              f"(user + system, all threads; range {min(values):.3f}-{max(values):.3f})")
     for key, values in rows.items():
         median = statistics.median(values)
         print(f"  {key:6s} {median:.3f}s  {gb / median:.2f} GB/s  "

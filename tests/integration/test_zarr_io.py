@@ -291,6 +291,50 @@ def test_each_directory_is_synced_after_its_last_entry_was_made(tmp_path, monkey
                       for path in synced_files} == small
 
 
+def test_each_chunk_file_is_synced_on_a_side_thread_before_arrays_appears(tmp_path,
+                                                                         monkeypatch):
+    """A chunk file's fsync is handed to a side thread once its bytes are written (its
+    I/O thread goes on to the next file), and ``arrays/`` is renamed into place only once
+    every one of them returned; a failed fsync fails the write and leaves no arrays/."""
+    real_fsync, real_rename = os.fsync, os.rename
+    events: list[tuple[str, str, str]] = []
+    lock = threading.Lock()
+    failing = [False]
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "/arrays.tmp-" in path and failing[0] and os.path.isfile(path):
+            raise OSError(errno.EIO, "injected", path)
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", path, threading.current_thread().name))
+
+    def rename(source, target, *args, **kwargs):
+        with lock:
+            events.append(("rename", os.fspath(source), ""))
+        return real_rename(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    backend = OrbaxBackend()
+    try:
+        backend.write(str(tmp_path / "ckpt"), mixed_state(), asynchronous=False).wait()
+        (moved,) = [index for index, (kind, path, _) in enumerate(events)
+                    if kind == "rename" and "/arrays.tmp-" in path]
+        base = events[moved][1]
+        chunks = {os.path.join(base, os.path.relpath(path, tmp_path / "ckpt/arrays"))
+                  for path in map(str, chunk_files(tmp_path / "ckpt").values())}
+        synced = {path: thread for kind, path, thread in events[:moved] if kind == "fsync"}
+        assert chunks and chunks <= set(synced)
+        assert all(synced[path].startswith("jaxckpt-names") for path in chunks)
+        failing[0] = True
+        with pytest.raises(OSError, match="injected"):
+            backend.write(str(tmp_path / "bad"), mixed_state(), asynchronous=False).wait()
+    finally:
+        backend.close()
+    assert not any(name.startswith("arrays") for name in os.listdir(tmp_path / "bad"))
+
+
 def test_a_native_save_commits_without_reading_a_file_back(tmp_path, monkeypatch):
     """Every file of a native save is checksummed by its writer (driver.json by the
     manager), so the commit reads none back, and syncs only the directories above the
@@ -545,13 +589,17 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
     bounce, huge = chunk_io._bounce()
     assert huge
     start, end = bounce.ctypes.data, bounce.ctypes.data + bounce.nbytes
-    assert len(sources) == 3  # one piece after another
     first = data.ctypes.data
     if offset:  # from the bounce buffer; the array's memory only where the copy lagged
+        # Copied pieces grow from a megabyte (the first write waits only for its copy)
+        # to PIECE: 1, 1, 2, 4, 8 MiB, then the last whole blocks.
+        assert [length for _, length, _, direct in writes if direct][:5] == [
+            1 << 20, 1 << 20, 2 << 20, 4 << 20, PIECE]
         assert start <= sources[0] < end
         assert all(start <= source < end or first <= source < first + nbytes
                    for source in sources)
-    else:  # each from the array itself
+    else:  # each from the array itself, one piece after another
+        assert len(sources) == 3
         assert all(first <= source < first + nbytes for source in sources)
     assert path.read_bytes() == bytes(offset) + data.tobytes() + zarr_format.shard_index(nbytes,
                                                                                      offset)
@@ -562,24 +610,30 @@ def test_write_chunk_writes_every_block_from_a_huge_page_bounce_buffer(
 def test_a_copy_that_falls_behind_the_device_hands_the_rest_to_the_arrays_memory(
         tmp_path, monkeypatch):
     """The copy of the next piece into the bounce buffer runs on a checksum thread while
-    the piece before is written. Where that thread has not even started it when the
-    write is done (here: its one thread is held until the second write), the rest of the
-    file is written from the array's own memory, the thread's next file too, and the one
-    after that tries the copy again. The bytes and checksums are right throughout."""
+    the piece before is written. Where that thread has not even started it when a write
+    of a whole ``PIECE`` is done (here: its one thread is held from the 4 MiB piece's write
+    until a write from the array's memory), the rest of the file is written from the
+    array's own memory, the thread's next file too, and the one after that tries the copy
+    again. The bytes and checksums are right throughout."""
     bounce_of_kind(monkeypatch, True)
-    nbytes = 3 * PIECE + 100
+    nbytes = 3 * PIECE + 100  # pieces of 1, 1, 2, 4, 8 and 8 MiB
     data = placed(random_array("uint8", (nbytes,), np.random.default_rng(5)), 64)
     held = threading.Event()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    pool.submit(held.wait, 10)
     monkeypatch.setattr(chunk_io._checksummer, "_pool", pool)
     pwrite = os.pwrite
     sources: list[int] = []
+    bounce = chunk_io._bounce()[0].ctypes.data
+    hold = [True]
 
     def recording(fd, view, position):
         if len(view) >= ALIGN:
-            sources.append(np.frombuffer(view, np.uint8).ctypes.data)
-            if len(sources) == 2:
+            source = np.frombuffer(view, np.uint8).ctypes.data
+            sources.append(source)
+            if len(view) == PIECE // 2 and hold[0]:  # the copy of the 8 MiB piece is ahead
+                hold[0] = False
+                pool.submit(held.wait, 10)  # and holds the thread after it
+            if not bounce <= source < bounce + 2 * PIECE:
                 held.set()
         return pwrite(fd, view, position)
 
@@ -595,17 +649,17 @@ def test_a_copy_that_falls_behind_the_device_hands_the_rest_to_the_arrays_memory
             assert (size, crc) == file_checksum(str(path), ALGORITHM)
             assert path.read_bytes() == (bytes(64) + data.tobytes()
                                          + zarr_format.shard_index(nbytes, 64))
-            bounce = chunk_io._bounce()[0].ctypes.data
             kinds.append(["bounce" if bounce <= source < bounce + 2 * PIECE else "array"
                           for source in sources])
     finally:
         held.set()
         pool.shutdown()
-    assert kinds[0] == ["bounce", "array", "array"]  # 3 pieces of whole blocks
+    assert held.is_set() and not hold[0]
+    assert kinds[0] == ["bounce"] * 5 + ["array"]  # the last 8 MiB from the array
     assert kinds[1] == ["bounce"] + ["array"] * 3  # the first block (the zeros) is copied
-    # The third file tries the copy again: its second piece at least comes from the bounce
-    # buffer (a later one may fall back again when the machine is busy).
-    assert kinds[2][:2] == ["bounce", "bounce"] and len(kinds[2]) in (3, 4)
+    # The third file tries the copy again: its pieces up to the first whole PIECE come from
+    # the bounce buffer (the last may fall back again when the machine is busy).
+    assert kinds[2][:5] == ["bounce"] * 5 and len(kinds[2]) == 6
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")

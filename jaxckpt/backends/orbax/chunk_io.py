@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -51,6 +52,8 @@ _HUGE_PAGE = 2 << 20
 #: Bytes copied into the bounce buffer, then checksummed there, at a time: the checksum
 #: reads what was just copied while it is still in the CPU's cache.
 _COPY_STEP = 1 << 20
+#: The first piece of a file copied through the bounce buffer (``_piece_at``).
+_FIRST_PIECE = 1 << 20
 
 
 def _bounce() -> tuple[np.ndarray, bool]:
@@ -183,7 +186,9 @@ class _FileImage:
 
 
 def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = True,
-                offset: int = 0, created: Callable[[], None] | None = None) -> tuple[int, str]:
+                offset: int = 0, created: Callable[[], None] | None = None,
+                sync_later: Callable[[Callable[[], None]], None] | None = None,
+                ) -> tuple[int, str]:
     """Write one array's chunk file (``offset`` zero bytes, the array's bytes, then the
     shard index) to the new file ``path`` and make it durable. ``data`` is the array (any
     alignment; C-contiguous); ``offset`` comes from ``data_offset`` (0: tensorstore's
@@ -191,6 +196,10 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
     each time the file is created, before its bytes are written (twice where the first
     ``O_DIRECT`` write is refused and the file is made again), so that the caller can make
     its name durable while the bytes go out.
+    ``sync_later``: where given, the file's fsync (and the closing of its descriptor) is
+    handed to it as a function to run on another thread, and this returns once the bytes
+    are written: the caller then counts the file durable only once that function returned
+    (``sync_later`` must run it, or raise without having taken it).
 
     Returns (file size, checksum of the whole file with ``algorithm``), computed from the
     bytes as they were handed to the kernel.
@@ -223,11 +232,22 @@ def write_chunk(path: str, data: np.ndarray, *, algorithm: str, direct: bool = T
             if direct:
                 _no_direct.add(dev)
             crc = _write_buffered(fd, image, algorithm)
-        os.fsync(fd)
+        if sync_later is None:
+            os.fsync(fd)
+        else:
+            sync_later(functools.partial(_sync_and_close, fd))
+            fd = -1  # the function handed over closes it
     finally:
         if fd >= 0:
             os.close(fd)
     return image.size, crc
+
+
+def _sync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 #: The threads that checksum a piece of an array while an I/O thread writes it (one per
@@ -319,6 +339,16 @@ def _write_own_memory(fd: int, image: _FileImage, algorithm: str, whole: int,
     return crc
 
 
+def _piece_at(position: int, whole: int) -> int:
+    """The size of the bounced piece that starts at ``position`` of a file whose whole
+    blocks end at ``whole``: ``_FIRST_PIECE`` at the start, then as large as all the
+    pieces before it together, up to ``PIECE``. The first write of a file waits for its
+    piece's copy and checksum, the device meanwhile idle where the other I/O threads are
+    between files too (all start their files together); each later piece is copied while
+    one half its size or more is written, which takes the device longer."""
+    return min(PIECE, max(_FIRST_PIECE, position), whole - position)
+
+
 def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
                    bounce: np.ndarray) -> int:
     """The whole blocks ``[0, whole)`` copied through the two halves of ``bounce``: while
@@ -328,13 +358,14 @@ def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
     behind the device (other processes have the CPUs) and the array's memory lines up
     with the file, the rest of the file is written from that memory (``_write_own_memory``):
     smaller requests, but no copy to wait for
-    (benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md). Returns the checksum
-    so far."""
+    (benchmarks/results/save-floor-breakdown_cpu2core_2026-11-28.md); that is judged on
+    writes of a whole ``PIECE`` only, since the small first pieces (``_piece_at``) may
+    well be written sooner than the next is copied. Returns the checksum so far."""
     halves = (bounce[:PIECE], bounce[PIECE:2 * PIECE])
     own = (image.flat.ctypes.data - image.offset) % ALIGN == 0
 
     def prepare(position: int, half: int, crc: int) -> int:
-        memory = halves[half][:min(PIECE, whole - position)]
+        memory = halves[half][:_piece_at(position, whole)]
         for step in range(0, memory.size, _COPY_STEP):
             part = memory[step:step + _COPY_STEP]
             image.fill(part, position + step)
@@ -344,7 +375,7 @@ def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
     crc = prepare(0, 0, 0) if whole else 0
     position, half, copying = 0, 0, True
     while position < whole:
-        count = min(PIECE, whole - position)
+        count = _piece_at(position, whole)
         after = position + count
         ahead = (_checksummer.get().submit(prepare, after, 1 - half, crc)
                  if copying and after < whole else None)
@@ -357,7 +388,7 @@ def _write_bounced(fd: int, image: _FileImage, algorithm: str, whole: int,
         if ahead is None:  # the end, or the rest goes from the array's memory
             position = after
             break
-        if own and not ahead.done():  # the copy fell behind the device
+        if own and count == PIECE and not ahead.done():  # the copy fell behind
             _local.copy_lagged = True
             if ahead.cancel():  # not even started
                 return _write_own_memory(fd, image, algorithm, whole, bounce, after, crc)

@@ -4,13 +4,14 @@ objects of a ``jaxckpt.storage.base.Storage``.
 Owns: ``ArrayFiles``, the few operations the native writer (``write``, ``shards``) and reader
 (``read``) need from the place an ``arrays/`` directory lives, and its implementations:
 ``LocalArrayFiles`` (``chunk_io`` on a local filesystem, written under a temporary directory
-renamed into place once complete, its small files and directories made durable on side
-threads while the chunk files are written), ``SharedLocalArrayFiles`` (the same in place, for the
-``arrays/`` several processes write together) and ``StorageArrayFiles`` (an object per file,
-written at its final name: a store has no rename, and the commit marker written after them
-makes them count; big chunk files read in ranged GETs). ``StoragePath`` lets the backend's
-code for a checkpoint directory run on such a location. Both write the same bytes under the
-same names, so a checkpoint copied between a disk and an object store stays valid.
+renamed into place once complete, its small files, directories and chunk files made durable
+on side threads while the chunk files are written), ``SharedLocalArrayFiles`` (the same in
+place, for the ``arrays/`` several processes write together) and ``StorageArrayFiles`` (an
+object per file, written at its final name: a store has no rename, and the commit marker
+written after them makes them count; big chunk files read in ranged GETs). ``StoragePath``
+lets the backend's code for a checkpoint directory run on such a location. Both write the
+same bytes under the same names, so a checkpoint copied between a disk and an object store
+stays valid.
 
 Must not import: jax, orbax, torch.
 
@@ -137,7 +138,8 @@ class ArrayFiles(Protocol):
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str, offset: int,
                     created: Callable[[], None] | None = None) -> tuple[int, str]:
-        """Write one array's chunk file, durably; (size, checksum with ``algorithm``).
+        """Write one array's chunk file, durable once ``finish`` returns (or on return,
+        where ``finish`` waits for nothing); (size, checksum with ``algorithm``).
         ``created``: called once the file is at its name, before its bytes go out (each
         time it is made: ``chunk_io.write_chunk``), where files have names to sync."""
 
@@ -159,8 +161,16 @@ class LocalArrayFiles:
     and go out as one burst rather than one by one among the chunk writes (each flush
     stalls them). The checksum of a small file is of the bytes written.
 
+    Each chunk file's fsync runs on a side thread too, started as soon as its last byte
+    is written (``chunk_io.write_chunk``'s ``sync_later``), so that the I/O thread starts
+    its next file meanwhile, and ``finish`` waits for it like the others.
+
     Concurrency contract: as the module's; one instance serves one write (the syncs it
     started are that write's, waited for by its ``finish``)."""
+
+    #: Whether chunk files are fsynced on a side thread and waited for by ``finish``
+    #: (not where ``finish`` does not wait: ``SharedLocalArrayFiles``).
+    sync_chunks_aside = True
 
     def __init__(self, *, direct: bool):
         self.direct = direct
@@ -226,10 +236,17 @@ class LocalArrayFiles:
 
     def write_chunk(self, path: str, array: np.ndarray, *, algorithm: str, offset: int,
                     created: Callable[[], None] | None = None) -> tuple[int, str]:
+        aside = self._sync_aside if self.sync_chunks_aside else None
         size, crc = chunk_io.write_chunk(path, array, algorithm=algorithm,
-                                         direct=self.direct, offset=offset, created=created)
+                                         direct=self.direct, offset=offset, created=created,
+                                         sync_later=aside)
         WRITTEN.add(size)
         return size, crc
+
+    def _sync_aside(self, sync: Callable[[], None]) -> None:
+        """Start a chunk file's fsync now, on a side thread; ``finish`` waits for it."""
+        with self._syncs_lock:
+            self._syncs.append(_syncer.get().submit(sync))
 
     def read_small(self, path: str, limit: int) -> bytes:
         with open(path, "rb") as stream:
@@ -252,6 +269,8 @@ class SharedLocalArrayFiles(LocalArrayFiles):
     """``LocalArrayFiles`` for a directory that several processes write together (each its
     own chunk files): written in place, since no one process knows when the others are
     done; the checkpoint's commit marker, written once all are, makes the files count."""
+
+    sync_chunks_aside = False  # nobody waits for them: each chunk file synced in place
 
     def start(self, final: str) -> str:
         os.makedirs(final, exist_ok=True)

@@ -379,10 +379,10 @@ def write_native(root: epath.Path | str, arrays: dict[str, np.ndarray], *,
     try:
         written = _write_native_into(base, final, arrays, started_ns, pool=pool, files=files,
                                      fills=fills or {}, reuse=reuse)
+        files.finish(base, final)  # may fail too: a file's or directory's fsync
     except BaseException:
         files.abandon(base)
         raise
-    files.finish(base, final)
     if tree is not None:
         written.entries[TREE_FILE] = {"size": tree[0], default_algorithm(): tree[1]}
     return written
