@@ -70,5 +70,6 @@ def test_the_accelerate_bench_row_runs_both_ways(tmp_path):
     row = accelerate_rows(str(tmp_path), hidden=8, layers=1, steps=6, save_every=2, rounds=1)
     assert row["saves"] == 3
     assert set(row["lost_s"]) == {"accelerate", "jaxckpt", "jaxckpt-blocking"}
+    assert len(row["lost_rounds_s"]["jaxckpt"]) == 1
     assert row["lost_s"]["accelerate"] > 0 and row["loop_s"]["jaxckpt"] > 0
     assert list(tmp_path.iterdir()) == []  # its checkpoints are removed after

@@ -9,8 +9,8 @@ the same steps with ``overlap_staging`` as the recipe has it, and without it:
 target is the training thread's seconds per save once under way, as the large Trainer row's
 (``rows_trainers._steady_per_save``): the save call plus the next optimizer step, where the
 overlap's fence waits for the copy (over the same in the run without checkpoints);
-whole-loop wall times are reported beside it (on a shared 2-core machine they also hold the
-background write's share of the cores).
+``lost_rounds_s`` per round. Whole-loop wall times are reported beside it (on a shared
+2-core machine they also hold the background write's share of the cores).
 ``step_ms`` sleeps before each optimizer step, standing for an accelerator's forward and
 backward.
 
@@ -67,9 +67,12 @@ def accelerate_rows(directory: str | None = None, *, hidden: int = 1024, layers:
     steady = {way: _steady_per_save(runs[way], runs["none"], steps, save_every)
               for way in checkpointed}
     lost = {way: None if value is None else round(value, 3) for way, value in steady.items()}
+    rounds_lost = {way: [None if value is None else round(value, 3) for value in (
+        _steady_per_save([run], [base], steps, save_every)
+        for run, base in zip(runs[way], runs["none"], strict=True))] for way in checkpointed}
     state_mb = layers * (hidden * hidden + hidden) * 4 * 3 / (1 << 20)  # params + AdamW
     return {"checkpoint_mb": round(state_mb, 1), "saves": steps // save_every,
-            "lost_s": lost,
+            "lost_s": lost, "lost_rounds_s": rounds_lost,
             "loop_s": {way: round(value, 3) for way, value in loop.items()},
             "lost_wall_s": {way: round(loop[way] - loop["none"], 3) for way in checkpointed},
             "end_s": {way: round(statistics.median(run["end_s"] for run in runs[way]), 3)
