@@ -25,6 +25,10 @@ __all__ = ["ALGORITHMS", "RunningChecksum", "default_algorithm", "extend", "file
 
 ALGORITHMS = ("crc32c", "crc32")
 _PIECE = 1024 * 1024
+# Pieces up to this size are checksummed as bytes by the extension's own call, the GIL held
+# for a few microseconds: the unlocked ctypes call's fixed cost is several times a small
+# piece's checksum (torch's writer hands DCP's files over in pieces of a few KiB).
+_SMALL = 256 * 1024
 _buffers = threading.local()
 
 try:  # the C extension only: see the module docstring
@@ -78,15 +82,19 @@ def _check_available(algorithm: str) -> None:
             "verify with sizes only.")
 
 
-def _extend(algorithm: str, crc: int, view: np.ndarray) -> int:
+def _extend(algorithm: str, crc: int, view: Any) -> int:
     if algorithm == "crc32c":
+        if _HAVE_CRC32C and (isinstance(view, bytes) and len(view) <= _SMALL
+                             or isinstance(view, memoryview) and view.nbytes <= _SMALL):
+            # bytes of a memoryview: the copy of a small piece costs less than the ctypes call
+            return int(_crc32c_module.extend(crc, view if isinstance(view, bytes)
+                                             else view.tobytes()))
         if (_crc32c_unlocked is not None and isinstance(view, np.ndarray)
                 and view.flags.c_contiguous):
             # ``view`` is held here for the whole call, so its memory stays valid.
             return int(_crc32c_unlocked(crc, view.ctypes.data, view.nbytes))
         return int(_crc32c_module.extend(crc, view))
-    # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12.
-    return zlib.crc32(view, crc)  # type: ignore[arg-type]  # zlib releases the GIL itself
+    return zlib.crc32(view, crc)  # zlib releases the GIL itself
 
 
 def extend(algorithm: str, crc: int, data: Any) -> int:
@@ -94,8 +102,9 @@ def extend(algorithm: str, crc: int, data: Any) -> int:
     e.g. to checksum a file's bytes while they are being written instead of reading the
     file back."""
     _check_available(algorithm)
-    if isinstance(data, memoryview):  # google-crc32c's extension refuses memoryviews
-        data = np.frombuffer(data, np.uint8)
+    if isinstance(data, memoryview):
+        if not (_HAVE_CRC32C and algorithm == "crc32c" and data.nbytes <= _SMALL):
+            data = np.frombuffer(data, np.uint8)  # google-crc32c refuses memoryviews
     return _extend(algorithm, crc, data)
 
 

@@ -3,6 +3,9 @@ themselves are measured by the integrations' own bench modules, minutes of train
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from jaxckpt.tools.bench.trainers import format_trainers, run_trainers, trainer_targets
@@ -56,3 +59,46 @@ def test_the_steady_save_time_leaves_out_the_first_and_last_saves():
     plain = {"calls_s": [0.1] * 8}
     assert _steady_per_save([run], [plain], 8, 2) == pytest.approx(0.5)
     assert _steady_per_save([run], [plain], 4, 2) is None
+
+
+def test_cpu_per_save_is_split_between_the_training_thread_and_the_others():
+    from jaxckpt.tools.bench.rows_trainers import _cpu_per_save
+
+    # 2 saves: 1.0 s more CPU in all and 0.4 s more on the training thread than without.
+    runs = [{"cpu_s": 3.0, "train_cpu_s": 1.4}]
+    plain = [{"cpu_s": 2.0, "train_cpu_s": 1.0}]
+    split = _cpu_per_save(runs, plain, 2)
+    assert split["total"] == pytest.approx(0.5)
+    assert split["training_thread"] == pytest.approx(0.2)
+    assert split["other_threads"] == pytest.approx(0.3)
+    rows = {"lightning": {"lost_s": {"torch_io": 0.4, "jaxckpt": 0.2},
+                          "cpu_per_save_s": {"torch_io": {"total": 0.1, "training_thread": 0.1},
+                                             "jaxckpt": split}}}
+    target = trainer_targets(rows)[0]
+    assert target["jaxckpt_cpu_per_save_s"] is split
+    table = format_trainers({"quick": False, "rows": rows, "targets": [target]})
+    assert table.splitlines()[-1].split() == ["lightning", "0.100", "/", "-", "/", "-",
+                                              "0.500", "/", "-", "/", "-"]
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice is Linux's")
+def test_threads_started_under_lowered_threads_take_the_nice_value():
+    from jaxckpt.tools.bench.timing import _lowered_threads
+
+    def nice_of_new_thread() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(
+            os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with _lowered_threads(19) as threads:
+        assert nice_of_new_thread() == 19
+        burner = threading.Thread(target=lambda: sum(range(3_000_000)))
+        burner.start()
+        burner.join()
+        assert threads.spent() > 0.02  # the ended threads' CPU is counted
+    assert nice_of_new_thread() == mine  # the switch is undone; this thread never changed
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from .timing import _in_child
+from .timing import _cpu_clock, _in_child, _lowered_threads
 
 __all__ = ["keras_rows"]
 
@@ -30,7 +30,8 @@ VARIANTS = ("plain", "keras", "jaxckpt")
 
 def keras_rows(*, widths: tuple[int, ...] = (256, 1024, 1024, 256), batches: int = 60,
                batch_size: int = 64, every: int = 10, rounds: int = 3, frozen_mb: int = 0,
-               step_ms: int = 0, directory: str | None = None) -> dict[str, Any]:
+               step_ms: int = 0, directory: str | None = None,
+               background_nice: int | None = None) -> dict[str, Any]:
     """Measure the three fits in a fresh process and return the medians and lost times.
 
     Lost time per fit is each fit's wall time minus the ``plain`` fit's of the same round
@@ -50,10 +51,12 @@ def keras_rows(*, widths: tuple[int, ...] = (256, 1024, 1024, 256), batches: int
             ``on_train_batch_begin``): an accelerator's share of a step, during which the
             host's cores are free.
         directory: where the checkpoints go (default the system temporary directory).
+        background_nice: the nice value of every Python thread the child starts (the save's
+            background threads; XLA's own are native); None: the training thread's priority.
     """
     job = {"widths": list(widths), "batches": batches, "batch_size": batch_size,
            "every": every, "rounds": rounds, "frozen_mb": frozen_mb, "step_ms": step_ms,
-           "directory": directory}
+           "directory": directory, "background_nice": background_nice}
     return _in_child("jaxckpt.tools.bench.rows_keras:_keras_worker", job,
                      what="the Keras fit benchmark", env={"KERAS_BACKEND": "jax"})
 
@@ -84,6 +87,12 @@ def _model(keras: Any, job: dict[str, Any]) -> Any:
 def _keras_worker() -> None:
     """The child side: a job as JSON on stdin, the result as one JSON line on stdout."""
     job = json.load(sys.stdin)
+    with _lowered_threads(job.get("background_nice")) as threads:
+        _keras_fits(job, threads)
+
+
+def _keras_fits(job: dict[str, Any], threads: Any) -> None:
+    """The worker's fits, in the process's own threads."""
     import keras
     import numpy as np
 
@@ -111,10 +120,17 @@ def _keras_worker() -> None:
     def fit(variant: str) -> dict[str, Any]:
         chosen = [_timed_hooks(keras, callback) for callback in callbacks(variant)]
         device = _device_step(keras, job["step_ms"])
+        cpu, train_cpu = _cpu_clock()
+        background = threads.spent()
         started = time.perf_counter()
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=True, verbose=0,
                   callbacks=[*chosen, device])
-        return {"fit_s": time.perf_counter() - started,
+        fit_s = time.perf_counter() - started
+        cpu_after, train_cpu_after = _cpu_clock()
+        return {"fit_s": fit_s, "cpu_s": cpu_after - cpu,
+                "train_cpu_s": train_cpu_after - train_cpu,
+                "background_cpu_s": threads.spent() - background,
+                "hooks_cpu_s": sum(callback.cpu_s for callback in chosen),
                 "steps_s": device.begins[-1] - device.begins[0],
                 "hooks_s": sum(callback.spent_s for callback in chosen),
                 "end_s": sum(callback.end_s for callback in chosen)}
@@ -168,7 +184,24 @@ def _summary(samples: dict[str, list[dict[str, Any]]], job: dict[str, Any]) -> d
         "ratio": median(fit_ratios), "ratios": fit_ratios,
         "ratio_per_save": median(save_ratios), "ratios_per_save": save_ratios,
         "saves_per_fit": saves, "load_average": list(os.getloadavg()),
+        "cpu_per_save_s": {v: _cpu_split(samples, v, saves) for v in ("keras", "jaxckpt")},
     }
+
+
+def _cpu_split(samples: dict[str, list[dict[str, Any]]], variant: str,
+               saves: int) -> dict[str, float]:
+    """CPU seconds per save (fit over the same round's ``plain`` fit, median over rounds):
+    the process's, the training thread's, the other threads' (XLA's pool included), and
+    where they are spent: the training thread's in the callback's hooks (``save_points``),
+    the save's own Python threads' (``background``)."""
+    def per_save(key: str) -> float:
+        return statistics.median(run[key] - plain[key] for run, plain in
+                                 zip(samples[variant], samples["plain"], strict=True)) / saves
+
+    whole, own = per_save("cpu_s"), per_save("train_cpu_s")
+    return {"total": whole, "training_thread": own, "other_threads": whole - own,
+            "save_points": statistics.median(r["hooks_cpu_s"] for r in samples[variant]) / saves,
+            "background": per_save("background_cpu_s")}
 
 
 def _device_step(keras: Any, step_ms: int) -> Any:
@@ -197,6 +230,7 @@ def _timed_hooks(keras: Any, inner: Any) -> Any:
 
     class Timed(keras.callbacks.Callback):
         spent_s = 0.0  # in every hook: begin and end of fit (open, final save) included
+        cpu_s = 0.0  # the training thread's CPU seconds in them
         end_s = 0.0  # in on_train_end: a final save, waiting for the saves in flight
 
         def set_model(self, model: Any) -> None:
@@ -208,10 +242,11 @@ def _timed_hooks(keras: Any, inner: Any) -> Any:
             inner.set_params(params)
 
         def _call(self, name: str, *args: Any) -> float:
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             getattr(inner, name)(*args)
             spent = time.perf_counter() - started
             self.spent_s += spent
+            self.cpu_s += time.thread_time() - started_cpu
             return spent
 
         def on_train_begin(self, logs: Any = None) -> None:

@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+from .timing import _cpu_clock, _lowered_threads
+
 __all__ = ["trainer_rows", "lightning_large_rows"]
 
 
@@ -74,13 +76,16 @@ def _trainer(output_dir: str, *, steps: int, save_every: int | None, width: int,
                    callbacks=[DeviceStep()] if step_ms else None)
 
 
-def _timed(fn: Any, spent: list[float]) -> Any:
+def _timed(fn: Any, spent: list[float], cpu: list[float] | None = None) -> Any:
+    """``fn`` noting its wall seconds in ``spent`` and its thread's CPU seconds in ``cpu``."""
     def call(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             spent.append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu.append(time.thread_time() - start_cpu)
     return call
 
 
@@ -122,7 +127,8 @@ def _blocking(trainer: Any) -> Any:
     return Blocking()
 
 
-def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[str, Any]:
+def _run(variant: str, workdir: str, *, save_every: int, threads: Any = None,
+         **shape: Any) -> dict[str, Any]:
     """One ``trainer.train()``: its seconds, and the seconds the training thread spent at
     the save points (Trainer's logging plus its save, or jaxckpt's staging) and in
     ``on_train_end`` (where jaxckpt waits for its last save to commit)."""
@@ -134,20 +140,28 @@ def _run(variant: str, workdir: str, *, save_every: int, **shape: Any) -> dict[s
         trainer = use_jaxckpt(trainer, os.path.join(output, "root"), preemption_signals=())
     spent: list[float] = []
     ending: list[float] = []
-    trainer._maybe_log_save_evaluate = _timed(trainer._maybe_log_save_evaluate, spent)
+    save_cpu: list[float] = []
+    trainer._maybe_log_save_evaluate = _timed(trainer._maybe_log_save_evaluate, spent,
+                                              save_cpu)
     handler = trainer.callback_handler
-    handler.on_train_end = _timed(handler.on_train_end, ending)
+    handler.on_train_end = _timed(handler.on_train_end, ending, save_cpu)
     if variant == "jaxckpt-blocking":  # staging on the training thread, as before overlap
         trainer.add_callback(_blocking(trainer))
+    cpu, train_cpu = _cpu_clock()
+    background = threads.spent() if threads else 0.0
     start = time.perf_counter()
     with _fence_timed(spent):
         trainer.train()
     run_s = time.perf_counter() - start
+    cpu_after, train_cpu_after = _cpu_clock()
+    background = (threads.spent() if threads else 0.0) - background
     shutil.rmtree(output, ignore_errors=True)
     # train_end_s: jaxckpt waits there for its last save to commit (written, checksummed,
     # fsynced); Trainer's own files may still be in the page cache.
     return {"run_s": run_s, "save_points_s": sum(spent) + sum(ending),
-            "train_end_s": sum(ending), "calls_s": spent}
+            "train_end_s": sum(ending), "calls_s": spent, "cpu_s": cpu_after - cpu,
+            "train_cpu_s": train_cpu_after - train_cpu, "save_points_cpu_s": sum(save_cpu),
+            "background_cpu_s": background}
 
 
 def _steady_per_save(runs: list[dict[str, Any]], plain: list[dict[str, Any]], steps: int,
@@ -166,7 +180,8 @@ def _steady_per_save(runs: list[dict[str, Any]], plain: list[dict[str, Any]], st
 
 def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, layers: int = 4,
                  repeats: int = 3, frozen_mb: int = 0, step_ms: int = 0,
-                 directory: str | None = None) -> dict[str, Any]:
+                 directory: str | None = None,
+                 background_nice: int | None = None) -> dict[str, Any]:
     """Median seconds of each variant, and the time each loses to checkpointing: the
     training thread's time at the save points and at the end of training minus the same
     without checkpoints (per round, then the median; whole runs are reported too, but on a
@@ -186,6 +201,9 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
             accelerator's forward and backward during which the host's cores are free for
             the staging copy and the background write.
         directory: where runs write (a temporary directory under it); None: the system's.
+        background_nice: the nice value every Python thread started during the runs takes
+            (the save's background threads; torch's own pool is native): None leaves them
+            at the training thread's priority.
     """
     import torch
 
@@ -195,12 +213,14 @@ def trainer_rows(*, steps: int = 40, save_every: int = 10, width: int = 256, lay
     variants = ["none", "trainer", "jaxckpt", "jaxckpt-blocking"]
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     # Trainer prints its logs: to stderr, so that stdout holds only the result.
-    with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as cleanup:
+    with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as cleanup, \
+            _lowered_threads(background_nice) as threads:
         cleanup.callback(shutil.rmtree, workdir, True)
         _run("none", workdir, save_every=save_every, **shape)  # warm-up: imports, allocator
         for round_index in range(repeats):
             for name in variants[::-1] if round_index % 2 else variants:
-                samples[name].append(_run(name, workdir, save_every=save_every, **shape))
+                samples[name].append(_run(name, workdir, save_every=save_every,
+                                          threads=threads, **shape))
 
     return _summary(samples, variants, {**shape, "save_every": save_every,
                                         "repeats": repeats}, steps, save_every)
@@ -222,6 +242,7 @@ def _summary(samples: dict[str, list[dict[str, Any]]], variants: list[str],
                 for name in variants[1:]}
     steady = {name: _steady_per_save(samples[name], samples["none"], steps, save_every)
               for name in variants[1:]}
+    saves = steps // save_every
     own = variants[1]
     ratios = [j / t for j, t in zip(lost["jaxckpt"], lost[own], strict=True) if t > 0]
     return {"shape": shape,
@@ -232,7 +253,28 @@ def _summary(samples: dict[str, list[dict[str, Any]]], variants: list[str],
             "lost_s": {name: statistics.median(values) for name, values in lost.items()},
             "run_lost_s": {name: statistics.median(v) for name, v in run_lost.items()},
             "steady_save_s": steady,
+            "cpu_per_save_s": {name: _cpu_per_save(samples[name], samples["none"], saves)
+                               for name in variants[1:]},
             f"lost_ratio_jaxckpt_to_{own}": statistics.median(ratios) if ratios else None}
+
+
+def _cpu_per_save(runs: list[dict[str, Any]], plain: list[dict[str, Any]],
+                  saves: int) -> dict[str, float | None]:
+    """CPU seconds a save costs the process, over the same run without checkpoints (per
+    round, then the median): in all, on the training thread, on every other thread (these
+    three include what a busy machine's spinning thread pools add), and, measured where they
+    are spent: the training thread's inside the save points (``save_points``) and the save's
+    own Python threads' (``background``)."""
+    def per_save(key: str) -> float | None:
+        values = [(run[key] - base[key]) / saves for run, base in zip(runs, plain, strict=True)
+                  if key in run and key in base]
+        return statistics.median(values) if values and saves else None
+
+    total, train = per_save("cpu_s"), per_save("train_cpu_s")
+    return {"total": total, "training_thread": train,
+            "other_threads": None if total is None or train is None else total - train,
+            "save_points": per_save("save_points_cpu_s"),
+            "background": per_save("background_cpu_s")}
 
 
 def _lightning_module(*, hidden: int, layers: int, frozen_mb: int, step_ms: int) -> Any:
@@ -311,13 +353,16 @@ def _lightning_run(variant: str, workdir: str, *, steps: int, save_every: int,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[checkpoint], plugins=[plugin])
     model = _lightning_module(**shape)
+    cpu, train_cpu = _cpu_clock()
     start = time.perf_counter()
     with _fence_timed(spent):
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=16))
     run_s = time.perf_counter() - start
+    cpu_after, train_cpu_after = _cpu_clock()
     shutil.rmtree(output, ignore_errors=True)
     return {"run_s": run_s, "save_points_s": sum(spent) + sum(ending),
-            "train_end_s": sum(ending), "calls_s": spent}
+            "train_end_s": sum(ending), "calls_s": spent, "cpu_s": cpu_after - cpu,
+            "train_cpu_s": train_cpu_after - train_cpu}
 
 
 def lightning_large_rows(*, steps: int = 30, save_every: int = 5, hidden: int = 1024,

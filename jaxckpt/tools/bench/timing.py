@@ -2,8 +2,11 @@
 
 Owns: ``_settle`` (collect garbage, hand freed memory back, sync: the previous row's leftovers
 are not this row's cost), ``_timed``, ``_drop_page_cache`` (cold reads, root only), host
-memory probes (``_rss``, ``_traced_peak``), ``_quiet`` (library warnings are not results) and
-``_in_child`` (a row measured in a fresh process: a job as JSON in, the result as JSON out).
+memory probes (``_rss``, ``_traced_peak``), ``_quiet`` (library warnings are not results),
+``_in_child`` (a row measured in a fresh process: a job as JSON in, the result as JSON out),
+``_cpu_clock`` (CPU seconds: the process's, the calling thread's) and ``_lowered_threads``
+(the CPU seconds of the Python threads started meanwhile, optionally run at a lower CPU
+priority: an experiment's switch).
 
 Must not import: jax, orbax, torch.
 """
@@ -156,3 +159,70 @@ def _in_child(entry: str, job: Any, *, what: str,
         raise RuntimeError(f"{what} failed with exit code {done.returncode}:\n"
                            f"{done.stderr[-4000:]}")
     return json.loads(lines[-1])
+
+
+def _cpu_clock() -> tuple[float, float]:
+    """(CPU seconds of the whole process, of the calling thread): all threads together, and
+    the training thread alone; the difference is every other thread's (the save's
+    background threads, and the framework's own, such as torch's intra-op pool)."""
+    return time.process_time(), time.thread_time()
+
+
+class _ThreadCpu:
+    """CPU seconds of the Python threads started under ``_lowered_threads``: the ones that
+    ended (their own ``thread_time`` at the end) and the live ones (Linux's per-thread
+    ``/proc/self/task/<id>/stat``; elsewhere only the ended ones count)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._ended = 0.0
+        self._live: set[int] = set()
+
+    def spent(self) -> float:
+        """CPU seconds so far, all of those threads together."""
+        with self._lock:
+            total, live = self._ended, list(self._live)
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        for native in live:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/self/task/{native}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return total
+
+    def run(self, bootstrap: Callable[[], None], native: int) -> None:
+        with self._lock:
+            self._live.add(native)
+        try:
+            bootstrap()
+        finally:
+            with self._lock:
+                self._live.discard(native)
+                self._ended += time.thread_time()
+
+
+@contextlib.contextmanager
+def _lowered_threads(nice: int | None) -> Iterator[_ThreadCpu]:
+    """While open, each Python thread started in this process is counted in the yielded
+    ``_ThreadCpu`` and, with ``nice``, first raises its own nice value to it (Linux: per
+    thread), so that it runs only where the training thread and its pools leave a core
+    idle. Threads of native pools (torch's, XLA's) are neither counted nor changed."""
+    import threading
+
+    ledger = _ThreadCpu()
+    bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def lowered(self: Any) -> None:
+        native = threading.get_native_id()
+        if nice is not None and hasattr(os, "setpriority"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, native, nice)
+        ledger.run(lambda: bootstrap(self), native)
+
+    threading.Thread._bootstrap_inner = lowered  # type: ignore[attr-defined]
+    try:
+        yield ledger
+    finally:
+        threading.Thread._bootstrap_inner = bootstrap  # type: ignore[attr-defined]

@@ -66,14 +66,19 @@ _NEEDS = {"transformers": ("transformers", "accelerate"),
           "lightning-large": ("lightning",), "accelerate": ("accelerate",),
           "keras": ("keras", "jax"), "keras-large": ("keras", "jax")}
 
+_NICE_ROWS = ("transformers", "transformers-large", "lightning", "keras", "keras-large")
 
-def _lost(name: str, row: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(own lost seconds, jaxckpt lost seconds) from a row function's result."""
+
+def _lost(name: str, row: dict[str, Any], key: str | None = None) -> tuple[Any, Any]:
+    """(own, jaxckpt) lost seconds from a row function's result; with ``key``, that entry
+    of the row (``cpu_per_save_s``) for both."""
     lost = row.get("lost_s") or {}
     if name in ("transformers-large", "lightning-large"):
         lost = row.get("steady_save_s") or {}
     if name == "keras-large":
         lost = row.get("lost_per_save_s") or {}
+    if key is not None:
+        lost = row.get(key) or {}
     if name.startswith("transformers"):
         return lost.get("trainer"), lost.get("jaxckpt")
     if name.startswith("lightning"):
@@ -106,7 +111,8 @@ def _row_function(name: str) -> Callable[..., dict[str, Any]]:
 
 
 def run_trainers(*, directory: str | None = None, quick: bool = False,
-                 only: tuple[str, ...] = tuple(TRAINER_SHAPES)) -> dict[str, Any]:
+                 only: tuple[str, ...] = tuple(TRAINER_SHAPES),
+                 background_nice: int | None = None) -> dict[str, Any]:
     """Each integration's row; a missing framework gives ``{"unavailable": reason}``.
 
     Args:
@@ -114,6 +120,9 @@ def run_trainers(*, directory: str | None = None, quick: bool = False,
         quick: tiny models and one round, to check the rows run (figures mean nothing).
         only: which of "transformers", "transformers-large", "lightning",
             "lightning-large", "accelerate", "keras", "keras-large".
+        background_nice: the nice value the Python threads started during the rows take
+            (the saves' background threads) in the rows that offer it ("transformers",
+            "transformers-large", "lightning", "keras", "keras-large"); None: unchanged.
     """
     unknown = sorted(set(only) - set(TRAINER_SHAPES))
     if unknown:
@@ -127,6 +136,8 @@ def run_trainers(*, directory: str | None = None, quick: bool = False,
                                          f"(pip install 'jaxckpt[{name}]')"}
             continue
         shape = dict(TRAINER_SHAPES[name][1 if quick else 0], directory=directory)
+        if background_nice is not None and name in _NICE_ROWS:
+            shape["background_nice"] = background_nice
         with contextlib.redirect_stdout(sys.stderr):  # the trainers' own prints
             rows[name] = _row_function(name)(**shape)
     return {"quick": quick, "rows": rows, "targets": trainer_targets(rows)}
@@ -142,7 +153,9 @@ def trainer_targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
         if ours is not None:
             ours = max(0.0, ours)  # a loss under the noise floor measures as negative
         ratio = ours / own if own and ours is not None and own > 0 else None
+        own_cpu, ours_cpu = _lost(name, row, "cpu_per_save_s")
         targets.append({"trainer": name, "own_lost_s": own, "jaxckpt_lost_s": ours,
+                        "own_cpu_per_save_s": own_cpu, "jaxckpt_cpu_per_save_s": ours_cpu,
                         "ratio": ratio, "goal": f"<= {LOST_RATIO_TARGET}",
                         "met": None if ratio is None else ratio <= LOST_RATIO_TARGET})
     return targets
@@ -164,6 +177,22 @@ def format_trainers(report: dict[str, Any]) -> str:
         met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
         lines.append(f"{name:<20}{seconds(t['own_lost_s']):>12}{seconds(t['jaxckpt_lost_s']):>14}"
                      f"{ratio:>8}  {t['goal']:<8} {met}")
+    cpu = [(t["trainer"], t["own_cpu_per_save_s"], t["jaxckpt_cpu_per_save_s"])
+           for t in report["targets"] if t.get("own_cpu_per_save_s")]
+    if cpu:
+        lines.append("CPU s per save: all threads over no checkpoints / training thread"
+                     " in the save points / the save's Python threads")
+        lines.append(f"{'':<20}{'OWN':>24}{'JAXCKPT':>26}")
+        for name, own, ours in cpu:
+            lines.append(f"{name:<20}{_split(own):>24}{_split(ours):>26}")
     if report["quick"]:
         lines.append("(--quick: tiny models, one round; the figures mean nothing)")
     return "\n".join(lines)
+
+
+def _split(cpu: dict[str, Any] | None) -> str:
+    """``total / save points / background`` CPU seconds of one save ("-" where missing)."""
+    if not cpu:
+        return "-"
+    return " / ".join("-" if cpu.get(key) is None else f"{cpu[key]:.3f}"
+                      for key in ("total", "save_points", "background"))
