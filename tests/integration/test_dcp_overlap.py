@@ -53,32 +53,6 @@ def test_the_update_waits_for_the_copy_and_the_closure_does_not(call):
         staging.close()
 
 
-def test_the_write_holds_back_while_an_optimizer_step_runs():
-    """``wait_idle`` (what the local writer calls before each chunk) blocks during a hooked
-    step, up to ``PAUSE_LIMIT_S``, and not once the step is over or the hook removed."""
-    weight = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([weight], lr=0.1)
-    staging = StagingOverlap()
-    hook = fence_before_step(optimizer, staging)
-    waited: list[bool] = []
-
-    def closure() -> torch.Tensor:
-        done = threading.Event()
-        threading.Thread(target=lambda: (staging.wait_idle(), done.set())).start()
-        waited.append(not done.wait(0.2))  # still held back while the step runs
-        optimizer.zero_grad()
-        loss = (weight * 2).sum()
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
-    staging.wait_idle()  # returns at once: no step runs
-    hook.remove()
-    optimizer.step(lambda: (weight * 2).sum())
-    assert waited == [True] and staging._idle.is_set()
-    staging.close()
-
-
 def test_a_hand_loop_opting_in_saves_the_state_of_its_save_step(tmp_path):
     """``DcpCheckpointManager.overlap_staging``: ``maybe_save`` returns before the (slowed)
     copy is made, the next forward of the BatchNorm model and the next update wait for it,

@@ -607,9 +607,6 @@ class DcpBackend:
         writer = files.writer(staging_dir, sync_files=self._sync_files, in_process=in_process)
         if in_process and base is not None:  # hash every tensor, keep unchanged ones
             writer.incremental = Incremental(base, directory, files.read_content)
-        if asynchronous and self._overlap is not None and hasattr(
-                getattr(writer, "fs", None), "pause"):  # hold back during optimizer steps
-            writer.fs.pause = self._overlap.wait_idle
         if self._rank == 0:
             files.prepare(directory, staging_dir, document, writer)
         common = dict(storage_writer=writer, process_group=self._io_group,

@@ -4,7 +4,7 @@ Owns: ``checksumming_writer(path)``, a ``FileSystemWriter`` whose streams checks
 byte on its way to the file, fsync it on close, and keep its manifest entry in
 ``writer.fs.written``; the commit takes those (``LocalDcpFiles.known_checksums``) instead
 of reading the files back. A stream that was sought in records nothing (the commit then
-reads that file back). ``writer.fs.pause``, when set, runs before each write.
+reads that file back).
 
 Must not import: jax, orbax. ``torch.distributed.checkpoint`` is imported on first use.
 
@@ -18,7 +18,7 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from jaxckpt.core.checksum import RunningChecksum
@@ -30,17 +30,14 @@ class _ChecksummingStream:
     """A file opened for writing: every written byte extends the checksum; ``close``
     flushes, fsyncs and reports the entry (unless the stream was sought in)."""
 
-    def __init__(self, raw: Any, report: Any, pause: Callable[[], Any] | None = None):
+    def __init__(self, raw: Any, report: Any):
         self._raw = raw
         self._report = report
-        self._pause = pause  # called before each write: may hold the write back a while
         self._sum = RunningChecksum()
         self._sequential = True
         self.closed = False
 
     def write(self, data: Any) -> int:
-        if self._pause is not None:
-            self._pause()
         view = memoryview(data).cast("B")
         count = self._raw.write(view)
         # A raw (unbuffered) file may take less than it was given; a buffered one never.
@@ -91,8 +88,6 @@ def _writer_class() -> type:
             self._lock = threading.Lock()
             #: path -> manifest entry of each file written (and fsynced) whole.
             self.written: dict[str, dict[str, Any]] = {}
-            #: called by each stream before each write (``StagingOverlap.wait_idle``).
-            self.pause: Callable[[], Any] | None = None
 
         @contextlib.contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -107,7 +102,7 @@ def _writer_class() -> type:
                     self.written[name] = entry
 
             with open(name, "wb") as raw:
-                checksumming = _ChecksummingStream(raw, report, self.pause)
+                checksumming = _ChecksummingStream(raw, report)
                 yield checksumming
                 checksumming.close()
 

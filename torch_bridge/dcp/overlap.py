@@ -6,7 +6,6 @@ while the training loop goes on; ``fence`` blocks until that copy is finished. W
 attaches it must fence before anything changes the saved tensors (``fence_before_step``:
 an optimizer step pre-hook; ``StagingFence`` installs those hooks and the forward pre-hooks
 of modules holding buffers); the next write and ``close`` wait for the whole save anyway.
-The same hooks mark the optimizer steps, during which the write holds back (``wait_idle``).
 ``single_process``: where an integration may attach one.
 
 Must not import: jax, orbax.
@@ -22,9 +21,6 @@ from typing import Any
 __all__ = ["StagingFence", "StagingOverlap", "attach", "detach", "fence_before_step",
            "single_process"]
 
-#: longest a write holds back for one optimizer step (a longer step: it goes on anyway).
-PAUSE_LIMIT_S = 1.0
-
 
 class StagingOverlap:
     """One worker thread (kept between saves) and the event set once the current save's
@@ -37,8 +33,6 @@ class StagingOverlap:
         self._executor: ThreadPoolExecutor | None = None
         self._staged = threading.Event()
         self._staged.set()
-        self._idle = threading.Event()  # clear while an optimizer step runs
-        self._idle.set()
 
     def submit(self, stage: Callable[[], Any]) -> Future[None]:
         """Run ``stage`` (returns DCP's upload future, or None when nothing is left to wait
@@ -59,21 +53,6 @@ class StagingOverlap:
     def fence(self, timeout_s: float | None = None) -> bool:
         """Block until the in-flight save's host copy is made; False on a timeout."""
         return self._staged.wait(timeout_s)
-
-    def step_started(self) -> None:
-        """An optimizer step begins (``fence_before_step``'s hooks call it)."""
-        self._idle.clear()
-
-    def step_finished(self) -> None:
-        """The optimizer step is over."""
-        self._idle.set()
-
-    def wait_idle(self) -> None:
-        """Called by the write before each chunk: hold back while an optimizer step runs
-        (at most ``PAUSE_LIMIT_S``), so that on a few busy cores the update does not share
-        them with the write; the write goes on while the loop waits (for its data, the
-        device, the next save). Timing only: what is written does not change."""
-        self._idle.wait(PAUSE_LIMIT_S)
 
     def close(self) -> None:
         """Stop the worker once its job is done. Idempotent."""
@@ -120,12 +99,10 @@ def single_process() -> bool:
 
 
 def fence_before_step(optimizer: Any, staging: StagingOverlap) -> Any:
-    """Hook ``optimizer.step`` so that no update starts before ``staging``'s copy is made,
-    and mark each step's start and end on ``staging`` (its write holds back meanwhile);
-    returns a handle whose ``.remove()`` removes both hooks. A step given a closure
-    (Lightning runs the forward and backward in one, inside ``step``) waits after each call
-    of the closure, so the forward and backward still overlap the copy; a step without one
-    waits at once.
+    """Hook ``optimizer.step`` so that no update starts before ``staging``'s copy is made;
+    returns the hook's handle (``.remove()``). A step given a closure (Lightning runs the
+    forward and backward in one, inside ``step``) waits after each call of the closure,
+    so the forward and backward still overlap the copy; a step without one waits at once.
 
     Args:
         optimizer: a ``torch.optim.Optimizer``, or a wrapper of one in ``.optimizer``
@@ -136,7 +113,6 @@ def fence_before_step(optimizer: Any, staging: StagingOverlap) -> Any:
     def before_step(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # torch hands the hook step's arguments with the optimizer first: (self, closure?)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        staging.step_started()
         if closure is None:
             staging.fence()
             return None
@@ -149,22 +125,7 @@ def fence_before_step(optimizer: Any, staging: StagingOverlap) -> Any:
             return args, {**kwargs, "closure": fenced}
         return (args[0], fenced, *args[2:]), kwargs
 
-    def after_step(*_: Any) -> None:
-        staging.step_finished()
-
-    return _Handles(optimizer.register_step_pre_hook(before_step),
-                    optimizer.register_step_post_hook(after_step))
-
-
-class _Handles:
-    """Hook handles removed together."""
-
-    def __init__(self, *handles: Any) -> None:
-        self._handles = handles
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+    return optimizer.register_step_pre_hook(before_step)
 
 
 def innermost_optimizer(optimizer: Any) -> Any:
