@@ -80,6 +80,14 @@ class DeferredChecks:
             algorithm = algorithm_of(item[2])
             return algorithm, item[2][algorithm]
 
+    def offered(self, file: str) -> str | None:
+        """The algorithm of ``file``'s check while it is offered and not claimed, else None:
+        a backend that reads a file before it knows it will claim it checksums it with that
+        as the bytes come, and claims it later."""
+        with self._lock:
+            item = self._offered.get(os.path.realpath(file))
+            return None if item is None else algorithm_of(item[2])
+
     def fetched(self, file: str) -> Fetched | None:
         """The bytes of the claimed ``file`` as fetched ahead (``read_ahead``), with their
         checksum computed as they came, once the fetch ended; None when none was started

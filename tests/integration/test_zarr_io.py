@@ -1070,3 +1070,149 @@ def test_a_missing_chunk_file_of_a_grid_is_a_damaged_checkpoint(tmp_path):
             unreadable_is_corrupt(str(tmp_path)):
         read_native(str(arrays), restore_args, None, pool=pool,
                     files=LocalArrayFiles(direct=True))
+
+
+# ------------------------------------------ the packs read while like is matched
+
+
+def packed_state() -> dict:
+    """Small leaves in several packs (a 64 KiB pack limit) and one array stored alone."""
+    rng = np.random.default_rng(21)
+    small = {f"p{index:02d}": jnp.asarray(rng.standard_normal((2048,), dtype=np.float32))
+             for index in range(24)}
+    return {"small": small, "big": jnp.asarray(rng.standard_normal((1 << 17,),
+                                                                   dtype=np.float32))}
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A checkpoint of ``packed_state`` (its directory, the state, its pack names) and the
+    backend that wrote it."""
+    backend = OrbaxBackend(pack_leaf_bytes=16 << 10, pack_bytes=64 << 10)
+    directory = tmp_path_factory.mktemp("packed") / "ckpt"
+    state = packed_state()
+    backend.write(str(directory), state, asynchronous=False).wait()
+    packs = [pack["name"] for pack in json.loads((directory / "tree.json").read_text())["packs"]]
+    assert len(packs) >= 3
+    yield directory, state, packs
+    backend.close()
+
+
+def recording_reads(monkeypatch, packs: list[str]) -> dict:
+    """Counts of the packs' chunk reads begun and ended, recorded by ``chunk_io.read_chunk``
+    itself (the real one runs)."""
+    counts = {"begun": 0, "ended": 0, "all_begun": threading.Event()}
+    lock = threading.Lock()
+    real = chunk_io.read_chunk
+
+    def read_chunk(path, *args, **kwargs):
+        is_pack = any(f"/{name}/" in path for name in packs)
+        with lock:
+            counts["begun"] += is_pack
+            if counts["begun"] == len(packs):
+                counts["all_begun"].set()
+        try:
+            return real(path, *args, **kwargs)
+        finally:
+            with lock:
+                counts["ended"] += is_pack
+
+    monkeypatch.setattr(chunk_io, "read_chunk", read_chunk)
+    return counts
+
+
+def test_the_packs_reads_begin_before_like_is_matched(packed, monkeypatch):
+    from jaxckpt.backends.orbax import match
+
+    directory, state, packs = packed
+    counts = recording_reads(monkeypatch, packs)
+    seen_by_compare = []
+    real_compare = match.compare
+
+    def compare(*args, **kwargs):  # the order: every pack's read begins before this ends
+        counts["all_begun"].wait(timeout=10)
+        seen_by_compare.append(counts["begun"])
+        return real_compare(*args, **kwargs)
+
+    monkeypatch.setattr(match, "compare", compare)
+    claims, _ = offer_chunks(directory)
+    backend = OrbaxBackend()
+    try:
+        restored = backend.read(str(directory), like_of(state), claims=claims)
+    finally:
+        backend.close()
+    assert seen_by_compare == [len(packs)]
+    assert counts["begun"] == counts["ended"] == len(packs)  # each pack read once
+    assert_tree_bitwise_equal(restored, state)
+    # Checked as before: every chunk file claimed and settled, none left unchecked.
+    assert claims.unclaimed(str(directory)) == []
+    assert claims.problems(str(directory)) == []
+
+
+def test_a_like_mismatch_after_the_packs_reads_began_ends_them(packed, monkeypatch):
+    from jaxckpt.backends.orbax import match
+    from jaxckpt.errors import TreeMismatchError
+
+    directory, state, packs = packed
+    wrong = like_of(state)
+    wrong["small"]["p03"] = jax.ShapeDtypeStruct((7,), jnp.float32)
+    with pytest.raises(TreeMismatchError) as without_reads:  # matching alone: no reads
+        match.match_like(epath_of(directory), str(directory), wrong)
+    counts = recording_reads(monkeypatch, packs)
+    real_compare = match.compare
+
+    def compare(*args, **kwargs):  # some pack is being read, or was, when matching fails
+        while counts["begun"] == 0:
+            threading.Event().wait(0.001)
+        return real_compare(*args, **kwargs)
+
+    monkeypatch.setattr(match, "compare", compare)
+    fds = len(os.listdir("/proc/self/fd"))
+    claims, _ = offer_chunks(directory)
+    backend = OrbaxBackend()
+    try:
+        with pytest.raises(TreeMismatchError) as with_reads:
+            backend.read(str(directory), wrong, claims=claims)
+        # Every read begun has ended when the error comes; none is still queued.
+        assert counts["begun"] == counts["ended"] >= 1
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert str(with_reads.value) == str(without_reads.value)
+        assert with_reads.value.problems == without_reads.value.problems
+        begun = counts["begun"]
+        # The next restore with the same backend reads everything again, and right.
+        claims, _ = offer_chunks(directory)
+        restored = backend.read(str(directory), like_of(state), claims=claims)
+    finally:
+        backend.close()
+    assert counts["begun"] == begun + len(packs)
+    assert_tree_bitwise_equal(restored, state)
+    assert claims.problems(str(directory)) == []
+
+
+def test_a_damaged_pack_read_while_like_is_matched_is_caught(packed, tmp_path):
+    directory, state, packs = packed
+    copy = tmp_path / "ckpt"
+    shutil.copytree(directory, copy)
+    claims, entries = offer_chunks(copy)  # the checksums of the undamaged files
+    (pack_file,) = [path for rel, path in chunk_files(copy).items() if f"/{packs[0]}/" in
+                    f"/{rel}"]
+    flip_byte(pack_file, 100)
+    backend = OrbaxBackend()
+    try:
+        backend.read(str(copy), like_of(state), claims=claims)
+    finally:
+        backend.close()
+    (problem,) = claims.problems(str(copy))
+    assert problem.startswith(f"arrays/{packs[0]}/") and "contents altered" in problem
+
+
+def epath_of(directory: Path):
+    from etils import epath
+
+    return epath.Path(directory)
+
+
+def assert_tree_bitwise_equal(actual, expected) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert_bitwise_equal(got, want)

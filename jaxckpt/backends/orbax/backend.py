@@ -26,7 +26,7 @@ import gc
 import importlib.metadata
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from jaxckpt.core.extras import requires_extra
 
@@ -466,48 +466,50 @@ class OrbaxBackend(orbax_process.ProcessFacts):
     def _read(self, directory: str, like: Any, *, claims: DeferredChecks | None = None,
               partial: bool = False, redirect: Mapping[str, str] | None = None) -> Any:
         """:meth:`read` of a ``like`` without live NNX objects (``redirect``: the files
-        referred to, ``incremental.redirects``), with the GC paused."""
+        referred to, ``incremental.redirects``), with the GC paused; the packs' reads begin
+        while like is matched (``packs.start``) and end with the block, whatever happens."""
         root = self._path(directory)
-        saved, targets, like_treedef = orbax_match.match_like(root, directory, like,
-                                                              partial=partial)
-        if not targets:
-            orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
-            return jax.tree_util.tree_unflatten(like_treedef, [])
-        arrays_dir = orbax_read.arrays_dir(root, directory)
-        shardings = orbax_read.Shardings()
-        restore_args, placements = orbax_read.restore_args_for(targets, saved, shardings)
-        orbax_read.limit_claims(claims, directory, arrays_dir, restore_args, partial=partial)
-        # The per-leaf work that needs no data (prepare) runs while the files are read.
-        unpacker = orbax_read.Unpacker(directory, targets, saved, placements, shardings)
-        restored = self._restore(directory, arrays_dir, restore_args, claims,
-                                 partial=partial, on_host=unpacker.take,
-                                 meanwhile=unpacker.prepare, redirect=redirect)
-        values = unpacker.finish(restored)
-        leaves = orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
-                                            unpacker.converted)
-        return jax.tree_util.tree_unflatten(like_treedef, leaves)
+        files = self._files_for(directory)
+        with orbax_read.PackReads(os.fspath(root / ARRAYS_DIR), Redirected(files, redirect)
+                                  if files is not None and redirect else files,
+                                  self._readers, claims, early=not partial) as packs:
+            saved, targets, like_treedef = orbax_match.match_like(
+                root, directory, like, partial=partial, on_parsed=packs.start)
+            if not targets:
+                orbax_read.limit_claims(claims, directory, None, {}, partial=partial)
+                return jax.tree_util.tree_unflatten(like_treedef, [])
+            arrays_dir = orbax_read.arrays_dir(root, directory)
+            shardings = orbax_read.Shardings()
+            restore_args, placements = orbax_read.restore_args_for(targets, saved, shardings)
+            orbax_read.limit_claims(claims, directory, arrays_dir, restore_args, partial=partial)
+            # The per-leaf work that needs no data (prepare) runs while the files are read.
+            unpacker = orbax_read.Unpacker(directory, targets, saved, placements, shardings)
+            restored = self._restore(directory, arrays_dir, restore_args, claims,
+                                     partial=partial, unpacker=unpacker, packs=packs)
+            values = unpacker.finish(restored)
+            leaves = orbax_read.to_like_leaves(targets, saved, values, shardings.move_after,
+                                                unpacker.converted)
+            return jax.tree_util.tree_unflatten(like_treedef, leaves)
 
     def _restore(self, directory: str, arrays_dir: Any, restore_args: dict[str, Any],
-                 claims: DeferredChecks | None, *, partial: bool = False,
-                 on_host: Callable[[str, Any], None] | None = None,
-                 meanwhile: Callable[[], None] | None = None,
-                 redirect: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """The stored arrays ``restore_args`` asks for, by storage name: read natively where
-        ``native_io`` applies and the files are in its layout (``on_host`` told of each
+                 claims: DeferredChecks | None, *, partial: bool,
+                 unpacker: orbax_read.Unpacker, packs: orbax_read.PackReads) -> dict[str, Any]:
+        """The stored arrays ``restore_args`` asks for, by storage name: read natively
+        through ``packs.files`` where ``native_io`` applies and the files are in its layout
+        (the packs' reads begun meanwhile taken over; ``unpacker`` prepares, then takes each
         host array as it arrives: ``orbax_read.read_native``), else by Orbax (told, with
         ``partial``, that the saved arrays outside ``restore_args`` stay unread). Any failure
         but running out of memory is a damaged checkpoint (CheckpointCorruptError)."""
         with orbax_read.unreadable_is_corrupt(directory):
             restored = None
-            files = self._files_for(directory)
-            if files is not None:
+            if packs.files is not None:
                 restored = orbax_read.read_native(
                     os.fspath(arrays_dir), restore_args, claims, pool=self._readers(),
-                    files=Redirected(files, redirect) if redirect else files,
-                    on_host=on_host, meanwhile=meanwhile)
+                    files=packs.files, on_host=unpacker.take, meanwhile=unpacker.prepare,
+                    packs=packs)
             if claims is not None:
                 claims.close()
-            if restored is None and files is not None and files is self._remote:
+            if restored is None and self._files_for(directory) is self._remote is not None:
                 orbax_remote.refuse_foreign(directory)
             if restored is None:
                 restored = self._orbax("sync").restore(

@@ -1,4 +1,4 @@
-"""Matching a ``like`` tree to a checkpoint's tree.json, before anything else is read.
+"""Matching a ``like`` tree to a checkpoint's tree.json, before any array but the packs is read.
 
 Owns: what each ``like`` leaf asks for (:class:`Target`: a jax, numpy or Python leaf, its
 shape and dtype), its tree path (``tree.plain_paths`` for trees of plain containers, else
@@ -6,14 +6,14 @@ jax's), and the comparison of ``like`` with the saved leaves by tree path
 (``compare``: every mismatch at once; with ``partial``, ``like`` may be a subtree), raised
 as one ``TreeMismatchError`` by ``match_like``. A Python scalar like leaf asks for an
 array where an array was saved (``as_saved``). The way back, once ``like`` matches, is
-``read``'s.
+``read``'s; only the packs' reads may start while it matches (``on_parsed``).
 
 Must not import: torch, orbax.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -145,17 +145,23 @@ def compare(targets: list[tuple[str, Target]], saved: dict[str, SavedLeaf], *,
 
 
 def match_like(root: epath.Path, directory: str, like: Any, *, partial: bool = False,
+               on_parsed: Callable[[dict[str, SavedLeaf]], None] | None = None,
                ) -> tuple[dict[str, SavedLeaf], list[tuple[str, Target]], Any]:
     """The saved leaves of ``directory`` by tree path, the targets of ``like`` and its
     treedef, once ``like`` matches the checkpoint. Raises CheckpointNotFoundError for a
     missing directory, CheckpointCorruptError for an unreadable tree.json, TypeError for
     like leaves that describe no array, and one TreeMismatchError listing every mismatch
-    (missing, extra, shape, dtype, key impl); nothing has been read from ``arrays/`` then.
-    ``partial``: like may leave saved leaves out (see ``compare``)."""
+    (missing, extra, shape, dtype, key impl); no array has been read then, though the
+    packs' reads may have begun. ``partial``: like may leave saved leaves out (see
+    ``compare``). ``on_parsed(saved)`` is called once tree.json is parsed, before like is
+    matched (the backend starts reading the packs: ``read.PackReads``); whoever started
+    something there ends it when this raises."""
     if not root.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {directory}: the directory does "
                                       "not exist")
     saved = read_tree_json(root, directory)
+    if on_parsed is not None:
+        on_parsed(saved)
     targets, like_treedef = like_targets(like)
     problems = compare(targets, saved, partial=partial)
     if problems:

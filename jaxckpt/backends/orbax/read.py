@@ -1,10 +1,11 @@
-"""The Orbax backend's read path, once ``like`` matches tree.json (``match``): the way back.
+"""The Orbax backend's read path, from a parsed tree.json (``match``) on: the way back.
 
 Owns: where each jax leaf goes (:class:`Shardings`; a typed key's data placed with the key's
 sharding), the restore arguments handed to Orbax, the scope of a partial read's deferred
 checks (``limit_claims``), the native reader (``read_native``: ``chunk_io`` reads the
 arrays in ``zarr_format``'s layout, checking the deferred checksums of the files as it
-reads them: ``deferred_checks.DeferredChecks``), and turning what was read into ``like``'s leaves
+reads them: ``deferred_checks.DeferredChecks``; the packs' reads begin while ``like`` is
+matched: ``PackReads``), and turning what was read into ``like``'s leaves
 (``Unpacker``: packed leaves cut out of their packs as each pack arrives, arrays stored as
 bytes viewed as their dtype; ``to_like_leaves``: keys wrapped, numpy and Python scalars
 converted).
@@ -38,14 +39,15 @@ from jaxckpt.backends.orbax.tree import (
     SavedLeaf,
     from_bytes,
 )
+from jaxckpt.core.checksum import extend
 from jaxckpt.errors import CheckpointCorruptError
 from jaxckpt.storage.buffers import aligned_empty
 
 if TYPE_CHECKING:
     from jaxckpt.commit.deferred_checks import DeferredChecks
 
-__all__ = ["TO_HOST", "Shardings", "ToDevice", "arrays_dir", "restore_args_for", "limit_claims",
-           "restore_request", "read_native", "Unpacker", "to_like_leaves"]
+__all__ = ["TO_HOST", "PackReads", "Shardings", "ToDevice", "arrays_dir", "restore_args_for",
+           "limit_claims", "restore_request", "read_native", "Unpacker", "to_like_leaves"]
 
 
 def key_data_sharding(sharding: jax.sharding.Sharding, key_ndim: int,
@@ -293,7 +295,7 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
                 pool: concurrent.futures.ThreadPoolExecutor, files: ReadableFiles,
                 on_host: Callable[[str, np.ndarray], None] | None = None,
                 meanwhile: Callable[[], None] | None = None,
-                ) -> dict[str, Any] | None:
+                packs: PackReads | None = None) -> dict[str, Any] | None:
     """What Orbax's restore returns for ``restore_args``, read through ``files`` (chunk_io
     with O_DIRECT on a local disk, GETs on an object store) on ``pool``'s threads; None
     (before any bulk read) when some array is not stored in ``zarr_format``'s layout or not as
@@ -313,6 +315,9 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
     the reads finish. ``meanwhile()`` is called, on the calling thread, once every read is
     queued and before the first ``on_host``: work of the caller's that needs no data
     (``Unpacker.prepare``) runs while the files are read.
+
+    ``packs``: the packs' reads started while ``like`` was matched (:class:`PackReads`);
+    each is taken over as it is, its claim settled before its bytes are used.
     """
     if not all(STORAGE_NAME.match(name) for name in restore_args):
         return None
@@ -340,14 +345,19 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
     read = _chunk_reader(files, restore_args, grids, expected, claims)
     jobs.sort(key=lambda job: -prod(job[2]) * job[3].itemsize)  # largest first
     arrays: dict[str, Any] = dict(grids)
-    futures = [pool.submit(read, job) for job in jobs]
+    taken = {} if packs is None else packs.futures  # the packs' reads, begun already
+    early = {taken[job[0]]: job for job in jobs if job[0] in taken and job[5] is None}
+    futures = [*early, *(pool.submit(read, job) for job in jobs if job not in early.values())]
     try:
         if meanwhile is not None:
             meanwhile()
         # In the order the reads finish, not the order they started: a pack read early is
         # unpacked at once, not after the packs ahead of it in the queue.
         for future in concurrent.futures.as_completed(futures):
-            name, data = future.result()
+            if future in early:
+                name, data = _adopt(early[future], future, read, expected, claims)
+            else:
+                name, data = future.result()
             if data is not None:
                 arrays[name] = data
                 if on_host is not None and not isinstance(restore_args[name], ToDevice):
@@ -356,6 +366,98 @@ def read_native(base: str, restore_args: dict[str, Any], claims: DeferredChecks 
         for future in futures:  # after a failure: the reads not started yet never start
             future.cancel()
     return _placed(restore_args, arrays)
+
+
+def _adopt(job: _ChunkJob, future: concurrent.futures.Future[Any],
+           read: Callable[[_ChunkJob], tuple[str, Any]], expected: dict[str, str],
+           claims: DeferredChecks | None) -> tuple[str, Any]:
+    """What ``read(job)`` returns, from a pack's read that :class:`PackReads` started: the
+    same file, offset and size, its checksum with the claimed algorithm settled before its
+    bytes are used. Where it read something else, or failed, ``job`` is read again here
+    (and fails as it would have)."""
+    name, file, shape, dtype, offset, _ = job
+    try:
+        got = future.result()
+    except Exception:
+        got = None
+    if got is None or got[:4] != (file, shape, dtype, offset):
+        return read(job)
+    _, _, _, _, content, algorithm, checksum = got
+    wanted = expected.get(file)
+    if wanted is not None and claims is not None:
+        if algorithm != wanted or checksum is None:  # not offered yet when it was read
+            checksum = f"{extend(wanted, 0, content):08x}"
+        claims.settle(file, checksum)
+    nbytes = prod(shape) * dtype.itemsize
+    return name, chunk_io.array_bytes(file, content, nbytes, offset).view(dtype).reshape(shape)
+
+
+class PackReads:
+    """The reads of a checkpoint's packs (the small leaves' files, never an unpacked
+    array's), started as soon as its tree.json is parsed so that they go on while ``like``
+    is matched; ``read_native`` takes them over once it matches (``_adopt``). A read
+    changes nothing: after a mismatch, or any failure, :meth:`close` cancels the reads not
+    started, waits for those under way and drops what they read.
+
+    Each is a pack's zarr.json and its one chunk file, checksummed as it is read with the
+    algorithm of the file's deferred check where one is offered (``claims.offered``); the
+    claim itself is made and settled by ``read_native``, as for every file it reads."""
+
+    def __init__(self, base: str, files: ReadableFiles | None,
+                 pool: Callable[[], concurrent.futures.ThreadPoolExecutor],
+                 claims: DeferredChecks | None, *, early: bool = True) -> None:
+        """Args:
+            base: the checkpoint's ``arrays/`` directory (a path or URL).
+            files: what reads the files (``ReadableFiles``); None where Orbax reads them.
+            pool: the I/O threads, asked for once there is something to read.
+            claims: the restore's deferred checks, or None.
+            early: False reads nothing before ``like`` matches (a partial read, whose
+                packs depend on ``like``).
+        """
+        self.files = files
+        self._base, self._pool, self._claims, self._early = base, pool, claims, early
+        #: The read of each pack by storage name, once started.
+        self.futures: dict[str, concurrent.futures.Future[Any]] = {}
+
+    def __enter__(self) -> PackReads:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self, saved: dict[str, SavedLeaf]) -> None:
+        """Start reading the packs of ``saved`` (tree.json's leaves by tree path)."""
+        names = sorted({entry.name for entry in saved.values() if entry.offset is not None})
+        if self.files is None or not self._early or not names:
+            return
+        pool = self._pool()
+        self.futures.update(
+            (name, pool.submit(self._read, self._base, name, self.files, self._claims))
+            for name in names if STORAGE_NAME.match(name))
+
+    @staticmethod
+    def _read(base: str, name: str, files: ReadableFiles,
+              claims: DeferredChecks | None) -> tuple[Any, ...] | None:
+        try:
+            parsed = zarr_format.parse_grid(files.read_small(f"{base}/{name}/{ZARR_JSON}",
+                                                             1 << 16))
+        except OSError:
+            return None
+        if parsed is None or parsed[3] != parsed[0]:  # not one chunk: read_native's to read
+            return None
+        shape, dtype, offset, _ = parsed
+        file = f"{base}/{name}/{zarr_format.chunk_relpath(len(shape))}"
+        algorithm = None if claims is None else claims.offered(file)
+        content, checksum = files.read_chunk(file, prod(shape) * dtype.itemsize,
+                                             algorithm=algorithm, offset=offset)
+        return file, shape, dtype, offset, content, algorithm, checksum
+
+    def close(self) -> None:
+        """Cancel the reads not started, wait for the others, drop what they read."""
+        for future in self.futures.values():
+            future.cancel()
+        concurrent.futures.wait(list(self.futures.values()))
+        self.futures.clear()
 
 
 def _placed(restore_args: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]:
