@@ -33,7 +33,7 @@ lint: $(VENV)/.installed
 # or GCS server, start once): most of the suite waits on child processes and disks, so two
 # workers on two cores take about two thirds of the serial time.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The wheel installed alone per extra set (base, jax, torch, hf) in fresh venvs, each running
 # a save/restore smoke program: minutes of installs, so CI runs it beside `make test`.
